@@ -1,0 +1,239 @@
+//! Typed errors.
+//!
+//! Every fallible call returns [`Error`]. Variants fall in three groups, and
+//! [`Error::is_retryable`] tells them apart:
+//! - *transient*: [`Error::OutOfMemory`] — the device is short right now; evicting other models or
+//!   waiting for in-flight work to finish may help;
+//! - *never fits*: [`Error::BudgetExceeded`], [`Error::AttentionTooLarge`] — no eviction helps,
+//!   change the budget, the dtype or the input size;
+//! - *bad input*: configuration, sizes, files, patches, shapes — fix the input.
+//!
+//! Messages name the model, the weight key and the sizes involved, so a user can act on them
+//! without a debugger. A failed call never changes what was already loaded (DESIGN I4).
+
+use std::path::PathBuf;
+
+use crate::size::ByteSize;
+
+/// Result alias used across the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in residency.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A size string could not be parsed.
+    #[error("invalid size `{input}`: {reason} (examples: 512MiB, 4GiB, 1.5GB, 1073741824)")]
+    InvalidSize {
+        /// What the user wrote.
+        input: String,
+        /// Why it was rejected.
+        reason: String,
+    },
+
+    /// A command-line flag or environment variable is not known.
+    #[error("unknown flag `{flag}`{}", suggestion.as_ref().map(|s| format!(" (did you mean `{s}`?)")).unwrap_or_default())]
+    UnknownFlag {
+        /// The flag as given.
+        flag: String,
+        /// The closest known flag, if any.
+        suggestion: Option<String>,
+    },
+
+    /// A flag was given a value it cannot take, or lacks one it needs.
+    #[error("flag `{flag}`: {reason}")]
+    InvalidFlag {
+        /// The flag.
+        flag: String,
+        /// What was wrong.
+        reason: String,
+    },
+
+    /// Two flags that exclude each other were both given.
+    #[error("flags `{first}` and `{second}` cannot be used together")]
+    ConflictingFlags {
+        /// The first flag seen.
+        first: String,
+        /// The flag that conflicts with it.
+        second: String,
+    },
+
+    /// The device does not have this much free memory right now. Evicting other models, or
+    /// waiting for in-flight transfers, may make the same call succeed.
+    #[error("out of memory on {device} loading `{model}`: {required} required, {available} available (free other models or lower the budget and retry)")]
+    OutOfMemory {
+        /// The model being loaded.
+        model: String,
+        /// The device.
+        device: String,
+        /// Bytes the call needed.
+        required: ByteSize,
+        /// Bytes that were free.
+        available: ByteSize,
+    },
+
+    /// The request can never fit this device's budget, whatever is evicted.
+    #[error("`{model}` needs {required} on {device} but its budget is {budget}; it can never fit (raise --vram-budget, allow partial loading, or use a smaller dtype)")]
+    BudgetExceeded {
+        /// The model being loaded.
+        model: String,
+        /// The device.
+        device: String,
+        /// Bytes the call needed.
+        required: ByteSize,
+        /// The device's total budget.
+        budget: ByteSize,
+    },
+
+    /// A model has no weight with this name.
+    #[error("model `{model}` has no weight `{key}`")]
+    UnknownWeight {
+        /// The model.
+        model: String,
+        /// The missing key.
+        key: String,
+    },
+
+    /// A patch does not fit the weight it targets. Nothing was added.
+    #[error("patch for `{key}` does not fit: weight shape {weight_shape:?}, patch shape {patch_shape:?}: {reason}")]
+    PatchShape {
+        /// The weight key.
+        key: String,
+        /// The (possibly narrowed) weight shape.
+        weight_shape: Vec<usize>,
+        /// The shape the patch produces.
+        patch_shape: Vec<usize>,
+        /// What was wrong.
+        reason: String,
+    },
+
+    /// A patch is malformed in a way unrelated to the weight's shape (missing parts, bad rank).
+    #[error("malformed patch for `{key}`: {reason}")]
+    BadPatch {
+        /// The weight key.
+        key: String,
+        /// What was wrong.
+        reason: String,
+    },
+
+    /// A file could not be read, parsed or written.
+    #[error("{}: {reason}", path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong, including the tensor name where one is involved.
+        reason: String,
+    },
+
+    /// A dtype that this operation does not handle.
+    #[error("unsupported dtype {dtype} for {what}")]
+    UnsupportedDtype {
+        /// The dtype's name.
+        dtype: String,
+        /// What was attempted.
+        what: String,
+    },
+
+    /// Two tensors, or a tensor and what it should be, disagree in shape.
+    #[error("shape mismatch in {what}: expected {expected:?}, got {got:?}")]
+    ShapeMismatch {
+        /// Where.
+        what: String,
+        /// The expected shape.
+        expected: Vec<usize>,
+        /// The shape seen.
+        got: Vec<usize>,
+    },
+
+    /// Attention cannot run within the given memory with any chunking.
+    #[error("attention needs more memory than available: {required} for the smallest split, {available} free; the largest sequence that fits is about {max_tokens} tokens")]
+    AttentionTooLarge {
+        /// Bytes the smallest split needs.
+        required: ByteSize,
+        /// Bytes free.
+        available: ByteSize,
+        /// The largest query/key length that would fit.
+        max_tokens: usize,
+    },
+
+    /// A driver or device call failed.
+    #[error("device {device}: {reason}")]
+    Device {
+        /// The device.
+        device: String,
+        /// The driver's message.
+        reason: String,
+    },
+
+    /// An error from a candle tensor operation, with what we were doing.
+    #[error("{context}: {source}")]
+    Tensor {
+        /// What we were doing.
+        context: String,
+        /// candle's error.
+        #[source]
+        source: candle_core::Error,
+    },
+}
+
+impl Error {
+    /// Whether the same call may succeed after freeing memory or waiting: true only for
+    /// [`Error::OutOfMemory`].
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::OutOfMemory { .. })
+    }
+
+    /// Wraps a candle error with context.
+    pub fn tensor(context: impl Into<String>, source: candle_core::Error) -> Self {
+        Error::Tensor {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+impl From<candle_core::Error> for Error {
+    fn from(source: candle_core::Error) -> Self {
+        Error::Tensor {
+            context: "tensor operation".into(),
+            source,
+        }
+    }
+}
+
+/// Adds context to candle results.
+pub(crate) trait TensorContext<T> {
+    /// Attaches `what` to a candle error.
+    fn ctx(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> TensorContext<T> for std::result::Result<T, candle_core::Error> {
+    fn ctx(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|e| Error::tensor(what(), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_out_of_memory_is_retryable() {
+        let oom = Error::OutOfMemory {
+            model: "unet".into(),
+            device: "cuda:0".into(),
+            required: ByteSize::gib(2),
+            available: ByteSize::gib(1),
+        };
+        let never = Error::BudgetExceeded {
+            model: "unet".into(),
+            device: "cpu".into(),
+            required: ByteSize::gib(8),
+            budget: ByteSize::gib(4),
+        };
+        assert!(oom.is_retryable());
+        assert!(!never.is_retryable());
+        let msg = never.to_string();
+        assert!(msg.contains("unet") && msg.contains("8.00 GiB") && msg.contains("4.00 GiB"), "{msg}");
+    }
+}
