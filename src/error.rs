@@ -202,6 +202,7 @@ impl From<candle_core::Error> for Error {
 }
 
 /// Adds context to candle results.
+#[allow(dead_code)]
 pub(crate) trait TensorContext<T> {
     /// Attaches `what` to a candle error.
     fn ctx(self, what: impl FnOnce() -> String) -> Result<T>;
@@ -234,6 +235,9 @@ mod tests {
         assert!(oom.is_retryable());
         assert!(!never.is_retryable());
         let msg = never.to_string();
-        assert!(msg.contains("unet") && msg.contains("8.00 GiB") && msg.contains("4.00 GiB"), "{msg}");
+        assert!(
+            msg.contains("unet") && msg.contains("8.00 GiB") && msg.contains("4.00 GiB"),
+            "{msg}"
+        );
     }
 }

@@ -3,7 +3,18 @@
 #![warn(missing_docs)]
 
 pub mod error;
+pub mod float;
 pub mod size;
+pub mod vram;
 
 pub use error::{Error, Result};
 pub use size::ByteSize;
+
+/// The attention backend the dispatcher would pick on this policy's compute device (for the
+/// startup report).
+pub fn attention_name(policy: &vram::Policy) -> String {
+    match policy.config().attention {
+        Some(flag) => format!("{flag:?} (requested)"),
+        None => "auto".to_string(),
+    }
+}

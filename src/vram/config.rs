@@ -1,0 +1,757 @@
+//! Every flag, in one struct.
+//!
+//! [`Config`] is parsed from ComfyUI-spelled command-line flags ([`Config::from_args`]), from the
+//! environment ([`Config::from_env`], the only place this crate reads environment variables), or
+//! built with setters. Unknown flags, missing or malformed values and flags that exclude each other
+//! are errors that name the flag; nothing is silently ignored.
+
+use crate::error::{Error, Result};
+use crate::float::Dtype;
+use crate::size::ByteSize;
+
+/// The mutually exclusive memory-mode flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum VramMode {
+    /// `--gpu-only`: everything (text encoders, VAE, intermediates) stays on the GPU.
+    GpuOnly,
+    /// `--highvram`: models stay on the GPU after use.
+    HighVram,
+    /// `--normalvram`: the default partial-loading policy, even on small cards.
+    NormalVram,
+    /// `--lowvram`: partial loading; text encoders on the CPU.
+    LowVram,
+    /// `--novram`: nothing castable resident; every weight streams.
+    NoVram,
+    /// `--cpu`: no GPU is used at all.
+    Cpu,
+}
+
+/// The attention backend asked for on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttentionFlag {
+    /// `--use-split-cross-attention`.
+    Split,
+    /// `--use-quad-cross-attention` (sub-quadratic, memory-efficient).
+    Quad,
+    /// `--use-pytorch-cross-attention` (the fused kernel, SDPA).
+    Pytorch,
+    /// `--use-flash-attention`.
+    Flash,
+    /// `--use-sage-attention`.
+    Sage,
+}
+
+/// Whether attention softmax is computed in f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum UpcastFlag {
+    /// The backend's default (upcast half-precision softmax).
+    #[default]
+    Default,
+    /// `--force-upcast-attention`.
+    Force,
+    /// `--dont-upcast-attention`.
+    Never,
+}
+
+/// All settings. `Default` is "no flags given".
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Config {
+    /// `--gpu-only --highvram --normalvram --lowvram --novram --cpu` (at most one).
+    pub vram_mode: Option<VramMode>,
+    /// `--reserve-vram GB`: replaces the default reserve.
+    pub reserve_vram_gb: Option<f64>,
+    /// `--vram-budget SIZE`: caps every device's total; on a machine without GPU it makes the CPU
+    /// a budgeted compute device.
+    pub vram_budget: Option<ByteSize>,
+    /// `--disable-smart-memory`: unload other models fully instead of partially.
+    pub disable_smart_memory: bool,
+    /// `--async-offload [N]`: number of transfer lanes (`Some(None)` = the flag without a number,
+    /// meaning the default of 2).
+    pub async_offload: Option<Option<usize>>,
+    /// `--disable-async-offload`: synchronous transfers.
+    pub disable_async_offload: bool,
+    /// `--disable-pinned-memory`.
+    pub disable_pinned_memory: bool,
+    /// `--pinned-memory-limit SIZE`.
+    pub pinned_memory_limit: Option<ByteSize>,
+    /// `--cpu-vae`.
+    pub cpu_vae: bool,
+    /// `--force-fp32`.
+    pub force_fp32: bool,
+    /// `--force-fp16`.
+    pub force_fp16: bool,
+    /// `--fp32-unet --fp64-unet --bf16-unet --fp16-unet --fp8_e4m3fn-unet --fp8_e5m2-unet`.
+    pub unet_dtype: Option<Dtype>,
+    /// `--fp16-vae --fp32-vae --bf16-vae`.
+    pub vae_dtype: Option<Dtype>,
+    /// `--fp8_e4m3fn-text-enc --fp8_e5m2-text-enc --fp16-text-enc --fp32-text-enc --bf16-text-enc`.
+    pub text_encoder_dtype: Option<Dtype>,
+    /// `--supports-fp8-compute`.
+    pub supports_fp8_compute: bool,
+    /// `--use-split-cross-attention` and the other attention flags (at most one).
+    pub attention: Option<AttentionFlag>,
+    /// `--force-upcast-attention` / `--dont-upcast-attention`.
+    pub upcast_attention: UpcastFlag,
+    /// `--cuda-device N`.
+    pub cuda_device: Option<usize>,
+    /// `--deterministic`.
+    pub deterministic: bool,
+}
+
+/// What a flag does to the config. One table drives parsing, the environment and suggestions.
+#[derive(Clone, Copy)]
+enum Action {
+    Mode(VramMode),
+    ReserveVram,
+    VramBudget,
+    DisableSmartMemory,
+    AsyncOffload,
+    DisableAsyncOffload,
+    DisablePinned,
+    PinnedLimit,
+    CpuVae,
+    ForceFp32,
+    ForceFp16,
+    Unet(Dtype),
+    UnetF64,
+    UnetE8M0,
+    Vae(Dtype),
+    TextEnc(Dtype),
+    Fp8Compute,
+    Attention(AttentionFlag),
+    Upcast(UpcastFlag),
+    CudaDevice,
+    Deterministic,
+}
+
+/// Every flag, as ComfyUI spells it.
+const FLAGS: &[(&str, Action)] = &[
+    ("--gpu-only", Action::Mode(VramMode::GpuOnly)),
+    ("--highvram", Action::Mode(VramMode::HighVram)),
+    ("--normalvram", Action::Mode(VramMode::NormalVram)),
+    ("--lowvram", Action::Mode(VramMode::LowVram)),
+    ("--novram", Action::Mode(VramMode::NoVram)),
+    ("--cpu", Action::Mode(VramMode::Cpu)),
+    ("--reserve-vram", Action::ReserveVram),
+    ("--vram-budget", Action::VramBudget),
+    ("--disable-smart-memory", Action::DisableSmartMemory),
+    ("--async-offload", Action::AsyncOffload),
+    ("--disable-async-offload", Action::DisableAsyncOffload),
+    ("--disable-pinned-memory", Action::DisablePinned),
+    ("--pinned-memory-limit", Action::PinnedLimit),
+    ("--cpu-vae", Action::CpuVae),
+    ("--force-fp32", Action::ForceFp32),
+    ("--force-fp16", Action::ForceFp16),
+    ("--fp32-unet", Action::Unet(Dtype::F32)),
+    ("--fp64-unet", Action::UnetF64),
+    ("--bf16-unet", Action::Unet(Dtype::BF16)),
+    ("--fp16-unet", Action::Unet(Dtype::F16)),
+    ("--fp8_e4m3fn-unet", Action::Unet(Dtype::F8E4M3FN)),
+    ("--fp8_e5m2-unet", Action::Unet(Dtype::F8E5M2)),
+    ("--fp8_e8m0fnu-unet", Action::UnetE8M0),
+    ("--fp16-vae", Action::Vae(Dtype::F16)),
+    ("--fp32-vae", Action::Vae(Dtype::F32)),
+    ("--bf16-vae", Action::Vae(Dtype::BF16)),
+    ("--fp8_e4m3fn-text-enc", Action::TextEnc(Dtype::F8E4M3FN)),
+    ("--fp8_e5m2-text-enc", Action::TextEnc(Dtype::F8E5M2)),
+    ("--fp16-text-enc", Action::TextEnc(Dtype::F16)),
+    ("--fp32-text-enc", Action::TextEnc(Dtype::F32)),
+    ("--bf16-text-enc", Action::TextEnc(Dtype::BF16)),
+    ("--supports-fp8-compute", Action::Fp8Compute),
+    (
+        "--use-split-cross-attention",
+        Action::Attention(AttentionFlag::Split),
+    ),
+    (
+        "--use-quad-cross-attention",
+        Action::Attention(AttentionFlag::Quad),
+    ),
+    (
+        "--use-pytorch-cross-attention",
+        Action::Attention(AttentionFlag::Pytorch),
+    ),
+    (
+        "--use-flash-attention",
+        Action::Attention(AttentionFlag::Flash),
+    ),
+    (
+        "--use-sage-attention",
+        Action::Attention(AttentionFlag::Sage),
+    ),
+    (
+        "--force-upcast-attention",
+        Action::Upcast(UpcastFlag::Force),
+    ),
+    ("--dont-upcast-attention", Action::Upcast(UpcastFlag::Never)),
+    ("--cuda-device", Action::CudaDevice),
+    ("--deterministic", Action::Deterministic),
+];
+
+/// Flags are matched with `_` and `-` treated alike, so `--fp8-e4m3fn-unet` and
+/// `--fp8_e4m3fn-unet` both work.
+fn normalize(flag: &str) -> String {
+    flag.replace('_', "-").to_ascii_lowercase()
+}
+
+fn lookup(flag: &str) -> Option<(&'static str, Action)> {
+    let n = normalize(flag);
+    FLAGS
+        .iter()
+        .find(|(name, _)| normalize(name) == n)
+        .map(|(name, a)| (*name, *a))
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+fn suggest(flag: &str) -> Option<String> {
+    let n = normalize(flag);
+    FLAGS
+        .iter()
+        .map(|(name, _)| (edit_distance(&n, &normalize(name)), *name))
+        .filter(|(d, _)| *d <= 3)
+        .min()
+        .map(|(_, name)| name.to_string())
+}
+
+impl Config {
+    /// Every flag this crate understands, as ComfyUI spells them.
+    pub fn known_flags() -> impl Iterator<Item = &'static str> {
+        FLAGS.iter().map(|(name, _)| *name)
+    }
+
+    /// Whether `flag` (without its value) is one of ours; examples use this to split their own
+    /// flags from ours.
+    pub fn is_known_flag(flag: &str) -> bool {
+        lookup(flag.split('=').next().unwrap_or(flag)).is_some()
+    }
+
+    /// Whether a known flag takes a value (`Some(true)` required, `Some(false)` never), or `None`
+    /// for `--async-offload`, whose number is optional.
+    pub fn flag_takes_value(flag: &str) -> Option<bool> {
+        match lookup(flag).map(|(_, a)| a) {
+            Some(Action::AsyncOffload) => None,
+            Some(
+                Action::ReserveVram | Action::VramBudget | Action::PinnedLimit | Action::CudaDevice,
+            ) => Some(true),
+            _ => Some(false),
+        }
+    }
+
+    /// Parses ComfyUI-style flags (`--lowvram`, `--vram-budget 4GiB`, `--vram-budget=4GiB`,
+    /// `--async-offload`, `--async-offload 3`). The program name must not be included.
+    pub fn from_args<I, S>(args: I) -> Result<Config>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let args: Vec<String> = args.into_iter().map(|s| s.as_ref().to_string()).collect();
+        let mut cfg = Config::default();
+        let mut seen: Vec<&'static str> = Vec::new();
+        let mut i = 0;
+        while i < args.len() {
+            let raw = &args[i];
+            i += 1;
+            let (flag, inline) = match raw.split_once('=') {
+                Some((f, v)) => (f, Some(v.to_string())),
+                None => (raw.as_str(), None),
+            };
+            let (name, action) = lookup(flag).ok_or_else(|| Error::UnknownFlag {
+                flag: flag.to_string(),
+                suggestion: suggest(flag),
+            })?;
+            let value = match Config::flag_takes_value(name) {
+                Some(true) => match inline {
+                    Some(v) => Some(v),
+                    None if i < args.len() => {
+                        i += 1;
+                        Some(args[i - 1].clone())
+                    }
+                    None => {
+                        return Err(Error::InvalidFlag {
+                            flag: name.into(),
+                            reason: "needs a value".into(),
+                        })
+                    }
+                },
+                Some(false) => {
+                    if inline.is_some() {
+                        return Err(Error::InvalidFlag {
+                            flag: name.into(),
+                            reason: "takes no value".into(),
+                        });
+                    }
+                    None
+                }
+                None => match inline {
+                    Some(v) => Some(v),
+                    None if i < args.len() && args[i].parse::<usize>().is_ok() => {
+                        i += 1;
+                        Some(args[i - 1].clone())
+                    }
+                    None => None,
+                },
+            };
+            cfg.apply(name, action, value.as_deref(), &mut seen)?;
+        }
+        Ok(cfg)
+    }
+
+    /// Reads `RESIDENCY_ARGS` (flags as on a command line, split on whitespace) and
+    /// `RESIDENCY_<FLAG>` variables (`RESIDENCY_LOWVRAM=1`, `RESIDENCY_VRAM_BUDGET=4GiB`,
+    /// `RESIDENCY_FP8_E4M3FN_UNET=1`). A boolean variable set to `0`, `false`, `no`, `off` or the
+    /// empty string is not given. Unknown `RESIDENCY_*` variables are an error. This is the only
+    /// place the crate reads the environment.
+    pub fn from_env() -> Result<Config> {
+        Config::from_env_vars(std::env::vars())
+    }
+
+    /// [`Config::from_env`] over a given set of variables (pure; for tests and embedding).
+    pub fn from_env_vars<I, K, V>(vars: I) -> Result<Config>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let mut vars: Vec<(String, String)> = vars
+            .into_iter()
+            .map(|(k, v)| (k.as_ref().to_string(), v.as_ref().to_string()))
+            .filter(|(k, _)| k.starts_with("RESIDENCY_"))
+            .collect();
+        vars.sort();
+        let mut args: Vec<String> = Vec::new();
+        if let Some((_, v)) = vars.iter().find(|(k, _)| k == "RESIDENCY_ARGS") {
+            args.extend(v.split_whitespace().map(str::to_string));
+        }
+        for (k, v) in &vars {
+            if k == "RESIDENCY_ARGS" {
+                continue;
+            }
+            let flag = format!("--{}", k["RESIDENCY_".len()..].to_ascii_lowercase());
+            let Some((name, _)) = lookup(&flag) else {
+                return Err(Error::UnknownFlag {
+                    flag: k.clone(),
+                    suggestion: suggest(&flag).map(|s| {
+                        format!(
+                            "RESIDENCY_{}",
+                            normalize(&s[2..]).replace('-', "_").to_uppercase()
+                        )
+                    }),
+                });
+            };
+            match Config::flag_takes_value(name) {
+                Some(false) => {
+                    if is_truthy(k, v)? {
+                        args.push(name.to_string());
+                    }
+                }
+                Some(true) => args.push(format!("{name}={v}")),
+                None => {
+                    if v.trim().parse::<usize>().is_ok() {
+                        args.push(format!("{name}={}", v.trim()));
+                    } else if is_truthy(k, v)? {
+                        args.push(name.to_string());
+                    }
+                }
+            }
+        }
+        Config::from_args(args)
+    }
+
+    fn apply(
+        &mut self,
+        name: &'static str,
+        action: Action,
+        value: Option<&str>,
+        seen: &mut Vec<&'static str>,
+    ) -> Result<()> {
+        let invalid = |reason: String| Error::InvalidFlag {
+            flag: name.into(),
+            reason,
+        };
+        let value_str = value.unwrap_or("");
+        // Each group of mutually exclusive flags; a second member of a group is a conflict.
+        let group = |a: Action| -> Option<u8> {
+            Some(match a {
+                Action::Mode(_) => 0,
+                Action::ForceFp32 | Action::ForceFp16 => 1,
+                Action::Unet(_) | Action::UnetF64 | Action::UnetE8M0 => 2,
+                Action::Vae(_) => 3,
+                Action::TextEnc(_) => 4,
+                Action::Attention(_) => 5,
+                Action::Upcast(_) => 6,
+                Action::AsyncOffload | Action::DisableAsyncOffload => 7,
+                Action::DisablePinned | Action::PinnedLimit => 8,
+                _ => return None,
+            })
+        };
+        if let Some(g) = group(action) {
+            if let Some(prev) = seen
+                .iter()
+                .find(|p| lookup(p).and_then(|(_, a)| group(a)) == Some(g) && **p != name)
+            {
+                return Err(Error::ConflictingFlags {
+                    first: prev.to_string(),
+                    second: name.to_string(),
+                });
+            }
+        }
+        seen.push(name);
+        match action {
+            Action::Mode(m) => self.vram_mode = Some(m),
+            Action::ReserveVram => {
+                let gb: f64 = value_str
+                    .trim()
+                    .parse()
+                    .map_err(|_| invalid(format!("`{value_str}` is not a number of GB")))?;
+                if !gb.is_finite() || gb < 0.0 {
+                    return Err(invalid(format!("`{value_str}` must be a non-negative number of GB")));
+                }
+                self.reserve_vram_gb = Some(gb);
+            }
+            Action::VramBudget => {
+                let b: ByteSize = value_str.parse()?;
+                if b == ByteSize::ZERO {
+                    return Err(invalid("the budget must be more than 0 bytes".into()));
+                }
+                self.vram_budget = Some(b);
+            }
+            Action::DisableSmartMemory => self.disable_smart_memory = true,
+            Action::AsyncOffload => {
+                let n = match value {
+                    None => None,
+                    Some(v) => {
+                        let n: usize = v
+                            .trim()
+                            .parse()
+                            .map_err(|_| invalid(format!("`{v}` is not a lane count")))?;
+                        if n == 0 || n > 64 {
+                            return Err(invalid(format!("{n} lanes: use 1 to 64")));
+                        }
+                        Some(n)
+                    }
+                };
+                self.async_offload = Some(n);
+            }
+            Action::DisableAsyncOffload => self.disable_async_offload = true,
+            Action::DisablePinned => self.disable_pinned_memory = true,
+            Action::PinnedLimit => self.pinned_memory_limit = Some(value_str.parse()?),
+            Action::CpuVae => self.cpu_vae = true,
+            Action::ForceFp32 => self.force_fp32 = true,
+            Action::ForceFp16 => self.force_fp16 = true,
+            Action::Unet(d) => self.unet_dtype = Some(d),
+            Action::UnetF64 => {
+                return Err(invalid(
+                    "f64 weights are not supported; use --fp32-unet for full precision".into(),
+                ))
+            }
+            Action::UnetE8M0 => {
+                return Err(invalid(
+                    "fp8 e8m0fnu is a scale-only format (no mantissa) and cannot store weights; use --fp8_e4m3fn-unet".into(),
+                ))
+            }
+            Action::Vae(d) => self.vae_dtype = Some(d),
+            Action::TextEnc(d) => self.text_encoder_dtype = Some(d),
+            Action::Fp8Compute => self.supports_fp8_compute = true,
+            Action::Attention(a) => self.attention = Some(a),
+            Action::Upcast(u) => self.upcast_attention = u,
+            Action::CudaDevice => {
+                self.cuda_device = Some(
+                    value_str
+                        .trim()
+                        .parse()
+                        .map_err(|_| invalid(format!("`{value_str}` is not a device number")))?,
+                )
+            }
+            Action::Deterministic => self.deterministic = true,
+        }
+        Ok(())
+    }
+
+    /// Number of asynchronous transfer lanes: 0 when disabled, else the `--async-offload` count,
+    /// else 2.
+    pub fn transfer_lanes(&self) -> usize {
+        if self.disable_async_offload {
+            0
+        } else {
+            self.async_offload.flatten().unwrap_or(2)
+        }
+    }
+
+    /// Sets the memory mode.
+    pub fn with_vram_mode(mut self, mode: VramMode) -> Self {
+        self.vram_mode = Some(mode);
+        self
+    }
+    /// Sets `--vram-budget`.
+    pub fn with_vram_budget(mut self, budget: ByteSize) -> Self {
+        self.vram_budget = Some(budget);
+        self
+    }
+    /// Sets `--reserve-vram` in GB.
+    pub fn with_reserve_vram_gb(mut self, gb: f64) -> Self {
+        self.reserve_vram_gb = Some(gb);
+        self
+    }
+    /// Sets `--disable-smart-memory`.
+    pub fn with_smart_memory(mut self, enabled: bool) -> Self {
+        self.disable_smart_memory = !enabled;
+        self
+    }
+    /// Sets the number of transfer lanes (0 disables asynchronous offload).
+    pub fn with_transfer_lanes(mut self, lanes: usize) -> Self {
+        self.disable_async_offload = lanes == 0;
+        self.async_offload = (lanes > 0).then_some(Some(lanes));
+        self
+    }
+    /// Sets `--disable-pinned-memory`.
+    pub fn with_pinned_memory(mut self, enabled: bool) -> Self {
+        self.disable_pinned_memory = !enabled;
+        self
+    }
+    /// Sets `--pinned-memory-limit`.
+    pub fn with_pinned_memory_limit(mut self, limit: ByteSize) -> Self {
+        self.pinned_memory_limit = Some(limit);
+        self
+    }
+    /// Sets `--cpu-vae`.
+    pub fn with_cpu_vae(mut self, on: bool) -> Self {
+        self.cpu_vae = on;
+        self
+    }
+    /// Sets the unet storage dtype flag.
+    pub fn with_unet_dtype(mut self, dtype: Dtype) -> Self {
+        self.unet_dtype = Some(dtype);
+        self
+    }
+    /// Sets `--supports-fp8-compute`.
+    pub fn with_fp8_compute(mut self, on: bool) -> Self {
+        self.supports_fp8_compute = on;
+        self
+    }
+    /// Sets the attention flag.
+    pub fn with_attention(mut self, attention: AttentionFlag) -> Self {
+        self.attention = Some(attention);
+        self
+    }
+    /// Sets `--force-fp16` (and clears `--force-fp32`).
+    pub fn with_force_fp16(mut self) -> Self {
+        self.force_fp16 = true;
+        self.force_fp32 = false;
+        self
+    }
+    /// Sets `--force-fp32` (and clears `--force-fp16`).
+    pub fn with_force_fp32(mut self) -> Self {
+        self.force_fp32 = true;
+        self.force_fp16 = false;
+        self
+    }
+}
+
+fn is_truthy(key: &str, v: &str) -> Result<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "" | "0" | "false" | "no" | "off" => Ok(false),
+        other => Err(Error::InvalidFlag {
+            flag: key.to_string(),
+            reason: format!("`{other}` is not a boolean (use 1 or 0)"),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_flag_parses() {
+        for flag in Config::known_flags() {
+            let args: Vec<String> = match Config::flag_takes_value(flag) {
+                Some(true) => {
+                    let v = match flag {
+                        "--reserve-vram" => "1.5",
+                        "--cuda-device" => "1",
+                        _ => "4GiB",
+                    };
+                    vec![flag.into(), v.into()]
+                }
+                _ => vec![flag.into()],
+            };
+            let r = Config::from_args(&args);
+            if flag == "--fp64-unet" || flag == "--fp8_e8m0fnu-unet" {
+                let msg = r.unwrap_err().to_string();
+                assert!(msg.contains(flag), "{msg}");
+            } else {
+                let cfg = r.unwrap_or_else(|e| panic!("{flag}: {e}"));
+                assert_ne!(cfg, Config::default(), "{flag} changed nothing");
+            }
+        }
+    }
+
+    #[test]
+    fn values_land_in_their_fields() {
+        let cfg = Config::from_args([
+            "--lowvram",
+            "--reserve-vram",
+            "1.5",
+            "--vram-budget=512MiB",
+            "--async-offload",
+            "3",
+            "--fp8-e4m3fn-unet",
+            "--bf16-vae",
+            "--fp16-text-enc",
+            "--use-quad-cross-attention",
+            "--dont-upcast-attention",
+            "--cuda-device",
+            "1",
+            "--pinned-memory-limit",
+            "2GiB",
+        ])
+        .unwrap();
+        assert_eq!(cfg.vram_mode, Some(VramMode::LowVram));
+        assert_eq!(cfg.reserve_vram_gb, Some(1.5));
+        assert_eq!(cfg.vram_budget, Some(ByteSize::mib(512)));
+        assert_eq!(cfg.async_offload, Some(Some(3)));
+        assert_eq!(cfg.transfer_lanes(), 3);
+        assert_eq!(cfg.unet_dtype, Some(Dtype::F8E4M3FN));
+        assert_eq!(cfg.vae_dtype, Some(Dtype::BF16));
+        assert_eq!(cfg.text_encoder_dtype, Some(Dtype::F16));
+        assert_eq!(cfg.attention, Some(AttentionFlag::Quad));
+        assert_eq!(cfg.upcast_attention, UpcastFlag::Never);
+        assert_eq!(cfg.cuda_device, Some(1));
+        assert_eq!(cfg.pinned_memory_limit, Some(ByteSize::gib(2)));
+    }
+
+    #[test]
+    fn async_offload_number_is_optional() {
+        let cfg = Config::from_args(["--async-offload", "--lowvram"]).unwrap();
+        assert_eq!(cfg.async_offload, Some(None));
+        assert_eq!(cfg.transfer_lanes(), 2);
+        assert_eq!(Config::default().transfer_lanes(), 2);
+        let cfg = Config::from_args(["--disable-async-offload"]).unwrap();
+        assert_eq!(cfg.transfer_lanes(), 0);
+        assert!(Config::from_args(["--async-offload=0"]).is_err());
+    }
+
+    #[test]
+    fn conflicting_flags_are_rejected_naming_both() {
+        let pairs = [
+            ("--lowvram", "--highvram"),
+            ("--cpu", "--novram"),
+            ("--force-fp16", "--force-fp32"),
+            ("--fp16-unet", "--bf16-unet"),
+            ("--fp16-vae", "--fp32-vae"),
+            ("--fp16-text-enc", "--bf16-text-enc"),
+            ("--use-split-cross-attention", "--use-flash-attention"),
+            ("--force-upcast-attention", "--dont-upcast-attention"),
+            ("--async-offload", "--disable-async-offload"),
+        ];
+        for (a, b) in pairs {
+            match Config::from_args([a, b]) {
+                Err(Error::ConflictingFlags { first, second }) => {
+                    assert_eq!((first.as_str(), second.as_str()), (a, b))
+                }
+                other => panic!("{a} {b}: {other:?}"),
+            }
+        }
+        // The same flag twice is not a conflict.
+        assert!(Config::from_args(["--lowvram", "--lowvram"]).is_ok());
+    }
+
+    #[test]
+    fn unknown_flags_are_errors_with_a_suggestion() {
+        match Config::from_args(["--lowvarm"]) {
+            Err(Error::UnknownFlag { flag, suggestion }) => {
+                assert_eq!(flag, "--lowvram".replace("vram", "varm"));
+                assert_eq!(suggestion.as_deref(), Some("--lowvram"));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            Config::from_args(["--frobnicate-everything"]),
+            Err(Error::UnknownFlag {
+                suggestion: None,
+                ..
+            })
+        ));
+        assert!(matches!(
+            Config::from_args(["positional"]),
+            Err(Error::UnknownFlag { .. })
+        ));
+    }
+
+    #[test]
+    fn bad_values_name_the_flag() {
+        for args in [
+            vec!["--vram-budget", "lots"],
+            vec!["--vram-budget"],
+            vec!["--vram-budget", "0"],
+            vec!["--reserve-vram", "-1"],
+            vec!["--reserve-vram", "x"],
+            vec!["--cuda-device", "gpu0"],
+            vec!["--lowvram=1"],
+            vec!["--pinned-memory-limit", "4 parsecs"],
+        ] {
+            let err = Config::from_args(&args).unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                msg.contains(args[0].trim_end_matches("=1"))
+                    || msg.contains(args.get(1).unwrap_or(&"")),
+                "{args:?}: {msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn environment_variables_map_onto_flags() {
+        let cfg = Config::from_env_vars([
+            ("RESIDENCY_ARGS", "--novram --async-offload 4"),
+            ("RESIDENCY_VRAM_BUDGET", "3GiB"),
+            ("RESIDENCY_CPU_VAE", "1"),
+            ("RESIDENCY_DETERMINISTIC", "0"),
+            ("RESIDENCY_FP8_E5M2_UNET", "true"),
+            ("PATH", "/usr/bin"),
+        ])
+        .unwrap();
+        assert_eq!(cfg.vram_mode, Some(VramMode::NoVram));
+        assert_eq!(cfg.transfer_lanes(), 4);
+        assert_eq!(cfg.vram_budget, Some(ByteSize::gib(3)));
+        assert!(cfg.cpu_vae);
+        assert!(!cfg.deterministic);
+        assert_eq!(cfg.unet_dtype, Some(Dtype::F8E5M2));
+        let err = Config::from_env_vars([("RESIDENCY_LOWVRAN", "1")]).unwrap_err();
+        assert!(err.to_string().contains("RESIDENCY_LOWVRAM"), "{err}");
+        assert!(Config::from_env_vars([("RESIDENCY_LOWVRAM", "maybe")]).is_err());
+        assert_eq!(
+            Config::from_env_vars(Vec::<(String, String)>::new()).unwrap(),
+            Config::default()
+        );
+    }
+
+    #[test]
+    fn builder_setters_match_parsed_flags() {
+        let built = Config::default()
+            .with_vram_mode(VramMode::LowVram)
+            .with_vram_budget(ByteSize::gib(4))
+            .with_transfer_lanes(0);
+        let parsed = Config::from_args([
+            "--lowvram",
+            "--vram-budget",
+            "4GiB",
+            "--disable-async-offload",
+        ])
+        .unwrap();
+        assert_eq!(built, parsed);
+    }
+}

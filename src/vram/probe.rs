@@ -1,0 +1,265 @@
+//! Reading the machine into a plain [`Hardware`] snapshot.
+//!
+//! [`Hardware::probe`] is the only code that asks the machine anything: the CUDA driver through
+//! cudarc (loaded at run time; a machine without `libcuda` has no GPU, never a panic), and host
+//! memory from `/proc/meminfo` clipped by the cgroup v2 limit. Everything else in the crate takes a
+//! `Hardware` value, so tests build one by hand.
+
+use crate::size::ByteSize;
+
+/// GPU vendor, as far as the policies care.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Vendor {
+    /// NVIDIA (CUDA).
+    Nvidia,
+    /// AMD (ROCm); not probed yet, but hand-built snapshots may use it.
+    Amd,
+    /// Apple silicon (Metal, unified memory).
+    Apple,
+    /// Anything else.
+    Other,
+}
+
+/// Operating system, for the reserve rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Os {
+    /// Linux.
+    Linux,
+    /// macOS.
+    MacOs,
+    /// Windows.
+    Windows,
+}
+
+impl Os {
+    /// The OS this binary was built for.
+    pub fn current() -> Os {
+        if cfg!(target_os = "windows") {
+            Os::Windows
+        } else if cfg!(target_os = "macos") {
+            Os::MacOs
+        } else {
+            Os::Linux
+        }
+    }
+}
+
+/// One GPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuInfo {
+    /// Device ordinal (`cuda:N`).
+    pub ordinal: usize,
+    /// The driver's name for it, e.g. `NVIDIA GeForce RTX 4090`.
+    pub name: String,
+    /// Vendor.
+    pub vendor: Vendor,
+    /// Total device memory.
+    pub total: ByteSize,
+    /// Free device memory when probed.
+    pub free: ByteSize,
+    /// Compute capability (major, minor); `(0, 0)` when unknown.
+    pub compute_capability: (u32, u32),
+    /// Whether device memory is the host's memory (integrated GPUs, Apple silicon).
+    pub unified_memory: bool,
+}
+
+impl GpuInfo {
+    /// A hand-built NVIDIA GPU with all of its memory free (for tests and simulations).
+    pub fn nvidia(ordinal: usize, name: &str, total: ByteSize, cc: (u32, u32)) -> GpuInfo {
+        GpuInfo {
+            ordinal,
+            name: name.to_string(),
+            vendor: Vendor::Nvidia,
+            total,
+            free: total,
+            compute_capability: cc,
+            unified_memory: false,
+        }
+    }
+}
+
+/// Host RAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostInfo {
+    /// Total RAM (clipped by the cgroup limit).
+    pub total: ByteSize,
+    /// Available RAM (`MemAvailable`, clipped by the cgroup's remaining allowance).
+    pub available: ByteSize,
+}
+
+/// A snapshot of the machine. Plain data: build it by hand in tests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Hardware {
+    /// GPUs, by ordinal.
+    pub gpus: Vec<GpuInfo>,
+    /// Host memory.
+    pub host: HostInfo,
+    /// Operating system.
+    pub os: Os,
+}
+
+impl Hardware {
+    /// A machine with no GPU and the given RAM, all available.
+    pub fn cpu_only(ram: ByteSize) -> Hardware {
+        Hardware {
+            gpus: Vec::new(),
+            host: HostInfo {
+                total: ram,
+                available: ram,
+            },
+            os: Os::Linux,
+        }
+    }
+
+    /// A Linux machine with one GPU and 32 GiB of RAM.
+    pub fn with_gpu(gpu: GpuInfo) -> Hardware {
+        let mut hw = Hardware::cpu_only(ByteSize::gib(32));
+        hw.gpus.push(gpu);
+        hw
+    }
+
+    /// Reads the machine: CUDA GPUs (none when the driver library is absent or fails) and host RAM.
+    pub fn probe() -> Hardware {
+        Hardware {
+            gpus: probe_cuda(),
+            host: probe_host(),
+            os: Os::current(),
+        }
+    }
+
+    /// The GPU with this ordinal.
+    pub fn gpu(&self, ordinal: usize) -> Option<&GpuInfo> {
+        self.gpus.iter().find(|g| g.ordinal == ordinal)
+    }
+}
+
+/// Driver library names, in the order the loader tries them.
+const CUDA_DRIVER_NAMES: &[&str] = &["libcuda.so.1", "libcuda.so", "nvcuda.dll", "libcuda.dylib"];
+
+/// Whether the CUDA driver library can be opened. cudarc panics on its first call when it
+/// cannot, so this is asked before any cudarc call.
+pub fn cuda_driver_present() -> bool {
+    CUDA_DRIVER_NAMES.iter().any(|name| {
+        // SAFETY: opening the CUDA driver runs its initialisers, which have no preconditions
+        // for us; the library is dropped (closed) again immediately, and cudarc opens its own.
+        unsafe { libloading::Library::new(name) }.is_ok()
+    })
+}
+
+fn probe_cuda() -> Vec<GpuInfo> {
+    if !cuda_driver_present() {
+        tracing::debug!("no CUDA driver library: no GPU");
+        return Vec::new();
+    }
+    // A driver older than the symbols cudarc expects makes cudarc panic; treat that as no GPU.
+    match std::panic::catch_unwind(probe_cuda_devices) {
+        Ok(Ok(gpus)) => gpus,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "CUDA driver present but not usable: no GPU");
+            Vec::new()
+        }
+        Err(_) => {
+            tracing::warn!("CUDA driver present but incompatible with cudarc: no GPU");
+            Vec::new()
+        }
+    }
+}
+
+fn probe_cuda_devices() -> Result<Vec<GpuInfo>, cudarc::driver::DriverError> {
+    use cudarc::driver::{result, CudaContext};
+    result::init()?;
+    let count = CudaContext::device_count()?;
+    let mut gpus = Vec::new();
+    for ordinal in 0..count.max(0) as usize {
+        let ctx = CudaContext::new(ordinal)?;
+        let (major, minor) = ctx.compute_capability()?;
+        let (free, total) = ctx.mem_get_info()?;
+        let integrated = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED)
+            .unwrap_or(0);
+        gpus.push(GpuInfo {
+            ordinal,
+            name: ctx.name()?,
+            vendor: Vendor::Nvidia,
+            total: ByteSize(total as u64),
+            free: ByteSize(free as u64),
+            compute_capability: (major.max(0) as u32, minor.max(0) as u32),
+            unified_memory: integrated != 0,
+        });
+    }
+    Ok(gpus)
+}
+
+/// Host RAM from `/proc/meminfo`, clipped by the cgroup v2 limit where one is set.
+fn probe_host() -> HostInfo {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let cg_max = std::fs::read_to_string("/sys/fs/cgroup/memory.max").ok();
+    let cg_current = std::fs::read_to_string("/sys/fs/cgroup/memory.current").ok();
+    host_from_texts(&meminfo, cg_max.as_deref(), cg_current.as_deref())
+}
+
+/// Parses `/proc/meminfo` text and the cgroup v2 `memory.max` / `memory.current` files (pure).
+pub fn host_from_texts(meminfo: &str, cg_max: Option<&str>, cg_current: Option<&str>) -> HostInfo {
+    let field = |name: &str| -> Option<u64> {
+        meminfo.lines().find_map(|l| {
+            let rest = l.strip_prefix(name)?.strip_prefix(':')?;
+            let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
+            Some(kib * 1024)
+        })
+    };
+    let mut total = field("MemTotal").unwrap_or(0);
+    let mut available = field("MemAvailable")
+        .or_else(|| field("MemFree"))
+        .unwrap_or(0);
+    let limit = cg_max.and_then(|s| s.trim().parse::<u64>().ok());
+    if let Some(limit) = limit {
+        let used = cg_current
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        total = total.min(limit);
+        available = available.min(limit.saturating_sub(used));
+    }
+    HostInfo {
+        total: ByteSize(total),
+        available: ByteSize(available),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MEMINFO: &str =
+        "MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n";
+
+    #[test]
+    fn reads_mem_available_from_meminfo() {
+        let h = host_from_texts(MEMINFO, None, None);
+        assert_eq!(h.total, ByteSize(24_000_000 * 1024));
+        assert_eq!(h.available, ByteSize(20_000_000 * 1024));
+    }
+
+    #[test]
+    fn cgroup_limit_clips_total_and_available() {
+        let h = host_from_texts(MEMINFO, Some("8589934592\n"), Some("2147483648\n"));
+        assert_eq!(h.total, ByteSize::gib(8));
+        assert_eq!(h.available, ByteSize::gib(6));
+        // "max" means no limit.
+        let h = host_from_texts(MEMINFO, Some("max\n"), Some("2147483648\n"));
+        assert_eq!(h.available, ByteSize(20_000_000 * 1024));
+    }
+
+    #[test]
+    fn probe_on_this_machine_does_not_panic_and_reads_real_ram() {
+        let hw = Hardware::probe();
+        assert!(hw.host.total > ByteSize::mib(64), "{hw:?}");
+        assert!(hw.host.available <= hw.host.total, "{hw:?}");
+        assert!(hw.host.available > ByteSize::ZERO, "{hw:?}");
+        if !cuda_driver_present() {
+            assert!(hw.gpus.is_empty());
+        }
+        for g in &hw.gpus {
+            assert!(g.free <= g.total && g.total > ByteSize::ZERO, "{g:?}");
+        }
+    }
+}
