@@ -190,6 +190,22 @@ fn probe_cuda_devices() -> Result<Vec<GpuInfo>, cudarc::driver::DriverError> {
     Ok(gpus)
 }
 
+/// The driver's free memory on CUDA device `ordinal` right now, or `None` without a usable
+/// driver.
+pub fn driver_free_memory(ordinal: usize) -> Option<ByteSize> {
+    if !cuda_driver_present() {
+        return None;
+    }
+    let r = std::panic::catch_unwind(|| {
+        let ctx = cudarc::driver::CudaContext::new(ordinal)?;
+        ctx.mem_get_info()
+    });
+    match r {
+        Ok(Ok((free, _total))) => Some(ByteSize(free as u64)),
+        _ => None,
+    }
+}
+
 /// Host RAM from `/proc/meminfo`, clipped by the cgroup v2 limit where one is set.
 fn probe_host() -> HostInfo {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();

@@ -2,13 +2,20 @@
 
 use std::fmt;
 
+use std::collections::HashMap;
+
 use candle_core::Device;
+use once_cell::sync::Lazy;
+use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::size::ByteSize;
 
 use super::config::{Config, VramMode};
 use super::probe::{Hardware, Os, Vendor};
+
+/// One candle device per CUDA ordinal (lock rank 5: a leaf).
+static CANDLE_DEVICES: Lazy<Mutex<HashMap<usize, Device>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// A device the scheduler keeps a ledger for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -20,16 +27,36 @@ pub enum DeviceId {
 }
 
 impl DeviceId {
-    /// The candle device. CUDA needs the crate's `cuda` feature; without it this is an error that
-    /// says so.
+    /// The candle device. One candle device is kept per CUDA ordinal for the whole process
+    /// (candle refuses to mix tensors of two `Device::new_cuda` calls), so every layer and the
+    /// engine share it; [`DeviceId::register_candle`] installs the engine's own. CUDA needs the
+    /// crate's `cuda` feature; without it this is an error that says so.
     pub fn to_candle(self) -> Result<Device> {
         match self {
             DeviceId::Cpu => Ok(Device::Cpu),
-            DeviceId::Cuda(n) => Device::new_cuda(n).map_err(|e| Error::Device {
-                device: self.to_string(),
-                reason: format!("{e} (build residency with `--features cuda` for GPU tensors)"),
-            }),
+            DeviceId::Cuda(n) => {
+                let mut map = CANDLE_DEVICES.lock();
+                if let Some(d) = map.get(&n) {
+                    return Ok(d.clone());
+                }
+                let d = Device::new_cuda(n).map_err(|e| Error::Device {
+                    device: self.to_string(),
+                    reason: format!("{e} (build residency with `--features cuda` for GPU tensors)"),
+                })?;
+                map.insert(n, d.clone());
+                Ok(d)
+            }
         }
+    }
+
+    /// Makes `device` the candle device residency uses for its ordinal (call before loading, with
+    /// the device the engine computes on). Returns its id.
+    pub fn register_candle(device: &Device) -> DeviceId {
+        let id = DeviceId::of(device);
+        if let DeviceId::Cuda(n) = id {
+            CANDLE_DEVICES.lock().insert(n, device.clone());
+        }
+        id
     }
 
     /// The id of a candle device.

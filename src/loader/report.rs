@@ -1,0 +1,155 @@
+//! What a load did and where memory is: plain structs for programs, `Display` for people.
+
+use std::fmt;
+
+use crate::size::ByteSize;
+use crate::vram::DeviceId;
+
+/// One model's part of a load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelLoad {
+    /// Model name.
+    pub name: String,
+    /// Load device.
+    pub device: DeviceId,
+    /// Bytes resident after the load.
+    pub resident: ByteSize,
+    /// Bytes that stream at use.
+    pub streaming: ByteSize,
+    /// Bytes materialized by this load.
+    pub moved: ByteSize,
+    /// Streamed weights carrying patches (applied lazily at use).
+    pub lazy_patched: usize,
+    /// Whether every weight is resident.
+    pub full: bool,
+}
+
+/// A model unloaded (partly or fully) to make room.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Eviction {
+    /// Model name.
+    pub name: String,
+    /// Device it was evicted from.
+    pub device: DeviceId,
+    /// Bytes freed.
+    pub freed: ByteSize,
+    /// Whether it was unloaded completely (and left the registry).
+    pub fully: bool,
+    /// Why: what was needed and what was free.
+    pub reason: String,
+}
+
+/// What [`crate::loader::MemoryManager::load_models_gpu`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Per loaded model.
+    pub models: Vec<ModelLoad>,
+    /// Models evicted, in order.
+    pub evicted: Vec<Eviction>,
+}
+
+impl LoadReport {
+    /// Total bytes materialized.
+    pub fn moved(&self) -> ByteSize {
+        self.models.iter().map(|m| m.moved).sum()
+    }
+}
+
+impl fmt::Display for LoadReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for m in &self.models {
+            if m.full {
+                writeln!(f, "loaded completely {} on {}: {} resident, {} moved", m.name, m.device, m.resident, m.moved)?;
+            } else {
+                writeln!(
+                    f,
+                    "loaded partially {} on {}: {} resident, {} streaming, {} moved, {} lowvram patches",
+                    m.name, m.device, m.resident, m.streaming, m.moved, m.lazy_patched
+                )?;
+            }
+        }
+        for e in &self.evicted {
+            writeln!(
+                f,
+                "evicted {} from {}: {} freed{} ({})",
+                e.name,
+                e.device,
+                e.freed,
+                if e.fully { ", unloaded" } else { ", partially" },
+                e.reason
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// A registered model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadedModelInfo {
+    /// Model name.
+    pub name: String,
+    /// Model id.
+    pub model_id: u64,
+    /// Device.
+    pub device: DeviceId,
+    /// Bytes resident there.
+    pub resident: ByteSize,
+    /// Size in the resident dtype.
+    pub size: ByteSize,
+    /// Handles held outside the registry.
+    pub outside_handles: usize,
+}
+
+/// One device's memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Device.
+    pub device: DeviceId,
+    /// Total (budget-capped).
+    pub total: ByteSize,
+    /// Whether our ledger bounds it.
+    pub budgeted: bool,
+    /// Resident bytes of registered models.
+    pub ledger: ByteSize,
+    /// Highest ledger seen.
+    pub peak: ByteSize,
+    /// Free memory now.
+    pub free: ByteSize,
+}
+
+/// Where memory is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// Per device.
+    pub devices: Vec<DeviceMemory>,
+    /// Per registered model, most recently used first.
+    pub models: Vec<LoadedModelInfo>,
+}
+
+impl fmt::Display for MemoryReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for d in &self.devices {
+            writeln!(
+                f,
+                "{}: {} {}, {} used (peak {}), {} free",
+                d.device,
+                if d.budgeted { "budget" } else { "total" },
+                d.total,
+                d.ledger,
+                d.peak,
+                d.free
+            )?;
+        }
+        for m in &self.models {
+            writeln!(
+                f,
+                "  {:<24} {:>12} resident {:>12} streaming on {}",
+                m.name,
+                m.resident.to_string(),
+                m.size.saturating_sub(m.resident).to_string(),
+                m.device
+            )?;
+        }
+        Ok(())
+    }
+}

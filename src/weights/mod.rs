@@ -1,0 +1,406 @@
+//! Models as named weight slots, and where each weight currently lives.
+//!
+//! A [`Model`] is the shared, immutable set of weights of one checkpoint: per slot its name,
+//! shape, storage dtype and the **clean** tensor on the offload device (host RAM). Clean tensors
+//! are never mutated (DESIGN I1): patches produce new tensors.
+//!
+//! Next to the clean weights a model keeps its *residency*: for each slot either
+//! [`SlotResidency::Offloaded`] or [`SlotResidency::Resident`] — one materialized, patched copy
+//! on a load device together with the fingerprint of the patch list it was built from and its
+//! byte size. Every [`crate::patcher::ModelPatcher`] cloned from the same model shares this
+//! residency; fingerprints tell a clone which resident copies are its own.
+//!
+//! Locks: `Model::state` (rank 2 in the crate's lock table) guards residency and pins; the
+//! forward-order recorder (rank 4) is a leaf. Neither is held across a call into user code.
+//!
+//! Complexity: lookups by name are O(1); residency updates are O(number of weights touched).
+
+mod safetensors;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use candle_core::Tensor;
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::error::{Error, Result};
+use crate::float::Dtype;
+use crate::size::ByteSize;
+use crate::vram::DeviceId;
+
+pub use self::safetensors::{save_safetensors, SafetensorsOptions};
+
+/// A fingerprint of the patch list (and resident dtype) a resident copy was built from.
+pub type Fingerprint = u64;
+
+/// One weight: metadata and the clean tensor.
+#[derive(Debug)]
+pub struct Slot {
+    name: String,
+    shape: Vec<usize>,
+    dtype: Dtype,
+    clean: Tensor,
+    bytes: ByteSize,
+}
+
+impl Slot {
+    /// The weight's key.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Its shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    /// Its storage dtype.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    /// The clean tensor (storage dtype; `U8` bytes for fp8 E5M2). Never mutated.
+    pub fn clean(&self) -> &Tensor {
+        &self.clean
+    }
+    /// Bytes in storage dtype.
+    pub fn bytes(&self) -> ByteSize {
+        self.bytes
+    }
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// Bytes this weight takes in `dtype`.
+    pub fn bytes_in(&self, dtype: Dtype) -> ByteSize {
+        ByteSize((self.numel() * dtype.size_in_bytes()) as u64)
+    }
+}
+
+/// Where one weight lives.
+#[derive(Debug, Clone)]
+pub enum SlotResidency {
+    /// Only the clean copy on the offload device exists; uses stream it.
+    Offloaded,
+    /// A materialized copy lives on `device`.
+    Resident {
+        /// The resident tensor (patched, in the resident dtype).
+        tensor: Tensor,
+        /// The fingerprint of the patch list it was built from.
+        fingerprint: Fingerprint,
+        /// Where it lives.
+        device: DeviceId,
+        /// Its size.
+        bytes: ByteSize,
+    },
+}
+
+/// The mutable part of a model: residency and pins, guarded by one lock.
+#[derive(Debug)]
+pub(crate) struct Residency {
+    pub(crate) slots: Vec<SlotResidency>,
+    pub(crate) pinned: Vec<bool>,
+}
+
+impl Residency {
+    /// Bytes resident on `device`.
+    pub(crate) fn bytes_on(&self, device: DeviceId) -> ByteSize {
+        self.slots
+            .iter()
+            .map(|s| match s {
+                SlotResidency::Resident { device: d, bytes, .. } if *d == device => *bytes,
+                _ => ByteSize::ZERO,
+            })
+            .sum()
+    }
+
+    /// Bytes resident anywhere.
+    pub(crate) fn bytes_total(&self) -> ByteSize {
+        self.slots
+            .iter()
+            .map(|s| match s {
+                SlotResidency::Resident { bytes, .. } => *bytes,
+                SlotResidency::Offloaded => ByteSize::ZERO,
+            })
+            .sum()
+    }
+
+    /// The devices holding resident weights.
+    pub(crate) fn devices(&self) -> Vec<DeviceId> {
+        let mut d: Vec<DeviceId> = self
+            .slots
+            .iter()
+            .filter_map(|s| match s {
+                SlotResidency::Resident { device, .. } => Some(*device),
+                SlotResidency::Offloaded => None,
+            })
+            .collect();
+        d.sort();
+        d.dedup();
+        d
+    }
+}
+
+static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A shared, named set of weight slots with their residency.
+#[derive(Debug)]
+pub struct Model {
+    id: u64,
+    name: String,
+    slots: Vec<Slot>,
+    index: HashMap<String, usize>,
+    total: ByteSize,
+    state: RwLock<Residency>,
+    forward_order: Mutex<ForwardOrder>,
+    skipped: Vec<String>,
+}
+
+#[derive(Debug, Default)]
+struct ForwardOrder {
+    order: Vec<usize>,
+    seen: Vec<bool>,
+    complete: bool,
+}
+
+impl Model {
+    /// A model from tensors in memory. Each tensor's candle dtype gives its storage dtype
+    /// (`F8E4M3` is fp8 E4M3FN; `F64` is stored as f32); use [`Model::from_typed_tensors`] for fp8
+    /// E5M2 weights held as `U8` bytes. Tensors are moved to the CPU (the offload tier).
+    pub fn from_tensors<I, S>(name: impl Into<String>, tensors: I) -> Result<Model>
+    where
+        I: IntoIterator<Item = (S, Tensor)>,
+        S: Into<String>,
+    {
+        let name = name.into();
+        let mut typed = Vec::new();
+        for (key, t) in tensors {
+            let key = key.into();
+            let dtype = Dtype::from_candle_storage(t.dtype(), None).map_err(|_| Error::UnsupportedDtype {
+                dtype: format!("{:?}", t.dtype()),
+                what: format!("weight `{key}` of model `{name}` (float weights only; U8 needs from_typed_tensors)"),
+            })?;
+            typed.push((key, t, dtype));
+        }
+        Model::from_typed_tensors(name, typed)
+    }
+
+    /// A model from `(key, tensor, storage dtype)` triples; the tensor must be in
+    /// `dtype.candle_storage_dtype()` (`U8` for fp8 E5M2). f64 weights are stored as f32.
+    pub fn from_typed_tensors<I, S>(name: impl Into<String>, tensors: I) -> Result<Model>
+    where
+        I: IntoIterator<Item = (S, Tensor, Dtype)>,
+        S: Into<String>,
+    {
+        let name = name.into();
+        let mut slots = Vec::new();
+        let mut index = HashMap::new();
+        for (key, t, dtype) in tensors {
+            let key = key.into();
+            let (t, dtype) = if dtype == Dtype::F64 {
+                let t = t
+                    .to_dtype(candle_core::DType::F32)
+                    .map_err(|e| Error::tensor(format!("`{key}` of `{name}`: f64 to f32"), e))?;
+                (t, Dtype::F32)
+            } else {
+                (t, dtype)
+            };
+            if t.dtype() != dtype.candle_storage_dtype() {
+                return Err(Error::UnsupportedDtype {
+                    dtype: format!("{:?}", t.dtype()),
+                    what: format!("weight `{key}` of `{name}` declared as {dtype}"),
+                });
+            }
+            let t = t
+                .to_device(&candle_core::Device::Cpu)
+                .map_err(|e| Error::tensor(format!("`{key}` of `{name}`: moving to the host"), e))?;
+            if index.insert(key.clone(), slots.len()).is_some() {
+                return Err(Error::BadPatch {
+                    key: key.clone(),
+                    reason: format!("model `{name}` has two weights named `{key}`"),
+                });
+            }
+            let shape = t.dims().to_vec();
+            let bytes = ByteSize((t.elem_count() * dtype.size_in_bytes()) as u64);
+            slots.push(Slot {
+                name: key,
+                shape,
+                dtype,
+                clean: t,
+                bytes,
+            });
+        }
+        Ok(Model::assemble(name, slots, index, Vec::new()))
+    }
+
+    fn assemble(name: String, slots: Vec<Slot>, index: HashMap<String, usize>, skipped: Vec<String>) -> Model {
+        let total = slots.iter().map(|s| s.bytes).sum();
+        let n = slots.len();
+        Model {
+            id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
+            name,
+            slots,
+            index,
+            total,
+            state: RwLock::new(Residency {
+                slots: vec![SlotResidency::Offloaded; n],
+                pinned: vec![false; n],
+            }),
+            forward_order: Mutex::new(ForwardOrder {
+                order: Vec::new(),
+                seen: vec![false; n],
+                complete: false,
+            }),
+            skipped,
+        }
+    }
+
+    /// A process-unique id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+    /// The model's name (used in logs and errors).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Total size of the clean weights in their storage dtypes.
+    pub fn model_size(&self) -> ByteSize {
+        self.total
+    }
+    /// Number of weights.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+    /// Whether the model has no weights.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+    /// All slots, in file order.
+    pub fn slots(&self) -> &[Slot] {
+        &self.slots
+    }
+    /// The slot index of `key`.
+    pub fn index_of(&self, key: &str) -> Option<usize> {
+        self.index.get(key).copied()
+    }
+    /// The slot named `key`, or an error naming model and key.
+    pub fn slot(&self, key: &str) -> Result<&Slot> {
+        self.index_of(key).map(|i| &self.slots[i]).ok_or_else(|| Error::UnknownWeight {
+            model: self.name.clone(),
+            key: key.to_string(),
+        })
+    }
+    /// Weight keys in file order.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.slots.iter().map(|s| s.name.as_str())
+    }
+    /// Tensors in the file that are not float weights (integer buffers such as position ids),
+    /// which were not loaded.
+    pub fn skipped_tensors(&self) -> &[String] {
+        &self.skipped
+    }
+    /// The clean tensor of `key`.
+    pub fn clean(&self, key: &str) -> Result<&Tensor> {
+        self.slot(key).map(|s| &s.clean)
+    }
+
+    /// Bytes of resident copies on `device`.
+    pub fn resident_bytes(&self, device: DeviceId) -> ByteSize {
+        self.state.read().bytes_on(device)
+    }
+    /// Bytes of resident copies on any device.
+    pub fn resident_bytes_total(&self) -> ByteSize {
+        self.state.read().bytes_total()
+    }
+    /// Where weight `index` lives now.
+    pub fn residency_of(&self, index: usize) -> Option<SlotResidency> {
+        self.state.read().slots.get(index).cloned()
+    }
+
+    pub(crate) fn state(&self) -> RwLockReadGuard<'_, Residency> {
+        self.state.read()
+    }
+    pub(crate) fn state_mut(&self) -> RwLockWriteGuard<'_, Residency> {
+        self.state.write()
+    }
+
+    /// Records that weight `index` was fetched by a forward. The first forward's order is kept;
+    /// a weight seen again marks the order complete (the next forward has begun).
+    pub fn record_use(&self, index: usize) {
+        let mut fo = self.forward_order.lock();
+        if fo.complete || index >= fo.seen.len() {
+            return;
+        }
+        if fo.seen[index] {
+            fo.complete = true;
+            return;
+        }
+        fo.seen[index] = true;
+        fo.order.push(index);
+    }
+
+    /// Marks the recorded forward order complete (called at the end of a forward).
+    pub fn finish_forward(&self) {
+        let mut fo = self.forward_order.lock();
+        if !fo.order.is_empty() {
+            fo.complete = true;
+        }
+    }
+
+    /// The order in which weights were first used in a forward (slot indices), and whether the
+    /// recording is complete.
+    pub fn forward_order(&self) -> (Vec<usize>, bool) {
+        let fo = self.forward_order.lock();
+        (fo.order.clone(), fo.complete)
+    }
+
+    /// The recorded forward order as weight keys.
+    pub fn forward_order_keys(&self) -> Vec<String> {
+        self.forward_order().0.iter().map(|&i| self.slots[i].name.clone()).collect()
+    }
+
+    /// A checksum of every clean weight's bytes (for tests of invariant I1).
+    pub fn clean_checksum(&self) -> Result<u64> {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for s in &self.slots {
+            s.name.hash(&mut h);
+            let bytes = tensor_bytes(&s.clean)?;
+            bytes.hash(&mut h);
+        }
+        Ok(h.finish())
+    }
+}
+
+/// The raw bytes of a CPU tensor, in its candle dtype.
+pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    use candle_core::DType;
+    let flat = t.flatten_all()?;
+    let ctx = |e| Error::tensor("reading tensor bytes", e);
+    Ok(match t.dtype() {
+        DType::F32 => flat.to_vec1::<f32>().map_err(ctx)?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::F16 => flat
+            .to_vec1::<half::f16>()
+            .map_err(ctx)?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::BF16 => flat
+            .to_vec1::<half::bf16>()
+            .map_err(ctx)?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::U8 => flat.to_vec1::<u8>().map_err(ctx)?,
+        DType::F64 => flat.to_vec1::<f64>().map_err(ctx)?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::F8E4M3 => flat
+            .to_vec1::<float8::F8E4M3>()
+            .map_err(ctx)?
+            .iter()
+            .map(|v| v.to_bits())
+            .collect(),
+        other => {
+            return Err(Error::UnsupportedDtype {
+                dtype: format!("{other:?}"),
+                what: "reading tensor bytes".into(),
+            })
+        }
+    })
+}

@@ -1,0 +1,141 @@
+//! Reading models from and writing them to safetensors files.
+//!
+//! Files are memory-mapped and each float tensor is copied once into host memory (the offload
+//! tier). fp8 E4M3 tensors become candle `F8E4M3`; fp8 E5M2 tensors, which candle cannot type,
+//! are kept as `U8` bytes with [`Dtype::F8E5M2`]; f64 is stored as f32. Integer tensors (position
+//! ids and similar buffers) are not weights: they are skipped and listed in
+//! [`Model::skipped_tensors`]. Errors name the file and the tensor.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use safetensors::tensor::{Dtype as StDtype, TensorView};
+use safetensors::SafeTensors;
+
+use super::{tensor_bytes, Model, Slot};
+use crate::error::{Error, Result};
+use crate::float::Dtype;
+use crate::size::ByteSize;
+
+fn file_err(path: &Path, reason: impl Into<String>) -> Error {
+    Error::File {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+fn storage_of(st: StDtype) -> Option<(Dtype, DType)> {
+    Some(match st {
+        StDtype::F32 => (Dtype::F32, DType::F32),
+        StDtype::F16 => (Dtype::F16, DType::F16),
+        StDtype::BF16 => (Dtype::BF16, DType::BF16),
+        StDtype::F64 => (Dtype::F64, DType::F64),
+        StDtype::F8_E4M3 => (Dtype::F8E4M3FN, DType::F8E4M3),
+        StDtype::F8_E5M2 => (Dtype::F8E5M2, DType::U8),
+        _ => return None,
+    })
+}
+
+fn st_dtype_of(d: Dtype) -> StDtype {
+    match d {
+        Dtype::F64 => StDtype::F64,
+        Dtype::F32 => StDtype::F32,
+        Dtype::F16 => StDtype::F16,
+        Dtype::BF16 => StDtype::BF16,
+        Dtype::F8E4M3FN => StDtype::F8_E4M3,
+        Dtype::F8E5M2 => StDtype::F8_E5M2,
+    }
+}
+
+/// Options for [`save_safetensors`].
+#[derive(Debug, Clone, Default)]
+pub struct SafetensorsOptions {
+    /// String metadata written into the header.
+    pub metadata: Option<HashMap<String, String>>,
+}
+
+impl Model {
+    /// Reads a model from one or more safetensors files (a sharded checkpoint). Keys must be
+    /// unique across files.
+    pub fn from_safetensors<P: AsRef<Path>>(name: impl Into<String>, paths: &[P]) -> Result<Model> {
+        let name = name.into();
+        let mut slots: Vec<Slot> = Vec::new();
+        let mut index = HashMap::new();
+        let mut skipped = Vec::new();
+        for path in paths {
+            let path = path.as_ref();
+            let file = std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
+            // SAFETY: the map is read-only and lives only inside this loop iteration; every tensor
+            // is copied out before it is dropped. A file truncated by another process while mapped
+            // would fault, as with any mmap reader; checkpoints are not modified while loading.
+            let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| file_err(path, format!("cannot map: {e}")))?;
+            let st = SafeTensors::deserialize(&mmap)
+                .map_err(|e| file_err(path, format!("not a valid safetensors file: {e}")))?;
+            let mut tensors = st.tensors();
+            // File order: by data offset.
+            tensors.sort_by_key(|(_, v)| v.data().as_ptr() as usize);
+            for (key, view) in tensors {
+                let Some((dtype, cdtype)) = storage_of(view.dtype()) else {
+                    skipped.push(key);
+                    continue;
+                };
+                let t = Tensor::from_raw_buffer(view.data(), cdtype, view.shape(), &Device::Cpu)
+                    .map_err(|e| file_err(path, format!("tensor `{key}`: {e}")))?;
+                let (t, dtype) = if dtype == Dtype::F64 {
+                    let t = t
+                        .to_dtype(DType::F32)
+                        .map_err(|e| file_err(path, format!("tensor `{key}`: {e}")))?;
+                    (t, Dtype::F32)
+                } else {
+                    (t, dtype)
+                };
+                if index.contains_key(&key) {
+                    return Err(file_err(path, format!("tensor `{key}` also appears in an earlier file")));
+                }
+                index.insert(key.clone(), slots.len());
+                let bytes = ByteSize((t.elem_count() * dtype.size_in_bytes()) as u64);
+                slots.push(Slot {
+                    shape: view.shape().to_vec(),
+                    name: key,
+                    dtype,
+                    clean: t,
+                    bytes,
+                });
+            }
+        }
+        Ok(Model::assemble(name, slots, index, skipped))
+    }
+}
+
+/// Writes `(key, tensor, storage dtype)` triples to a safetensors file. Tensors must be in
+/// `dtype.candle_storage_dtype()` (`U8` bytes for fp8 E5M2) and on any device.
+pub fn save_safetensors<S: AsRef<str>>(
+    path: &Path,
+    tensors: &[(S, Tensor, Dtype)],
+    options: &SafetensorsOptions,
+) -> Result<()> {
+    let mut owned: Vec<(String, Vec<u8>, Vec<usize>, StDtype)> = Vec::with_capacity(tensors.len());
+    for (key, t, dtype) in tensors {
+        let key = key.as_ref();
+        if t.dtype() != dtype.candle_storage_dtype() {
+            return Err(file_err(
+                path,
+                format!("tensor `{key}` is {:?} but declared {dtype}", t.dtype()),
+            ));
+        }
+        let t = t
+            .to_device(&Device::Cpu)
+            .map_err(|e| file_err(path, format!("tensor `{key}`: {e}")))?;
+        owned.push((key.to_string(), tensor_bytes(&t)?, t.dims().to_vec(), st_dtype_of(*dtype)));
+    }
+    let mut views = Vec::with_capacity(owned.len());
+    for (key, bytes, shape, dt) in &owned {
+        let v = TensorView::new(*dt, shape.clone(), bytes)
+            .map_err(|e| file_err(path, format!("tensor `{key}`: {e}")))?;
+        views.push((key.as_str(), v));
+    }
+    safetensors::tensor::serialize_to_file(views, options.metadata.clone(), path)
+        .map_err(|e| file_err(path, format!("cannot write: {e}")))
+}
+
