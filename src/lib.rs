@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 pub mod error;
+pub mod patcher;
 pub mod size;
 
 pub use error::{Error, Result};
