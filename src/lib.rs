@@ -4,8 +4,11 @@
 
 pub mod error;
 pub mod float;
+pub mod loader;
+pub mod patcher;
 pub mod size;
 pub mod vram;
+pub mod weights;
 
 pub use error::{Error, Result};
 pub use size::ByteSize;

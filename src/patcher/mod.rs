@@ -1,0 +1,20 @@
+//! Patches on model weights and the handle that carries them.
+//!
+//! - [`ModelPatcher`]: the per-use handle — `Arc<Model>` + its own patch set + devices + options;
+//!   cloning is cheap and copy-on-write (see its `# Sharing` section); loading, partial loading and
+//!   unloading choose which weights are resident.
+//! - [`patch`]: patch kinds (`Diff`, `Set`, LoRA, LoHa, LoKr, DoRA) and their exact f32 math.
+//! - [`lora`]: reading LoRA files onto a model's weight names.
+//!
+//! Patches never modify base weights; they are applied to copies, in f32, then rounded back to the
+//! storage dtype (nearest-even for f16/bf16, seeded stochastic rounding for fp8), so every path
+//! that asks for a patched weight gets the same bits.
+
+pub mod lora;
+mod model_patcher;
+pub mod patch;
+
+pub use model_patcher::{
+    LoadOutcome, MemoryEstimator, ModelPatcher, PatchKey, PatchSet, PatcherOptions, SetEntry,
+};
+pub use patch::{DoraNorm, Offset, Patch, PatchEntry};
