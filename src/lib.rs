@@ -3,7 +3,9 @@
 #![warn(missing_docs)]
 
 pub mod error;
+pub mod float;
 pub mod size;
 
 pub use error::{Error, Result};
+pub use float::{Dtype, Fp8Format, Rounding};
 pub use size::ByteSize;
