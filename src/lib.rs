@@ -11,6 +11,7 @@ pub mod vram;
 pub mod weights;
 
 pub use error::{Error, Result};
+pub use float::{Dtype, Fp8Format, Rounding};
 pub use size::ByteSize;
 
 /// The attention backend the dispatcher would pick on this policy's compute device (for the

@@ -390,12 +390,27 @@ pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
             .collect(),
         DType::U8 => flat.to_vec1::<u8>().map_err(ctx)?,
         DType::F64 => flat.to_vec1::<f64>().map_err(ctx)?.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        DType::F8E4M3 => flat
-            .to_vec1::<float8::F8E4M3>()
-            .map_err(ctx)?
-            .iter()
-            .map(|v| v.to_bits())
-            .collect(),
+        DType::F8E4M3 => {
+            let flat = flat.contiguous().map_err(ctx)?;
+            let (storage, layout) = flat.storage_and_layout();
+            let Some((start, end)) = layout.contiguous_offsets() else {
+                return Err(Error::UnsupportedDtype {
+                    dtype: "f8e4m3".into(),
+                    what: "reading bytes of a strided fp8 tensor".into(),
+                });
+            };
+            match &*storage {
+                candle_core::Storage::Cpu(candle_core::CpuStorage::F8E4M3(v)) => {
+                    v[start..end].iter().map(|x| x.to_bits()).collect()
+                }
+                _ => {
+                    return Err(Error::UnsupportedDtype {
+                        dtype: "f8e4m3".into(),
+                        what: "reading bytes of a non-CPU fp8 tensor".into(),
+                    })
+                }
+            }
+        }
         other => {
             return Err(Error::UnsupportedDtype {
                 dtype: format!("{other:?}"),
