@@ -87,7 +87,9 @@ pub fn weight_budget(
         .max(free_now - minimum_memory_required)
         .max((free_now * ratio).min(free_now - minimum_inference_memory))
         - already_loaded.as_f64();
-    ByteSize::from_f64(b).max(ByteSize(1)).min(free.max(ByteSize(1)))
+    ByteSize::from_f64(b)
+        .max(ByteSize(1))
+        .min(free.max(ByteSize(1)))
 }
 
 struct Entry {
@@ -171,11 +173,17 @@ impl MemoryManager {
 
     fn free_of(&self, inner: &Inner, device: DeviceId) -> ByteSize {
         if self.policy.is_budgeted(device) {
-            return self.policy.total_memory(device).saturating_sub(ledger_of(inner, device));
+            return self
+                .policy
+                .total_memory(device)
+                .saturating_sub(ledger_of(inner, device));
         }
         match device {
-            DeviceId::Cuda(n) => crate::vram::driver_free_memory(n)
-                .unwrap_or_else(|| self.policy.probed_free(device).saturating_sub(ledger_of(inner, device))),
+            DeviceId::Cuda(n) => crate::vram::driver_free_memory(n).unwrap_or_else(|| {
+                self.policy
+                    .probed_free(device)
+                    .saturating_sub(ledger_of(inner, device))
+            }),
             DeviceId::Cpu => self.policy.hardware().host.available,
         }
     }
@@ -202,7 +210,11 @@ impl MemoryManager {
     /// Loads `models` (and their additional models) onto their load devices following DESIGN §8,
     /// evicting other models as needed. On error nothing already loaded is lost beyond what
     /// eviction freed, and the failing model is unchanged.
-    pub fn load_models_gpu(&self, models: &[ModelPatcher], options: LoadOptions) -> Result<LoadReport> {
+    pub fn load_models_gpu(
+        &self,
+        models: &[ModelPatcher],
+        options: LoadOptions,
+    ) -> Result<LoadReport> {
         let mut all: Vec<ModelPatcher> = Vec::new();
         for m in models {
             push_unique(&mut all, m.clone());
@@ -222,10 +234,19 @@ impl MemoryManager {
             Some(m) => min_inf.max(m.as_f64() + reserve),
             None => extra_mem,
         };
+        // A full load on a budgeted device that cannot fit even after evicting everything else
+        // fails before anything is evicted (I4).
+        self.check_full_loads_fit(&all, &options)?;
         // 3. registered clones of these models leave the registry (their copies stay shared).
         for m in &all {
-            tracing::info!(model = m.model().name(), "Requested to load {}", m.model().name());
-            inner.registry.retain(|e| !Arc::ptr_eq(e.model(), m.model()));
+            tracing::info!(
+                model = m.model().name(),
+                "Requested to load {}",
+                m.model().name()
+            );
+            inner
+                .registry
+                .retain(|e| !Arc::ptr_eq(e.model(), m.model()));
         }
         // 4. free memory per device.
         let mut devices: Vec<DeviceId> = all.iter().map(|m| m.load_device()).collect();
@@ -242,9 +263,21 @@ impl MemoryManager {
                 .map(|m| m.resident_model_size().saturating_sub(m.loaded_size()))
                 .sum();
             let want = to_load.as_f64() * 1.1 + extra_mem;
-            self.free_memory_locked(&mut inner, ByteSize::from_f64(want), device, &keep, &mut report);
+            self.free_memory_locked(
+                &mut inner,
+                ByteSize::from_f64(want),
+                device,
+                &keep,
+                &mut report,
+            );
             if self.free_of(&inner, device).as_f64() < min_required {
-                self.free_memory_locked(&mut inner, ByteSize::from_f64(min_required), device, &keep, &mut report);
+                self.free_memory_locked(
+                    &mut inner,
+                    ByteSize::from_f64(min_required),
+                    device,
+                    &keep,
+                    &mut report,
+                );
             }
         }
         // 5 + 6. budgets and loads.
@@ -269,6 +302,56 @@ impl MemoryManager {
         Ok(report)
     }
 
+    fn full_load(&self, device: DeviceId, options: &LoadOptions) -> bool {
+        options.force_full_load
+            || matches!(
+                self.policy.vram_state(),
+                VramState::HighVram | VramState::Shared | VramState::Disabled
+            )
+            || !self.policy.is_scheduled(device)
+    }
+
+    /// Everything else on a device can be evicted, so a full load fits iff the models fully
+    /// loaded together on that device fit its total.
+    fn check_full_loads_fit(&self, all: &[ModelPatcher], options: &LoadOptions) -> Result<()> {
+        let mut together: Vec<(DeviceId, ByteSize)> = Vec::new();
+        for m in all {
+            let device = m.load_device();
+            if !self.full_load(device, options) || !self.policy.is_budgeted(device) {
+                continue;
+            }
+            let total = self.policy.total_memory(device);
+            let size = m.resident_model_size();
+            if size > total {
+                return Err(Error::BudgetExceeded {
+                    model: m.model().name().to_string(),
+                    device: device.to_string(),
+                    required: size,
+                    budget: total,
+                });
+            }
+            let sum = match together.iter_mut().find(|(d, _)| *d == device) {
+                Some((_, s)) => {
+                    *s = s.saturating_add(size);
+                    *s
+                }
+                None => {
+                    together.push((device, size));
+                    size
+                }
+            };
+            if sum > total {
+                return Err(Error::OutOfMemory {
+                    model: m.model().name().to_string(),
+                    device: device.to_string(),
+                    required: sum,
+                    available: total,
+                });
+            }
+        }
+        Ok(())
+    }
+
     fn load_one(
         &self,
         inner: &mut Inner,
@@ -280,9 +363,7 @@ impl MemoryManager {
     ) -> Result<ModelLoad> {
         let name = m.model().name().to_string();
         let state = self.policy.vram_state();
-        let full = options.force_full_load
-            || matches!(state, VramState::HighVram | VramState::Shared | VramState::Disabled)
-            || !self.policy.is_scheduled(device);
+        let full = self.full_load(device, options);
         let budgeted = self.policy.is_budgeted(device);
         let outcome = if full {
             if budgeted {
@@ -315,7 +396,13 @@ impl MemoryManager {
         } else {
             let already = m.loaded_size();
             let free = self.free_of(inner, device);
-            let budget = weight_budget(free, already, min_required, min_inf, self.policy.weight_ratio(device));
+            let budget = weight_budget(
+                free,
+                already,
+                min_required,
+                min_inf,
+                self.policy.weight_ratio(device),
+            );
             if already > ByteSize::ZERO {
                 m.partially_load_outcome(device, budget)?.1
             } else {
@@ -359,7 +446,12 @@ impl MemoryManager {
 
     /// Evicts models on `device` (not in `keep_loaded`, by model id) until more than `required`
     /// bytes are free. Returns what was evicted.
-    pub fn free_memory(&self, required: ByteSize, device: DeviceId, keep_loaded: &[&ModelPatcher]) -> Vec<Eviction> {
+    pub fn free_memory(
+        &self,
+        required: ByteSize,
+        device: DeviceId,
+        keep_loaded: &[&ModelPatcher],
+    ) -> Vec<Eviction> {
         let keep: Vec<u64> = keep_loaded.iter().map(|m| m.model().id()).collect();
         let mut inner = self.inner.lock();
         let mut report = LoadReport::default();
@@ -384,15 +476,26 @@ impl MemoryManager {
             .filter(|(_, e)| e.device == device && !keep.contains(&e.model().id()))
             .filter(|(_, e)| e.model().resident_bytes(device) > ByteSize::ZERO)
             .map(|(i, e)| {
-                let offloaded = e.patcher.resident_model_size().saturating_sub(e.model().resident_bytes(device));
-                (std::cmp::Reverse(offloaded), e.outside_handles(), e.patcher.resident_model_size(), i, e.model().id())
+                let offloaded = e
+                    .patcher
+                    .resident_model_size()
+                    .saturating_sub(e.model().resident_bytes(device));
+                (
+                    std::cmp::Reverse(offloaded),
+                    e.outside_handles(),
+                    e.patcher.resident_model_size(),
+                    i,
+                    e.model().id(),
+                )
             })
             .collect();
         candidates.sort();
         let mut unloaded = 0usize;
+        let smart = !self.policy.config().disable_smart_memory;
         for (_, _, _, _, id) in candidates {
             let free = self.free_of(inner, device);
-            if free > required {
+            // Without smart memory every candidate goes, as in ComfyUI.
+            if smart && free > required {
                 break;
             }
             let Some(pos) = inner.registry.iter().position(|e| e.model().id() == id) else {
@@ -401,7 +504,7 @@ impl MemoryManager {
             let entry = &inner.registry[pos];
             let name = entry.model().name().to_string();
             let missing = required.saturating_sub(free);
-            let freed = if self.policy.config().disable_smart_memory {
+            let freed = if !smart {
                 entry.patcher.detach()
             } else {
                 entry.patcher.partially_unload(device, missing)
@@ -483,7 +586,12 @@ impl MemoryManager {
                 total: self.policy.total_memory(d),
                 budgeted: self.policy.is_budgeted(d),
                 ledger: ledger_of(&inner, d),
-                peak: inner.peaks.iter().find(|(x, _)| *x == d).map(|(_, p)| *p).unwrap_or(ByteSize::ZERO),
+                peak: inner
+                    .peaks
+                    .iter()
+                    .find(|(x, _)| *x == d)
+                    .map(|(_, p)| *p)
+                    .unwrap_or(ByteSize::ZERO),
                 free: self.free_of(&inner, d),
             })
             .collect();
@@ -500,7 +608,11 @@ fn push_unique(all: &mut Vec<ModelPatcher>, m: ModelPatcher) {
 }
 
 fn ledger_of(inner: &Inner, device: DeviceId) -> ByteSize {
-    inner.registry.iter().map(|e| e.model().resident_bytes(device)).sum()
+    inner
+        .registry
+        .iter()
+        .map(|e| e.model().resident_bytes(device))
+        .sum()
 }
 
 fn cleanup(inner: &mut Inner) {
@@ -530,8 +642,11 @@ pub fn global() -> &'static MemoryManager {
             Err(e) => {
                 tracing::warn!(error = %e, "falling back to the default configuration");
                 // The default configuration names no CUDA device, so it always resolves.
-                let policy = Policy::new(Config::default(), hardware.clone())
-                    .unwrap_or_else(|_| Policy::new(Config::default(), Hardware::cpu_only(hardware.host.total)).unwrap_or_else(|_| unreachable!()));
+                let policy =
+                    Policy::new(Config::default(), hardware.clone()).unwrap_or_else(|_| {
+                        Policy::new(Config::default(), Hardware::cpu_only(hardware.host.total))
+                            .unwrap_or_else(|_| unreachable!())
+                    });
                 MemoryManager::with_policy(policy)
             }
         }

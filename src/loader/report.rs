@@ -59,7 +59,11 @@ impl fmt::Display for LoadReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for m in &self.models {
             if m.full {
-                writeln!(f, "loaded completely {} on {}: {} resident, {} moved", m.name, m.device, m.resident, m.moved)?;
+                writeln!(
+                    f,
+                    "loaded completely {} on {}: {} resident, {} moved",
+                    m.name, m.device, m.resident, m.moved
+                )?;
             } else {
                 writeln!(
                     f,

@@ -17,4 +17,4 @@ pub mod patch;
 pub use model_patcher::{
     LoadOutcome, MemoryEstimator, ModelPatcher, PatchKey, PatchSet, PatcherOptions, SetEntry,
 };
-pub use patch::{DoraNorm, Offset, Patch, PatchEntry};
+pub use patch::{DoraNorm, LoHa, LoKr, Lora, Offset, Patch, PatchEntry};

@@ -184,7 +184,11 @@ impl fmt::Debug for ModelPatcher {
 impl ModelPatcher {
     /// A patcher on `model` that computes on `load_device` and keeps clean weights on
     /// `offload_device`.
-    pub fn new(model: impl Into<Arc<Model>>, load_device: DeviceId, offload_device: DeviceId) -> Self {
+    pub fn new(
+        model: impl Into<Arc<Model>>,
+        load_device: DeviceId,
+        offload_device: DeviceId,
+    ) -> Self {
         ModelPatcher {
             model: model.into(),
             patches: Arc::new(PatchSet::default()),
@@ -247,7 +251,12 @@ impl ModelPatcher {
     /// is added, and one bad patch rejects the whole call with an error naming key and shapes
     /// (DESIGN I4). `strength_patch` scales each patch; `strength_model` scales the weight
     /// accumulated so far. Returns the keys that matched, in input order.
-    pub fn add_patches<K, I>(&mut self, patches: I, strength_patch: f32, strength_model: f32) -> Result<Vec<String>>
+    pub fn add_patches<K, I>(
+        &mut self,
+        patches: I,
+        strength_patch: f32,
+        strength_model: f32,
+    ) -> Result<Vec<String>>
     where
         K: Into<PatchKey>,
         I: IntoIterator<Item = (K, Patch)>,
@@ -280,7 +289,12 @@ impl ModelPatcher {
         }
         for (key, new) in &by_key {
             let slot = self.model.slot(key)?;
-            let mut chain: Vec<PatchEntry> = self.patches.get(key).iter().map(|e| e.entry.clone()).collect();
+            let mut chain: Vec<PatchEntry> = self
+                .patches
+                .get(key)
+                .iter()
+                .map(|e| e.entry.clone())
+                .collect();
             chain.extend(new.iter().cloned());
             patch::patched_shape(key, slot.shape(), &chain)?;
         }
@@ -337,10 +351,13 @@ impl ModelPatcher {
     /// rounded to nearest-even (f16/bf16) or stochastically with the key's seed (fp8). The same
     /// bits whichever path asks (DESIGN I3).
     pub fn patched_weight(&self, key: &str) -> Result<Tensor> {
-        let index = self.model.index_of(key).ok_or_else(|| Error::UnknownWeight {
-            model: self.model.name().to_string(),
-            key: key.to_string(),
-        })?;
+        let index = self
+            .model
+            .index_of(key)
+            .ok_or_else(|| Error::UnknownWeight {
+                model: self.model.name().to_string(),
+                key: key.to_string(),
+            })?;
         self.patched_storage(index)
     }
 
@@ -381,7 +398,11 @@ impl ModelPatcher {
         } else if dtype == Dtype::F32 {
             float::to_f32(&stored, slot.dtype())?
         } else {
-            float::from_f32(&float::to_f32(&stored, slot.dtype())?, dtype, Rounding::Nearest)?
+            float::from_f32(
+                &float::to_f32(&stored, slot.dtype())?,
+                dtype,
+                Rounding::Nearest,
+            )?
         };
         if device.is_cpu() {
             Ok(cast)
@@ -396,10 +417,13 @@ impl ModelPatcher {
     /// copy when it is current, else fetched from the host and patched now (streamed). The second
     /// value says whether it streamed. Records first-forward order.
     pub fn fetch(&self, key: &str) -> Result<(Tensor, bool)> {
-        let index = self.model.index_of(key).ok_or_else(|| Error::UnknownWeight {
-            model: self.model.name().to_string(),
-            key: key.to_string(),
-        })?;
+        let index = self
+            .model
+            .index_of(key)
+            .ok_or_else(|| Error::UnknownWeight {
+                model: self.model.name().to_string(),
+                key: key.to_string(),
+            })?;
         self.model.record_use(index);
         let fp = self.fingerprint(index);
         if let SlotResidency::Resident {
@@ -473,14 +497,26 @@ impl ModelPatcher {
     /// budget; the rest stream, with their patches applied at use. `full_load` makes every weight
     /// resident. Resident copies that are already current are kept (0 bytes moved); stale ones are
     /// rebuilt; those outside the plan are dropped. On error nothing changes.
-    pub fn load(&mut self, device: DeviceId, budget: ByteSize, force_patch_weights: bool, full_load: bool) -> Result<LoadOutcome> {
+    pub fn load(
+        &mut self,
+        device: DeviceId,
+        budget: ByteSize,
+        force_patch_weights: bool,
+        full_load: bool,
+    ) -> Result<LoadOutcome> {
         self.load_device = device;
         let n = self.model.len();
         let pinned = self.model.state().pinned.clone();
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_by_key(|&i| {
-            let patched = force_patch_weights && !self.patches.get(self.model.slots()[i].name()).is_empty();
-            (!pinned[i], !patched, std::cmp::Reverse(self.resident_size(i)), i)
+            let patched =
+                force_patch_weights && !self.patches.get(self.model.slots()[i].name()).is_empty();
+            (
+                !pinned[i],
+                !patched,
+                std::cmp::Reverse(self.resident_size(i)),
+                i,
+            )
         });
         let mut want = vec![false; n];
         let mut total = ByteSize::ZERO;
@@ -499,11 +535,16 @@ impl ModelPatcher {
     /// below `extra`. Stale resident copies are rebuilt first (they already hold their memory).
     /// Returns the bytes added.
     pub fn partially_load(&mut self, device: DeviceId, extra: ByteSize) -> Result<ByteSize> {
-        self.partially_load_outcome(device, extra).map(|(added, _)| added)
+        self.partially_load_outcome(device, extra)
+            .map(|(added, _)| added)
     }
 
     /// [`ModelPatcher::partially_load`], also returning the full outcome.
-    pub fn partially_load_outcome(&mut self, device: DeviceId, extra: ByteSize) -> Result<(ByteSize, LoadOutcome)> {
+    pub fn partially_load_outcome(
+        &mut self,
+        device: DeviceId,
+        extra: ByteSize,
+    ) -> Result<(ByteSize, LoadOutcome)> {
         self.load_device = device;
         let n = self.model.len();
         let mut want = vec![false; n];
@@ -559,7 +600,9 @@ impl ModelPatcher {
             .iter()
             .enumerate()
             .filter_map(|(i, s)| match s {
-                SlotResidency::Resident { device: d, bytes, .. } if *d == device && !st.pinned[i] => Some((*bytes, i)),
+                SlotResidency::Resident {
+                    device: d, bytes, ..
+                } if *d == device && !st.pinned[i] => Some((*bytes, i)),
                 _ => None,
             })
             .collect();
@@ -590,7 +633,10 @@ impl ModelPatcher {
 
     /// Keeps weight `key` resident through partial unloads until [`ModelPatcher::unpin_all_weights`].
     pub fn pin_weight_to_device(&self, key: &str) -> Result<()> {
-        let index = self.model.slot(key).map(|_| self.model.index_of(key).unwrap_or(0))?;
+        let index = self
+            .model
+            .slot(key)
+            .map(|_| self.model.index_of(key).unwrap_or(0))?;
         self.model.state_mut().pinned[index] = true;
         Ok(())
     }
@@ -610,7 +656,10 @@ impl ModelPatcher {
     /// Activation memory a forward over `input_shape` needs, from the model's estimator (zero when
     /// none was set).
     pub fn memory_required(&self, input_shape: &[usize]) -> ByteSize {
-        self.estimator.as_ref().map(|f| f(input_shape)).unwrap_or(ByteSize::ZERO)
+        self.estimator
+            .as_ref()
+            .map(|f| f(input_shape))
+            .unwrap_or(ByteSize::ZERO)
     }
 
     /// Adds a model that must be loaded together with this one (a control model, say).
@@ -627,7 +676,9 @@ impl ModelPatcher {
     }
     /// The attachment under `name`, if it has type `T`.
     pub fn attachment<T: Any + Send + Sync>(&self, name: &str) -> Option<&T> {
-        self.attachments.get(name).and_then(|a| a.downcast_ref::<T>())
+        self.attachments
+            .get(name)
+            .and_then(|a| a.downcast_ref::<T>())
     }
 
     /// Makes exactly the weights in `want` resident on the load device with current fingerprints:
@@ -637,7 +688,9 @@ impl ModelPatcher {
         let device = self.load_device;
         let snapshot: Vec<bool> = {
             let st = self.model.state();
-            (0..self.model.len()).map(|i| self.is_current(&st.slots[i], i)).collect()
+            (0..self.model.len())
+                .map(|i| self.is_current(&st.slots[i], i))
+                .collect()
         };
         let mut built: Vec<(usize, Tensor, Fingerprint, ByteSize)> = Vec::new();
         for (i, &w) in want.iter().enumerate() {

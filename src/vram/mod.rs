@@ -22,6 +22,9 @@ mod report;
 mod state;
 
 pub use config::{AttentionFlag, Config, UpcastFlag, VramMode};
-pub use probe::{cuda_driver_present, driver_free_memory, host_from_texts, GpuInfo, Hardware, HostInfo, Os, Vendor};
+pub use probe::{
+    cuda_driver_present, driver_free_memory, host_from_texts, GpuInfo, Hardware, HostInfo, Os,
+    Vendor,
+};
 pub use report::StartupReport;
 pub use state::{CpuState, DeviceId, Policy, VramState};

@@ -15,7 +15,8 @@ use super::config::{Config, VramMode};
 use super::probe::{Hardware, Os, Vendor};
 
 /// One candle device per CUDA ordinal (lock rank 5: a leaf).
-static CANDLE_DEVICES: Lazy<Mutex<HashMap<usize, Device>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static CANDLE_DEVICES: Lazy<Mutex<HashMap<usize, Device>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// A device the scheduler keeps a ledger for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -105,7 +105,9 @@ impl Residency {
         self.slots
             .iter()
             .map(|s| match s {
-                SlotResidency::Resident { device: d, bytes, .. } if *d == device => *bytes,
+                SlotResidency::Resident {
+                    device: d, bytes, ..
+                } if *d == device => *bytes,
                 _ => ByteSize::ZERO,
             })
             .sum()
@@ -208,9 +210,9 @@ impl Model {
                     what: format!("weight `{key}` of `{name}` declared as {dtype}"),
                 });
             }
-            let t = t
-                .to_device(&candle_core::Device::Cpu)
-                .map_err(|e| Error::tensor(format!("`{key}` of `{name}`: moving to the host"), e))?;
+            let t = t.to_device(&candle_core::Device::Cpu).map_err(|e| {
+                Error::tensor(format!("`{key}` of `{name}`: moving to the host"), e)
+            })?;
             if index.insert(key.clone(), slots.len()).is_some() {
                 return Err(Error::BadPatch {
                     key: key.clone(),
@@ -230,7 +232,12 @@ impl Model {
         Ok(Model::assemble(name, slots, index, Vec::new()))
     }
 
-    fn assemble(name: String, slots: Vec<Slot>, index: HashMap<String, usize>, skipped: Vec<String>) -> Model {
+    fn assemble(
+        name: String,
+        slots: Vec<Slot>,
+        index: HashMap<String, usize>,
+        skipped: Vec<String>,
+    ) -> Model {
         let total = slots.iter().map(|s| s.bytes).sum();
         let n = slots.len();
         Model {
@@ -282,10 +289,12 @@ impl Model {
     }
     /// The slot named `key`, or an error naming model and key.
     pub fn slot(&self, key: &str) -> Result<&Slot> {
-        self.index_of(key).map(|i| &self.slots[i]).ok_or_else(|| Error::UnknownWeight {
-            model: self.name.clone(),
-            key: key.to_string(),
-        })
+        self.index_of(key)
+            .map(|i| &self.slots[i])
+            .ok_or_else(|| Error::UnknownWeight {
+                model: self.name.clone(),
+                key: key.to_string(),
+            })
     }
     /// Weight keys in file order.
     pub fn keys(&self) -> impl Iterator<Item = &str> {
@@ -353,7 +362,11 @@ impl Model {
 
     /// The recorded forward order as weight keys.
     pub fn forward_order_keys(&self) -> Vec<String> {
-        self.forward_order().0.iter().map(|&i| self.slots[i].name.clone()).collect()
+        self.forward_order()
+            .0
+            .iter()
+            .map(|&i| self.slots[i].name.clone())
+            .collect()
     }
 
     /// A checksum of every clean weight's bytes (for tests of invariant I1).
@@ -375,7 +388,12 @@ pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
     let flat = t.flatten_all()?;
     let ctx = |e| Error::tensor("reading tensor bytes", e);
     Ok(match t.dtype() {
-        DType::F32 => flat.to_vec1::<f32>().map_err(ctx)?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::F32 => flat
+            .to_vec1::<f32>()
+            .map_err(ctx)?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
         DType::F16 => flat
             .to_vec1::<half::f16>()
             .map_err(ctx)?
@@ -389,7 +407,12 @@ pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
             .flat_map(|v| v.to_le_bytes())
             .collect(),
         DType::U8 => flat.to_vec1::<u8>().map_err(ctx)?,
-        DType::F64 => flat.to_vec1::<f64>().map_err(ctx)?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::F64 => flat
+            .to_vec1::<f64>()
+            .map_err(ctx)?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
         DType::F8E4M3 => {
             let flat = flat.contiguous().map_err(ctx)?;
             let (storage, layout) = flat.storage_and_layout();

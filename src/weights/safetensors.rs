@@ -65,11 +65,13 @@ impl Model {
         let mut skipped = Vec::new();
         for path in paths {
             let path = path.as_ref();
-            let file = std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
+            let file = std::fs::File::open(path)
+                .map_err(|e| file_err(path, format!("cannot open: {e}")))?;
             // SAFETY: the map is read-only and lives only inside this loop iteration; every tensor
             // is copied out before it is dropped. A file truncated by another process while mapped
             // would fault, as with any mmap reader; checkpoints are not modified while loading.
-            let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| file_err(path, format!("cannot map: {e}")))?;
+            let mmap = unsafe { memmap2::Mmap::map(&file) }
+                .map_err(|e| file_err(path, format!("cannot map: {e}")))?;
             let st = SafeTensors::deserialize(&mmap)
                 .map_err(|e| file_err(path, format!("not a valid safetensors file: {e}")))?;
             let mut tensors = st.tensors();
@@ -91,7 +93,10 @@ impl Model {
                     (t, dtype)
                 };
                 if index.contains_key(&key) {
-                    return Err(file_err(path, format!("tensor `{key}` also appears in an earlier file")));
+                    return Err(file_err(
+                        path,
+                        format!("tensor `{key}` also appears in an earlier file"),
+                    ));
                 }
                 index.insert(key.clone(), slots.len());
                 let bytes = ByteSize((t.elem_count() * dtype.size_in_bytes()) as u64);
@@ -127,7 +132,12 @@ pub fn save_safetensors<S: AsRef<str>>(
         let t = t
             .to_device(&Device::Cpu)
             .map_err(|e| file_err(path, format!("tensor `{key}`: {e}")))?;
-        owned.push((key.to_string(), tensor_bytes(&t)?, t.dims().to_vec(), st_dtype_of(*dtype)));
+        owned.push((
+            key.to_string(),
+            tensor_bytes(&t)?,
+            t.dims().to_vec(),
+            st_dtype_of(*dtype),
+        ));
     }
     let mut views = Vec::with_capacity(owned.len());
     for (key, bytes, shape, dt) in &owned {
@@ -138,4 +148,3 @@ pub fn save_safetensors<S: AsRef<str>>(
     safetensors::tensor::serialize_to_file(views, options.metadata.clone(), path)
         .map_err(|e| file_err(path, format!("cannot write: {e}")))
 }
-
