@@ -9,8 +9,8 @@
 //! [`MemoryManager::load_models_gpu`] follows DESIGN §8: drop entries whose patchers were all
 //! dropped; work out `extra_mem` and the minimum; evict other models until the bytes still to load
 //! (×1.1) plus `extra_mem` are free; then give each model its weight budget
-//! ([`weight_budget`]) and load it fully or partially. Eviction order ([`free_memory`]
-//! (MemoryManager::free_memory)): most offloaded bytes first, then fewest outside handles, then
+//! ([`weight_budget`]) and load it fully or partially. Eviction order
+//! ([`MemoryManager::free_memory`]): most offloaded bytes first, then fewest outside handles, then
 //! smallest, then most recently used; smart memory unloads each victim only by what is missing.
 //!
 //! Locks (the crate's lock table, lowest rank first; a lock may only be taken while holding
