@@ -234,6 +234,9 @@ mod tests {
         assert!(oom.is_retryable());
         assert!(!never.is_retryable());
         let msg = never.to_string();
-        assert!(msg.contains("unet") && msg.contains("8.00 GiB") && msg.contains("4.00 GiB"), "{msg}");
+        assert!(
+            msg.contains("unet") && msg.contains("8.00 GiB") && msg.contains("4.00 GiB"),
+            "{msg}"
+        );
     }
 }

@@ -165,7 +165,11 @@ impl FromStr for ByteSize {
             "mb" => 1e6,
             "gb" => 1e9,
             "tb" => 1e12,
-            _ => return Err(bad("unknown unit (use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)")),
+            _ => {
+                return Err(bad(
+                    "unknown unit (use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)",
+                ))
+            }
         };
         if unit.is_empty() || unit == "b" {
             if let Ok(n) = num.parse::<u64>() {
