@@ -2,6 +2,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod attention;
 pub mod error;
 pub mod float;
 pub mod loader;
