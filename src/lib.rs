@@ -6,6 +6,7 @@ pub mod attention;
 pub mod error;
 pub mod float;
 pub mod loader;
+pub mod offload;
 pub mod patcher;
 pub mod size;
 pub mod vram;

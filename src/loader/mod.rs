@@ -35,6 +35,7 @@ use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::offload::{PinnedPool, Streamer, TransferEngine, TransferSnapshot};
 use crate::patcher::ModelPatcher;
 use crate::size::ByteSize;
 use crate::vram::{Config, DeviceId, Hardware, Policy, VramState};
@@ -110,11 +111,13 @@ impl Entry {
 struct Inner {
     registry: Vec<Entry>,
     peaks: Vec<(DeviceId, ByteSize)>,
+    pool: Option<PinnedPool>,
 }
 
 /// The registry of loaded models, the per-device ledger and the policy.
 pub struct MemoryManager {
     policy: Policy,
+    engine: Arc<TransferEngine>,
     inner: Mutex<Inner>,
 }
 
@@ -135,13 +138,43 @@ impl MemoryManager {
 
     /// A manager for an already resolved policy.
     pub fn with_policy(policy: Policy) -> MemoryManager {
+        let config = policy.config();
+        let pool = if config.disable_pinned_memory {
+            None
+        } else {
+            let limit = config
+                .pinned_memory_limit
+                .unwrap_or_else(|| crate::offload::default_limit(policy.hardware().host.available));
+            Some(match policy.compute_device() {
+                DeviceId::Cuda(n) if crate::vram::cuda_driver_present() => {
+                    match std::panic::catch_unwind(|| cudarc::driver::CudaContext::new(n)) {
+                        Ok(Ok(ctx)) => PinnedPool::pinned(limit, ctx),
+                        _ => PinnedPool::aligned(limit),
+                    }
+                }
+                _ => PinnedPool::aligned(limit),
+            })
+        };
+        let engine = Arc::new(TransferEngine::new(config.transfer_lanes(), pool.clone()));
         MemoryManager {
             policy,
+            engine,
             inner: Mutex::new(Inner {
                 registry: Vec::new(),
                 peaks: Vec::new(),
+                pool,
             }),
         }
+    }
+
+    /// The transfer engine streamed weights go through.
+    pub fn transfer_engine(&self) -> &Arc<TransferEngine> {
+        &self.engine
+    }
+
+    /// Transfer counters (bytes, prefetch hits and misses, time waiting).
+    pub fn transfer_stats(&self) -> TransferSnapshot {
+        self.engine.stats().snapshot()
     }
 
     /// The policy.
@@ -295,6 +328,7 @@ impl MemoryManager {
                     return Err(e);
                 }
             };
+            self.attach_streamer(&inner, &m, &load, &options);
             report.models.push(load);
             inner.registry.insert(0, Entry { patcher: m, device });
             self.note_peak(&mut inner, device);
@@ -439,6 +473,34 @@ impl MemoryManager {
         Ok(load)
     }
 
+    /// A partially loaded model streams: give it a prefetching streamer whose bytes in flight stay
+    /// within what is free after the load beyond the activation memory asked for.
+    fn attach_streamer(
+        &self,
+        inner: &Inner,
+        m: &ModelPatcher,
+        load: &ModelLoad,
+        options: &LoadOptions,
+    ) {
+        if load.full {
+            crate::offload::attach_streamer(m, None);
+            return;
+        }
+        let cap = self
+            .free_of(inner, load.device)
+            .saturating_sub(options.memory_required);
+        let streamer = match crate::offload::streamer_of(m) {
+            Some(s) if Arc::ptr_eq(s.engine(), &self.engine) => s,
+            _ => Arc::new(Streamer::new(
+                Arc::clone(&self.engine),
+                self.policy.config().prefetch_depth(),
+                cap,
+            )),
+        };
+        streamer.set_cap(cap);
+        crate::offload::attach_streamer(m, Some(streamer));
+    }
+
     /// Loads one model (see [`MemoryManager::load_models_gpu`]).
     pub fn load_model_gpu(&self, model: &ModelPatcher) -> Result<LoadReport> {
         self.load_models_gpu(std::slice::from_ref(model), LoadOptions::default())
@@ -512,6 +574,7 @@ impl MemoryManager {
             let fully = entry.model().resident_bytes(device) == ByteSize::ZERO;
             if fully {
                 entry.patcher.detach();
+                crate::offload::attach_streamer(&entry.patcher, None);
                 inner.registry.remove(pos);
                 unloaded += 1;
             }
@@ -534,6 +597,10 @@ impl MemoryManager {
         let n = inner.registry.len();
         for e in inner.registry.drain(..) {
             e.patcher.detach();
+            crate::offload::attach_streamer(&e.patcher, None);
+        }
+        if let Some(pool) = &inner.pool {
+            pool.trim();
         }
         tracing::info!("{n} models unloaded.");
         n
@@ -551,6 +618,12 @@ impl MemoryManager {
         cleanup(&mut inner);
         for e in &inner.registry {
             e.patcher.unpin_all_weights();
+            if let Some(s) = crate::offload::streamer_of(&e.patcher) {
+                s.clear();
+            }
+        }
+        if let Some(pool) = &inner.pool {
+            pool.trim();
         }
     }
 
@@ -595,7 +668,14 @@ impl MemoryManager {
                 free: self.free_of(&inner, d),
             })
             .collect();
-        MemoryReport { devices, models }
+        let pool = self.engine.pool().map(|p| p.stats()).unwrap_or_default();
+        MemoryReport {
+            devices,
+            models,
+            pinned: pool.allocated,
+            pinned_is_page_locked: pool.pinned,
+            transfers: self.engine.stats().snapshot(),
+        }
     }
 }
 
@@ -607,12 +687,23 @@ fn push_unique(all: &mut Vec<ModelPatcher>, m: ModelPatcher) {
     }
 }
 
+/// Resident bytes of registered models on `device`, plus their prefetched weights not yet used.
+/// Staging buffers are host memory (the tier clean weights stream from, even when the budgeted
+/// CPU simulates a device) and are reported separately as pinned bytes.
 fn ledger_of(inner: &Inner, device: DeviceId) -> ByteSize {
-    inner
+    let resident: ByteSize = inner
         .registry
         .iter()
         .map(|e| e.model().resident_bytes(device))
-        .sum()
+        .sum();
+    let in_flight: ByteSize = inner
+        .registry
+        .iter()
+        .filter(|e| e.device == device)
+        .filter_map(|e| crate::offload::streamer_of(&e.patcher))
+        .map(|s| s.in_flight_bytes())
+        .sum();
+    resident.saturating_add(in_flight)
 }
 
 fn cleanup(inner: &mut Inner) {
@@ -620,6 +711,7 @@ fn cleanup(inner: &mut Inner) {
         let keep = e.outside_handles() > 0;
         if !keep {
             e.patcher.detach();
+            crate::offload::attach_streamer(&e.patcher, None);
             tracing::debug!(model = e.model().name(), "dropped: no patcher left");
         }
         keep

@@ -128,6 +128,12 @@ pub struct MemoryReport {
     pub devices: Vec<DeviceMemory>,
     /// Per registered model, most recently used first.
     pub models: Vec<LoadedModelInfo>,
+    /// Host staging memory held by the transfer engine.
+    pub pinned: ByteSize,
+    /// Whether that memory is page-locked.
+    pub pinned_is_page_locked: bool,
+    /// Transfer counters.
+    pub transfers: crate::offload::TransferSnapshot,
 }
 
 impl fmt::Display for MemoryReport {
@@ -154,6 +160,18 @@ impl fmt::Display for MemoryReport {
                 m.device
             )?;
         }
-        Ok(())
+        let t = &self.transfers;
+        writeln!(
+            f,
+            "transfers: {} streamed ({} staged), {} fetches, prefetch {} hits / {} misses, {:.1} ms waiting; staging {} ({})",
+            t.bytes_transferred,
+            t.bytes_staged,
+            t.fetches,
+            t.prefetch_hits,
+            t.prefetch_misses,
+            t.wait_ns as f64 / 1e6,
+            self.pinned,
+            if self.pinned_is_page_locked { "page-locked" } else { "pageable" }
+        )
     }
 }

@@ -362,13 +362,19 @@ impl ModelPatcher {
     }
 
     fn patched_storage(&self, index: usize) -> Result<Tensor> {
+        self.patched_storage_from(index, self.model.slots()[index].clean())
+    }
+
+    /// Patches `clean` (weight `index`'s clean tensor, or a bit-identical copy of it such as a
+    /// staged one) and rounds back to the storage dtype.
+    fn patched_storage_from(&self, index: usize, clean: &Tensor) -> Result<Tensor> {
         let slot = &self.model.slots()[index];
         let entries = self.patches.get(slot.name());
         if entries.is_empty() {
-            return Ok(slot.clean().clone());
+            return Ok(clean.clone());
         }
         let chain: Vec<PatchEntry> = entries.iter().map(|e| e.entry.clone()).collect();
-        let w = float::to_f32(slot.clean(), slot.dtype())?;
+        let w = float::to_f32(clean, slot.dtype())?;
         let patched = patch::apply(slot.name(), &w, &chain, self.options.dora)?;
         let rounding = if slot.dtype().is_fp8() {
             Rounding::stochastic_for(slot.name())
@@ -391,8 +397,20 @@ impl ModelPatcher {
     /// Builds weight `index` as it is used: patched storage, cast to `dtype`, on `device`. The one
     /// function behind resident copies and streamed fetches, so both give the same bits.
     pub fn materialize(&self, index: usize, dtype: Dtype, device: DeviceId) -> Result<Tensor> {
+        self.materialize_from(index, self.model.slots()[index].clean(), dtype, device)
+    }
+
+    /// [`ModelPatcher::materialize`] starting from `clean`, which must hold the same bits as weight
+    /// `index`'s clean tensor (the transfer lanes pass a staged copy).
+    pub fn materialize_from(
+        &self,
+        index: usize,
+        clean: &Tensor,
+        dtype: Dtype,
+        device: DeviceId,
+    ) -> Result<Tensor> {
         let slot = &self.model.slots()[index];
-        let stored = self.patched_storage(index)?;
+        let stored = self.patched_storage_from(index, clean)?;
         let cast = if dtype == slot.dtype() {
             stored
         } else if dtype == Dtype::F32 {
@@ -410,6 +428,21 @@ impl ModelPatcher {
             let dev = device.to_candle()?;
             cast.to_device(&dev)
                 .map_err(|e| Error::tensor(format!("`{}`: copying to {device}", slot.name()), e))
+        }
+    }
+
+    /// The resident copy of weight `index` when it is current for this patcher on its load
+    /// device.
+    pub fn resident_tensor(&self, index: usize) -> Option<Tensor> {
+        let fp = self.fingerprint(index);
+        match self.model.state().slots.get(index)? {
+            SlotResidency::Resident {
+                tensor,
+                fingerprint,
+                device,
+                ..
+            } if *fingerprint == fp && *device == self.load_device => Some(tensor.clone()),
+            _ => None,
         }
     }
 

@@ -96,6 +96,9 @@ pub struct Config {
     pub cuda_device: Option<usize>,
     /// `--deterministic`.
     pub deterministic: bool,
+    /// How many streamed weights are prefetched ahead of use (not a ComfyUI flag; set with
+    /// [`Config::with_prefetch_depth`]). `None`: 2.
+    pub prefetch_depth: Option<usize>,
 }
 
 /// What a flag does to the config. One table drives parsing, the environment and suggestions.
@@ -487,6 +490,17 @@ impl Config {
         } else {
             self.async_offload.flatten().unwrap_or(2)
         }
+    }
+
+    /// Streamed weights prefetched ahead of use (2 unless set; 0 disables prefetching).
+    pub fn prefetch_depth(&self) -> usize {
+        self.prefetch_depth.unwrap_or(2)
+    }
+
+    /// Sets the prefetch depth.
+    pub fn with_prefetch_depth(mut self, depth: usize) -> Self {
+        self.prefetch_depth = Some(depth);
+        self
     }
 
     /// Sets the memory mode.

@@ -17,8 +17,10 @@
 
 mod safetensors;
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use candle_core::Tensor;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -143,7 +145,6 @@ impl Residency {
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A shared, named set of weight slots with their residency.
-#[derive(Debug)]
 pub struct Model {
     id: u64,
     name: String,
@@ -153,6 +154,7 @@ pub struct Model {
     state: RwLock<Residency>,
     forward_order: Mutex<ForwardOrder>,
     skipped: Vec<String>,
+    stream_hook: RwLock<Option<Arc<dyn Any + Send + Sync>>>,
 }
 
 #[derive(Debug, Default)]
@@ -160,6 +162,17 @@ struct ForwardOrder {
     order: Vec<usize>,
     seen: Vec<bool>,
     complete: bool,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("id", &self.id)
+            .field("name", &self.name)
+            .field("weights", &self.slots.len())
+            .field("size", &self.total)
+            .finish()
+    }
 }
 
 impl Model {
@@ -256,7 +269,18 @@ impl Model {
                 complete: false,
             }),
             skipped,
+            stream_hook: RwLock::new(None),
         }
+    }
+
+    /// The streaming hook attached by the offload layer (an `offload::Streamer`), if any.
+    pub(crate) fn stream_hook(&self) -> Option<Arc<dyn Any + Send + Sync>> {
+        self.stream_hook.read().clone()
+    }
+
+    /// Attaches or detaches the streaming hook.
+    pub(crate) fn set_stream_hook(&self, hook: Option<Arc<dyn Any + Send + Sync>>) {
+        *self.stream_hook.write() = hook;
     }
 
     /// A process-unique id.

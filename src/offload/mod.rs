@@ -1,0 +1,71 @@
+//! Streamed weights: staging memory, transfer lanes and prefetch.
+//!
+//! This module owns the path a *streamed* weight (one not resident on the load device) takes at
+//! use: [`fetch_weight`] returns the resident copy when it is current; otherwise, when the model
+//! has a [`Streamer`] attached (the memory manager attaches one to every partially loaded model),
+//! the weight comes from a prefetch or a synchronous fetch through the [`TransferEngine`]; without
+//! one it is materialized inline. Every path builds the weight with the same
+//! [`ModelPatcher::materialize_from`], so outputs are bit-identical whatever the lanes, depth or
+//! budget (DESIGN I3).
+//!
+//! - [`PinnedPool`]: bounded, size-classed staging buffers (page-locked where a CUDA driver is
+//!   present, touched aligned buffers elsewhere).
+//! - [`TransferEngine`]: `N` lanes (`--async-offload N`, default 2; `--disable-async-offload` = 0,
+//!   synchronous); a fetched weight is a [`Pending`] handle that must be waited on.
+//! - [`Streamer`]: per-model prefetch in recorded forward order.
+//!
+//! Accounting: prefetched weights not yet used are counted in their device's ledger by the
+//! memory manager, and on a budgeted CPU device the staging pool is too.
+
+mod engine;
+mod pinned;
+mod prefetch;
+
+use std::sync::Arc;
+
+use candle_core::Tensor;
+
+pub use engine::{Pending, TransferEngine, TransferSnapshot, TransferStats};
+pub use pinned::{default_limit, PinnedPool, PoolStats, StagingBuffer, MIN_CLASS};
+pub use prefetch::Streamer;
+
+use crate::error::{Error, Result};
+use crate::patcher::ModelPatcher;
+
+/// The weight `key` ready for compute on the patcher's load device, in its resident dtype, and
+/// whether it streamed. Records first-forward order.
+pub fn fetch_weight(patcher: &ModelPatcher, key: &str) -> Result<(Tensor, bool)> {
+    let model = patcher.model();
+    let index = model.index_of(key).ok_or_else(|| Error::UnknownWeight {
+        model: model.name().to_string(),
+        key: key.to_string(),
+    })?;
+    model.record_use(index);
+    if let Some(t) = patcher.resident_tensor(index) {
+        return Ok((t, false));
+    }
+    let streamer = model
+        .stream_hook()
+        .and_then(|h| h.downcast::<Streamer>().ok());
+    let t = match streamer {
+        Some(s) => s.fetch(patcher, index)?,
+        None => patcher.materialize(index, patcher.resident_dtype(index), patcher.load_device())?,
+    };
+    Ok((t, true))
+}
+
+/// Attaches `streamer` to `patcher`'s model (every patcher of the model then prefetches through
+/// it), or detaches with `None`.
+pub fn attach_streamer(patcher: &ModelPatcher, streamer: Option<Arc<Streamer>>) {
+    patcher
+        .model()
+        .set_stream_hook(streamer.map(|s| s as Arc<dyn std::any::Any + Send + Sync>));
+}
+
+/// The streamer attached to `patcher`'s model, if any.
+pub fn streamer_of(patcher: &ModelPatcher) -> Option<Arc<Streamer>> {
+    patcher
+        .model()
+        .stream_hook()
+        .and_then(|h| h.downcast::<Streamer>().ok())
+}

@@ -1,0 +1,361 @@
+//! Host staging buffers for host→device copies, bounded and reused by size class.
+//!
+//! On a machine with a CUDA driver the buffers are page-locked (cudarc `cuMemHostAlloc` with
+//! write-combining: fast for the device to read, slow for the CPU to read back — these buffers
+//! are only written by the CPU and read by the copy engine). Elsewhere they are plain aligned
+//! buffers whose pages are touched once at creation, so a copy into them never pays first-touch
+//! page faults. A pin that fails falls back to an aligned buffer with one warning.
+//!
+//! Reuse by size class: a request of `n` bytes takes a buffer of the next power of two (at least
+//! 64 KiB). The pool never holds more than its limit; a request that does not fit returns `None`
+//! and the caller copies from pageable memory instead.
+//!
+//! Ordering: a [`StagingBuffer`] is exclusively borrowed while in use and returns to the pool
+//! when dropped. A pinned buffer additionally owns the CUDA event of its last copy (cudarc
+//! records it), and writing into it waits on that event, so a buffer is never overwritten while a
+//! copy from it is in flight.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::size::ByteSize;
+
+/// The smallest size class.
+pub const MIN_CLASS: usize = 64 * 1024;
+
+/// The default pool limit: a quarter of the host RAM available when probed (which already
+/// respects the cgroup limit), at most 8 GiB.
+pub fn default_limit(available: ByteSize) -> ByteSize {
+    ByteSize(available.bytes() / 4).min(ByteSize::gib(8))
+}
+
+fn class_of(n: usize) -> usize {
+    n.max(MIN_CLASS).next_power_of_two()
+}
+
+/// Memory behind a staging buffer.
+enum HostMem {
+    /// 64-byte aligned, pages touched at creation.
+    Aligned(Vec<u64>),
+    /// Page-locked through the CUDA driver.
+    Pinned(cudarc::driver::PinnedHostSlice<u8>),
+}
+
+impl HostMem {
+    fn aligned(bytes: usize) -> HostMem {
+        let mut v = vec![0u64; bytes.div_ceil(8)];
+        // Touch every page once (the zeroed allocation may be untouched copy-on-write pages) so
+        // later copies run at memcpy speed instead of paying first-touch faults.
+        for i in (0..v.len()).step_by(4096 / 8) {
+            // SAFETY: `i < v.len()`, so the pointer is in bounds and aligned for `u64`.
+            unsafe { std::ptr::write_volatile(v.as_mut_ptr().add(i), 0) };
+        }
+        HostMem::Aligned(v)
+    }
+
+    fn as_mut_bytes(&mut self) -> Option<&mut [u8]> {
+        match self {
+            HostMem::Aligned(v) => {
+                let len = v.len() * 8;
+                // SAFETY: a `Vec<u64>` of `len / 8` initialised elements is `len` initialised
+                // bytes; `u8` has no alignment or validity requirements; the borrow of `v` is
+                // carried by the returned slice.
+                Some(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), len) })
+            }
+            // Waits for the buffer's last copy to complete before handing it out.
+            HostMem::Pinned(p) => p.as_mut_slice().ok(),
+        }
+    }
+
+    fn is_pinned(&self) -> bool {
+        matches!(self, HostMem::Pinned(_))
+    }
+}
+
+#[derive(Default)]
+struct PoolInner {
+    free: HashMap<usize, Vec<HostMem>>,
+    allocated: u64,
+}
+
+struct Shared {
+    inner: Mutex<PoolInner>,
+    limit: ByteSize,
+    cuda: Option<Arc<cudarc::driver::CudaContext>>,
+    pin_failed: AtomicBool,
+    reused: AtomicU64,
+    created: AtomicU64,
+    fallbacks: AtomicU64,
+}
+
+/// A bounded pool of host staging buffers.
+#[derive(Clone)]
+pub struct PinnedPool {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for PinnedPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedPool")
+            .field("limit", &self.shared.limit)
+            .field("allocated", &self.allocated())
+            .field("pinned", &self.shared.cuda.is_some())
+            .finish()
+    }
+}
+
+/// Counters of a pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolStats {
+    /// Bytes held by the pool (free and in use).
+    pub allocated: ByteSize,
+    /// Buffers created.
+    pub created: u64,
+    /// Requests served by reusing a buffer.
+    pub reused: u64,
+    /// Requests that did not fit the limit (the caller copied from pageable memory).
+    pub fallbacks: u64,
+    /// Whether buffers are page-locked.
+    pub pinned: bool,
+}
+
+impl PinnedPool {
+    /// A pool of at most `limit` bytes of plain aligned buffers.
+    pub fn aligned(limit: ByteSize) -> PinnedPool {
+        PinnedPool::build(limit, None)
+    }
+
+    /// A pool of at most `limit` bytes of page-locked buffers in `ctx`'s context (falls back to
+    /// aligned buffers, with one warning, if pinning fails).
+    pub fn pinned(limit: ByteSize, ctx: Arc<cudarc::driver::CudaContext>) -> PinnedPool {
+        PinnedPool::build(limit, Some(ctx))
+    }
+
+    fn build(limit: ByteSize, cuda: Option<Arc<cudarc::driver::CudaContext>>) -> PinnedPool {
+        PinnedPool {
+            shared: Arc::new(Shared {
+                inner: Mutex::new(PoolInner::default()),
+                limit,
+                cuda,
+                pin_failed: AtomicBool::new(false),
+                reused: AtomicU64::new(0),
+                created: AtomicU64::new(0),
+                fallbacks: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The pool's limit.
+    pub fn limit(&self) -> ByteSize {
+        self.shared.limit
+    }
+
+    /// Bytes held by the pool.
+    pub fn allocated(&self) -> ByteSize {
+        ByteSize(self.shared.inner.lock().allocated)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> PoolStats {
+        PoolStats {
+            allocated: self.allocated(),
+            created: self.shared.created.load(Ordering::Relaxed),
+            reused: self.shared.reused.load(Ordering::Relaxed),
+            fallbacks: self.shared.fallbacks.load(Ordering::Relaxed),
+            pinned: self.shared.cuda.is_some() && !self.shared.pin_failed.load(Ordering::Relaxed),
+        }
+    }
+
+    /// A buffer of at least `bytes`, or `None` when the limit does not allow one (copy from
+    /// pageable memory then).
+    pub fn acquire(&self, bytes: usize) -> Option<StagingBuffer> {
+        let class = class_of(bytes);
+        let mut inner = self.shared.inner.lock();
+        if let Some(mem) = inner.free.get_mut(&class).and_then(Vec::pop) {
+            self.shared.reused.fetch_add(1, Ordering::Relaxed);
+            return Some(StagingBuffer {
+                mem: Some(mem),
+                class,
+                len: bytes,
+                pool: self.clone(),
+            });
+        }
+        if inner.allocated + class as u64 > self.shared.limit.bytes() {
+            // Make room from idle buffers of other classes before giving up.
+            let mut freed = 0u64;
+            let classes: Vec<usize> = inner.free.keys().copied().collect();
+            for c in classes {
+                while inner.allocated - freed + class as u64 > self.shared.limit.bytes() {
+                    match inner.free.get_mut(&c).and_then(Vec::pop) {
+                        Some(_) => freed += c as u64,
+                        None => break,
+                    }
+                }
+            }
+            inner.allocated -= freed;
+            if inner.allocated + class as u64 > self.shared.limit.bytes() {
+                self.shared.fallbacks.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+        }
+        inner.allocated += class as u64;
+        drop(inner);
+        let mem = self.create(class);
+        self.shared.created.fetch_add(1, Ordering::Relaxed);
+        Some(StagingBuffer {
+            mem: Some(mem),
+            class,
+            len: bytes,
+            pool: self.clone(),
+        })
+    }
+
+    fn create(&self, class: usize) -> HostMem {
+        if let Some(ctx) = &self.shared.cuda {
+            if !self.shared.pin_failed.load(Ordering::Relaxed) {
+                // SAFETY: the memory is uninitialised bytes; it is only handed out through
+                // `StagingBuffer::as_mut_bytes`, which callers fill before reading (`u8` has no
+                // invalid values, so reading stale bytes is merely meaningless, never UB).
+                match unsafe { ctx.alloc_pinned::<u8>(class) } {
+                    Ok(p) => return HostMem::Pinned(p),
+                    Err(e) => {
+                        if !self.shared.pin_failed.swap(true, Ordering::Relaxed) {
+                            tracing::warn!(error = %e, "pinning host memory failed; staging from pageable memory");
+                        }
+                    }
+                }
+            }
+        }
+        HostMem::aligned(class)
+    }
+
+    /// Frees every idle buffer (called when models are dropped). Returns the bytes released.
+    pub fn trim(&self) -> ByteSize {
+        let mut inner = self.shared.inner.lock();
+        let idle: u64 = inner
+            .free
+            .iter()
+            .map(|(c, v)| *c as u64 * v.len() as u64)
+            .sum();
+        inner.free.clear();
+        inner.allocated -= idle;
+        ByteSize(idle)
+    }
+
+    fn give_back(&self, class: usize, mem: HostMem) {
+        self.shared
+            .inner
+            .lock()
+            .free
+            .entry(class)
+            .or_default()
+            .push(mem);
+    }
+}
+
+/// A staging buffer borrowed from a [`PinnedPool`]; returns to the pool when dropped.
+pub struct StagingBuffer {
+    mem: Option<HostMem>,
+    class: usize,
+    len: usize,
+    pool: PinnedPool,
+}
+
+impl StagingBuffer {
+    /// The requested length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the requested length is zero.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The buffer's size class.
+    pub fn capacity(&self) -> usize {
+        self.class
+    }
+    /// Whether the buffer is page-locked.
+    pub fn is_pinned(&self) -> bool {
+        self.mem.as_ref().is_some_and(HostMem::is_pinned)
+    }
+    /// The first `len` bytes, writable. For a pinned buffer this first waits for its last copy.
+    pub fn as_mut_bytes(&mut self) -> Option<&mut [u8]> {
+        let len = self.len;
+        self.mem.as_mut()?.as_mut_bytes().map(|b| &mut b[..len])
+    }
+}
+
+impl Drop for StagingBuffer {
+    fn drop(&mut self) {
+        if let Some(mem) = self.mem.take() {
+            self.pool.give_back(self.class, mem);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn respects_its_limit_and_falls_back() {
+        let pool = PinnedPool::aligned(ByteSize::kib(256));
+        let a = pool.acquire(100 * 1024).unwrap(); // 128 KiB class
+        let b = pool.acquire(100 * 1024).unwrap();
+        assert_eq!(pool.allocated(), ByteSize::kib(256));
+        assert!(pool.acquire(1).is_none(), "over the limit");
+        assert_eq!(pool.stats().fallbacks, 1);
+        drop(a);
+        drop(b);
+        assert!(pool.allocated() <= pool.limit());
+    }
+
+    #[test]
+    fn reuses_buffers_by_size_class() {
+        let pool = PinnedPool::aligned(ByteSize::mib(4));
+        let mut a = pool.acquire(70_000).unwrap();
+        assert_eq!(a.capacity(), 128 * 1024);
+        a.as_mut_bytes().unwrap().fill(7);
+        drop(a);
+        let b = pool.acquire(100_000).unwrap();
+        assert_eq!(b.capacity(), 128 * 1024);
+        let s = pool.stats();
+        assert_eq!((s.created, s.reused), (1, 1));
+        // A different class is a new buffer.
+        let _c = pool.acquire(10).unwrap();
+        assert_eq!(pool.stats().created, 2);
+    }
+
+    #[test]
+    fn idle_buffers_of_other_classes_make_room() {
+        let pool = PinnedPool::aligned(ByteSize::kib(256));
+        drop(pool.acquire(200 * 1024).unwrap()); // 256 KiB, idle
+        let small = pool.acquire(1000);
+        assert!(
+            small.is_some(),
+            "the idle big buffer was released for a small one"
+        );
+        assert_eq!(pool.allocated(), ByteSize::kib(64));
+    }
+
+    #[test]
+    fn trim_releases_idle_buffers() {
+        let pool = PinnedPool::aligned(ByteSize::mib(1));
+        let held = pool.acquire(1000).unwrap();
+        drop(pool.acquire(200_000).unwrap());
+        assert_eq!(pool.trim(), ByteSize::kib(256));
+        assert_eq!(pool.allocated(), ByteSize::kib(64));
+        drop(held);
+        pool.trim();
+        assert_eq!(pool.allocated(), ByteSize::ZERO);
+    }
+
+    #[test]
+    fn default_limit_is_a_quarter_of_available_capped() {
+        assert_eq!(default_limit(ByteSize::gib(16)), ByteSize::gib(4));
+        assert_eq!(default_limit(ByteSize::gib(128)), ByteSize::gib(8));
+    }
+}

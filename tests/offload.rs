@@ -1,0 +1,252 @@
+//! Streamed weights through transfer lanes and prefetch: bit-identical outputs for any lane
+//! count, depth and budget (DESIGN I3), no staging buffer overwritten in flight, pool behaviour.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use residency::float::Dtype;
+use residency::loader::{LoadOptions, MemoryManager};
+use residency::offload::{fetch_weight, PinnedPool, Streamer, TransferEngine};
+use residency::patcher::{Lora, ModelPatcher, Patch};
+use residency::vram::{Config, DeviceId, Hardware};
+use residency::weights::{save_safetensors, Model, SafetensorsOptions};
+use residency::ByteSize;
+
+const LAYERS: usize = 8;
+const WIDTH: usize = 64;
+
+/// A deep MLP checkpoint: LAYERS square linear layers, bf16 storage.
+fn mlp_file(dir: &std::path::Path, dtype: Dtype) -> std::path::PathBuf {
+    let path = dir.join(format!("mlp-{dtype}.safetensors"));
+    let mut tensors = Vec::new();
+    for l in 0..LAYERS {
+        let w = (rand_tensor(&[WIDTH, WIDTH], l as u64 + 100) * 0.3).unwrap();
+        let w = residency::float::from_f32(&w, dtype, residency::Rounding::Nearest).unwrap();
+        tensors.push((format!("layers.{l}.weight"), w, dtype));
+    }
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    path
+}
+
+fn with_lora(p: &mut ModelPatcher) {
+    for l in (0..LAYERS).step_by(2) {
+        let mut lora = Lora::new(
+            rand_tensor(&[WIDTH, 4], l as u64),
+            rand_tensor(&[4, WIDTH], l as u64 + 1),
+        );
+        lora.alpha = Some(2.0);
+        p.add_patches(
+            [(format!("layers.{l}.weight"), Patch::Lora(lora))],
+            0.8,
+            1.0,
+        )
+        .unwrap();
+    }
+}
+
+/// Two forwards (the first records the order, the second prefetches); returns the second's bits.
+fn forward_twice(p: &ModelPatcher) -> Vec<f32> {
+    let mut out = Vec::new();
+    for _ in 0..2 {
+        let mut x = rand_tensor(&[4, WIDTH], 9);
+        for l in 0..LAYERS {
+            let (w, _) = fetch_weight(p, &format!("layers.{l}.weight")).unwrap();
+            x = x.matmul(&w.t().unwrap()).unwrap().tanh().unwrap();
+        }
+        p.model().finish_forward();
+        out = f32s(&x);
+    }
+    out
+}
+
+fn run(
+    dtype: Dtype,
+    budget: Option<ByteSize>,
+    lanes: usize,
+    depth: usize,
+) -> (Vec<f32>, MemoryManager) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = mlp_file(dir.path(), dtype);
+    let model = Model::from_safetensors("mlp", &[path]).unwrap();
+    let mut args: Vec<String> = vec!["--reserve-vram".into(), "0".into()];
+    match budget {
+        Some(b) => args.extend(["--vram-budget".to_string(), b.bytes().to_string()]),
+        None => args.extend([
+            "--vram-budget".to_string(),
+            "1GiB".to_string(),
+            "--novram".to_string(),
+        ]),
+    }
+    let config = Config::from_args(&args)
+        .unwrap()
+        .with_transfer_lanes(lanes)
+        .with_prefetch_depth(depth);
+    let mm = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(64))).unwrap();
+    let mut p = ModelPatcher::new(Arc::new(model), DeviceId::Cpu, DeviceId::Cpu)
+        .with_compute_dtype(Some(Dtype::F32));
+    with_lora(&mut p);
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    (forward_twice(&p), mm)
+}
+
+#[test]
+fn outputs_are_bit_identical_for_any_lanes_depth_and_budget() {
+    let f32_layer = (WIDTH * WIDTH * 4) as u64;
+    for dtype in [Dtype::BF16, Dtype::F8E4M3FN] {
+        let (reference, _) = run(dtype, Some(ByteSize::mib(64)), 0, 0);
+        let budgets = [
+            Some(ByteSize::mib(64)),
+            Some(ByteSize(f32_layer * 2 + 1)),
+            None,
+        ];
+        for budget in budgets {
+            for lanes in [0, 1, 2, 4] {
+                for depth in [0, 1, 2, 4] {
+                    let (got, mm) = run(dtype, budget, lanes, depth);
+                    assert_eq!(
+                        got, reference,
+                        "{dtype} budget {budget:?} lanes {lanes} depth {depth}"
+                    );
+                    assert!(mm.peak_ledger(DeviceId::Cpu) <= budget.unwrap_or(ByteSize::gib(1)));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn second_forward_is_served_by_prefetch() {
+    let (_, mm) = run(Dtype::BF16, None, 2, 2);
+    let t = mm.transfer_stats();
+    // First forward: every weight misses; second: all but the first hit.
+    assert!(t.prefetch_hits >= (LAYERS - 1) as u64, "{t:?}");
+    assert!(t.prefetch_misses <= LAYERS as u64 + 1, "{t:?}");
+    assert!(t.bytes_staged > ByteSize::ZERO, "{t:?}");
+    let report = mm.memory_report().to_string();
+    assert!(report.contains("prefetch"), "{report}");
+}
+
+#[test]
+fn a_changed_order_or_clone_is_a_miss_never_a_wrong_weight() {
+    let dir = tempfile::tempdir().unwrap();
+    let model =
+        Arc::new(Model::from_safetensors("mlp", &[mlp_file(dir.path(), Dtype::BF16)]).unwrap());
+    let engine = Arc::new(TransferEngine::new(
+        2,
+        Some(PinnedPool::aligned(ByteSize::mib(1))),
+    ));
+    let base = ModelPatcher::new(model.clone(), DeviceId::Cpu, DeviceId::Cpu)
+        .with_compute_dtype(Some(Dtype::F32));
+    let streamer = Arc::new(Streamer::new(engine.clone(), 3, ByteSize::gib(1)));
+    residency::offload::attach_streamer(&base, Some(streamer));
+    forward_twice(&base); // records the order, prefetches in it
+                          // A clone with different patches asks for the same weights: prefetched copies built for the
+                          // base must not be handed to it.
+    let mut lora = base.clone();
+    with_lora(&mut lora);
+    for l in (0..LAYERS).rev() {
+        let key = format!("layers.{l}.weight");
+        let (got, streamed) = fetch_weight(&lora, &key).unwrap();
+        assert!(streamed);
+        let idx = model.index_of(&key).unwrap();
+        let want = lora.materialize(idx, Dtype::F32, DeviceId::Cpu).unwrap();
+        assert_eq!(f32s(&got), f32s(&want), "{key}");
+        let (got, _) = fetch_weight(&base, &key).unwrap();
+        let want = base.materialize(idx, Dtype::F32, DeviceId::Cpu).unwrap();
+        assert_eq!(f32s(&got), f32s(&want), "{key}");
+    }
+}
+
+#[test]
+fn staging_buffers_are_never_overwritten_in_flight() {
+    // Many threads, many patchers, a pool so small that buffers are reused constantly.
+    let dir = tempfile::tempdir().unwrap();
+    let model =
+        Arc::new(Model::from_safetensors("mlp", &[mlp_file(dir.path(), Dtype::BF16)]).unwrap());
+    let pool = PinnedPool::aligned(ByteSize::kib(128));
+    let engine = Arc::new(TransferEngine::new(3, Some(pool.clone())));
+    let base = ModelPatcher::new(model.clone(), DeviceId::Cpu, DeviceId::Cpu)
+        .with_compute_dtype(Some(Dtype::F32));
+    let expected: Vec<Vec<f32>> = (0..LAYERS)
+        .map(|i| f32s(&base.materialize(i, Dtype::F32, DeviceId::Cpu).unwrap()))
+        .collect();
+    let expected = Arc::new(expected);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(1500);
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let engine = engine.clone();
+            let base = base.clone();
+            let expected = expected.clone();
+            std::thread::spawn(move || {
+                let mut checked = 0;
+                while std::time::Instant::now() < deadline {
+                    let pending: Vec<_> = (0..LAYERS)
+                        .map(|i| (i, engine.submit(&base, (i + t) % LAYERS)))
+                        .collect();
+                    for (i, p) in pending {
+                        let got = f32s(&p.wait().unwrap());
+                        assert_eq!(
+                            got,
+                            expected[(i + t) % LAYERS],
+                            "weight {} corrupted",
+                            (i + t) % LAYERS
+                        );
+                        checked += 1;
+                    }
+                }
+                checked
+            })
+        })
+        .collect();
+    let checked: usize = threads.into_iter().map(|h| h.join().unwrap()).sum();
+    assert!(checked > 100, "{checked}");
+    let s = pool.stats();
+    assert!(s.reused > 10, "{s:?}");
+    assert!(s.allocated <= ByteSize::kib(128), "{s:?}");
+}
+
+#[test]
+fn engine_without_pool_or_lanes_gives_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let model =
+        Arc::new(Model::from_safetensors("mlp", &[mlp_file(dir.path(), Dtype::F8E5M2)]).unwrap());
+    let mut p =
+        ModelPatcher::new(model, DeviceId::Cpu, DeviceId::Cpu).with_compute_dtype(Some(Dtype::F32));
+    with_lora(&mut p);
+    for (lanes, pool) in [
+        (0, None),
+        (2, None),
+        (2, Some(PinnedPool::aligned(ByteSize::mib(1)))),
+    ] {
+        let e = TransferEngine::new(lanes, pool);
+        for i in 0..LAYERS {
+            let got = f32s(&e.submit(&p, i).wait().unwrap());
+            let want = f32s(&p.materialize(i, Dtype::F32, DeviceId::Cpu).unwrap());
+            assert_eq!(got, want);
+        }
+    }
+}
+
+#[test]
+fn cleanup_releases_staging_memory_after_models_are_dropped() {
+    let (_, mm) = run(Dtype::BF16, None, 2, 2);
+    assert!(mm.memory_report().pinned > ByteSize::ZERO);
+    mm.cleanup_models();
+    mm.unload_all_models();
+    assert_eq!(mm.memory_report().pinned, ByteSize::ZERO);
+    let cfg = Config::from_args(["--disable-pinned-memory", "--vram-budget", "1GiB"]).unwrap();
+    let mm = MemoryManager::new(cfg, Hardware::cpu_only(ByteSize::gib(8))).unwrap();
+    assert!(mm.transfer_engine().pool().is_none());
+    let cfg =
+        Config::from_args(["--pinned-memory-limit", "3MiB", "--vram-budget", "1GiB"]).unwrap();
+    let mm = MemoryManager::new(cfg, Hardware::cpu_only(ByteSize::gib(8))).unwrap();
+    assert_eq!(
+        mm.transfer_engine().pool().unwrap().limit(),
+        ByteSize::mib(3)
+    );
+    let _ = Tensor::zeros(1, DType::F32, &Device::Cpu);
+}
