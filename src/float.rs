@@ -41,10 +41,11 @@
 //!
 //! # Determinism
 //!
-//! Stochastic rounding draws its randomness from a counter-based generator: the random bits of
-//! element `i` are a hash (splitmix64 finalizer) of `(seed, i / 2)`, of which element `i` takes the
-//! low or high 32 bits. Nothing depends on thread count, chunking or run: the same seed and input
-//! give the same bits everywhere. The seed of a weight is [`weight_seed`] of its key, so a patched
+//! Stochastic rounding draws its randomness from a counter-based generator: the 32 random bits of
+//! element `i` are a pure function of `(seed, i)`: two keys are derived from the seed and the
+//! high word of `i` with splitmix64's finalizer, then the low word of `i` goes through two keyed
+//! rounds of a 32-bit integer hash (`lowbias32`), which vectorizes. Nothing depends on thread
+//! count, chunking or run: the same seed and input give the same bits everywhere. The seed of a weight is [`weight_seed`] of its key, so a patched
 //! weight re-materialized after an unload comes back bit-identical.
 //!
 //! # Complexity and parallelism
@@ -66,8 +67,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result, TensorContext};
 use crate::size::ByteSize;
 
-/// Number of elements one parallel task converts. Chunks start at multiples of this (even) size,
-/// which the stochastic generator relies on only for speed, never for its results.
+/// Number of elements one parallel task converts. Results never depend on it.
 pub const PAR_CHUNK: usize = 64 * 1024;
 
 // ---------------------------------------------------------------------------------------------
@@ -537,9 +537,12 @@ fn encode_stochastic<F: Format>(x: f32, r: u32) -> u8 {
     // Subnormal range: in units of the subnormal step the magnitude is `scaled` (exact: a power
     // of two scaling); its fraction is exact too; round up when a 24-bit uniform is below it.
     let scaled = f32::from_bits(abs) * F::SUB_SCALE;
-    let lo = scaled as u32;
+    // Signed conversions (single instructions on x86): `scaled` < 2^M + 1 and `r >> 8` < 2^24 in
+    // every lane that is selected.
+    let lo = scaled as i32;
     let frac = scaled - lo as f32;
-    let uniform = (r >> 8) as f32 * (1.0 / 16_777_216.0);
+    let uniform = ((r >> 8) as i32) as f32 * (1.0 / 16_777_216.0);
+    let lo = lo as u32;
     // `lo` saturates for lanes outside the subnormal range, which are not selected.
     let sub = lo.wrapping_add(u32::from(uniform < frac));
     let code = if abs < F::MIN_NORMAL_BITS {
@@ -558,6 +561,7 @@ fn encode_stochastic<F: Format>(x: f32, r: u32) -> u8 {
 
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
+/// splitmix64's finalizer: a 64-bit bijection with full avalanche.
 #[inline(always)]
 fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -565,115 +569,155 @@ fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The stream key of a seed (mixed once so nearby seeds give unrelated streams).
+/// Chris Wellons' `lowbias32`: a 32-bit bijection with low avalanche bias, made only of 32-bit
+/// shifts, xors and multiplies, so a loop over it vectorizes (8 lanes with AVX2).
+#[inline(always)]
+fn mix32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x21F0_AAAD);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0xD35A_2D97);
+    x ^ (x >> 15)
+}
+
+/// The two 32-bit keys for elements whose index has high word `hi`, from the seed. Computed once
+/// per run of 2³² indices, never per element.
 #[inline]
-fn stream_key(seed: u64) -> u64 {
-    mix64(seed ^ 0x5EED_F8F8_5EED_F8F8)
+fn block_keys(seed: u64, hi: u32) -> (u32, u32) {
+    let k =
+        mix64(mix64(seed ^ 0x5EED_F8F8_5EED_F8F8).wrapping_add(u64::from(hi).wrapping_mul(GOLDEN)));
+    (k as u32, (k >> 32) as u32)
 }
 
-/// 64 random bits for the pair of elements `(2p, 2p + 1)`: splitmix64's `p`-th output from the
-/// stream key.
+/// The 32 random bits of the element whose index has low word `lo`, under [`block_keys`]:
+/// two keyed rounds of [`mix32`].
 #[inline(always)]
-fn pair_bits(key: u64, pair: u64) -> u64 {
-    mix64(key.wrapping_add(pair.wrapping_mul(GOLDEN)))
+fn keyed_bits((k0, k1): (u32, u32), lo: u32) -> u32 {
+    mix32(mix32(lo ^ k0) ^ k1)
 }
 
-/// The 32 random bits of element `index`.
-#[inline(always)]
-fn element_bits(key: u64, index: u64) -> u32 {
-    (pair_bits(key, index >> 1) >> ((index & 1) * 32)) as u32
+/// The 32 random bits of element `index` of a stochastic conversion seeded with `seed`.
+#[cfg(test)]
+fn element_bits(seed: u64, index: u64) -> u32 {
+    keyed_bits(block_keys(seed, (index >> 32) as u32), index as u32)
 }
 
 // ---------------------------------------------------------------------------------------------
 // Kernels (one chunk, one thread)
 // ---------------------------------------------------------------------------------------------
 
-/// Runs `f` compiled with AVX2/FMA/F16C enabled for everything it inlines.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
-    f()
-}
-
-/// Runs `f` with the best instruction set this CPU has (kernels are `inline(always)`, so they
-/// are compiled into each variant).
+/// Whether the AVX2 variants of the kernels may run on this CPU (std caches the probe).
 #[inline(always)]
-fn dispatch<R>(f: impl FnOnce() -> R) -> R {
+fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2")
+        std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
             && std::arch::is_x86_feature_detected!("f16c")
-        {
-            // SAFETY: `with_avx2` only requires the CPU to support AVX2, FMA and F16C, which was
-            // checked just above.
-            return unsafe { with_avx2(f) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Defines a kernel compiled twice: baseline and with AVX2/FMA/F16C enabled (so its loop
+/// vectorizes 8 lanes wide), the variant picked at run time. The body is written once, as plain
+/// branch-free scalar code.
+macro_rules! multiversion {
+    (
+        $(#[$meta:meta])*
+        fn $name:ident $(<$g:ident: $bound:path>)? ($($arg:ident: $ty:ty),* $(,)?) $body:block
+    ) => {
+        $(#[$meta])*
+        fn $name $(<$g: $bound>)? ($($arg: $ty),*) {
+            #[inline(always)]
+            fn portable $(<$g: $bound>)? ($($arg: $ty),*) $body
+
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            fn avx2 $(<$g: $bound>)? ($($arg: $ty),*) {
+                portable $(::<$g>)? ($($arg),*)
+            }
+
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2() {
+                // SAFETY: `avx2` requires only that the CPU supports AVX2, FMA and F16C, which
+                // `has_avx2` has just checked.
+                return unsafe { avx2 $(::<$g>)? ($($arg),*) };
+            }
+            portable $(::<$g>)? ($($arg),*)
+        }
+    };
+}
+
+multiversion! {
+    fn bf16_encode_kernel(src: &[f32], dst: &mut [u16]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            let bits = s.to_bits();
+            // Wraps only for negative NaNs, which the select below replaces.
+            let rounded = (bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16) as u16;
+            let nan = ((bits >> 16) | 0x0040) as u16;
+            *d = if bits & 0x7FFF_FFFF > 0x7F80_0000 {
+                nan
+            } else {
+                rounded
+            };
         }
     }
-    f()
 }
 
-#[inline(always)]
-fn bf16_encode_kernel(src: &[f32], dst: &mut [u16]) {
-    for (d, &s) in dst.iter_mut().zip(src) {
-        let bits = s.to_bits();
-        // Wraps only for negative NaNs, which the select below replaces.
-        let rounded = (bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16) as u16;
-        let nan = ((bits >> 16) | 0x0040) as u16;
-        *d = if bits & 0x7FFF_FFFF > 0x7F80_0000 {
-            nan
-        } else {
-            rounded
-        };
+multiversion! {
+    fn bf16_decode_kernel(src: &[u16], dst: &mut [f32]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits(u32::from(s) << 16);
+        }
     }
 }
 
-#[inline(always)]
-fn bf16_decode_kernel(src: &[u16], dst: &mut [f32]) {
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = f32::from_bits(u32::from(s) << 16);
+multiversion! {
+    fn fp8_rne_kernel<F: Format>(src: &[f32], dst: &mut [u8]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = encode_rne::<F>(s);
+        }
     }
 }
 
-#[inline(always)]
-fn fp8_rne_kernel<F: Format>(src: &[f32], dst: &mut [u8]) {
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = encode_rne::<F>(s);
+multiversion! {
+    /// Stochastic kernel for a chunk whose first element has global index `base`.
+    fn fp8_stochastic_kernel<F: Format>(src: &[f32], dst: &mut [u8], seed: u64, base: u64) {
+        let mut src = src;
+        let mut dst = dst;
+        let mut index = base;
+        // Runs of indices sharing their high word (one run unless the chunk crosses a multiple of
+        // 2^32); within a run the loop is branch-free and vectorizes.
+        while !src.is_empty() && !dst.is_empty() {
+            let lo = index as u32;
+            let room = (1u64 << 32) - u64::from(lo);
+            let take = src
+                .len()
+                .min(dst.len())
+                .min(usize::try_from(room).unwrap_or(usize::MAX));
+            let keys = block_keys(seed, (index >> 32) as u32);
+            let (s_run, s_rest) = src.split_at(take);
+            let (d_run, d_rest) = dst.split_at_mut(take);
+            let mut counter = lo;
+            for (d, &x) in d_run.iter_mut().zip(s_run) {
+                *d = encode_stochastic::<F>(x, keyed_bits(keys, counter));
+                counter = counter.wrapping_add(1);
+            }
+            src = s_rest;
+            dst = d_rest;
+            index += take as u64;
+        }
     }
 }
 
-/// Stochastic kernel for a chunk whose first element has global index `base`.
-#[inline(always)]
-fn fp8_stochastic_kernel<F: Format>(src: &[f32], dst: &mut [u8], key: u64, base: u64) {
-    let n = src.len().min(dst.len());
-    let (src, dst) = (&src[..n], &mut dst[..n]);
-    // Align to a pair boundary so each hash serves two elements.
-    let lead = usize::from(base & 1 == 1).min(n);
-    let (src_lead, src) = src.split_at(lead);
-    let (dst_lead, dst) = dst.split_at_mut(lead);
-    if let (Some(&s), Some(d)) = (src_lead.first(), dst_lead.first_mut()) {
-        *d = encode_stochastic::<F>(s, element_bits(key, base));
-    }
-    let index = base + lead as u64;
-    let first_pair = index >> 1;
-    let src_pairs = src.chunks_exact(2);
-    let src_tail = src_pairs.remainder();
-    let mut dst_pairs = dst.chunks_exact_mut(2);
-    for (p, (s, d)) in src_pairs.zip(&mut dst_pairs).enumerate() {
-        let h = pair_bits(key, first_pair + p as u64);
-        d[0] = encode_stochastic::<F>(s[0], h as u32);
-        d[1] = encode_stochastic::<F>(s[1], (h >> 32) as u32);
-    }
-    if let (Some(&s), Some(d)) = (src_tail.first(), dst_pairs.into_remainder().first_mut()) {
-        let last = index + (n - lead - 1) as u64;
-        *d = encode_stochastic::<F>(s, element_bits(key, last));
-    }
-}
-
-#[inline(always)]
-fn fp8_decode_kernel(table: &[f32; 256], src: &[u8], dst: &mut [f32]) {
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = table[usize::from(s)];
+multiversion! {
+    fn fp8_decode_kernel(table: &[f32; 256], src: &[u8], dst: &mut [f32]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = table[usize::from(s)];
+        }
     }
 }
 
@@ -739,7 +783,7 @@ pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) -> Result<()> {
 pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) -> Result<()> {
     check_len("f32 → bf16", src.len(), dst.len())?;
     let dst: &mut [u16] = dst.reinterpret_cast_mut();
-    par_convert(src, dst, |s, d, _| dispatch(|| bf16_encode_kernel(s, d)));
+    par_convert(src, dst, |s, d, _| bf16_encode_kernel(s, d));
     Ok(())
 }
 
@@ -750,7 +794,7 @@ pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) -> Result<()> {
 pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) -> Result<()> {
     check_len("bf16 → f32", src.len(), dst.len())?;
     let src: &[u16] = src.reinterpret_cast();
-    par_convert(src, dst, |s, d, _| dispatch(|| bf16_decode_kernel(s, d)));
+    par_convert(src, dst, |s, d, _| bf16_decode_kernel(s, d));
     Ok(())
 }
 
@@ -768,24 +812,20 @@ pub fn f32_to_fp8(
 ) -> Result<()> {
     check_len("f32 → fp8", src.len(), dst.len())?;
     match (format, rounding) {
-        (Fp8Format::E4M3FN, Rounding::Nearest) => par_convert(src, dst, |s, d, _| {
-            dispatch(|| fp8_rne_kernel::<E4M3FN>(s, d))
-        }),
-        (Fp8Format::E5M2, Rounding::Nearest) => par_convert(src, dst, |s, d, _| {
-            dispatch(|| fp8_rne_kernel::<E5M2>(s, d))
-        }),
+        (Fp8Format::E4M3FN, Rounding::Nearest) => {
+            par_convert(src, dst, |s, d, _| fp8_rne_kernel::<E4M3FN>(s, d))
+        }
+        (Fp8Format::E5M2, Rounding::Nearest) => {
+            par_convert(src, dst, |s, d, _| fp8_rne_kernel::<E5M2>(s, d))
+        }
         (Fp8Format::E4M3FN, Rounding::Stochastic { seed }) => {
-            let key = stream_key(seed);
             par_convert(src, dst, |s, d, base| {
-                dispatch(|| fp8_stochastic_kernel::<E4M3FN>(s, d, key, base))
+                fp8_stochastic_kernel::<E4M3FN>(s, d, seed, base)
             })
         }
-        (Fp8Format::E5M2, Rounding::Stochastic { seed }) => {
-            let key = stream_key(seed);
-            par_convert(src, dst, |s, d, base| {
-                dispatch(|| fp8_stochastic_kernel::<E5M2>(s, d, key, base))
-            })
-        }
+        (Fp8Format::E5M2, Rounding::Stochastic { seed }) => par_convert(src, dst, |s, d, base| {
+            fp8_stochastic_kernel::<E5M2>(s, d, seed, base)
+        }),
     }
     Ok(())
 }
@@ -797,9 +837,7 @@ pub fn f32_to_fp8(
 pub fn fp8_to_f32(src: &[u8], dst: &mut [f32], format: Fp8Format) -> Result<()> {
     check_len("fp8 → f32", src.len(), dst.len())?;
     let table = format.table();
-    par_convert(src, dst, |s, d, _| {
-        dispatch(|| fp8_decode_kernel(table, s, d))
-    });
+    par_convert(src, dst, |s, d, _| fp8_decode_kernel(table, s, d));
     Ok(())
 }
 
@@ -1345,15 +1383,12 @@ mod tests {
         for f in FORMATS {
             let parallel = sr(f, &src, 77);
             // Element by element, one random draw per element.
-            let key = stream_key(77);
             let scalar: Vec<u8> = src
                 .iter()
                 .enumerate()
                 .map(|(i, &x)| match f {
-                    Fp8Format::E4M3FN => {
-                        encode_stochastic::<E4M3FN>(x, element_bits(key, i as u64))
-                    }
-                    Fp8Format::E5M2 => encode_stochastic::<E5M2>(x, element_bits(key, i as u64)),
+                    Fp8Format::E4M3FN => encode_stochastic::<E4M3FN>(x, element_bits(77, i as u64)),
+                    Fp8Format::E5M2 => encode_stochastic::<E5M2>(x, element_bits(77, i as u64)),
                 })
                 .collect();
             assert_eq!(parallel, scalar, "{f}");
@@ -1369,19 +1404,36 @@ mod tests {
                     Fp8Format::E4M3FN => fp8_stochastic_kernel::<E4M3FN>(
                         &src[start..end],
                         &mut pieces[start..end],
-                        key,
+                        77,
                         start as u64,
                     ),
                     Fp8Format::E5M2 => fp8_stochastic_kernel::<E5M2>(
                         &src[start..end],
                         &mut pieces[start..end],
-                        key,
+                        77,
                         start as u64,
                     ),
                 }
                 start = end;
             }
             assert_eq!(parallel, pieces, "{f}");
+            // A run crossing a multiple of 2^32 switches keys exactly at the boundary.
+            let base = (1u64 << 32) - 5;
+            let mut across = [0u8; 11];
+            match f {
+                Fp8Format::E4M3FN => {
+                    fp8_stochastic_kernel::<E4M3FN>(&src[..11], &mut across, 77, base)
+                }
+                Fp8Format::E5M2 => fp8_stochastic_kernel::<E5M2>(&src[..11], &mut across, 77, base),
+            }
+            for (j, &c) in across.iter().enumerate() {
+                let r = element_bits(77, base + j as u64);
+                let want = match f {
+                    Fp8Format::E4M3FN => encode_stochastic::<E4M3FN>(src[j], r),
+                    Fp8Format::E5M2 => encode_stochastic::<E5M2>(src[j], r),
+                };
+                assert_eq!(c, want, "{f} element {j} past 2^32 - 5");
+            }
             // A one-thread pool gives the same bits.
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(1)
