@@ -96,6 +96,9 @@ pub struct Config {
     pub cuda_device: Option<usize>,
     /// `--deterministic`.
     pub deterministic: bool,
+    /// `--inference-memory SIZE` (a residency extension, not a ComfyUI flag): replaces the
+    /// 0.8 GiB base of `minimum_inference_memory`, for small models and simulations.
+    pub inference_memory: Option<ByteSize>,
     /// How many streamed weights are prefetched ahead of use (not a ComfyUI flag; set with
     /// [`Config::with_prefetch_depth`]). `None`: 2.
     pub prefetch_depth: Option<usize>,
@@ -125,6 +128,7 @@ enum Action {
     Upcast(UpcastFlag),
     CudaDevice,
     Deterministic,
+    InferenceMemory,
 }
 
 /// Every flag, as ComfyUI spells it.
@@ -188,6 +192,7 @@ const FLAGS: &[(&str, Action)] = &[
     ("--dont-upcast-attention", Action::Upcast(UpcastFlag::Never)),
     ("--cuda-device", Action::CudaDevice),
     ("--deterministic", Action::Deterministic),
+    ("--inference-memory", Action::InferenceMemory),
 ];
 
 /// Flags are matched with `_` and `-` treated alike, so `--fp8-e4m3fn-unet` and
@@ -478,6 +483,7 @@ impl Config {
                 )
             }
             Action::Deterministic => self.deterministic = true,
+            Action::InferenceMemory => self.inference_memory = Some(value_str.parse()?),
         }
         Ok(())
     }

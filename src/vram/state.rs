@@ -287,9 +287,14 @@ impl Policy {
         }
     }
 
-    /// `0.8 GiB + reserve`, exact (the load formulas use the fractional value).
+    /// `0.8 GiB + reserve`, exact (the load formulas use the fractional value). `--inference-memory`
+    /// replaces the 0.8 GiB.
     pub fn minimum_inference_memory_f64(&self) -> f64 {
-        0.8 * GIB_F + self.reserve().as_f64()
+        let base = match self.config.inference_memory {
+            Some(b) => b.as_f64(),
+            None => 0.8 * GIB_F,
+        };
+        base + self.reserve().as_f64()
     }
 
     /// `0.8 GiB + reserve`, rounded down to bytes (1278423859 with the Linux default).
