@@ -251,7 +251,11 @@ impl Config {
         match lookup(flag).map(|(_, a)| a) {
             Some(Action::AsyncOffload) => None,
             Some(
-                Action::ReserveVram | Action::VramBudget | Action::PinnedLimit | Action::CudaDevice,
+                Action::ReserveVram
+                | Action::VramBudget
+                | Action::PinnedLimit
+                | Action::CudaDevice
+                | Action::InferenceMemory,
             ) => Some(true),
             _ => Some(false),
         }
