@@ -6,6 +6,8 @@ pub mod attention;
 pub mod error;
 pub mod float;
 pub mod loader;
+pub mod models;
+pub mod ops;
 pub mod patcher;
 pub mod size;
 pub mod vram;
