@@ -14,7 +14,9 @@ pub mod lora;
 mod model_patcher;
 pub mod patch;
 
+pub(crate) use model_patcher::cast_weight;
 pub use model_patcher::{
     LoadOutcome, MemoryEstimator, ModelPatcher, PatchKey, PatchSet, PatcherOptions, SetEntry,
+    WeightWrapper, WEIGHT_SCALE_SUFFIX,
 };
 pub use patch::{DoraNorm, LoHa, LoKr, Lora, Offset, Patch, PatchEntry};

@@ -96,6 +96,15 @@ impl PatchSet {
 /// Estimates activation memory for an input shape (supplied by the model's author).
 pub type MemoryEstimator = Arc<dyn Fn(&[usize]) -> ByteSize + Send + Sync>;
 
+/// A function applied to a weight at use, after it is fetched, patched and cast to the compute
+/// dtype (see [`ModelPatcher::add_weight_wrapper`]). It runs on every forward, on resident and
+/// streamed weights alike, so it never changes residency or fingerprints.
+pub type WeightWrapper = Arc<dyn Fn(Tensor) -> Result<Tensor> + Send + Sync>;
+
+/// The suffix of a per-tensor scale stored next to a quantized weight: `<layer>.weight` is
+/// scaled by the f32 scalar `<layer>.weight_scale` (see [`crate::ops`]).
+pub const WEIGHT_SCALE_SUFFIX: &str = ".weight_scale";
+
 /// Per-patcher options.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct PatcherOptions {
@@ -129,7 +138,8 @@ pub struct LoadOutcome {
 /// - [`Clone::clone`] shares the [`Model`] — its clean weights **and its resident copies** — and
 ///   copies the patch set copy-on-write: the map of patched keys is shared until either side adds
 ///   patches, so a clone costs O(1) and the first `add_patches` on it O(number of patched keys).
-///   Options, devices, attachments and additional models are copied (attachments by `Arc`).
+///   Options, devices, attachments, weight wrappers and additional models are copied
+///   (attachments and wrappers by `Arc`, copy-on-write).
 ///   The clone records its parent's id ([`ModelPatcher::parent_id`]).
 /// - Nothing a clone does changes the original's patches, and no patcher ever changes a clean
 ///   weight (DESIGN I1): patched values are always new tensors.
@@ -148,6 +158,7 @@ pub struct ModelPatcher {
     additional: Vec<ModelPatcher>,
     attachments: Arc<HashMap<String, Arc<dyn Any + Send + Sync>>>,
     estimator: Option<MemoryEstimator>,
+    wrappers: Arc<HashMap<String, Vec<WeightWrapper>>>,
 }
 
 impl Clone for ModelPatcher {
@@ -163,6 +174,7 @@ impl Clone for ModelPatcher {
             additional: self.additional.clone(),
             attachments: Arc::clone(&self.attachments),
             estimator: self.estimator.clone(),
+            wrappers: Arc::clone(&self.wrappers),
         }
     }
 }
@@ -200,6 +212,7 @@ impl ModelPatcher {
             additional: Vec::new(),
             attachments: Arc::new(HashMap::new()),
             estimator: None,
+            wrappers: Arc::new(HashMap::new()),
         }
     }
 
@@ -374,14 +387,64 @@ impl ModelPatcher {
             return Ok(clean.clone());
         }
         let chain: Vec<PatchEntry> = entries.iter().map(|e| e.entry.clone()).collect();
-        let w = float::to_f32(clean, slot.dtype())?;
-        let patched = patch::apply(slot.name(), &w, &chain, self.options.dora)?;
+        let scale = self.weight_scale(index)?;
+        let mut w = float::to_f32(clean, slot.dtype())?;
+        if let Some(s) = scale {
+            // Patches act on the weight the layer computes with: decoded × scale.
+            w = w
+                .affine(f64::from(s), 0.0)
+                .map_err(|e| Error::tensor(format!("`{}`: applying its scale", slot.name()), e))?;
+        }
+        let mut patched = patch::apply(slot.name(), &w, &chain, self.options.dora)?;
+        if let Some(s) = scale {
+            patched = (patched / f64::from(s))
+                .map_err(|e| Error::tensor(format!("`{}`: removing its scale", slot.name()), e))?;
+        }
         let rounding = if slot.dtype().is_fp8() {
             Rounding::stochastic_for(slot.name())
         } else {
             Rounding::Nearest
         };
         float::from_f32(&patched, slot.dtype(), rounding)
+    }
+
+    /// The per-tensor scale of weight `index`: the f32 scalar stored as `<layer>.weight_scale`
+    /// next to an fp8 `<layer>.weight`, else `None`. Patches on a scaled weight are applied to
+    /// `decode(w) × scale` and divided by the scale again before rounding back to fp8.
+    ///
+    /// # Errors
+    /// [`Error::BadPatch`] when the scale tensor is not a single finite, non-zero value.
+    pub fn weight_scale(&self, index: usize) -> Result<Option<f32>> {
+        let slot = &self.model.slots()[index];
+        if !slot.dtype().is_fp8() {
+            return Ok(None);
+        }
+        let Some(prefix) = slot.name().strip_suffix(".weight") else {
+            return Ok(None);
+        };
+        let key = format!("{prefix}{WEIGHT_SCALE_SUFFIX}");
+        let Some(si) = self.model.index_of(&key) else {
+            return Ok(None);
+        };
+        let s = &self.model.slots()[si];
+        let bad = |reason: String| Error::BadPatch {
+            key: key.clone(),
+            reason: format!("model `{}`: {reason}", self.model.name()),
+        };
+        if s.numel() != 1 {
+            return Err(bad(format!(
+                "a per-tensor scale must hold one value, not shape {:?}",
+                s.shape()
+            )));
+        }
+        let v = float::to_f32(s.clean(), s.dtype())?
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| Error::tensor(format!("reading `{key}`"), e))?[0];
+        if !v.is_finite() || v == 0.0 {
+            return Err(bad(format!("scale {v} is not a finite non-zero number")));
+        }
+        Ok(Some(v))
     }
 
     /// Every weight, patched, in its storage dtype: `(key, tensor, dtype)` in file order.
@@ -411,17 +474,7 @@ impl ModelPatcher {
     ) -> Result<Tensor> {
         let slot = &self.model.slots()[index];
         let stored = self.patched_storage_from(index, clean)?;
-        let cast = if dtype == slot.dtype() {
-            stored
-        } else if dtype == Dtype::F32 {
-            float::to_f32(&stored, slot.dtype())?
-        } else {
-            float::from_f32(
-                &float::to_f32(&stored, slot.dtype())?,
-                dtype,
-                Rounding::Nearest,
-            )?
-        };
+        let cast = cast_weight(&stored, slot.dtype(), dtype)?;
         if device.is_cpu() {
             Ok(cast)
         } else {
@@ -714,6 +767,31 @@ impl ModelPatcher {
             .and_then(|a| a.downcast_ref::<T>())
     }
 
+    /// Registers `wrapper` to run on weight `key` at every use, after it is fetched, patched and
+    /// cast (ComfyUI's weight wrappers). Wrappers of one key run in registration order. They do
+    /// not enter fingerprints: they apply to resident and streamed weights alike. Copy-on-write
+    /// between clones, like patches.
+    pub fn add_weight_wrapper(
+        &mut self,
+        key: &str,
+        wrapper: impl Fn(Tensor) -> Result<Tensor> + Send + Sync + 'static,
+    ) {
+        Arc::make_mut(&mut self.wrappers)
+            .entry(key.to_string())
+            .or_default()
+            .push(Arc::new(wrapper));
+    }
+
+    /// The wrappers registered on weight `key`, in order.
+    pub fn weight_wrappers(&self, key: &str) -> &[WeightWrapper] {
+        self.wrappers.get(key).map(|v| v.as_slice()).unwrap_or(&[])
+    }
+
+    /// Removes every weight wrapper.
+    pub fn clear_weight_wrappers(&mut self) {
+        self.wrappers = Arc::new(HashMap::new());
+    }
+
     /// Makes exactly the weights in `want` resident on the load device with current fingerprints:
     /// builds every missing or stale copy first, then commits under the model lock. On error
     /// nothing has changed.
@@ -766,5 +844,24 @@ impl ModelPatcher {
         }
         out.full = out.streaming == ByteSize::ZERO;
         Ok(out)
+    }
+}
+
+/// Casts a weight from dtype `from` to `to` the one way every path does (DESIGN I3): through f32,
+/// rounding to nearest-even. Identity when the dtypes agree. On the CPU this uses
+/// [`float::to_f32`]/[`float::from_f32`]; on other devices candle's cast (also RNE).
+pub(crate) fn cast_weight(t: &Tensor, from: Dtype, to: Dtype) -> Result<Tensor> {
+    if from == to {
+        return Ok(t.clone());
+    }
+    let wide = float::to_f32(t, from)?;
+    if to == Dtype::F32 {
+        return Ok(wide);
+    }
+    if wide.device().is_cpu() {
+        float::from_f32(&wide, to, Rounding::Nearest)
+    } else {
+        wide.to_dtype(to.candle_storage_dtype())
+            .map_err(|e| Error::tensor(format!("casting a weight from f32 to {to}"), e))
     }
 }

@@ -1,0 +1,3 @@
+//! Models built from [`crate::ops`] layers.
+
+pub mod bert;

@@ -1,0 +1,497 @@
+//! Layers that know where their weights are: `Linear`, `Conv1d`, `Conv2d`, `ConvTranspose2d`,
+//! `GroupNorm`, `LayerNorm`, `RmsNorm`, `Embedding`.
+//!
+//! Each layer implements [`candle_core::Module`], so it drops into candle code, and holds no
+//! tensor: it holds the *keys* of its weights and an [`OpsSource`] (a shared handle on a
+//! [`ModelPatcher`]). Every forward asks for its weights through one function,
+//! [`cast_bias_weight`]:
+//!
+//! 1. **fetch** — [`crate::offload::fetch_weight`]: the resident copy when it is current (right
+//!    device, right fingerprint), otherwise the clean host weight with the patcher's patch set
+//!    applied (streamed: from a prefetch on a transfer lane, or now). This is the only place a
+//!    layer reads a weight.
+//! 2. **cast** — to the mode's compute dtype, through f32 with round-to-nearest-even (the same
+//!    helper [`ModelPatcher::materialize`] uses); a quantized weight is dequantized first
+//!    (`decode(w) × scale`, in f32).
+//! 3. **move** to the input's device if it lives elsewhere.
+//! 4. **wrap** — the patcher's weight wrappers ([`ModelPatcher::add_weight_wrapper`]) in order.
+//!
+//! # Invariants
+//! - **I3, streaming is invisible.** A resident weight and a streamed one are both built by
+//!   [`ModelPatcher::materialize`] (same patch math in f32, same rounding back to the storage
+//!   dtype, same seeded stochastic rounding for fp8), and steps 2–4 above are the same code for
+//!   both, so a layer's output is bit-identical whatever the residency.
+//! - Clean weights are never modified (I1): every step builds new tensors.
+//! - Building a layer checks that its keys exist ([`Error::UnknownWeight`] names model and key)
+//!   and that shapes agree ([`Error::ShapeMismatch`]); a forward checks the input's shape.
+//! - No lock is held while a weight wrapper (user code) runs: the source's lock (rank 6, a leaf)
+//!   is held only to clone an `Arc`.
+//!
+//! # Modes
+//! [`OpsMode`] says how weights meet the compute dtype; [`pick_operations`] chooses it.
+//! - [`OpsMode::DisableWeightInit`]: weights are used in their resident dtype; the input must be
+//!   in that dtype. fp8 and quantized weights cannot run in it (an error at build time or at use).
+//! - [`OpsMode::ManualCast`]: weights are cast to `compute` at every call; inputs are cast too.
+//! - [`OpsMode::MixedPrecision`]: per-layer quantized storage (fp8 E4M3FN or E5M2 codes with a
+//!   per-tensor scale) is dequantized on the fly; other layers behave as in `ManualCast`. There is
+//!   no fp8 matmul on the CPU, so this build always dequantizes.
+//!
+//! A checkpoint builds in every mode (a plain one builds in `MixedPrecision` too; a quantized one
+//! in `ManualCast` as well, where its scales are honoured the same way).
+//!
+//! # Quantization metadata convention
+//! Per-layer quantization is described by tensors stored next to the weights, so a checkpoint
+//! carries it in any safetensors tool and no header parsing is needed:
+//! - `<layer>.weight` holds fp8 codes (safetensors `F8_E4M3` → E4M3FN, `F8_E5M2` → E5M2; the
+//!   format is the tensor's dtype);
+//! - `<layer>.weight_scale` is an f32 tensor holding **one** value (per-tensor scale): the weight
+//!   the layer computes with is `decode(code) × scale`.
+//!
+//! A layer with a `weight_scale` is quantized; any other layer is not. Patches on a quantized
+//! weight are applied to the dequantized weight and divided by the scale again before seeded
+//! stochastic rounding back to fp8 ([`ModelPatcher::weight_scale`]). [`quant::quantize_per_tensor`]
+//! writes weights in this form.
+//!
+//! Complexity: a forward of a streamed layer costs one patch application and one cast of its
+//! weights (O(weight size)); a resident, current one costs the cast only (none when the resident
+//! dtype is the compute dtype).
+
+mod conv;
+mod embedding;
+mod linear;
+mod norm;
+pub mod quant;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use parking_lot::RwLock;
+
+use crate::error::{Error, Result};
+use crate::float::{self, Dtype};
+use crate::patcher::{cast_weight, ModelPatcher};
+use crate::vram::DeviceId;
+
+pub use conv::{Conv1d, Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig};
+pub use embedding::Embedding;
+pub use linear::Linear;
+pub use norm::{GroupNorm, LayerNorm, RmsNorm};
+
+/// How a layer's weights meet the compute dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OpsMode {
+    /// Weights are used as stored (in the patcher's resident dtype); no cast.
+    DisableWeightInit,
+    /// Weights are cast to `compute` at every call.
+    ManualCast {
+        /// The dtype the layer computes in.
+        compute: Dtype,
+    },
+    /// Per-layer quantized weights (fp8 + per-tensor scale) are dequantized on the fly to
+    /// `compute`; other weights are cast as in `ManualCast`.
+    MixedPrecision {
+        /// The dtype the layer computes in.
+        compute: Dtype,
+    },
+}
+
+impl OpsMode {
+    /// The dtype layers compute in, or `None` when weights are used as stored.
+    pub fn compute_dtype(self) -> Option<Dtype> {
+        match self {
+            OpsMode::DisableWeightInit => None,
+            OpsMode::ManualCast { compute } | OpsMode::MixedPrecision { compute } => Some(compute),
+        }
+    }
+}
+
+/// Chooses the ops mode for a model (pure).
+///
+/// - `scaled_fp8` (the checkpoint has per-layer quantization metadata) ⇒ [`OpsMode::MixedPrecision`];
+///   so do fp8 weights with `fp8_optimizations` (there is no fp8 matmul here, so they dequantize);
+/// - no compute dtype, or one equal to `weight_dtype` ⇒ [`OpsMode::DisableWeightInit`];
+/// - otherwise [`OpsMode::ManualCast`].
+///
+/// `MixedPrecision` needs a compute dtype; without one it computes in f32 on the CPU and in bf16
+/// on a GPU.
+pub fn pick_operations(
+    weight_dtype: Dtype,
+    compute_dtype: Option<Dtype>,
+    load_device: DeviceId,
+    fp8_optimizations: bool,
+    scaled_fp8: bool,
+) -> OpsMode {
+    if scaled_fp8 || (fp8_optimizations && weight_dtype.is_fp8()) {
+        let compute = compute_dtype.unwrap_or(if load_device.is_cpu() {
+            Dtype::F32
+        } else {
+            Dtype::BF16
+        });
+        return OpsMode::MixedPrecision { compute };
+    }
+    match compute_dtype {
+        None => OpsMode::DisableWeightInit,
+        Some(c) if c == weight_dtype => OpsMode::DisableWeightInit,
+        Some(compute) => OpsMode::ManualCast { compute },
+    }
+}
+
+/// A shared handle on the patcher that layers fetch their weights through.
+///
+/// Cloning shares the handle: [`OpsSource::set_patcher`] on one clone switches every layer built
+/// from it (to a clone of the same model with other patches, say). Its lock (rank 6 in the
+/// crate's lock table, a leaf) is held only to clone an `Arc`.
+#[derive(Clone)]
+pub struct OpsSource {
+    patcher: Arc<RwLock<Arc<ModelPatcher>>>,
+}
+
+impl std::fmt::Debug for OpsSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpsSource")
+            .field("patcher", &*self.patcher.read())
+            .finish()
+    }
+}
+
+impl OpsSource {
+    /// A source fetching through a clone of `patcher` (sharing its model, patches and wrappers).
+    pub fn new(patcher: &ModelPatcher) -> Self {
+        OpsSource {
+            patcher: Arc::new(RwLock::new(Arc::new(patcher.clone()))),
+        }
+    }
+
+    /// The patcher layers fetch through now.
+    pub fn patcher(&self) -> Arc<ModelPatcher> {
+        Arc::clone(&self.patcher.read())
+    }
+
+    /// Makes every layer of this source fetch through `patcher` (a clone of the same model, with
+    /// its own patches, wrappers and load device).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`]-free by construction; [`Error::UnknownWeight`] when `patcher` is
+    /// on another model (its keys could differ), naming both models.
+    pub fn set_patcher(&self, patcher: &ModelPatcher) -> Result<()> {
+        let current = self.patcher();
+        if !current.is_clone(patcher) {
+            return Err(Error::UnknownWeight {
+                model: patcher.model().name().to_string(),
+                key: format!(
+                    "(any: layers were built on model `{}`, not this one)",
+                    current.model().name()
+                ),
+            });
+        }
+        *self.patcher.write() = Arc::new(patcher.clone());
+        Ok(())
+    }
+
+    /// Marks the model's first forward finished, completing its recorded weight order
+    /// ([`crate::weights::Model::forward_order_keys`]). Models call it at the end of a forward.
+    pub fn finish_forward(&self) {
+        self.patcher().model().finish_forward();
+    }
+}
+
+/// One weight of a layer: its key, slot index, shape and per-tensor scale.
+#[derive(Debug, Clone)]
+struct WeightRef {
+    key: String,
+    index: usize,
+    shape: Vec<usize>,
+    scale: Option<f32>,
+}
+
+/// A layer's weight and optional bias, and where to fetch them.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    source: OpsSource,
+    mode: OpsMode,
+    weight: WeightRef,
+    bias: Option<WeightRef>,
+}
+
+impl LayerWeights {
+    /// The weight's key.
+    pub fn weight_key(&self) -> &str {
+        &self.weight.key
+    }
+    /// The bias key, if the layer has a bias.
+    pub fn bias_key(&self) -> Option<&str> {
+        self.bias.as_ref().map(|b| b.key.as_str())
+    }
+    /// The weight's shape.
+    pub fn weight_shape(&self) -> &[usize] {
+        &self.weight.shape
+    }
+    /// The mode the layer was built in.
+    pub fn mode(&self) -> OpsMode {
+        self.mode
+    }
+    /// The weight's per-tensor scale when it is quantized.
+    pub fn weight_scale(&self) -> Option<f32> {
+        self.weight.scale
+    }
+    /// The source the layer fetches through.
+    pub fn source(&self) -> &OpsSource {
+        &self.source
+    }
+
+    /// The dtype a forward computes in: the mode's compute dtype, or the weight's resident dtype.
+    fn compute_dtype(&self, patcher: &ModelPatcher) -> Dtype {
+        self.mode
+            .compute_dtype()
+            .unwrap_or_else(|| patcher.resident_dtype(self.weight.index))
+    }
+
+    /// Casts a float input to the dtype the layer computes in (`ManualCast`, `MixedPrecision`), or
+    /// checks that it already is (`DisableWeightInit`).
+    fn prepare_input(&self, x: &Tensor) -> Result<Tensor> {
+        let patcher = self.source.patcher();
+        let want = self.compute_dtype(&patcher).candle_storage_dtype();
+        if x.dtype() == want {
+            return Ok(x.clone());
+        }
+        match self.mode {
+            OpsMode::DisableWeightInit => Err(Error::UnsupportedDtype {
+                dtype: format!("{:?}", x.dtype()),
+                what: format!(
+                    "input of layer `{}` whose weights are {:?} and used as stored (DisableWeightInit); cast the input or use ManualCast",
+                    self.weight.key, want
+                ),
+            }),
+            _ => x
+                .to_dtype(want)
+                .map_err(|e| Error::tensor(format!("casting the input of `{}`", self.weight.key), e)),
+        }
+    }
+}
+
+/// Reads a weight: the one fetch call of every layer. [`crate::offload::fetch_weight`] returns
+/// the resident copy when current, else a prefetched or freshly streamed one.
+fn fetch(patcher: &ModelPatcher, key: &str) -> Result<Tensor> {
+    let (tensor, _streamed) = crate::offload::fetch_weight(patcher, key)?;
+    Ok(tensor)
+}
+
+fn prepare_weight(
+    patcher: &ModelPatcher,
+    w: &WeightRef,
+    mode: OpsMode,
+    device: &Device,
+) -> Result<Tensor> {
+    let t = fetch(patcher, &w.key)?;
+    let resident = patcher.resident_dtype(w.index);
+    let t = match mode.compute_dtype() {
+        None => {
+            if resident.is_fp8() || w.scale.is_some() {
+                return Err(Error::UnsupportedDtype {
+                    dtype: resident.to_string(),
+                    what: format!(
+                        "weight `{}` of `{}` used as stored (DisableWeightInit): fp8 and quantized weights need ManualCast or MixedPrecision",
+                        w.key,
+                        patcher.model().name()
+                    ),
+                });
+            }
+            t
+        }
+        Some(compute) => match w.scale {
+            Some(scale) => {
+                let wide = float::to_f32(&t, resident)?
+                    .affine(f64::from(scale), 0.0)
+                    .map_err(|e| Error::tensor(format!("dequantizing `{}`", w.key), e))?;
+                cast_weight(&wide, Dtype::F32, compute)?
+            }
+            None => cast_weight(&t, resident, compute)?,
+        },
+    };
+    let t = if t.device().same_device(device) {
+        t
+    } else {
+        t.to_device(device)
+            .map_err(|e| Error::tensor(format!("moving `{}` to the input's device", w.key), e))?
+    };
+    let mut t = t;
+    for wrap in patcher.weight_wrappers(&w.key) {
+        t = wrap(t)?;
+    }
+    Ok(t)
+}
+
+/// The weight and bias of a layer ready for a forward on `device`: resident and current ⇒ the
+/// resident tensor, otherwise fetched from the host tier with the active patch set applied now;
+/// then cast to `mode`'s compute dtype (dequantized first when quantized), moved to `device`, and
+/// passed through the patcher's weight wrappers. The same steps for resident and streamed
+/// weights, so both give the same bits (DESIGN I3).
+///
+/// # Errors
+/// [`Error::UnknownWeight`] if the patcher lost a key (it cannot, for a source on the same model),
+/// [`Error::UnsupportedDtype`] for fp8 weights in [`OpsMode::DisableWeightInit`], errors of the
+/// patch math, the cast or a wrapper.
+pub fn cast_bias_weight(
+    weights: &LayerWeights,
+    device: &Device,
+    mode: OpsMode,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let patcher = weights.source.patcher();
+    let w = prepare_weight(&patcher, &weights.weight, mode, device)?;
+    let b = match &weights.bias {
+        Some(b) => Some(prepare_weight(&patcher, b, mode, device)?),
+        None => None,
+    };
+    Ok((w, b))
+}
+
+/// Builds layers from a patcher, walking weight names by prefix like candle-nn's `VarBuilder`:
+/// `OpsBuilder::new(&patcher, mode).pp("encoder").pp("layer").pp(0).linear("query", true)`
+/// resolves `encoder.layer.0.query.weight` and `encoder.layer.0.query.bias`.
+#[derive(Debug, Clone)]
+pub struct OpsBuilder {
+    source: OpsSource,
+    mode: OpsMode,
+    prefix: Vec<String>,
+}
+
+impl OpsBuilder {
+    /// A builder on a new [`OpsSource`] for `patcher`.
+    pub fn new(patcher: &ModelPatcher, mode: OpsMode) -> Self {
+        OpsBuilder::from_source(&OpsSource::new(patcher), mode)
+    }
+
+    /// A builder whose layers share `source`.
+    pub fn from_source(source: &OpsSource, mode: OpsMode) -> Self {
+        OpsBuilder {
+            source: source.clone(),
+            mode,
+            prefix: Vec::new(),
+        }
+    }
+
+    /// A builder one name deeper (`pp` as in candle-nn: push prefix).
+    pub fn pp(&self, name: impl ToString) -> Self {
+        let mut b = self.clone();
+        b.prefix.push(name.to_string());
+        b
+    }
+
+    /// The shared source.
+    pub fn source(&self) -> &OpsSource {
+        &self.source
+    }
+    /// The mode layers are built in.
+    pub fn mode(&self) -> OpsMode {
+        self.mode
+    }
+    /// The dotted prefix (empty at the root).
+    pub fn prefix(&self) -> String {
+        self.prefix.join(".")
+    }
+    /// The full key of `name` under this prefix.
+    pub fn key(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix())
+        }
+    }
+
+    fn weight_ref(&self, patcher: &ModelPatcher, key: String) -> Result<WeightRef> {
+        let model = patcher.model();
+        let index = model.index_of(&key).ok_or_else(|| Error::UnknownWeight {
+            model: model.name().to_string(),
+            key: key.clone(),
+        })?;
+        let scale = patcher.weight_scale(index)?;
+        if scale.is_some() && self.mode == OpsMode::DisableWeightInit {
+            return Err(Error::UnsupportedDtype {
+                dtype: model.slots()[index].dtype().to_string(),
+                what: format!(
+                    "quantized weight `{key}` of `{}` in DisableWeightInit mode (use MixedPrecision)",
+                    model.name()
+                ),
+            });
+        }
+        Ok(WeightRef {
+            shape: model.slots()[index].shape().to_vec(),
+            key,
+            index,
+            scale,
+        })
+    }
+
+    /// The weights `<name>.weight` (of rank `rank`) and, with `bias`, `<name>.bias` of shape
+    /// `[bias_len(weight shape)]`.
+    fn layer(
+        &self,
+        name: &str,
+        rank: usize,
+        bias: bool,
+        bias_len: impl Fn(&[usize]) -> usize,
+    ) -> Result<LayerWeights> {
+        let patcher = self.source.patcher();
+        let prefix = self.key(name);
+        let weight = self.weight_ref(&patcher, format!("{prefix}.weight"))?;
+        if weight.shape.len() != rank {
+            return Err(Error::ShapeMismatch {
+                what: format!(
+                    "`{}` of `{}` (a rank-{rank} weight)",
+                    weight.key,
+                    patcher.model().name()
+                ),
+                expected: vec![0; rank],
+                got: weight.shape.clone(),
+            });
+        }
+        let bias = if bias {
+            let b = self.weight_ref(&patcher, format!("{prefix}.bias"))?;
+            let want = vec![bias_len(&weight.shape)];
+            if b.shape != want {
+                return Err(Error::ShapeMismatch {
+                    what: format!("`{}` of `{}`", b.key, patcher.model().name()),
+                    expected: want,
+                    got: b.shape,
+                });
+            }
+            Some(b)
+        } else {
+            None
+        };
+        Ok(LayerWeights {
+            source: self.source.clone(),
+            mode: self.mode,
+            weight,
+            bias,
+        })
+    }
+
+    /// Checks that a built layer's weight has `expected` shape.
+    fn expect_shape(w: &LayerWeights, expected: &[usize]) -> Result<()> {
+        if w.weight.shape != expected {
+            return Err(Error::ShapeMismatch {
+                what: format!(
+                    "`{}` of `{}`",
+                    w.weight.key,
+                    w.source.patcher().model().name()
+                ),
+                expected: expected.to_vec(),
+                got: w.weight.shape.clone(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// candle's `Module::forward` returns candle errors; ours are wrapped into them.
+pub(crate) fn to_candle(e: Error) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
+/// Whether `dtype` is a half-precision float (norms compute these in f32).
+pub(crate) fn is_half(dtype: DType) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16)
+}

@@ -1,0 +1,303 @@
+//! all-MiniLM-L6-v2 end to end through the ops layers: token ids and embeddings against the
+//! Hugging Face reference, bit-identical outputs across memory budgets, and LoRA patches.
+//!
+//! The model comes from `bash scripts/fetch-minilm.sh` (run by `scripts/test.sh`); without it
+//! these tests fail and say so.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use common::*;
+use residency::float::Dtype;
+use residency::loader::{LoadOptions, MemoryManager};
+use residency::models::bert::{self, Bert, BertConfig};
+use residency::ops::{OpsMode, OpsSource};
+use residency::patcher::{Lora, ModelPatcher, Patch};
+use residency::ByteSize;
+
+fn model_dir() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/minilm");
+    for f in ["model.safetensors", "config.json", "tokenizer.json"] {
+        assert!(
+            dir.join(f).is_file(),
+            "MiniLM is missing ({} not found): run `bash scripts/fetch-minilm.sh` first \
+             (scripts/test.sh does it)",
+            dir.join(f).display()
+        );
+    }
+    dir
+}
+
+struct Case {
+    sentence: String,
+    ids: Vec<u32>,
+    embedding: Vec<f32>,
+}
+
+fn fixture() -> Vec<Case> {
+    let path = "/work/shared/fixtures/minilm_reference.json";
+    let local =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/minilm_reference.json");
+    let text = std::fs::read_to_string(&local)
+        .or_else(|_| std::fs::read_to_string(path))
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", local.display()));
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Case {
+            sentence: c["sentence"].as_str().unwrap().to_string(),
+            ids: c["input_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect(),
+            embedding: c["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect(),
+        })
+        .collect()
+}
+
+fn tokenize(sentences: &[String]) -> Vec<Vec<u32>> {
+    let mut tok = tokenizers::Tokenizer::from_file(model_dir().join("tokenizer.json")).unwrap();
+    // The file pads every sequence to 128; the tests pad batches themselves.
+    tok.with_padding(None);
+    sentences
+        .iter()
+        .map(|s| tok.encode(s.as_str(), true).unwrap().get_ids().to_vec())
+        .collect()
+}
+
+/// Padded ids and mask `[B, N]`.
+fn batch(ids: &[Vec<u32>]) -> (Tensor, Tensor) {
+    let n = ids.iter().map(|v| v.len()).max().unwrap();
+    let mut flat = Vec::new();
+    let mut mask = Vec::new();
+    for v in ids {
+        for i in 0..n {
+            flat.push(v.get(i).copied().unwrap_or(0));
+            mask.push(u32::from(i < v.len()));
+        }
+    }
+    let b = ids.len();
+    (
+        Tensor::from_vec(flat, (b, n), &Device::Cpu).unwrap(),
+        Tensor::from_vec(mask, (b, n), &Device::Cpu).unwrap(),
+    )
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Budget {
+    Full,
+    Quarter,
+    NoVram,
+}
+
+fn manager_for(budget: Budget, patcher: &ModelPatcher) -> MemoryManager {
+    let size = patcher.resident_model_size();
+    match budget {
+        Budget::Full => manager(ByteSize::gib(2), &["--reserve-vram", "0"]),
+        Budget::Quarter => manager(ByteSize(size.bytes() / 4), &["--reserve-vram", "0"]),
+        Budget::NoVram => manager(ByteSize::gib(2), &["--novram", "--reserve-vram", "0"]),
+    }
+}
+
+fn base_patcher(storage: Dtype) -> ModelPatcher {
+    let m = bert::load_model(
+        &model_dir().join("model.safetensors"),
+        "all-MiniLM-L6-v2",
+        storage,
+    )
+    .unwrap();
+    ModelPatcher::new(
+        Arc::new(m),
+        residency::DeviceId::Cpu,
+        residency::DeviceId::Cpu,
+    )
+}
+
+/// Loads `patcher` under `budget`, runs the fixture sentences and returns the embeddings and
+/// the resident fraction.
+fn embed(patcher: &ModelPatcher, budget: Budget, ids: &[Vec<u32>]) -> (Vec<Vec<f32>>, f64) {
+    let mm = manager_for(budget, patcher);
+    let report = mm
+        .load_models_gpu(std::slice::from_ref(patcher), LoadOptions::default())
+        .unwrap();
+    let resident = report.models[0].resident.as_f64() / patcher.resident_model_size().as_f64();
+    let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
+    let bert = Bert::new(
+        patcher,
+        OpsMode::ManualCast {
+            compute: Dtype::F32,
+        },
+        &config,
+    )
+    .unwrap();
+    let (ids, mask) = batch(ids);
+    let e = bert.embed(&ids, &mask, None).unwrap();
+    (e.to_vec2::<f32>().unwrap(), resident)
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| f64::from(*x) * f64::from(*y))
+        .sum();
+    let na: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<u32> {
+    v.iter().flatten().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn tokenizer_gives_the_reference_token_ids() {
+    let cases = fixture();
+    let sentences: Vec<String> = cases.iter().map(|c| c.sentence.clone()).collect();
+    let ids = tokenize(&sentences);
+    for (c, got) in cases.iter().zip(&ids) {
+        assert_eq!(&c.ids, got, "{}", c.sentence);
+    }
+}
+
+#[test]
+fn embeddings_match_reference_and_are_identical_across_budgets_for_every_storage_dtype() {
+    let cases = fixture();
+    let ids: Vec<Vec<u32>> = cases.iter().map(|c| c.ids.clone()).collect();
+    for (storage, min_cos) in [
+        (Dtype::F32, 0.99999),
+        (Dtype::BF16, 0.999),
+        (Dtype::F16, 0.999),
+        (Dtype::F8E4M3FN, 0.99),
+    ] {
+        let patcher = base_patcher(storage);
+        let mut runs = Vec::new();
+        for budget in [Budget::Full, Budget::Quarter, Budget::NoVram] {
+            let (e, resident) = embed(&patcher, budget, &ids);
+            match budget {
+                Budget::Full => assert!(resident > 0.999, "{storage} {budget:?}: {resident}"),
+                Budget::Quarter => {
+                    assert!(
+                        resident > 0.1 && resident < 0.3,
+                        "{storage} {budget:?}: {resident}"
+                    )
+                }
+                Budget::NoVram => assert_eq!(resident, 0.0, "{storage} {budget:?}"),
+            }
+            runs.push((budget, e));
+            patcher.detach();
+        }
+        let worst = cases
+            .iter()
+            .zip(&runs[0].1)
+            .map(|(c, e)| cosine(&c.embedding, e))
+            .fold(1.0f64, f64::min);
+        eprintln!("{storage}: worst cosine to the reference {worst:.7}");
+        assert!(worst >= min_cos, "{storage}: cosine {worst} < {min_cos}");
+        for (budget, e) in &runs[1..] {
+            assert_eq!(
+                bits(&runs[0].1),
+                bits(e),
+                "{storage}: {budget:?} differs from full"
+            );
+        }
+    }
+}
+
+fn attention_lora(patcher: &ModelPatcher, strength: f32) -> ModelPatcher {
+    let mut p = patcher.clone();
+    let mut patches = Vec::new();
+    for l in 0..6 {
+        for (j, proj) in ["query", "key", "value"].into_iter().enumerate() {
+            let key = format!("encoder.layer.{l}.attention.self.{proj}.weight");
+            let seed = (l * 3 + j) as u64;
+            let lora = Lora {
+                up: (rand_tensor(&[384, 4], 100 + seed) * 0.2).unwrap(),
+                down: (rand_tensor(&[4, 384], 200 + seed) * 0.2).unwrap(),
+                alpha: Some(4.0),
+                mid: None,
+                dora_scale: None,
+            };
+            patches.push((key, Patch::Lora(lora)));
+        }
+    }
+    let matched = p.add_patches(patches, strength, 1.0).unwrap();
+    assert_eq!(matched.len(), 18);
+    p
+}
+
+#[test]
+fn attention_lora_changes_the_embedding_and_strength_zero_gives_base_bits() {
+    let cases = fixture();
+    let ids: Vec<Vec<u32>> = cases.iter().map(|c| c.ids.clone()).collect();
+    let base = base_patcher(Dtype::F32);
+    let (e0, _) = embed(&base, Budget::Full, &ids);
+    let lora = attention_lora(&base, 1.0);
+    let (e1, _) = embed(&lora, Budget::Full, &ids);
+    let (e1_streamed, _) = embed(&lora, Budget::NoVram, &ids);
+    assert_eq!(bits(&e1), bits(&e1_streamed), "LoRA: resident vs streamed");
+    let moved = e0
+        .iter()
+        .flatten()
+        .zip(e1.iter().flatten())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        moved > 1e-3,
+        "a LoRA on q/k/v should change the embedding ({moved})"
+    );
+    let zero = attention_lora(&base, 0.0);
+    let (ez, _) = embed(&zero, Budget::Quarter, &ids);
+    assert_eq!(
+        bits(&e0),
+        bits(&ez),
+        "strength 0 must give the base embedding bit for bit"
+    );
+
+    // One Bert switching between the clones through its source.
+    let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
+    let bert = Bert::new(
+        &base,
+        OpsMode::ManualCast {
+            compute: Dtype::F32,
+        },
+        &config,
+    )
+    .unwrap();
+    let (t, m) = batch(&ids);
+    let source: &OpsSource = bert.source();
+    source.set_patcher(&lora).unwrap();
+    let got = bert.embed(&t, &m, None).unwrap().to_vec2::<f32>().unwrap();
+    assert_eq!(bits(&got), bits(&e1));
+}
+
+#[test]
+fn first_forward_records_weight_order_in_layer_order() {
+    let base = base_patcher(Dtype::F32);
+    let ids = vec![vec![101u32, 1037, 4937, 102]];
+    embed(&base, Budget::NoVram, &ids);
+    let model = base.model();
+    let (order, complete) = model.forward_order();
+    assert!(complete);
+    let keys = model.forward_order_keys();
+    assert_eq!(order.len(), keys.len());
+    assert_eq!(keys.len(), 5 + 6 * 16, "every weight once");
+    assert_eq!(keys[0], "embeddings.word_embeddings.weight");
+    assert_eq!(keys[5], "encoder.layer.0.attention.self.query.weight");
+    assert_eq!(
+        keys.last().unwrap(),
+        "encoder.layer.5.output.LayerNorm.bias"
+    );
+}
