@@ -8,6 +8,7 @@ pub mod float;
 pub mod loader;
 pub mod patcher;
 pub mod size;
+pub mod tools;
 pub mod vram;
 pub mod weights;
 

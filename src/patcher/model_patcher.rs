@@ -361,15 +361,40 @@ impl ModelPatcher {
         self.patched_storage(index)
     }
 
-    fn patched_storage(&self, index: usize) -> Result<Tensor> {
+    /// The patched weight `key` in f32 on the host, before any rounding: what
+    /// [`ModelPatcher::patched_weight`] rounds to the storage dtype. A tool that converts to
+    /// another dtype rounds this once instead of twice. Unpatched weights are decoded exactly.
+    pub fn patched_weight_f32(&self, key: &str) -> Result<Tensor> {
+        let index = self
+            .model
+            .index_of(key)
+            .ok_or_else(|| Error::UnknownWeight {
+                model: self.model.name().to_string(),
+                key: key.to_string(),
+            })?;
+        let slot = &self.model.slots()[index];
+        let w = float::to_f32(slot.clean(), slot.dtype())?;
+        self.patch_f32(index, &w)
+    }
+
+    /// Applies weight `index`'s patches to its f32 value `w`.
+    fn patch_f32(&self, index: usize, w: &Tensor) -> Result<Tensor> {
         let slot = &self.model.slots()[index];
         let entries = self.patches.get(slot.name());
         if entries.is_empty() {
-            return Ok(slot.clean().clone());
+            return Ok(w.clone());
         }
         let chain: Vec<PatchEntry> = entries.iter().map(|e| e.entry.clone()).collect();
+        patch::apply(slot.name(), w, &chain, self.options.dora)
+    }
+
+    fn patched_storage(&self, index: usize) -> Result<Tensor> {
+        let slot = &self.model.slots()[index];
+        if self.patches.get(slot.name()).is_empty() {
+            return Ok(slot.clean().clone());
+        }
         let w = float::to_f32(slot.clean(), slot.dtype())?;
-        let patched = patch::apply(slot.name(), &w, &chain, self.options.dora)?;
+        let patched = self.patch_f32(index, &w)?;
         let rounding = if slot.dtype().is_fp8() {
             Rounding::stochastic_for(slot.name())
         } else {

@@ -28,6 +28,7 @@ use crate::float::Dtype;
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
+pub(crate) use self::safetensors::{read_raw_tensors, save_safetensors_with_raw};
 pub use self::safetensors::{save_safetensors, SafetensorsOptions};
 
 /// A fingerprint of the patch list (and resident dtype) a resident copy was built from.
