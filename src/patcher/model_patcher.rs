@@ -150,6 +150,23 @@ pub struct ModelPatcher {
     estimator: Option<MemoryEstimator>,
 }
 
+/// The fingerprint of an unpatched weight resident in `dtype`: the hash of the dtype alone, as
+/// [`ModelPatcher::fingerprint`] computes it, read from a table.
+fn clean_fingerprint(dtype: Dtype) -> Fingerprint {
+    fn hash_of(dtype: Dtype) -> Fingerprint {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        dtype.hash(&mut h);
+        h.finish()
+    }
+    static TABLE: once_cell::sync::Lazy<[(Dtype, Fingerprint); 6]> =
+        once_cell::sync::Lazy::new(|| Dtype::ALL.map(|d| (d, hash_of(d))));
+    TABLE
+        .iter()
+        .find(|(d, _)| *d == dtype)
+        .map(|&(_, f)| f)
+        .unwrap_or_else(|| hash_of(dtype))
+}
+
 impl Clone for ModelPatcher {
     fn clone(&self) -> Self {
         ModelPatcher {
@@ -332,12 +349,20 @@ impl ModelPatcher {
     /// resident dtype.
     pub fn fingerprint(&self, index: usize) -> Fingerprint {
         let slot = &self.model.slots()[index];
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        self.resident_dtype(index).hash(&mut h);
-        let entries = self.patches.get(slot.name());
-        if !entries.is_empty() {
-            (self.options.dora == DoraNorm::ComfyUi).hash(&mut h);
+        let dtype = self.resident_dtype(index);
+        // Unpatched weights (every weight of a model without patches: no key lookup) take the
+        // same value from a table; loads ask for each weight's fingerprint several times.
+        let entries = if self.patches.is_empty() {
+            &[]
+        } else {
+            self.patches.get(slot.name())
+        };
+        if entries.is_empty() {
+            return clean_fingerprint(dtype);
         }
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        dtype.hash(&mut h);
+        (self.options.dora == DoraNorm::ComfyUi).hash(&mut h);
         for e in entries {
             e.id.hash(&mut h);
             e.entry.strength_patch.to_bits().hash(&mut h);
@@ -471,9 +496,13 @@ impl ModelPatcher {
         self.model.model_size()
     }
 
-    /// Total size of the weights in their resident dtype.
+    /// Total size of the weights in their resident dtype. O(1): the model's size in storage
+    /// dtypes, or its element count times the compute dtype's width.
     pub fn resident_model_size(&self) -> ByteSize {
-        (0..self.model.len()).map(|i| self.resident_size(i)).sum()
+        match self.options.compute_dtype {
+            None => self.model.model_size(),
+            Some(d) => d.storage_size(self.model.numel()),
+        }
     }
 
     /// Bytes of this model resident on the load device with this patcher's fingerprints.
@@ -711,10 +740,19 @@ impl ModelPatcher {
     /// nothing has changed.
     fn apply_plan(&self, want: &[bool]) -> Result<LoadOutcome> {
         let device = self.load_device;
+        // The patcher cannot change during this call, so each fingerprint is computed once.
+        let fingerprints: Vec<Fingerprint> =
+            (0..self.model.len()).map(|i| self.fingerprint(i)).collect();
+        let current = |s: &SlotResidency, i: usize| {
+            matches!(s, SlotResidency::Resident { fingerprint, device: d, .. }
+                if *d == device && *fingerprint == fingerprints[i])
+        };
         let snapshot: Vec<bool> = {
             let st = self.model.state();
-            (0..self.model.len())
-                .map(|i| self.is_current(&st.slots[i], i))
+            st.slots
+                .iter()
+                .enumerate()
+                .map(|(i, s)| current(s, i))
                 .collect()
         };
         let mut built: Vec<(usize, Tensor, Fingerprint, ByteSize)> = Vec::new();
@@ -722,7 +760,7 @@ impl ModelPatcher {
             if w && !snapshot[i] {
                 let t = self.materialize(i, self.resident_dtype(i), device)?;
                 let bytes = ByteSize((t.elem_count() * t.dtype().size_in_bytes()) as u64);
-                built.push((i, t, self.fingerprint(i), bytes));
+                built.push((i, t, fingerprints[i], bytes));
             }
         }
         let mut out = LoadOutcome::default();
@@ -749,7 +787,7 @@ impl ModelPatcher {
         }
         out.resident = st.bytes_on(device);
         for i in 0..self.model.len() {
-            if !self.is_current(&st.slots[i], i) {
+            if !current(&st.slots[i], i) {
                 out.streaming = out.streaming.saturating_add(self.resident_size(i));
                 if !self.patches.get(self.model.slots()[i].name()).is_empty() {
                     out.lazy_patched += 1;

@@ -151,6 +151,7 @@ pub struct Model {
     slots: Vec<Slot>,
     index: HashMap<String, usize>,
     total: ByteSize,
+    numel: u64,
     state: RwLock<Residency>,
     forward_order: Mutex<ForwardOrder>,
     skipped: Vec<String>,
@@ -240,6 +241,7 @@ impl Model {
         skipped: Vec<String>,
     ) -> Model {
         let total = slots.iter().map(|s| s.bytes).sum();
+        let numel = slots.iter().map(|s| s.numel() as u64).sum();
         let n = slots.len();
         Model {
             id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
@@ -247,6 +249,7 @@ impl Model {
             slots,
             index,
             total,
+            numel,
             state: RwLock::new(Residency {
                 slots: vec![SlotResidency::Offloaded; n],
                 pinned: vec![false; n],
@@ -271,6 +274,10 @@ impl Model {
     /// Total size of the clean weights in their storage dtypes.
     pub fn model_size(&self) -> ByteSize {
         self.total
+    }
+    /// Total number of elements over all weights.
+    pub fn numel(&self) -> u64 {
+        self.numel
     }
     /// Number of weights.
     pub fn len(&self) -> usize {
