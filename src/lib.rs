@@ -11,6 +11,7 @@ pub mod offload;
 pub mod ops;
 pub mod patcher;
 pub mod size;
+pub mod tools;
 pub mod vram;
 pub mod weights;
 

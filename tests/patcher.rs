@@ -412,3 +412,33 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn patched_weight_f32_is_the_unrounded_value_patched_weight_rounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = cpu_patcher(small_model_file(dir.path(), "m", Dtype::F8E4M3FN));
+    let key = "blocks.0.attn.q.weight";
+    p.add_patches([(key, lora_for((16, 16), 4, 9))], 0.8, 1.0)
+        .unwrap();
+    let exact = p.patched_weight_f32(key).unwrap();
+    assert_eq!(exact.dtype(), candle_core::DType::F32);
+    let rounded = residency::float::from_f32(
+        &exact,
+        Dtype::F8E4M3FN,
+        residency::Rounding::stochastic_for(key),
+    )
+    .unwrap();
+    assert_eq!(f32s(&rounded), f32s(&p.patched_weight(key).unwrap()));
+    // Not already on the fp8 grid: the f32 value really is the unrounded one.
+    assert_ne!(f32s(&exact), f32s(&rounded));
+    // An unpatched weight decodes exactly.
+    let k = "blocks.0.attn.k.weight";
+    assert_eq!(
+        f32s(&p.patched_weight_f32(k).unwrap()),
+        f32s(p.model().clean(k).unwrap())
+    );
+    assert!(matches!(
+        p.patched_weight_f32("nope"),
+        Err(Error::UnknownWeight { .. })
+    ));
+}

@@ -536,19 +536,19 @@ impl MemoryManager {
             .iter()
             .enumerate()
             .filter(|(_, e)| e.device == device && !keep.contains(&e.model().id()))
-            .filter(|(_, e)| e.model().resident_bytes(device) > ByteSize::ZERO)
-            .map(|(i, e)| {
-                let offloaded = e
-                    .patcher
-                    .resident_model_size()
-                    .saturating_sub(e.model().resident_bytes(device));
-                (
-                    std::cmp::Reverse(offloaded),
+            .filter_map(|(i, e)| {
+                let resident = e.model().resident_bytes(device);
+                if resident == ByteSize::ZERO {
+                    return None;
+                }
+                let size = e.patcher.resident_model_size();
+                Some((
+                    std::cmp::Reverse(size.saturating_sub(resident)),
                     e.outside_handles(),
-                    e.patcher.resident_model_size(),
+                    size,
                     i,
                     e.model().id(),
-                )
+                ))
             })
             .collect();
         candidates.sort();

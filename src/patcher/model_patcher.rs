@@ -161,6 +161,23 @@ pub struct ModelPatcher {
     wrappers: Arc<HashMap<String, Vec<WeightWrapper>>>,
 }
 
+/// The fingerprint of an unpatched weight resident in `dtype`: the hash of the dtype alone, as
+/// [`ModelPatcher::fingerprint`] computes it, read from a table.
+fn clean_fingerprint(dtype: Dtype) -> Fingerprint {
+    fn hash_of(dtype: Dtype) -> Fingerprint {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        dtype.hash(&mut h);
+        h.finish()
+    }
+    static TABLE: once_cell::sync::Lazy<[(Dtype, Fingerprint); 6]> =
+        once_cell::sync::Lazy::new(|| Dtype::ALL.map(|d| (d, hash_of(d))));
+    TABLE
+        .iter()
+        .find(|(d, _)| *d == dtype)
+        .map(|&(_, f)| f)
+        .unwrap_or_else(|| hash_of(dtype))
+}
+
 impl Clone for ModelPatcher {
     fn clone(&self) -> Self {
         ModelPatcher {
@@ -345,12 +362,20 @@ impl ModelPatcher {
     /// resident dtype.
     pub fn fingerprint(&self, index: usize) -> Fingerprint {
         let slot = &self.model.slots()[index];
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        self.resident_dtype(index).hash(&mut h);
-        let entries = self.patches.get(slot.name());
-        if !entries.is_empty() {
-            (self.options.dora == DoraNorm::ComfyUi).hash(&mut h);
+        let dtype = self.resident_dtype(index);
+        // Unpatched weights (every weight of a model without patches: no key lookup) take the
+        // same value from a table; loads ask for each weight's fingerprint several times.
+        let entries = if self.patches.is_empty() {
+            &[]
+        } else {
+            self.patches.get(slot.name())
+        };
+        if entries.is_empty() {
+            return clean_fingerprint(dtype);
         }
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        dtype.hash(&mut h);
+        (self.options.dora == DoraNorm::ComfyUi).hash(&mut h);
         for e in entries {
             e.id.hash(&mut h);
             e.entry.strength_patch.to_bits().hash(&mut h);
@@ -374,21 +399,33 @@ impl ModelPatcher {
         self.patched_storage(index)
     }
 
-    fn patched_storage(&self, index: usize) -> Result<Tensor> {
-        self.patched_storage_from(index, self.model.slots()[index].clean())
+    /// The patched weight `key` in f32 on the host, before any rounding: what
+    /// [`ModelPatcher::patched_weight`] rounds to the storage dtype. A tool that converts to
+    /// another dtype rounds this once instead of twice. Unpatched weights are decoded exactly.
+    pub fn patched_weight_f32(&self, key: &str) -> Result<Tensor> {
+        let index = self
+            .model
+            .index_of(key)
+            .ok_or_else(|| Error::UnknownWeight {
+                model: self.model.name().to_string(),
+                key: key.to_string(),
+            })?;
+        let slot = &self.model.slots()[index];
+        let w = float::to_f32(slot.clean(), slot.dtype())?;
+        self.patch_f32(index, &w)
     }
 
-    /// Patches `clean` (weight `index`'s clean tensor, or a bit-identical copy of it such as a
-    /// staged one) and rounds back to the storage dtype.
-    fn patched_storage_from(&self, index: usize, clean: &Tensor) -> Result<Tensor> {
+    /// Applies weight `index`'s patches to its f32 value `w` (in stored units: a per-tensor scale
+    /// is applied before the patches and removed after them).
+    fn patch_f32(&self, index: usize, w: &Tensor) -> Result<Tensor> {
         let slot = &self.model.slots()[index];
         let entries = self.patches.get(slot.name());
         if entries.is_empty() {
-            return Ok(clean.clone());
+            return Ok(w.clone());
         }
         let chain: Vec<PatchEntry> = entries.iter().map(|e| e.entry.clone()).collect();
         let scale = self.weight_scale(index)?;
-        let mut w = float::to_f32(clean, slot.dtype())?;
+        let mut w = w.clone();
         if let Some(s) = scale {
             // Patches act on the weight the layer computes with: decoded × scale.
             w = w
@@ -400,6 +437,22 @@ impl ModelPatcher {
             patched = (patched / f64::from(s))
                 .map_err(|e| Error::tensor(format!("`{}`: removing its scale", slot.name()), e))?;
         }
+        Ok(patched)
+    }
+
+    fn patched_storage(&self, index: usize) -> Result<Tensor> {
+        self.patched_storage_from(index, self.model.slots()[index].clean())
+    }
+
+    /// Patches `clean` (weight `index`'s clean tensor, or a bit-identical copy of it such as a
+    /// staged one) and rounds back to the storage dtype.
+    fn patched_storage_from(&self, index: usize, clean: &Tensor) -> Result<Tensor> {
+        let slot = &self.model.slots()[index];
+        if self.patches.get(slot.name()).is_empty() {
+            return Ok(clean.clone());
+        }
+        let w = float::to_f32(clean, slot.dtype())?;
+        let patched = self.patch_f32(index, &w)?;
         let rounding = if slot.dtype().is_fp8() {
             Rounding::stochastic_for(slot.name())
         } else {
@@ -532,9 +585,13 @@ impl ModelPatcher {
         self.model.model_size()
     }
 
-    /// Total size of the weights in their resident dtype.
+    /// Total size of the weights in their resident dtype. O(1): the model's size in storage
+    /// dtypes, or its element count times the compute dtype's width.
     pub fn resident_model_size(&self) -> ByteSize {
-        (0..self.model.len()).map(|i| self.resident_size(i)).sum()
+        match self.options.compute_dtype {
+            None => self.model.model_size(),
+            Some(d) => d.storage_size(self.model.numel()),
+        }
     }
 
     /// Bytes of this model resident on the load device with this patcher's fingerprints.
@@ -797,10 +854,19 @@ impl ModelPatcher {
     /// nothing has changed.
     fn apply_plan(&self, want: &[bool]) -> Result<LoadOutcome> {
         let device = self.load_device;
+        // The patcher cannot change during this call, so each fingerprint is computed once.
+        let fingerprints: Vec<Fingerprint> =
+            (0..self.model.len()).map(|i| self.fingerprint(i)).collect();
+        let current = |s: &SlotResidency, i: usize| {
+            matches!(s, SlotResidency::Resident { fingerprint, device: d, .. }
+                if *d == device && *fingerprint == fingerprints[i])
+        };
         let snapshot: Vec<bool> = {
             let st = self.model.state();
-            (0..self.model.len())
-                .map(|i| self.is_current(&st.slots[i], i))
+            st.slots
+                .iter()
+                .enumerate()
+                .map(|(i, s)| current(s, i))
                 .collect()
         };
         let mut built: Vec<(usize, Tensor, Fingerprint, ByteSize)> = Vec::new();
@@ -808,7 +874,7 @@ impl ModelPatcher {
             if w && !snapshot[i] {
                 let t = self.materialize(i, self.resident_dtype(i), device)?;
                 let bytes = ByteSize((t.elem_count() * t.dtype().size_in_bytes()) as u64);
-                built.push((i, t, self.fingerprint(i), bytes));
+                built.push((i, t, fingerprints[i], bytes));
             }
         }
         let mut out = LoadOutcome::default();
@@ -835,7 +901,7 @@ impl ModelPatcher {
         }
         out.resident = st.bytes_on(device);
         for i in 0..self.model.len() {
-            if !self.is_current(&st.slots[i], i) {
+            if !current(&st.slots[i], i) {
                 out.streaming = out.streaming.saturating_add(self.resident_size(i));
                 if !self.patches.get(self.model.slots()[i].name()).is_empty() {
                     out.lazy_patched += 1;

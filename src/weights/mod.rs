@@ -30,6 +30,7 @@ use crate::float::Dtype;
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
+pub(crate) use self::safetensors::{read_raw_tensors, save_safetensors_with_raw};
 pub use self::safetensors::{save_safetensors, SafetensorsOptions};
 
 /// A fingerprint of the patch list (and resident dtype) a resident copy was built from.
@@ -151,6 +152,7 @@ pub struct Model {
     slots: Vec<Slot>,
     index: HashMap<String, usize>,
     total: ByteSize,
+    numel: u64,
     state: RwLock<Residency>,
     forward_order: Mutex<ForwardOrder>,
     skipped: Vec<String>,
@@ -252,6 +254,7 @@ impl Model {
         skipped: Vec<String>,
     ) -> Model {
         let total = slots.iter().map(|s| s.bytes).sum();
+        let numel = slots.iter().map(|s| s.numel() as u64).sum();
         let n = slots.len();
         Model {
             id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
@@ -259,6 +262,7 @@ impl Model {
             slots,
             index,
             total,
+            numel,
             state: RwLock::new(Residency {
                 slots: vec![SlotResidency::Offloaded; n],
                 pinned: vec![false; n],
@@ -294,6 +298,10 @@ impl Model {
     /// Total size of the clean weights in their storage dtypes.
     pub fn model_size(&self) -> ByteSize {
         self.total
+    }
+    /// Total number of elements over all weights.
+    pub fn numel(&self) -> u64 {
+        self.numel
     }
     /// Number of weights.
     pub fn len(&self) -> usize {

@@ -120,6 +120,54 @@ pub fn save_safetensors<S: AsRef<str>>(
     tensors: &[(S, Tensor, Dtype)],
     options: &SafetensorsOptions,
 ) -> Result<()> {
+    save_safetensors_with_raw(path, tensors, &[], options)
+}
+
+/// A tensor written byte for byte: its safetensors dtype, shape and little-endian data (integer
+/// buffers a [`Model`] skips, passed through by tools that rewrite a checkpoint).
+pub(crate) struct RawTensor {
+    pub(crate) name: String,
+    pub(crate) dtype: StDtype,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) data: Vec<u8>,
+}
+
+/// Reads the tensors `names` of a safetensors file as [`RawTensor`]s (any dtype).
+pub(crate) fn read_raw_tensors(path: &Path, names: &[String]) -> Result<Vec<RawTensor>> {
+    if names.is_empty() {
+        return Ok(Vec::new());
+    }
+    let file =
+        std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
+    // SAFETY: as in `Model::from_safetensors`: the read-only map lives only inside this function
+    // and every requested tensor is copied out before it is dropped.
+    let mmap = unsafe { memmap2::Mmap::map(&file) }
+        .map_err(|e| file_err(path, format!("cannot map: {e}")))?;
+    let st = SafeTensors::deserialize(&mmap)
+        .map_err(|e| file_err(path, format!("not a valid safetensors file: {e}")))?;
+    names
+        .iter()
+        .map(|name| {
+            let view = st
+                .tensor(name)
+                .map_err(|e| file_err(path, format!("tensor `{name}`: {e}")))?;
+            Ok(RawTensor {
+                name: name.clone(),
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                data: view.data().to_vec(),
+            })
+        })
+        .collect()
+}
+
+/// [`save_safetensors`] plus tensors written byte for byte.
+pub(crate) fn save_safetensors_with_raw<S: AsRef<str>>(
+    path: &Path,
+    tensors: &[(S, Tensor, Dtype)],
+    raw: &[RawTensor],
+    options: &SafetensorsOptions,
+) -> Result<()> {
     let mut owned: Vec<(String, Vec<u8>, Vec<usize>, StDtype)> = Vec::with_capacity(tensors.len());
     for (key, t, dtype) in tensors {
         let key = key.as_ref();
@@ -144,6 +192,11 @@ pub fn save_safetensors<S: AsRef<str>>(
         let v = TensorView::new(*dt, shape.clone(), bytes)
             .map_err(|e| file_err(path, format!("tensor `{key}`: {e}")))?;
         views.push((key.as_str(), v));
+    }
+    for r in raw {
+        let v = TensorView::new(r.dtype, r.shape.clone(), &r.data)
+            .map_err(|e| file_err(path, format!("tensor `{}`: {e}", r.name)))?;
+        views.push((r.name.as_str(), v));
     }
     safetensors::tensor::serialize_to_file(views, options.metadata.clone(), path)
         .map_err(|e| file_err(path, format!("cannot write: {e}")))

@@ -1,0 +1,129 @@
+//! LoRA merge throughput against the machine's own limits, measured in the same run.
+//!
+//! `patch::apply` of a rank-16 and a rank-64 LoRA on a 4096×4096 f32 weight, next to the naive
+//! way of doing the same work with plain candle: the matmul `up[4096×r] · down[r×4096]` and the
+//! 4096×4096 add. The merge cannot beat `matmul + add`; a ratio near 1 means the patch path adds
+//! no overhead of its own. Throughput is reported in bytes of merged weight written.
+//!
+//! `cargo bench --bench lora` (sample size 10, 3 s per measurement).
+
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use criterion::{Bencher, Criterion, Throughput};
+use residency::patcher::{patch, DoraNorm, Lora, Patch, PatchEntry};
+
+const N: usize = 4096;
+const RANKS: [usize; 2] = [16, 64];
+
+/// Seconds per iteration of every `iter_custom` batch, by benchmark name.
+static TIMES: Mutex<BTreeMap<String, Vec<f64>>> = Mutex::new(BTreeMap::new());
+
+fn timed<O>(b: &mut Bencher, name: &str, mut f: impl FnMut() -> O) {
+    b.iter_custom(|iters| {
+        let start = Instant::now();
+        for _ in 0..iters {
+            black_box(f());
+        }
+        let d = start.elapsed();
+        if let Ok(mut t) = TIMES.lock() {
+            t.entry(name.to_string())
+                .or_default()
+                .push(d.as_secs_f64() / iters as f64);
+        }
+        d
+    });
+}
+
+fn median_ms(name: &str) -> f64 {
+    let t = TIMES.lock().map(|t| t.get(name).cloned()).ok().flatten();
+    let mut v = t.unwrap_or_default();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2] * 1e3
+}
+
+fn rand(shape: (usize, usize), seed: u64) -> Tensor {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
+    let v: Vec<f32> = (0..shape.0 * shape.1)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).expect("host tensor")
+}
+
+fn bench(c: &mut Criterion) {
+    let w = rand((N, N), 1);
+    let other = rand((N, N), 2);
+    let mut g = c.benchmark_group("lora_merge_4096x4096_f32");
+    g.throughput(Throughput::Bytes((N * N * 4) as u64));
+    g.bench_function("add", |b| timed(b, "add", || (&w + &other).expect("add")));
+    for r in RANKS {
+        let up = rand((N, r), 10 + r as u64);
+        let down = rand((r, N), 20 + r as u64);
+        let mut lora = Lora::new(up.clone(), down.clone());
+        lora.alpha = Some(r as f32 / 2.0);
+        let entries = [PatchEntry::new(Patch::Lora(lora))];
+        g.bench_function(format!("matmul_r{r}"), |b| {
+            timed(b, &format!("matmul_r{r}"), || {
+                up.matmul(&down).expect("matmul")
+            })
+        });
+        g.bench_function(format!("apply_r{r}"), |b| {
+            timed(b, &format!("apply_r{r}"), || {
+                patch::apply("w", &w, &entries, DoraNorm::Standard).expect("apply")
+            })
+        });
+    }
+    g.finish();
+}
+
+fn summary() {
+    let bytes = (N * N * 4) as f64;
+    let add = median_ms("add");
+    println!();
+    println!("LoRA merge on a {N}x{N} f32 weight (median of per-sample means)");
+    println!(
+        "{:<34} {:>9} {:>9}  {:<30} {:>9} {:>7}",
+        "op", "ms", "GB/s", "limit", "limit ms", "ratio"
+    );
+    let row = |op: &str, ms: f64, limit: &str, lim: f64| {
+        println!(
+            "{:<34} {:>9.2} {:>9.2}  {:<30} {:>9.2} {:>7.2}",
+            op,
+            ms,
+            bytes / (ms * 1e-3) / 1e9,
+            limit,
+            lim,
+            ms / lim
+        );
+    };
+    for r in RANKS {
+        let apply = median_ms(&format!("apply_r{r}"));
+        let mm = median_ms(&format!("matmul_r{r}"));
+        let op = format!("patch::apply rank {r}");
+        row(&op, apply, "candle matmul + add (naive)", mm + add);
+        row(&op, apply, &format!("candle matmul {N}x{r}x{N}"), mm);
+        row(&op, apply, &format!("candle add {N}x{N}"), add);
+    }
+}
+
+fn main() {
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    bench(&mut c);
+    c.final_summary();
+    summary();
+}
