@@ -61,9 +61,14 @@ fn linear_bench(c: &mut Criterion, summary: &mut Vec<String>) {
     let mm = manager(ByteSize::gib(4), &["--reserve-vram", "0"]);
     mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
         .unwrap();
-    let lin = OpsBuilder::new(&p, OpsMode::ManualCast { compute: Dtype::F32 })
-        .linear("lin", false)
-        .unwrap();
+    let lin = OpsBuilder::new(
+        &p,
+        OpsMode::ManualCast {
+            compute: Dtype::F32,
+        },
+    )
+    .linear("lin", false)
+    .unwrap();
     // The plain way: the same bf16 weight, cast to f32 once.
     let pre = float::to_f32(p.model().clean("lin.weight").unwrap(), Dtype::BF16).unwrap();
     let pre_t = pre.t().unwrap();
@@ -118,8 +123,16 @@ fn minilm_bench(c: &mut Criterion, summary: &mut Vec<String>) {
     let mut times = Vec::new();
     for (name, budget, flags) in [
         ("full", ByteSize::gib(2), vec!["--reserve-vram", "0"]),
-        ("quarter", ByteSize(size.bytes() / 4), vec!["--reserve-vram", "0"]),
-        ("novram", ByteSize::gib(2), vec!["--novram", "--reserve-vram", "0"]),
+        (
+            "quarter",
+            ByteSize(size.bytes() / 4),
+            vec!["--reserve-vram", "0"],
+        ),
+        (
+            "novram",
+            ByteSize::gib(2),
+            vec!["--novram", "--reserve-vram", "0"],
+        ),
     ] {
         p.detach();
         let mm = manager(budget, &flags);
@@ -131,7 +144,10 @@ fn minilm_bench(c: &mut Criterion, summary: &mut Vec<String>) {
         g.bench_function(name, |b| {
             b.iter(|| black_box(bert.forward(&ids, &mask, None).unwrap()))
         });
-        let t = median(|| drop(black_box(bert.forward(&ids, &mask, None).unwrap())), 7);
+        let t = median(
+            || drop(black_box(bert.forward(&ids, &mask, None).unwrap())),
+            7,
+        );
         times.push((name, t, resident));
     }
     g.finish();

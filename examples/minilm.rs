@@ -62,7 +62,8 @@ fn parse_args(raw: Vec<String>) -> Result<Args, String> {
             "--help" | "-h" => return Err(USAGE.to_string()),
             "--model-dir" => a.model_dir = PathBuf::from(value("--model-dir")?),
             "--storage-dtype" => {
-                a.storage = Dtype::from_str(&value("--storage-dtype")?).map_err(|e| e.to_string())?
+                a.storage =
+                    Dtype::from_str(&value("--storage-dtype")?).map_err(|e| e.to_string())?
             }
             "--lora" => {
                 let v = value("--lora")?;
@@ -80,7 +81,11 @@ fn parse_args(raw: Vec<String>) -> Result<Args, String> {
                     "split" => Some(BackendRequest::Split),
                     "subquad" => Some(BackendRequest::SubQuadratic),
                     "auto" => None,
-                    other => return Err(format!("--attention {other}: expected naive|split|subquad|auto")),
+                    other => {
+                        return Err(format!(
+                            "--attention {other}: expected naive|split|subquad|auto"
+                        ))
+                    }
                 }
             }
             f if f.starts_with("--") => {
@@ -143,7 +148,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 
     let dev = device.to_candle()?;
     for sentence in &args.sentences {
-        let ids = tokenizer.encode(sentence.as_str(), true)?.get_ids().to_vec();
+        let ids = tokenizer
+            .encode(sentence.as_str(), true)?
+            .get_ids()
+            .to_vec();
         let n = ids.len();
         let t = Tensor::from_vec(ids, (1, n), &dev)?;
         let mask = Tensor::ones((1, n), candle_core::DType::U32, &dev)?;
