@@ -22,6 +22,7 @@
 //! | 2 | `Model::state` | residency and pins of one model |
 //! | 4 | `Model::forward_order` | first-forward order (leaf) |
 //! | 5 | the candle device table in `vram` | one candle device per ordinal (leaf) |
+//! | 6 | `ops::OpsSource`'s patcher handle | which patcher layers fetch through (leaf; held only to clone an `Arc`) |
 //!
 //! The manager lock is held while a load materializes weights, which serializes loads (that is
 //! what keeps the ledger within budget); it is never held while calling a model's memory

@@ -173,8 +173,8 @@ impl OpsSource {
     /// its own patches, wrappers and load device).
     ///
     /// # Errors
-    /// [`Error::ShapeMismatch`]-free by construction; [`Error::UnknownWeight`] when `patcher` is
-    /// on another model (its keys could differ), naming both models.
+    /// [`Error::UnknownWeight`] when `patcher` is on another model (its keys could differ),
+    /// naming both models; nothing changes then.
     pub fn set_patcher(&self, patcher: &ModelPatcher) -> Result<()> {
         let current = self.patcher();
         if !current.is_clone(patcher) {

@@ -1,0 +1,179 @@
+//! Sentence embeddings with all-MiniLM-L6-v2 through residency's ops layers and memory manager.
+//!
+//! ```text
+//! bash scripts/fetch-minilm.sh
+//! cargo run --release --example minilm -- [--model-dir DIR] [--storage-dtype f32|f16|bf16|fp8_e4m3fn]
+//!     [--vram-budget SIZE] [--lora FILE:STRENGTH]... [--attention naive|split|subquad|auto]
+//!     [residency flags: --novram, --lowvram, --reserve-vram 0, ...] "sentence" ...
+//! ```
+//!
+//! Prints one JSON object per sentence (`{"sentence", "tokens", "embedding"}`, the embedding
+//! mean-pooled over the attention mask and L2-normalised) on stdout, and the memory report on
+//! stderr. Weights are converted to the storage dtype when the model is built and computed in f32.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use residency::attention::BackendRequest;
+use residency::float::Dtype;
+use residency::loader::{LoadOptions, MemoryManager};
+use residency::models::bert::{self, Bert, BertConfig, BertOptions};
+use residency::ops::pick_operations;
+use residency::patcher::{lora, ModelPatcher};
+use residency::vram::{Config, DeviceId, Hardware};
+
+struct Args {
+    model_dir: PathBuf,
+    storage: Dtype,
+    loras: Vec<(PathBuf, f32)>,
+    attention: Option<BackendRequest>,
+    residency_flags: Vec<String>,
+    sentences: Vec<String>,
+}
+
+const USAGE: &str = "usage: minilm [--model-dir DIR] [--storage-dtype f32|f16|bf16|fp8_e4m3fn] \
+[--lora FILE:STRENGTH]... [--attention naive|split|subquad|auto] [residency flags, e.g. \
+--vram-budget 64MiB, --novram] \"sentence\" ...";
+
+fn parse_args(raw: Vec<String>) -> Result<Args, String> {
+    let mut a = Args {
+        model_dir: PathBuf::from(".cache/minilm"),
+        storage: Dtype::F32,
+        loras: Vec::new(),
+        attention: None,
+        residency_flags: Vec::new(),
+        sentences: Vec::new(),
+    };
+    let mut it = raw.into_iter().peekable();
+    while let Some(arg) = it.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if arg.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (arg.clone(), None),
+        };
+        let mut value = |name: &str| -> Result<String, String> {
+            inline
+                .clone()
+                .or_else(|| it.next())
+                .ok_or_else(|| format!("{name} needs a value"))
+        };
+        match flag.as_str() {
+            "--help" | "-h" => return Err(USAGE.to_string()),
+            "--model-dir" => a.model_dir = PathBuf::from(value("--model-dir")?),
+            "--storage-dtype" => {
+                a.storage =
+                    Dtype::from_str(&value("--storage-dtype")?).map_err(|e| e.to_string())?
+            }
+            "--lora" => {
+                let v = value("--lora")?;
+                let (file, strength) = v
+                    .rsplit_once(':')
+                    .ok_or_else(|| format!("--lora {v}: expected FILE:STRENGTH"))?;
+                let strength = strength
+                    .parse::<f32>()
+                    .map_err(|e| format!("--lora {v}: strength: {e}"))?;
+                a.loras.push((PathBuf::from(file), strength));
+            }
+            "--attention" => {
+                a.attention = match value("--attention")?.as_str() {
+                    "naive" => Some(BackendRequest::Naive),
+                    "split" => Some(BackendRequest::Split),
+                    "subquad" => Some(BackendRequest::SubQuadratic),
+                    "auto" => None,
+                    other => {
+                        return Err(format!(
+                            "--attention {other}: expected naive|split|subquad|auto"
+                        ))
+                    }
+                }
+            }
+            f if f.starts_with("--") => {
+                if !Config::is_known_flag(f) {
+                    return Err(format!("unknown flag {f}\n{USAGE}"));
+                }
+                a.residency_flags.push(arg.clone());
+                let takes = Config::flag_takes_value(f);
+                if inline.is_none() {
+                    let next_is_number = it.peek().is_some_and(|n| n.parse::<usize>().is_ok());
+                    if takes == Some(true) || (takes.is_none() && next_is_number) {
+                        a.residency_flags
+                            .push(it.next().ok_or_else(|| format!("{f} needs a value"))?);
+                    }
+                }
+            }
+            _ => a.sentences.push(arg),
+        }
+    }
+    if a.sentences.is_empty() {
+        return Err(format!("no sentence given\n{USAGE}"));
+    }
+    Ok(a)
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let weights = args.model_dir.join("model.safetensors");
+    if !weights.is_file() {
+        return Err(format!(
+            "{} not found: run `bash scripts/fetch-minilm.sh` or pass --model-dir",
+            weights.display()
+        )
+        .into());
+    }
+    let config = BertConfig::from_file(&args.model_dir.join("config.json"))?;
+    let mut tokenizer = tokenizers::Tokenizer::from_file(args.model_dir.join("tokenizer.json"))?;
+    tokenizer.with_padding(None);
+
+    let mm = MemoryManager::new(Config::from_args(&args.residency_flags)?, Hardware::probe())?;
+    let device = mm.compute_device();
+    let model = bert::load_model(&weights, "all-MiniLM-L6-v2", args.storage)?;
+    let mut patcher = ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu);
+    for (file, strength) in &args.loras {
+        let keys: Vec<String> = patcher.model().keys().map(str::to_string).collect();
+        let l = lora::load(file.as_path(), keys.iter().map(String::as_str))?;
+        let matched = patcher.add_patches(l.patches, *strength, 1.0)?;
+        eprintln!(
+            "lora {}: {} weights patched at strength {strength}, {} names unmatched",
+            file.display(),
+            matched.len(),
+            l.unmatched_lora_keys.len()
+        );
+    }
+    let mode = pick_operations(args.storage, Some(Dtype::F32), device, false, false);
+    mm.load_models_gpu(std::slice::from_ref(&patcher), LoadOptions::default())?;
+    let bert = Bert::new(&patcher, mode, &config)?.with_options(BertOptions {
+        attention: args.attention,
+        ..BertOptions::default()
+    });
+
+    let dev = device.to_candle()?;
+    for sentence in &args.sentences {
+        let ids = tokenizer
+            .encode(sentence.as_str(), true)?
+            .get_ids()
+            .to_vec();
+        let n = ids.len();
+        let t = Tensor::from_vec(ids, (1, n), &dev)?;
+        let mask = Tensor::ones((1, n), candle_core::DType::U32, &dev)?;
+        let e = bert.embed(&t, &mask, None)?.squeeze(0)?.to_vec1::<f32>()?;
+        let line = serde_json::json!({ "sentence": sentence, "tokens": n, "embedding": e });
+        println!("{line}");
+    }
+    eprintln!("ops mode: {mode:?}, storage {}", args.storage);
+    eprintln!("{}", mm.memory_report());
+    Ok(())
+}
+
+fn main() {
+    let args = match parse_args(std::env::args().skip(1).collect()) {
+        Ok(a) => a,
+        Err(msg) => {
+            eprintln!("{msg}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(args) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
