@@ -23,8 +23,8 @@ use residency::attention::{self, AttentionOptions, Backend};
 use residency::float::{self, Dtype, Rounding};
 use residency::loader::{Eviction, LoadOptions, MemoryManager};
 use residency::ops::{
-    Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig, GroupNorm, LayerNorm, Linear, OpsBuilder, OpsMode,
-    OpsSource,
+    Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig, GroupNorm, LayerNorm, Linear,
+    OpsBuilder, OpsMode, OpsSource,
 };
 use residency::patcher::{lora, ModelPatcher};
 use residency::vram::{Config, DeviceId, Hardware};
@@ -102,10 +102,21 @@ fn zeros(n: usize) -> Result<Tensor> {
 
 type Weights = Vec<(String, Tensor, Dtype)>;
 
-fn push_linear(w: &mut Weights, name: &str, i: usize, o: usize, seed: &mut u64, dtype: Dtype) -> Result<()> {
+fn push_linear(
+    w: &mut Weights,
+    name: &str,
+    i: usize,
+    o: usize,
+    seed: &mut u64,
+    dtype: Dtype,
+) -> Result<()> {
     *seed += 1;
     let t = weight(&[o, i], *seed, 1.0 / (i as f32).sqrt())?;
-    w.push((format!("{name}.weight"), float::from_f32(&t, dtype, Rounding::Nearest)?, dtype));
+    w.push((
+        format!("{name}.weight"),
+        float::from_f32(&t, dtype, Rounding::Nearest)?,
+        dtype,
+    ));
     w.push((format!("{name}.bias"), zeros(o)?, Dtype::F32));
     Ok(())
 }
@@ -123,19 +134,48 @@ fn build_checkpoints(dir: &Path) -> Result<()> {
     })?;
     let mut seed = 1000;
     // Text encoder: a small transformer, f32.
-    let mut te: Weights = vec![("embed.weight".into(), weight(&[VOCAB, TEXT_H], 1, 0.5)?, Dtype::F32)];
+    let mut te: Weights = vec![(
+        "embed.weight".into(),
+        weight(&[VOCAB, TEXT_H], 1, 0.5)?,
+        Dtype::F32,
+    )];
     for b in 0..TEXT_BLOCKS {
         let p = format!("blocks.{b}");
         push_norm(&mut te, &format!("{p}.ln1"), TEXT_H)?;
         for n in ["q", "k", "v", "o"] {
-            push_linear(&mut te, &format!("{p}.attn.{n}"), TEXT_H, TEXT_H, &mut seed, Dtype::F32)?;
+            push_linear(
+                &mut te,
+                &format!("{p}.attn.{n}"),
+                TEXT_H,
+                TEXT_H,
+                &mut seed,
+                Dtype::F32,
+            )?;
         }
         push_norm(&mut te, &format!("{p}.ln2"), TEXT_H)?;
-        push_linear(&mut te, &format!("{p}.mlp.fc1"), TEXT_H, 4 * TEXT_H, &mut seed, Dtype::F32)?;
-        push_linear(&mut te, &format!("{p}.mlp.fc2"), 4 * TEXT_H, TEXT_H, &mut seed, Dtype::F32)?;
+        push_linear(
+            &mut te,
+            &format!("{p}.mlp.fc1"),
+            TEXT_H,
+            4 * TEXT_H,
+            &mut seed,
+            Dtype::F32,
+        )?;
+        push_linear(
+            &mut te,
+            &format!("{p}.mlp.fc2"),
+            4 * TEXT_H,
+            TEXT_H,
+            &mut seed,
+            Dtype::F32,
+        )?;
     }
     push_norm(&mut te, "final_ln", TEXT_H)?;
-    save_safetensors(&dir.join("text_encoder.safetensors"), &te, &SafetensorsOptions::default())?;
+    save_safetensors(
+        &dir.join("text_encoder.safetensors"),
+        &te,
+        &SafetensorsOptions::default(),
+    )?;
     // Denoiser: attention + cross-attention + MLP blocks, bf16 storage.
     let bf = Dtype::BF16;
     let mut dn: Weights = Vec::new();
@@ -158,13 +198,31 @@ fn build_checkpoints(dir: &Path) -> Result<()> {
     }
     push_norm(&mut dn, "final_ln", H)?;
     push_linear(&mut dn, "proj_out", H, LATENT_C, &mut seed, bf)?;
-    save_safetensors(&dir.join("denoiser.safetensors"), &dn, &SafetensorsOptions::default())?;
+    save_safetensors(
+        &dir.join("denoiser.safetensors"),
+        &dn,
+        &SafetensorsOptions::default(),
+    )?;
     // Decoder: a conv network 16×8×8 → 3×32×32, f32.
     let mut de: Weights = Vec::new();
-    let mut conv = |w: &mut Weights, name: &str, o: usize, i: usize, k: usize, transpose: bool| -> Result<()> {
+    let mut conv = |w: &mut Weights,
+                    name: &str,
+                    o: usize,
+                    i: usize,
+                    k: usize,
+                    transpose: bool|
+     -> Result<()> {
         seed += 1;
-        let shape = if transpose { [i, o, k, k] } else { [o, i, k, k] };
-        w.push((format!("{name}.weight"), weight(&shape, seed, 1.0 / ((i * k * k) as f32).sqrt())?, Dtype::F32));
+        let shape = if transpose {
+            [i, o, k, k]
+        } else {
+            [o, i, k, k]
+        };
+        w.push((
+            format!("{name}.weight"),
+            weight(&shape, seed, 1.0 / ((i * k * k) as f32).sqrt())?,
+            Dtype::F32,
+        ));
         w.push((format!("{name}.bias"), zeros(o)?, Dtype::F32));
         Ok(())
     };
@@ -174,18 +232,38 @@ fn build_checkpoints(dir: &Path) -> Result<()> {
     push_norm(&mut de, "norm2", 32)?;
     conv(&mut de, "up2", 16, 32, 4, true)?;
     conv(&mut de, "conv_out", 3, 16, 3, false)?;
-    save_safetensors(&dir.join("decoder.safetensors"), &de, &SafetensorsOptions::default())?;
+    save_safetensors(
+        &dir.join("decoder.safetensors"),
+        &de,
+        &SafetensorsOptions::default(),
+    )?;
     // A LoRA for the denoiser's attention, in kohya naming (read back through `lora::load`).
     let mut lo: Vec<(String, Tensor, Dtype)> = Vec::new();
     for b in 0..BLOCKS / 2 {
         for n in ["q", "v"] {
             let base = format!("lora_unet_blocks_{b}_attn_{n}");
-            lo.push((format!("{base}.lora_up.weight"), weight(&[H, 8], 7 + b as u64, 0.5)?, Dtype::F32));
-            lo.push((format!("{base}.lora_down.weight"), weight(&[8, H], 9 + b as u64, 0.5)?, Dtype::F32));
-            lo.push((format!("{base}.alpha"), Tensor::new(4f32, &Device::Cpu)?, Dtype::F32));
+            lo.push((
+                format!("{base}.lora_up.weight"),
+                weight(&[H, 8], 7 + b as u64, 0.5)?,
+                Dtype::F32,
+            ));
+            lo.push((
+                format!("{base}.lora_down.weight"),
+                weight(&[8, H], 9 + b as u64, 0.5)?,
+                Dtype::F32,
+            ));
+            lo.push((
+                format!("{base}.alpha"),
+                Tensor::new(4f32, &Device::Cpu)?,
+                Dtype::F32,
+            ));
         }
     }
-    save_safetensors(&dir.join("style_lora.safetensors"), &lo, &SafetensorsOptions::default())?;
+    save_safetensors(
+        &dir.join("style_lora.safetensors"),
+        &lo,
+        &SafetensorsOptions::default(),
+    )?;
     std::fs::write(dir.join("READY"), b"v1").map_err(|e| Error::File {
         path: dir.join("READY"),
         reason: e.to_string(),
@@ -214,7 +292,13 @@ fn attn(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> Result<Tensor> {
 
 impl Block {
     fn new(vb: &OpsBuilder, cross: bool) -> Result<Block> {
-        let c = |n: &str| -> Result<Option<Linear>> { if cross { vb.pp("cross").linear(n, true).map(Some) } else { Ok(None) } };
+        let c = |n: &str| -> Result<Option<Linear>> {
+            if cross {
+                vb.pp("cross").linear(n, true).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
         Ok(Block {
             ln1: vb.layer_norm("ln1", 1e-5, true)?,
             q: vb.pp("attn").linear("q", true)?,
@@ -226,7 +310,11 @@ impl Block {
             ck: c("k")?,
             cv: c("v")?,
             co: c("o")?,
-            ln3: if cross { Some(vb.layer_norm("ln3", 1e-5, true)?) } else { None },
+            ln3: if cross {
+                Some(vb.layer_norm("ln3", 1e-5, true)?)
+            } else {
+                None
+            },
             fc1: vb.pp("mlp").linear("fc1", true)?,
             fc2: vb.pp("mlp").linear("fc2", true)?,
         })
@@ -234,13 +322,23 @@ impl Block {
 
     fn forward(&self, x: &Tensor, context: Option<&Tensor>, heads: usize) -> Result<Tensor> {
         let h = self.ln1.try_forward(x)?;
-        let a = attn(&self.q.try_forward(&h)?, &self.k.try_forward(&h)?, &self.v.try_forward(&h)?, heads)?;
+        let a = attn(
+            &self.q.try_forward(&h)?,
+            &self.k.try_forward(&h)?,
+            &self.v.try_forward(&h)?,
+            heads,
+        )?;
         let mut x = (x + self.o.try_forward(&a)?)?;
         let mlp_norm = if let (Some(cq), Some(ck), Some(cv), Some(co), Some(ctx), Some(ln3)) =
             (&self.cq, &self.ck, &self.cv, &self.co, context, &self.ln3)
         {
             let h = self.ln2.try_forward(&x)?;
-            let a = attn(&cq.try_forward(&h)?, &ck.try_forward(ctx)?, &cv.try_forward(ctx)?, heads)?;
+            let a = attn(
+                &cq.try_forward(&h)?,
+                &ck.try_forward(ctx)?,
+                &cv.try_forward(ctx)?,
+                heads,
+            )?;
             x = (x + co.try_forward(&a)?)?;
             ln3
         } else {
@@ -264,14 +362,19 @@ impl TextEncoder {
         Ok(TextEncoder {
             source: vb.source().clone(),
             embed: vb.embedding("embed")?,
-            blocks: (0..TEXT_BLOCKS).map(|b| Block::new(&vb.pp("blocks").pp(b), false)).collect::<Result<_>>()?,
+            blocks: (0..TEXT_BLOCKS)
+                .map(|b| Block::new(&vb.pp("blocks").pp(b), false))
+                .collect::<Result<_>>()?,
             norm: vb.layer_norm("final_ln", 1e-5, true)?,
         })
     }
     fn forward(&self, prompt: &str) -> Result<Tensor> {
         let ids: Vec<u32> = (0..TOKENS)
             .map(|i| {
-                let word = prompt.split_whitespace().nth(i % prompt.split_whitespace().count().max(1)).unwrap_or("");
+                let word = prompt
+                    .split_whitespace()
+                    .nth(i % prompt.split_whitespace().count().max(1))
+                    .unwrap_or("");
                 (float::crc32(format!("{word}/{i}").as_bytes()) as usize % VOCAB) as u32
             })
             .collect();
@@ -297,12 +400,19 @@ struct Denoiser {
 
 impl Denoiser {
     fn new(p: &ModelPatcher) -> Result<Self> {
-        let vb = OpsBuilder::new(p, OpsMode::ManualCast { compute: Dtype::F32 });
+        let vb = OpsBuilder::new(
+            p,
+            OpsMode::ManualCast {
+                compute: Dtype::F32,
+            },
+        );
         Ok(Denoiser {
             source: vb.source().clone(),
             proj_in: vb.linear("proj_in", true)?,
             time: vb.linear("time", true)?,
-            blocks: (0..BLOCKS).map(|b| Block::new(&vb.pp("blocks").pp(b), true)).collect::<Result<_>>()?,
+            blocks: (0..BLOCKS)
+                .map(|b| Block::new(&vb.pp("blocks").pp(b), true))
+                .collect::<Result<_>>()?,
             norm: vb.layer_norm("final_ln", 1e-5, true)?,
             proj_out: vb.linear("proj_out", true)?,
         })
@@ -333,8 +443,15 @@ struct Decoder {
 impl Decoder {
     fn new(p: &ModelPatcher) -> Result<Self> {
         let vb = OpsBuilder::new(p, OpsMode::DisableWeightInit);
-        let pad1 = ConvConfig { padding: 1, ..ConvConfig::default() };
-        let up = ConvTransposeConfig { padding: 1, stride: 2, ..ConvTransposeConfig::default() };
+        let pad1 = ConvConfig {
+            padding: 1,
+            ..ConvConfig::default()
+        };
+        let up = ConvTransposeConfig {
+            padding: 1,
+            stride: 2,
+            ..ConvTransposeConfig::default()
+        };
         Ok(Decoder {
             source: vb.source().clone(),
             conv_in: vb.conv2d("conv_in", pad1, true)?,
@@ -346,7 +463,9 @@ impl Decoder {
         })
     }
     fn forward(&self, latent: &Tensor) -> Result<Tensor> {
-        let x = latent.transpose(1, 2)?.reshape((1, LATENT_C, LATENT_HW, LATENT_HW))?;
+        let x = latent
+            .transpose(1, 2)?
+            .reshape((1, LATENT_C, LATENT_HW, LATENT_HW))?;
         let x = self.conv_in.try_forward(&x)?;
         let x = self.up1.try_forward(&self.norm1.try_forward(&x)?.silu()?)?;
         let x = self.up2.try_forward(&self.norm2.try_forward(&x)?.silu()?)?;
@@ -374,7 +493,11 @@ impl Progress {
         }
         if self.tty {
             let filled = step * 30 / steps;
-            eprint!("\rprompt {prompt} [{}{}] {step}/{steps} {its:.1} it/s", "#".repeat(filled), "-".repeat(30 - filled));
+            eprint!(
+                "\rprompt {prompt} [{}{}] {step}/{steps} {its:.1} it/s",
+                "#".repeat(filled),
+                "-".repeat(30 - filled)
+            );
             if step == steps {
                 eprintln!();
             }
@@ -391,9 +514,18 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     if !args.cache.join("READY").exists() {
         build_checkpoints(&args.cache)?;
     }
-    let te_model = Arc::new(Model::from_safetensors("text_encoder", &[args.cache.join("text_encoder.safetensors")])?);
-    let dn_model = Arc::new(Model::from_safetensors("denoiser", &[args.cache.join("denoiser.safetensors")])?);
-    let de_model = Arc::new(Model::from_safetensors("decoder", &[args.cache.join("decoder.safetensors")])?);
+    let te_model = Arc::new(Model::from_safetensors(
+        "text_encoder",
+        &[args.cache.join("text_encoder.safetensors")],
+    )?);
+    let dn_model = Arc::new(Model::from_safetensors(
+        "denoiser",
+        &[args.cache.join("denoiser.safetensors")],
+    )?);
+    let de_model = Arc::new(Model::from_safetensors(
+        "decoder",
+        &[args.cache.join("decoder.safetensors")],
+    )?);
 
     let mut config = args.config.clone();
     if config.reserve_vram_gb.is_none() {
@@ -403,7 +535,11 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         config.inference_memory = Some(ByteSize::mib(4));
     }
     let hardware = Hardware::probe();
-    let f32_total = ByteSize((te_model.model_size().bytes() + dn_model.model_size().bytes() * 2 + de_model.model_size().bytes()) as u64);
+    let f32_total = ByteSize(
+        te_model.model_size().bytes()
+            + dn_model.model_size().bytes() * 2
+            + de_model.model_size().bytes(),
+    );
     if config.vram_budget.is_none() && hardware.gpus.is_empty() {
         config.vram_budget = Some(ByteSize(f32_total.bytes() / 3));
     }
@@ -411,7 +547,8 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     let device = mm.compute_device();
     let offload = DeviceId::Cpu;
     let te = ModelPatcher::new(te_model, device, offload);
-    let mut base = ModelPatcher::new(dn_model, device, offload).with_compute_dtype(Some(Dtype::F32));
+    let mut base =
+        ModelPatcher::new(dn_model, device, offload).with_compute_dtype(Some(Dtype::F32));
     base.set_memory_estimator(Arc::new(|shape: &[usize]| {
         // Activations of one step: a few [tokens, 4·H] f32 buffers plus attention scores.
         let tokens = shape.iter().product::<usize>().max(1) as u64;
@@ -419,17 +556,31 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     }));
     let de = ModelPatcher::new(de_model, device, offload);
     let mut styled = base.clone();
-    let lora = lora::load(args.cache.join("style_lora.safetensors"), base.model().keys())?;
+    let lora = lora::load(
+        args.cache.join("style_lora.safetensors"),
+        base.model().keys(),
+    )?;
     let patched = styled.add_patches(lora.patches, 1.0, 1.0)?;
     if !args.quiet {
-        eprintln!("LoRA: {} weights patched, {} LoRA keys ignored", patched.len(), lora.unmatched_lora_keys.len());
+        eprintln!(
+            "LoRA: {} weights patched, {} LoRA keys ignored",
+            patched.len(),
+            lora.unmatched_lora_keys.len()
+        );
     }
 
     let text_encoder = TextEncoder::new(&te)?;
     let denoiser = Denoiser::new(&base)?;
     let decoder = Decoder::new(&de)?;
-    let progress = Progress { tty: std::io::stderr().is_terminal(), quiet: args.quiet };
-    let prompts = ["a lighthouse at dusk", "the same lighthouse, in watercolour", "a lighthouse at dawn"];
+    let progress = Progress {
+        tty: std::io::stderr().is_terminal(),
+        quiet: args.quiet,
+    };
+    let prompts = [
+        "a lighthouse at dusk",
+        "the same lighthouse, in watercolour",
+        "a lighthouse at dawn",
+    ];
     let mut results = Vec::new();
     let mut evictions = Vec::new();
     let mut moved_per_model: std::collections::BTreeMap<String, ByteSize> = Default::default();
@@ -440,21 +591,38 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         let r = mm.load_models_gpu(std::slice::from_ref(&te), LoadOptions::default())?;
         evictions.extend(r.evicted.clone());
         for m in &r.models {
-            *moved_per_model.entry(m.name.clone()).or_default() = moved_per_model.get(&m.name).copied().unwrap_or_default().saturating_add(m.moved);
+            *moved_per_model.entry(m.name.clone()).or_default() = moved_per_model
+                .get(&m.name)
+                .copied()
+                .unwrap_or_default()
+                .saturating_add(m.moved);
         }
         let context = text_encoder.forward(&prompt)?;
         // 2. denoise
         let dn = if use_lora { &styled } else { &base };
         denoiser.source.set_patcher(dn)?;
         let latent_shape = [1, LATENT_HW * LATENT_HW];
-        let opts = LoadOptions::default().with_memory_required(dn.memory_required(&latent_shape));
+        let opts = LoadOptions {
+            // Patched weights first: the LoRA's weights become resident rather than re-patched at
+            // every step, and going back to the base moves exactly those weights.
+            force_patch_weights: true,
+            ..LoadOptions::default().with_memory_required(dn.memory_required(&latent_shape))
+        };
         let r = mm.load_models_gpu(std::slice::from_ref(dn), opts)?;
         evictions.extend(r.evicted.clone());
         let denoiser_moved = r.moved();
         for m in &r.models {
-            *moved_per_model.entry(m.name.clone()).or_default() = moved_per_model.get(&m.name).copied().unwrap_or_default().saturating_add(m.moved);
+            *moved_per_model.entry(m.name.clone()).or_default() = moved_per_model
+                .get(&m.name)
+                .copied()
+                .unwrap_or_default()
+                .saturating_add(m.moved);
         }
-        let mut x = weight(&[1, LATENT_HW * LATENT_HW, LATENT_C], args.seed + i as u64, 1.0)?;
+        let mut x = weight(
+            &[1, LATENT_HW * LATENT_HW, LATENT_C],
+            args.seed + i as u64,
+            1.0,
+        )?;
         let t0 = Instant::now();
         for s in 0..args.steps {
             let t = 1.0 - s as f32 / args.steps as f32;
@@ -468,12 +636,22 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         let r = mm.load_models_gpu(std::slice::from_ref(&de), LoadOptions::default())?;
         evictions.extend(r.evicted.clone());
         for m in &r.models {
-            *moved_per_model.entry(m.name.clone()).or_default() = moved_per_model.get(&m.name).copied().unwrap_or_default().saturating_add(m.moved);
+            *moved_per_model.entry(m.name.clone()).or_default() = moved_per_model
+                .get(&m.name)
+                .copied()
+                .unwrap_or_default()
+                .saturating_add(m.moved);
         }
         let image = decoder.forward(&x)?;
         let checksum = checksum(&image)?;
         mm.cleanup_models();
-        results.push(PromptResult { prompt, lora: use_lora, checksum, step_ms, denoiser_moved });
+        results.push(PromptResult {
+            prompt,
+            lora: use_lora,
+            checksum,
+            step_ms,
+            denoiser_moved,
+        });
     }
     let budget = mm.get_total_memory(device);
     let loaded = mm.loaded_models();
@@ -481,9 +659,18 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         .iter()
         .map(|p| {
             let name = p.model().name().to_string();
-            let resident = loaded.iter().find(|m| m.name == name).map(|m| m.resident).unwrap_or_default();
+            let resident = loaded
+                .iter()
+                .find(|m| m.name == name)
+                .map(|m| m.resident)
+                .unwrap_or_default();
             let size = p.resident_model_size();
-            (name.clone(), resident, size.saturating_sub(resident), moved_per_model.get(&name).copied().unwrap_or_default())
+            (
+                name.clone(),
+                resident,
+                size.saturating_sub(resident),
+                moved_per_model.get(&name).copied().unwrap_or_default(),
+            )
         })
         .collect();
     Ok(PipelineReport {
@@ -574,9 +761,18 @@ pub fn to_json(r: &PipelineReport) -> String {
 /// The report as a table for people.
 pub fn to_table(r: &PipelineReport) -> String {
     let mut s = String::new();
-    s.push_str(&format!("{:<14} {:>12} {:>12} {:>12}\n", "model", "resident", "streaming", "moved"));
+    s.push_str(&format!(
+        "{:<14} {:>12} {:>12} {:>12}\n",
+        "model", "resident", "streaming", "moved"
+    ));
     for (n, res, st, mv) in &r.models {
-        s.push_str(&format!("{:<14} {:>12} {:>12} {:>12}\n", n, res.to_string(), st.to_string(), mv.to_string()));
+        s.push_str(&format!(
+            "{:<14} {:>12} {:>12} {:>12}\n",
+            n,
+            res.to_string(),
+            st.to_string(),
+            mv.to_string()
+        ));
     }
     s.push_str(&format!("peak ledger {} of budget {}\n", r.peak, r.budget));
     for p in &r.prompts {
@@ -591,7 +787,10 @@ pub fn to_table(r: &PipelineReport) -> String {
     }
     s.push_str(&format!("{} evictions", r.evictions.len()));
     if let Some(e) = r.evictions.first() {
-        s.push_str(&format!(" (first: {} freed {} because {})", e.name, e.freed, e.reason));
+        s.push_str(&format!(
+            " (first: {} freed {} because {})",
+            e.name, e.freed, e.reason
+        ));
     }
     s.push('\n');
     let t = &r.transfers;
@@ -621,21 +820,31 @@ pub fn parse_args(raw: &[String]) -> std::result::Result<PipelineArgs, String> {
     let mut i = 0;
     while i < raw.len() {
         let flag = raw[i].as_str();
-        let value = |i: usize| raw.get(i + 1).cloned().ok_or_else(|| format!("{flag} needs a value"));
+        let value = |i: usize| {
+            raw.get(i + 1)
+                .cloned()
+                .ok_or_else(|| format!("{flag} needs a value"))
+        };
         match flag {
             "--prompts" => {
-                a.prompts = value(i)?.parse().map_err(|_| "--prompts takes a number".to_string())?;
+                a.prompts = value(i)?
+                    .parse()
+                    .map_err(|_| "--prompts takes a number".to_string())?;
                 i += 2;
             }
             "--steps" => {
-                a.steps = value(i)?.parse().map_err(|_| "--steps takes a number".to_string())?;
+                a.steps = value(i)?
+                    .parse()
+                    .map_err(|_| "--steps takes a number".to_string())?;
                 if a.steps == 0 {
                     return Err("--steps must be at least 1".into());
                 }
                 i += 2;
             }
             "--seed" => {
-                a.seed = value(i)?.parse().map_err(|_| "--seed takes a number".to_string())?;
+                a.seed = value(i)?
+                    .parse()
+                    .map_err(|_| "--seed takes a number".to_string())?;
                 i += 2;
             }
             "--json" => {

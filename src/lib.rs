@@ -1,4 +1,55 @@
-//! residency (work in progress)
+//! # residency — model memory scheduling for candle
+//!
+//! residency decides where every weight of every loaded model lives — GPU memory, host RAM,
+//! page-locked host RAM — moves weights between those tiers on transfer lanes, applies LoRA-style
+//! patches without ever touching the base weights, and picks dtypes and attention backends that
+//! fit the hardware. Its behaviour reference is ComfyUI's model management.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use candle_core::{Device, Tensor};
+//! use residency::loader::{LoadOptions, MemoryManager};
+//! use residency::ops::{OpsBuilder, OpsMode};
+//! use residency::patcher::{Lora, Patch};
+//! use residency::{ByteSize, Config, DeviceId, Dtype, Hardware, Model, ModelPatcher};
+//!
+//! # fn main() -> residency::Result<()> {
+//! // A budgeted CPU device stands in for a GPU here; on a real machine use `residency::global()`.
+//! let config = Config::from_args(["--vram-budget", "64MiB", "--reserve-vram", "0"])?;
+//! let manager = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(8)))?;
+//! let w = Tensor::randn(0f32, 1.0, (64, 64), &Device::Cpu)?;
+//! let model = Arc::new(Model::from_tensors("net", [("proj.weight", w)])?);
+//! let base = ModelPatcher::new(model, manager.compute_device(), DeviceId::Cpu);
+//!
+//! // A node clones the model and adds a LoRA; the base is untouched.
+//! let mut styled = base.clone();
+//! let lora = Lora::new(Tensor::ones((64, 4), candle_core::DType::F32, &Device::Cpu)?,
+//!                      Tensor::ones((4, 64), candle_core::DType::F32, &Device::Cpu)?);
+//! styled.add_patches([("proj.weight", Patch::Lora(lora))], 0.1, 1.0)?;
+//!
+//! let report = manager.load_models_gpu(&[styled.clone()], LoadOptions::default())?;
+//! assert!(report.models[0].full);
+//! let layer = OpsBuilder::new(&styled, OpsMode::DisableWeightInit).linear("proj", false)?;
+//! let y = layer.try_forward(&Tensor::ones((1, 64), candle_core::DType::F32, &Device::Cpu)?)?;
+//! assert_eq!(y.dims(), &[1, 64]);
+//! assert!(base.patches().is_empty());
+//! # let _ = Dtype::F32; Ok(()) }
+//! ```
+//!
+//! ## Module map, in dependency order (no cycles)
+//!
+//! `error`, `size` (leaves) → [`float`] (casts, fp8, stochastic rounding) → [`vram`] (config,
+//! hardware probe, VRAM state, device helpers, dtype policy) → [`weights`] (models as named slots,
+//! residency) → [`patcher`] (ModelPatcher, patch math, LoRA files) → [`offload`] (staging pool,
+//! transfer lanes, prefetch) → [`ops`] (layers), [`attention`] (backends, dispatcher) → [`loader`]
+//! (the memory manager, the global API) → [`models`] (BERT), [`tools`] (LoRA merging).
+//!
+//! ## Invariants
+//!
+//! - **I1** clean weights are immutable; **I2** each device's ledger is exact and bounded by its
+//!   budget; **I3** a streamed weight gives bit-identical outputs to a resident one; **I4** a
+//!   failed call changes nothing loaded; **I5** handles are `Send + Sync`, and every lock has a
+//!   rank (the table is in [`loader`]).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 

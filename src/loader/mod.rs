@@ -439,7 +439,8 @@ impl MemoryManager {
                 self.policy.weight_ratio(device),
             );
             if already > ByteSize::ZERO {
-                m.partially_load_outcome(device, budget)?.1
+                m.partially_load_prioritized(device, budget, options.force_patch_weights)?
+                    .1
             } else {
                 m.load(device, budget, options.force_patch_weights, false)?
             }

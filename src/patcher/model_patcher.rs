@@ -688,6 +688,18 @@ impl ModelPatcher {
         device: DeviceId,
         extra: ByteSize,
     ) -> Result<(ByteSize, LoadOutcome)> {
+        self.partially_load_prioritized(device, extra, false)
+    }
+
+    /// [`ModelPatcher::partially_load_outcome`]; with `force_patch_weights`, weights that carry
+    /// patches are considered before the others (so a LoRA clone's patched weights become
+    /// resident instead of being patched at every use).
+    pub fn partially_load_prioritized(
+        &mut self,
+        device: DeviceId,
+        extra: ByteSize,
+        force_patch_weights: bool,
+    ) -> Result<(ByteSize, LoadOutcome)> {
         self.load_device = device;
         let n = self.model.len();
         let mut want = vec![false; n];
@@ -701,7 +713,11 @@ impl ModelPatcher {
                 }
             }
         }
-        candidates.sort_by_key(|&i| (std::cmp::Reverse(self.resident_size(i)), i));
+        candidates.sort_by_key(|&i| {
+            let patched =
+                force_patch_weights && !self.patches.get(self.model.slots()[i].name()).is_empty();
+            (!patched, std::cmp::Reverse(self.resident_size(i)), i)
+        });
         let mut added = ByteSize::ZERO;
         for i in candidates {
             let next = added.saturating_add(self.resident_size(i));

@@ -1,0 +1,94 @@
+//! The pipeline example end to end: identical output checksums for any budget, lane count and
+//! async setting (DESIGN I3), the budget never exceeded, and a valid JSON report.
+
+#[allow(dead_code)]
+#[path = "../examples/pipeline.rs"]
+mod pipeline;
+
+fn run(cache: &std::path::Path, flags: &[&str]) -> pipeline::PipelineReport {
+    let mut raw: Vec<String> = vec![
+        "--steps".into(),
+        "2".into(),
+        "--quiet".into(),
+        "--cache".into(),
+    ];
+    raw.push(cache.display().to_string());
+    raw.extend(flags.iter().map(|s| s.to_string()));
+    let args = pipeline::parse_args(&raw).unwrap();
+    pipeline::run(&args).unwrap()
+}
+
+#[test]
+fn checksums_are_identical_across_budgets_lanes_and_async() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = run(dir.path(), &["--vram-budget", "256MiB"]);
+    let sums =
+        |r: &pipeline::PipelineReport| r.prompts.iter().map(|p| p.checksum).collect::<Vec<_>>();
+    assert_eq!(reference.prompts.len(), 3);
+    // Prompt 2 uses the LoRA clone: its image differs from the base prompts' inputs.
+    assert!(reference.prompts[1].lora);
+    let runs: &[&[&str]] = &[
+        &[],
+        &["--vram-budget", "3MiB", "--async-offload", "3"],
+        &["--vram-budget", "3MiB", "--disable-async-offload"],
+        &["--novram", "--vram-budget", "64MiB"],
+        &["--disable-smart-memory", "--vram-budget", "12MiB"],
+    ];
+    for flags in runs {
+        let r = run(dir.path(), flags);
+        assert_eq!(sums(&r), sums(&reference), "{flags:?}");
+        assert!(
+            r.peak <= r.budget,
+            "{flags:?}: peak {} over budget {}",
+            r.peak,
+            r.budget
+        );
+    }
+}
+
+#[test]
+fn default_budget_streams_evicts_and_moves_only_lora_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = run(dir.path(), &[]);
+    assert!(r.peak <= r.budget);
+    assert!(
+        !r.evictions.is_empty(),
+        "a third of the models' size forces evictions"
+    );
+    let denoiser = r.models.iter().find(|m| m.0 == "denoiser").unwrap();
+    assert!(
+        denoiser.2 > residency::ByteSize::ZERO,
+        "the denoiser streams"
+    );
+    assert!(r.transfers.prefetch_hits > 0);
+    // Going back from the LoRA clone to the base moves at most the LoRA-touched weights
+    // (6 of 256×256 f32).
+    let lora_bytes = residency::ByteSize(6 * 256 * 256 * 4);
+    assert!(
+        r.prompts[2].denoiser_moved <= lora_bytes,
+        "{:?}",
+        r.prompts[2]
+    );
+}
+
+#[test]
+fn json_report_is_valid_and_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = run(dir.path(), &["--vram-budget", "4MiB"]);
+    let json: serde_json::Value = serde_json::from_str(&pipeline::to_json(&r)).unwrap();
+    assert_eq!(json["prompts"].as_array().unwrap().len(), 3);
+    for p in json["prompts"].as_array().unwrap() {
+        assert_eq!(p["checksum"].as_str().unwrap().len(), 8);
+    }
+    assert_eq!(json["budget_bytes"].as_u64().unwrap(), 4 * 1024 * 1024);
+    assert!(json["peak_ledger_bytes"].as_u64().unwrap() <= 4 * 1024 * 1024);
+    let names: Vec<&str> = json["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["text_encoder", "denoiser", "decoder"]);
+    assert!(json["transfers"]["prefetch_hits"].is_u64());
+    assert!(json["evictions"].is_array());
+}
