@@ -70,12 +70,37 @@ pub use error::{Error, Result};
 pub use float::{Dtype, Fp8Format, Rounding};
 pub use size::ByteSize;
 
-/// The attention backend the dispatcher would pick on this policy's compute device (for the
-/// startup report).
+/// The attention backend the dispatcher picks on this policy's compute device for a typical
+/// large input (8 heads × 4096 tokens, f32 softmax), as the startup report shows it.
 pub fn attention_name(policy: &vram::Policy) -> String {
-    match policy.config().attention {
-        Some(flag) => format!("{flag:?} (requested)"),
-        None => "auto".to_string(),
+    use attention::{AttentionShape, BackendRequest, DeviceKind, DispatchInput};
+    let requested = policy.config().attention.map(|flag| match flag {
+        vram::AttentionFlag::Split => BackendRequest::Split,
+        vram::AttentionFlag::Quad => BackendRequest::SubQuadratic,
+        vram::AttentionFlag::Pytorch => BackendRequest::Sdpa,
+        vram::AttentionFlag::Flash => BackendRequest::Flash,
+        vram::AttentionFlag::Sage => BackendRequest::Sage,
+    });
+    let device = policy.compute_device();
+    let d = attention::dispatch(&DispatchInput {
+        requested,
+        device: if device.is_cpu() {
+            DeviceKind::Cpu
+        } else {
+            DeviceKind::Cuda
+        },
+        fused_kernel: false,
+        free: policy.total_memory(device),
+        shape: AttentionShape {
+            batch_heads: 8,
+            nq: 4096,
+            nk: 4096,
+            elem_bytes: 4,
+        },
+    });
+    match d.fallback {
+        Some(f) => format!("{} ({:?} requested: {})", d.backend, f.requested, f.reason),
+        None => d.backend.to_string(),
     }
 }
 

@@ -301,3 +301,48 @@ fn first_forward_records_weight_order_in_layer_order() {
         "encoder.layer.5.output.LayerNorm.bias"
     );
 }
+
+#[test]
+fn embeddings_agree_whichever_attention_backend_runs() {
+    use residency::attention::BackendRequest;
+    use residency::models::bert::BertOptions;
+    let cases = fixture();
+    let sentences: Vec<String> = cases.iter().map(|c| c.sentence.clone()).collect();
+    let (ids, mask) = batch(&tokenize(&sentences));
+    let patcher = base_patcher(Dtype::F32);
+    let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
+    let run = |request: BackendRequest, free: ByteSize| {
+        let bert = Bert::new(
+            &patcher,
+            OpsMode::ManualCast {
+                compute: Dtype::F32,
+            },
+            &config,
+        )
+        .unwrap()
+        .with_options(BertOptions {
+            attention: Some(request),
+            free_memory: free,
+        });
+        bert.embed(&ids, &mask, None)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap()
+    };
+    let naive = run(BackendRequest::Naive, ByteSize::gib(1));
+    // Tight free memory forces several query slices and key chunks.
+    for (request, free) in [
+        (BackendRequest::Split, ByteSize::kib(64)),
+        (BackendRequest::SubQuadratic, ByteSize::kib(16)),
+        (BackendRequest::SubQuadratic, ByteSize::gib(1)),
+    ] {
+        let got = run(request, free);
+        for (a, b) in got.iter().zip(&naive) {
+            let c = cosine(a, b);
+            assert!(c >= 0.999_999, "{request:?} with {free}: cosine {c}");
+        }
+        for (e, c) in got.iter().zip(&cases) {
+            assert!(cosine(e, &c.embedding) >= 0.99999, "{request:?}");
+        }
+    }
+}
