@@ -39,13 +39,25 @@ fn setup(budget: Option<ByteSize>, lanes: usize, depth: usize) -> Setup {
     let mut args = vec!["--reserve-vram".to_string(), "0".to_string()];
     match budget {
         Some(b) => args.extend(["--vram-budget".to_string(), b.bytes().to_string()]),
-        None => args.extend(["--vram-budget".to_string(), "8GiB".to_string(), "--highvram".to_string()]),
+        None => args.extend([
+            "--vram-budget".to_string(),
+            "8GiB".to_string(),
+            "--highvram".to_string(),
+        ]),
     }
-    let cfg = Config::from_args(&args).unwrap().with_transfer_lanes(lanes).with_prefetch_depth(depth);
+    let cfg = Config::from_args(&args)
+        .unwrap()
+        .with_transfer_lanes(lanes)
+        .with_prefetch_depth(depth);
     let mm = MemoryManager::new(cfg, Hardware::cpu_only(ByteSize::gib(16))).unwrap();
-    let p = ModelPatcher::new(Arc::new(model()), DeviceId::Cpu, DeviceId::Cpu).with_compute_dtype(Some(Dtype::F32));
-    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default()).unwrap();
-    let s = Setup { patcher: p, _mm: mm };
+    let p = ModelPatcher::new(Arc::new(model()), DeviceId::Cpu, DeviceId::Cpu)
+        .with_compute_dtype(Some(Dtype::F32));
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    let s = Setup {
+        patcher: p,
+        _mm: mm,
+    };
     forward(&s.patcher); // records the order
     s
 }
@@ -81,8 +93,12 @@ fn bench(c: &mut Criterion) {
     g.sample_size(10).measurement_time(Duration::from_secs(3));
     g.bench_function("resident", |b| b.iter(|| forward(&resident.patcher)));
     g.bench_function("streamed_sync", |b| b.iter(|| forward(&sync.patcher)));
-    g.bench_function("streamed_lanes_no_prefetch", |b| b.iter(|| forward(&no_prefetch.patcher)));
-    g.bench_function("streamed_prefetch_2", |b| b.iter(|| forward(&prefetch.patcher)));
+    g.bench_function("streamed_lanes_no_prefetch", |b| {
+        b.iter(|| forward(&no_prefetch.patcher))
+    });
+    g.bench_function("streamed_prefetch_2", |b| {
+        b.iter(|| forward(&prefetch.patcher))
+    });
     g.finish();
 
     let iters = 5;
@@ -99,11 +115,29 @@ fn bench(c: &mut Criterion) {
     };
     println!();
     println!("offload summary ({LAYERS} layers of {WIDTH}x{WIDTH} bf16, batch {BATCH}, budget {budget} = 1/4 of {model_f32} f32):");
-    println!("  resident forward (limit)          {:>8.2} ms", t_res.as_secs_f64() * 1e3);
-    println!("  streamed, synchronous (naive)     {:>8.2} ms  ratio {:.2}", t_sync.as_secs_f64() * 1e3, t_sync.as_secs_f64() / t_res.as_secs_f64());
-    println!("  streamed, 2 lanes, no prefetch    {:>8.2} ms  ratio {:.2}", t_nopf.as_secs_f64() * 1e3, t_nopf.as_secs_f64() / t_res.as_secs_f64());
-    println!("  streamed, 2 lanes, prefetch 2     {:>8.2} ms  ratio {:.2}", t_pf.as_secs_f64() * 1e3, t_pf.as_secs_f64() / t_res.as_secs_f64());
-    println!("  overlap efficiency (transfer time hidden behind compute): {:.0}%", hidden * 100.0);
+    println!(
+        "  resident forward (limit)          {:>8.2} ms",
+        t_res.as_secs_f64() * 1e3
+    );
+    println!(
+        "  streamed, synchronous (naive)     {:>8.2} ms  ratio {:.2}",
+        t_sync.as_secs_f64() * 1e3,
+        t_sync.as_secs_f64() / t_res.as_secs_f64()
+    );
+    println!(
+        "  streamed, 2 lanes, no prefetch    {:>8.2} ms  ratio {:.2}",
+        t_nopf.as_secs_f64() * 1e3,
+        t_nopf.as_secs_f64() / t_res.as_secs_f64()
+    );
+    println!(
+        "  streamed, 2 lanes, prefetch 2     {:>8.2} ms  ratio {:.2}",
+        t_pf.as_secs_f64() * 1e3,
+        t_pf.as_secs_f64() / t_res.as_secs_f64()
+    );
+    println!(
+        "  overlap efficiency (transfer time hidden behind compute): {:.0}%",
+        hidden * 100.0
+    );
 }
 
 criterion_group!(benches, bench);
