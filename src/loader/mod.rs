@@ -146,14 +146,10 @@ impl MemoryManager {
             let limit = config
                 .pinned_memory_limit
                 .unwrap_or_else(|| crate::offload::default_limit(policy.hardware().host.available));
-            Some(match policy.compute_device() {
-                DeviceId::Cuda(n) if crate::vram::cuda_driver_present() => {
-                    match std::panic::catch_unwind(|| cudarc::driver::CudaContext::new(n)) {
-                        Ok(Ok(ctx)) => PinnedPool::pinned(limit, ctx),
-                        _ => PinnedPool::aligned(limit),
-                    }
-                }
-                _ => PinnedPool::aligned(limit),
+            // Pinned in the compute device's (candle's) context where there is one.
+            Some(match crate::vram::cuda_context(policy.compute_device()) {
+                Some(ctx) => PinnedPool::pinned(limit, ctx),
+                None => PinnedPool::aligned(limit),
             })
         };
         let engine = Arc::new(TransferEngine::new(config.transfer_lanes(), pool.clone()));
@@ -609,9 +605,12 @@ impl MemoryManager {
     }
 
     /// Returns cached device memory to the driver. Resident copies are freed as soon as they are
-    /// dropped on the CPU; on CUDA this trims candle's pool where the `cuda` feature provides one.
+    /// dropped on the CPU; on each CUDA device candle computes on for residency this waits for
+    /// the device's work and trims the driver's stream-ordered memory pool candle allocates from.
+    /// Takes no lock while the devices synchronize.
     pub fn soft_empty_cache(&self) {
         tracing::debug!("soft_empty_cache");
+        crate::vram::empty_cuda_caches();
     }
 
     /// Drops registry entries no patcher outside holds, and releases every weight pin.

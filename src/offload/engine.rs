@@ -197,7 +197,8 @@ impl TransferEngine {
         let pool = self.pool.clone();
         let stats = Arc::clone(&self.stats);
         let job: Job = Box::new(move || {
-            let r = stream_weight(pool.as_ref(), &stats, &patcher, index);
+            let r =
+                stream_weight(pool.as_ref(), &stats, &patcher, index).and_then(complete_on_device);
             let _ = tx.send(r);
         });
         if let Err(mpsc::SendError(job)) = queue.send(job) {
@@ -224,6 +225,23 @@ impl Drop for TransferEngine {
             let _ = w.join();
         }
     }
+}
+
+/// Waits until a weight a lane built is complete on its device, so the compute thread may use it.
+///
+/// candle queues a CUDA copy on the calling thread's per-thread stream, and per-thread streams of
+/// two threads are not ordered with each other (nor does cudarc insert event waits while a context
+/// runs a single stream). Without this wait, a kernel on the compute thread could read the weight
+/// before the lane's copy landed. Synchronizing the lane's own stream blocks only the lane. CPU
+/// tensors are complete when built.
+fn complete_on_device(t: Tensor) -> Result<Tensor> {
+    if t.device().is_cpu() {
+        return Ok(t);
+    }
+    t.device()
+        .synchronize()
+        .map_err(|e| Error::tensor("waiting for a lane's copy to the device", e))?;
+    Ok(t)
 }
 
 /// The streamed-fetch path: stage the clean bytes, rebuild, patch, cast, move.

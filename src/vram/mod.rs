@@ -15,6 +15,7 @@
 //! CPU a *budgeted compute device*, scheduled like a GPU; with neither the state is `Disabled`.
 
 mod config;
+mod cuda;
 mod devices;
 mod dtype;
 mod probe;
@@ -22,6 +23,8 @@ mod report;
 mod state;
 
 pub use config::{AttentionFlag, Config, UpcastFlag, VramMode};
+pub use cuda::cuda_context;
+pub(crate) use cuda::empty_cuda_caches;
 pub use probe::{
     cuda_driver_present, driver_free_memory, host_from_texts, GpuInfo, Hardware, HostInfo, Os,
     Vendor,

@@ -40,10 +40,29 @@ impl DeviceId {
                 if let Some(d) = map.get(&n) {
                     return Ok(d.clone());
                 }
-                let d = Device::new_cuda(n).map_err(|e| Error::Device {
-                    device: self.to_string(),
-                    reason: format!("{e} (build residency with `--features cuda` for GPU tensors)"),
-                })?;
+                if !cfg!(feature = "cuda") {
+                    return Err(Error::Device {
+                        device: self.to_string(),
+                        reason: "GPU tensors need residency built with `--features cuda`".into(),
+                    });
+                }
+                // cudarc panics on its first call without a driver library; ask first.
+                if !super::probe::cuda_driver_present() {
+                    return Err(Error::Device {
+                        device: self.to_string(),
+                        reason: "no CUDA driver library (libcuda) on this machine".into(),
+                    });
+                }
+                let d = std::panic::catch_unwind(|| Device::new_cuda(n))
+                    .unwrap_or_else(|_| {
+                        Err(candle_core::Error::Msg(
+                            "the CUDA driver is incompatible with cudarc".into(),
+                        ))
+                    })
+                    .map_err(|e| Error::Device {
+                        device: self.to_string(),
+                        reason: e.to_string(),
+                    })?;
                 map.insert(n, d.clone());
                 Ok(d)
             }
@@ -75,6 +94,14 @@ impl DeviceId {
     pub fn is_cpu(self) -> bool {
         self == DeviceId::Cpu
     }
+}
+
+/// The CUDA ordinals residency holds a candle device for (copied out; the table's lock is not
+/// held after this returns, so callers may synchronize devices).
+pub(crate) fn candle_cuda_ordinals() -> Vec<usize> {
+    let mut v: Vec<usize> = CANDLE_DEVICES.lock().keys().copied().collect();
+    v.sort_unstable();
+    v
 }
 
 impl fmt::Display for DeviceId {

@@ -1,0 +1,254 @@
+//! GPU tensors end to end, on CUDA device 0. Every test first asks [`Hardware::probe`] for a GPU
+//! and, without one, prints why it skipped and returns; tests that need candle's CUDA backend
+//! additionally need `--features cuda` and, without it, print that instead.
+//!
+//! `bash scripts/gpu-check.sh` runs these on a GPU machine.
+
+mod common;
+
+use residency::vram::{GpuInfo, Hardware};
+
+/// GPU 0, or `None` after printing why the calling test skips.
+fn gpu0(test: &str) -> Option<GpuInfo> {
+    let hw = Hardware::probe();
+    match hw.gpus.first() {
+        Some(g) => Some(g.clone()),
+        None => {
+            let why = if residency::vram::cuda_driver_present() {
+                "the CUDA driver library loads but reports no usable device"
+            } else {
+                "no CUDA driver library (libcuda) on this machine"
+            };
+            eprintln!("skipping {test}: no CUDA GPU ({why})");
+            None
+        }
+    }
+}
+
+#[test]
+fn probe_reports_the_gpu_name_total_and_free() {
+    let Some(g) = gpu0("probe_reports_the_gpu_name_total_and_free") else {
+        return;
+    };
+    eprintln!("GPU 0: {g:?}");
+    assert!(!g.name.trim().is_empty(), "{g:?}");
+    assert!(
+        g.total >= residency::ByteSize::gib(1),
+        "a CUDA GPU has at least 1 GiB: {g:?}"
+    );
+    assert!(
+        g.free > residency::ByteSize::ZERO && g.free <= g.total,
+        "{g:?}"
+    );
+    assert!(g.compute_capability.0 >= 3, "{g:?}");
+}
+
+#[test]
+fn pinned_pool_buffers_are_page_locked() {
+    let Some(_) = gpu0("pinned_pool_buffers_are_page_locked") else {
+        return;
+    };
+    use residency::offload::PinnedPool;
+    use residency::vram::DeviceId;
+    let ctx = residency::vram::cuda_context(DeviceId::Cuda(0)).expect("a context on GPU 0");
+    let pool = PinnedPool::pinned(residency::ByteSize::mib(8), ctx);
+    let mut buf = pool.acquire(3 * 1024 * 1024).expect("fits the limit");
+    assert!(
+        buf.is_pinned(),
+        "a pinned pool hands out page-locked buffers"
+    );
+    let bytes = buf.as_mut_bytes().expect("writable");
+    bytes.fill(0xA5);
+    assert!(bytes.iter().all(|&b| b == 0xA5));
+    drop(buf);
+    let s = pool.stats();
+    assert!(s.pinned, "{s:?}");
+    assert_eq!(s.created, 1, "{s:?}");
+}
+
+#[test]
+fn free_memory_of_an_unbudgeted_gpu_is_the_drivers_figure() {
+    let Some(_) = gpu0("free_memory_of_an_unbudgeted_gpu_is_the_drivers_figure") else {
+        return;
+    };
+    use residency::loader::MemoryManager;
+    use residency::vram::{driver_free_memory, Config, DeviceId};
+    use residency::ByteSize;
+    let mm = MemoryManager::new(Config::default(), Hardware::probe()).unwrap();
+    assert!(!mm.policy().is_budgeted(DeviceId::Cuda(0)));
+    let before = driver_free_memory(0).expect("driver figure");
+    let seen = mm.get_free_memory(DeviceId::Cuda(0));
+    let after = driver_free_memory(0).expect("driver figure");
+    // Other processes may allocate between the reads; allow a little slack around them.
+    let slack = ByteSize::mib(64);
+    let lo = before.min(after).saturating_sub(slack);
+    let hi = before.max(after).saturating_add(slack);
+    assert!(
+        lo <= seen && seen <= hi,
+        "manager {seen} vs driver {before}..{after}"
+    );
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn matmuls_on_gpu_are_bit_identical_for_full_half_and_novram() {
+    eprintln!(
+        "skipping matmuls_on_gpu_are_bit_identical_for_full_half_and_novram: GPU tensors need \
+         `--features cuda` (this build has only the CPU backend of candle)"
+    );
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn soft_empty_cache_returns_freed_device_memory() {
+    eprintln!(
+        "skipping soft_empty_cache_returns_freed_device_memory: GPU tensors need \
+         `--features cuda`"
+    );
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::sync::Arc;
+
+    use candle_core::Tensor;
+    use residency::float::Dtype;
+    use residency::loader::{LoadOptions, MemoryManager};
+    use residency::offload::fetch_weight;
+    use residency::patcher::{Lora, ModelPatcher, Patch};
+    use residency::vram::{Config, DeviceId, Hardware};
+    use residency::weights::{save_safetensors, Model, SafetensorsOptions};
+    use residency::ByteSize;
+
+    use super::common::{f32s, rand_tensor};
+    use super::gpu0;
+
+    const LAYERS: usize = 8;
+    const WIDTH: usize = 256;
+    /// One layer in f32 on the device.
+    const LAYER_BYTES: u64 = (WIDTH * WIDTH * 4) as u64;
+
+    enum Budget {
+        Full,
+        Half,
+        NoVram,
+    }
+
+    /// Loads an 8-layer bf16 MLP (with a LoRA on every other layer) onto GPU 0 under `budget`,
+    /// runs two forwards of matmuls through `fetch_weight`, and returns the second's output bits
+    /// and the bytes resident on the GPU.
+    fn run(budget: Budget, lanes: usize) -> (Vec<f32>, ByteSize) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mlp.safetensors");
+        let tensors: Vec<_> = (0..LAYERS)
+            .map(|l| {
+                let w = (rand_tensor(&[WIDTH, WIDTH], l as u64 + 100) * 0.1).unwrap();
+                let w = residency::float::from_f32(&w, Dtype::BF16, residency::Rounding::Nearest)
+                    .unwrap();
+                (format!("layers.{l}.weight"), w, Dtype::BF16)
+            })
+            .collect();
+        save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+        let model = Model::from_safetensors("mlp", &[path]).unwrap();
+
+        let total = LAYER_BYTES * LAYERS as u64;
+        let mut args = vec!["--reserve-vram".to_string(), "0".to_string()];
+        match budget {
+            Budget::Full => args.extend(["--vram-budget".into(), "4GiB".into()]),
+            Budget::Half => args.extend(["--vram-budget".into(), (total / 2 + 1).to_string()]),
+            Budget::NoVram => args.push("--novram".into()),
+        }
+        let config = Config::from_args(&args)
+            .unwrap()
+            .with_transfer_lanes(lanes)
+            .with_prefetch_depth(2);
+        let mm = MemoryManager::new(config, Hardware::probe()).unwrap();
+        assert_eq!(mm.compute_device(), DeviceId::Cuda(0));
+        let mut p = ModelPatcher::new(Arc::new(model), DeviceId::Cuda(0), DeviceId::Cpu)
+            .with_compute_dtype(Some(Dtype::F32));
+        for l in (0..LAYERS).step_by(2) {
+            let lora = Lora::new(
+                rand_tensor(&[WIDTH, 4], l as u64),
+                rand_tensor(&[4, WIDTH], l as u64 + 1),
+            );
+            p.add_patches(
+                [(format!("layers.{l}.weight"), Patch::Lora(lora))],
+                0.5,
+                1.0,
+            )
+            .unwrap();
+        }
+        mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+            .unwrap();
+        let resident = mm.ledger(DeviceId::Cuda(0));
+
+        let dev = DeviceId::Cuda(0).to_candle().unwrap();
+        assert!(dev.is_cuda());
+        let mut out = Vec::new();
+        for _ in 0..2 {
+            let mut x: Tensor = rand_tensor(&[16, WIDTH], 9).to_device(&dev).unwrap();
+            for l in 0..LAYERS {
+                let (w, _) = fetch_weight(&p, &format!("layers.{l}.weight")).unwrap();
+                assert!(w.device().is_cuda(), "layer {l} computes on the GPU");
+                x = x.matmul(&w.t().unwrap()).unwrap().tanh().unwrap();
+            }
+            p.model().finish_forward();
+            out = f32s(&x);
+        }
+        drop(p);
+        mm.unload_all_models();
+        mm.soft_empty_cache();
+        (out, resident)
+    }
+
+    #[test]
+    fn matmuls_on_gpu_are_bit_identical_for_full_half_and_novram() {
+        let Some(_) = gpu0("matmuls_on_gpu_are_bit_identical_for_full_half_and_novram") else {
+            return;
+        };
+        let total = ByteSize(LAYER_BYTES * LAYERS as u64);
+        let (full, resident_full) = run(Budget::Full, 2);
+        assert_eq!(
+            resident_full, total,
+            "a full load keeps every layer on the GPU"
+        );
+        assert!(full.iter().all(|v| v.is_finite()));
+        for lanes in [0, 2] {
+            let (half, resident_half) = run(Budget::Half, lanes);
+            assert!(
+                resident_half > ByteSize::ZERO && resident_half <= ByteSize(total.bytes() / 2 + 1),
+                "about half resident: {resident_half} of {total}"
+            );
+            assert_eq!(half, full, "half budget, {lanes} lanes");
+            let (novram, resident_none) = run(Budget::NoVram, lanes);
+            assert_eq!(
+                resident_none,
+                ByteSize::ZERO,
+                "nothing resident under --novram"
+            );
+            assert_eq!(novram, full, "--novram, {lanes} lanes");
+        }
+    }
+
+    #[test]
+    fn soft_empty_cache_returns_freed_device_memory() {
+        let Some(_) = gpu0("soft_empty_cache_returns_freed_device_memory") else {
+            return;
+        };
+        let dev = DeviceId::Cuda(0).to_candle().unwrap();
+        let before = residency::vram::driver_free_memory(0).unwrap();
+        let t = Tensor::zeros((256, 1024, 1024), candle_core::DType::F32, &dev).unwrap(); // 1 GiB
+        dev.synchronize().unwrap();
+        let during = residency::vram::driver_free_memory(0).unwrap();
+        assert!(during < before, "allocating 1 GiB lowers free memory");
+        drop(t);
+        MemoryManager::new(Config::default(), Hardware::probe())
+            .unwrap()
+            .soft_empty_cache();
+        let after = residency::vram::driver_free_memory(0).unwrap();
+        assert!(
+            after.saturating_add(ByteSize::mib(256)) >= before,
+            "freed memory went back to the driver: before {before}, during {during}, after {after}"
+        );
+    }
+}
