@@ -508,6 +508,14 @@ impl Progress {
     }
 }
 
+/// Adds each loaded model's moved bytes to its running total.
+fn add_moved(totals: &mut std::collections::BTreeMap<String, ByteSize>, r: &residency::LoadReport) {
+    for m in &r.models {
+        let t = totals.entry(m.name.clone()).or_default();
+        *t = t.saturating_add(m.moved);
+    }
+}
+
 /// Runs the pipeline.
 pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     let t_start = Instant::now();
@@ -590,13 +598,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         // 1. text
         let r = mm.load_models_gpu(std::slice::from_ref(&te), LoadOptions::default())?;
         evictions.extend(r.evicted.clone());
-        for m in &r.models {
-            *moved_per_model.entry(m.name.clone()).or_default() = moved_per_model
-                .get(&m.name)
-                .copied()
-                .unwrap_or_default()
-                .saturating_add(m.moved);
-        }
+        add_moved(&mut moved_per_model, &r);
         let context = text_encoder.forward(&prompt)?;
         // 2. denoise
         let dn = if use_lora { &styled } else { &base };
@@ -611,13 +613,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         let r = mm.load_models_gpu(std::slice::from_ref(dn), opts)?;
         evictions.extend(r.evicted.clone());
         let denoiser_moved = r.moved();
-        for m in &r.models {
-            *moved_per_model.entry(m.name.clone()).or_default() = moved_per_model
-                .get(&m.name)
-                .copied()
-                .unwrap_or_default()
-                .saturating_add(m.moved);
-        }
+        add_moved(&mut moved_per_model, &r);
         let mut x = weight(
             &[1, LATENT_HW * LATENT_HW, LATENT_C],
             args.seed + i as u64,
@@ -635,13 +631,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         // 3. decode
         let r = mm.load_models_gpu(std::slice::from_ref(&de), LoadOptions::default())?;
         evictions.extend(r.evicted.clone());
-        for m in &r.models {
-            *moved_per_model.entry(m.name.clone()).or_default() = moved_per_model
-                .get(&m.name)
-                .copied()
-                .unwrap_or_default()
-                .saturating_add(m.moved);
-        }
+        add_moved(&mut moved_per_model, &r);
         let image = decoder.forward(&x)?;
         let checksum = checksum(&image)?;
         mm.cleanup_models();

@@ -385,17 +385,21 @@ impl ModelPatcher {
         h.finish()
     }
 
-    /// The patched weight `key` in its storage dtype on the host: patches applied in f32, then
-    /// rounded to nearest-even (f16/bf16) or stochastically with the key's seed (fp8). The same
-    /// bits whichever path asks (DESIGN I3).
-    pub fn patched_weight(&self, key: &str) -> Result<Tensor> {
-        let index = self
-            .model
+    /// The slot index of `key`, or an error naming the model and the key.
+    fn index_of(&self, key: &str) -> Result<usize> {
+        self.model
             .index_of(key)
             .ok_or_else(|| Error::UnknownWeight {
                 model: self.model.name().to_string(),
                 key: key.to_string(),
-            })?;
+            })
+    }
+
+    /// The patched weight `key` in its storage dtype on the host: patches applied in f32, then
+    /// rounded to nearest-even (f16/bf16) or stochastically with the key's seed (fp8). The same
+    /// bits whichever path asks (DESIGN I3).
+    pub fn patched_weight(&self, key: &str) -> Result<Tensor> {
+        let index = self.index_of(key)?;
         self.patched_storage(index)
     }
 
@@ -403,13 +407,7 @@ impl ModelPatcher {
     /// [`ModelPatcher::patched_weight`] rounds to the storage dtype. A tool that converts to
     /// another dtype rounds this once instead of twice. Unpatched weights are decoded exactly.
     pub fn patched_weight_f32(&self, key: &str) -> Result<Tensor> {
-        let index = self
-            .model
-            .index_of(key)
-            .ok_or_else(|| Error::UnknownWeight {
-                model: self.model.name().to_string(),
-                key: key.to_string(),
-            })?;
+        let index = self.index_of(key)?;
         let slot = &self.model.slots()[index];
         let w = float::to_f32(slot.clean(), slot.dtype())?;
         self.patch_f32(index, &w)
@@ -556,13 +554,7 @@ impl ModelPatcher {
     /// copy when it is current, else fetched from the host and patched now (streamed). The second
     /// value says whether it streamed. Records first-forward order.
     pub fn fetch(&self, key: &str) -> Result<(Tensor, bool)> {
-        let index = self
-            .model
-            .index_of(key)
-            .ok_or_else(|| Error::UnknownWeight {
-                model: self.model.name().to_string(),
-                key: key.to_string(),
-            })?;
+        let index = self.index_of(key)?;
         self.model.record_use(index);
         let fp = self.fingerprint(index);
         if let SlotResidency::Resident {
