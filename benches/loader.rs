@@ -11,13 +11,13 @@
 //!
 //! `cargo bench --bench loader` (sample size 10, 3 s per measurement).
 
-use std::collections::BTreeMap;
-use std::hint::black_box;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
-use criterion::{Bencher, Criterion, Throughput};
+use criterion::{Criterion, Throughput};
+
+mod common;
 use residency::loader::{LoadOptions, MemoryManager};
 use residency::patcher::ModelPatcher;
 use residency::vram::{Config, DeviceId, Hardware};
@@ -29,32 +29,8 @@ const MODELS: usize = 100;
 const FIT: u64 = 10;
 const WEIGHT_BYTES: u64 = 1 << 20;
 
-static TIMES: Mutex<BTreeMap<String, Vec<f64>>> = Mutex::new(BTreeMap::new());
-
-fn timed<O>(b: &mut Bencher, name: &str, mut f: impl FnMut() -> O) {
-    b.iter_custom(|iters| {
-        let start = Instant::now();
-        for _ in 0..iters {
-            black_box(f());
-        }
-        let d = start.elapsed();
-        if let Ok(mut t) = TIMES.lock() {
-            t.entry(name.to_string())
-                .or_default()
-                .push(d.as_secs_f64() / iters as f64);
-        }
-        d
-    });
-}
-
 fn median_ns(name: &str) -> f64 {
-    let t = TIMES.lock().map(|t| t.get(name).cloned()).ok().flatten();
-    let mut v = t.unwrap_or_default();
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2] * 1e9
+    common::median_secs(name) * 1e9
 }
 
 /// A model whose weights are broadcast views of one scalar: any size, no memory.
@@ -102,7 +78,7 @@ fn bench(c: &mut Criterion) {
     );
     assert!(again.models[0].full);
     g.bench_function("already_loaded_500w", |b| {
-        timed(b, "already_loaded", || {
+        common::timed(b, "already_loaded", || {
             mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
                 .expect("reload")
         })
@@ -114,7 +90,7 @@ fn bench(c: &mut Criterion) {
         .map(|s| s.clean().clone())
         .collect();
     g.bench_function("clone_500_weight_handles", |b| {
-        timed(b, "clone_handles", || handles.to_vec())
+        common::timed(b, "clone_handles", || handles.to_vec())
     });
 
     // Cycle with eviction: room for FIT models beside the step-4 headroom of one more load
@@ -137,7 +113,7 @@ fn bench(c: &mut Criterion) {
     );
     let mut next = 0usize;
     g.bench_function("cycle_100x500w_evicting", |b| {
-        timed(b, "cycle", || {
+        common::timed(b, "cycle", || {
             let m = &models[next % MODELS];
             next += 1;
             mm.load_models_gpu(std::slice::from_ref(m), LoadOptions::default())

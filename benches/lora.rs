@@ -7,45 +7,19 @@
 //!
 //! `cargo bench --bench lora` (sample size 10, 3 s per measurement).
 
-use std::collections::BTreeMap;
-use std::hint::black_box;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use candle_core::{Device, Tensor};
-use criterion::{Bencher, Criterion, Throughput};
+use criterion::{Criterion, Throughput};
+
+mod common;
 use residency::patcher::{patch, DoraNorm, Lora, Patch, PatchEntry};
 
 const N: usize = 4096;
 const RANKS: [usize; 2] = [16, 64];
 
-/// Seconds per iteration of every `iter_custom` batch, by benchmark name.
-static TIMES: Mutex<BTreeMap<String, Vec<f64>>> = Mutex::new(BTreeMap::new());
-
-fn timed<O>(b: &mut Bencher, name: &str, mut f: impl FnMut() -> O) {
-    b.iter_custom(|iters| {
-        let start = Instant::now();
-        for _ in 0..iters {
-            black_box(f());
-        }
-        let d = start.elapsed();
-        if let Ok(mut t) = TIMES.lock() {
-            t.entry(name.to_string())
-                .or_default()
-                .push(d.as_secs_f64() / iters as f64);
-        }
-        d
-    });
-}
-
 fn median_ms(name: &str) -> f64 {
-    let t = TIMES.lock().map(|t| t.get(name).cloned()).ok().flatten();
-    let mut v = t.unwrap_or_default();
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2] * 1e3
+    common::median_secs(name) * 1e3
 }
 
 fn rand(shape: (usize, usize), seed: u64) -> Tensor {
@@ -66,7 +40,9 @@ fn bench(c: &mut Criterion) {
     let other = rand((N, N), 2);
     let mut g = c.benchmark_group("lora_merge_4096x4096_f32");
     g.throughput(Throughput::Bytes((N * N * 4) as u64));
-    g.bench_function("add", |b| timed(b, "add", || (&w + &other).expect("add")));
+    g.bench_function("add", |b| {
+        common::timed(b, "add", || (&w + &other).expect("add"))
+    });
     for r in RANKS {
         let up = rand((N, r), 10 + r as u64);
         let down = rand((r, N), 20 + r as u64);
@@ -74,12 +50,12 @@ fn bench(c: &mut Criterion) {
         lora.alpha = Some(r as f32 / 2.0);
         let entries = [PatchEntry::new(Patch::Lora(lora))];
         g.bench_function(format!("matmul_r{r}"), |b| {
-            timed(b, &format!("matmul_r{r}"), || {
+            common::timed(b, &format!("matmul_r{r}"), || {
                 up.matmul(&down).expect("matmul")
             })
         });
         g.bench_function(format!("apply_r{r}"), |b| {
-            timed(b, &format!("apply_r{r}"), || {
+            common::timed(b, &format!("apply_r{r}"), || {
                 patch::apply("w", &w, &entries, DoraNorm::Standard).expect("apply")
             })
         });

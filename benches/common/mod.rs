@@ -1,0 +1,40 @@
+//! Timing helpers shared by the benches: criterion measures, and the same batches are kept so a
+//! bench can print its figure next to its limit as a ratio.
+
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use criterion::Bencher;
+
+/// Seconds per iteration of every `iter_custom` batch, by benchmark name.
+static TIMES: Mutex<BTreeMap<String, Vec<f64>>> = Mutex::new(BTreeMap::new());
+
+/// Runs `f` under criterion and records each batch's time per iteration under `name`.
+pub fn timed<O>(b: &mut Bencher, name: &str, mut f: impl FnMut() -> O) {
+    b.iter_custom(|iters| {
+        let start = Instant::now();
+        for _ in 0..iters {
+            black_box(f());
+        }
+        let d = start.elapsed();
+        if let Ok(mut t) = TIMES.lock() {
+            t.entry(name.to_string())
+                .or_default()
+                .push(d.as_secs_f64() / iters as f64);
+        }
+        d
+    });
+}
+
+/// The median recorded seconds per iteration of `name` (NaN when nothing was recorded).
+pub fn median_secs(name: &str) -> f64 {
+    let t = TIMES.lock().map(|t| t.get(name).cloned()).ok().flatten();
+    let mut v = t.unwrap_or_default();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
