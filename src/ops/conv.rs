@@ -82,6 +82,24 @@ fn add_channel_bias(y: Tensor, b: Option<Tensor>, rank: usize) -> candle_core::R
     }
 }
 
+/// The forward shared by the grouped convolutions: check the input's rank and channels, fetch
+/// and cast the weights, convolve with `op`, add the bias per output channel.
+fn conv_forward(
+    weights: &LayerWeights,
+    config: ConvConfig,
+    x: &Tensor,
+    rank: usize,
+    what: &str,
+    op: impl FnOnce(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+) -> Result<Tensor> {
+    check_input(weights, x, rank, weights.weight.shape[1] * config.groups)?;
+    let x = weights.prepare_input(x)?;
+    let (w, b) = cast_bias_weight(weights, x.device(), weights.mode())?;
+    let ctx = || format!("{what} `{}`", weights.weight_key());
+    let y = op(&x, &w).ctx(ctx)?;
+    add_channel_bias(y, b, rank).ctx(ctx)
+}
+
 /// A 1-d convolution with weight `[out, in/groups, k]` and bias `[out]`.
 #[derive(Debug, Clone)]
 pub struct Conv1d {
@@ -100,16 +118,10 @@ impl Conv1d {
     }
     /// The forward pass with this crate's errors: `[B, in, L]` → `[B, out, L']`.
     pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
-        let s = &self.weights.weight.shape;
-        check_input(&self.weights, x, 3, s[1] * self.config.groups)?;
-        let x = self.weights.prepare_input(x)?;
-        let (w, b) = cast_bias_weight(&self.weights, x.device(), self.weights.mode())?;
         let c = self.config;
-        let ctx = || format!("conv1d `{}`", self.weights.weight_key());
-        let y = x
-            .conv1d(&w, c.padding, c.stride, c.dilation, c.groups)
-            .ctx(ctx)?;
-        add_channel_bias(y, b, 3).ctx(ctx)
+        conv_forward(&self.weights, c, x, 3, "conv1d", |x, w| {
+            x.conv1d(w, c.padding, c.stride, c.dilation, c.groups)
+        })
     }
 }
 
@@ -137,16 +149,10 @@ impl Conv2d {
     }
     /// The forward pass with this crate's errors: `[B, in, H, W]` → `[B, out, H', W']`.
     pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
-        let s = &self.weights.weight.shape;
-        check_input(&self.weights, x, 4, s[1] * self.config.groups)?;
-        let x = self.weights.prepare_input(x)?;
-        let (w, b) = cast_bias_weight(&self.weights, x.device(), self.weights.mode())?;
         let c = self.config;
-        let ctx = || format!("conv2d `{}`", self.weights.weight_key());
-        let y = x
-            .conv2d(&w, c.padding, c.stride, c.dilation, c.groups)
-            .ctx(ctx)?;
-        add_channel_bias(y, b, 4).ctx(ctx)
+        conv_forward(&self.weights, c, x, 4, "conv2d", |x, w| {
+            x.conv2d(w, c.padding, c.stride, c.dilation, c.groups)
+        })
     }
 }
 
