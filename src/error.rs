@@ -183,6 +183,14 @@ impl Error {
         matches!(self, Error::OutOfMemory { .. })
     }
 
+    /// A failed CUDA driver call on GPU `ordinal` while doing `what`.
+    pub fn driver(ordinal: usize, what: &str, e: cudarc::driver::DriverError) -> Self {
+        Error::Device {
+            device: format!("cuda:{ordinal}"),
+            reason: format!("{what}: {e}"),
+        }
+    }
+
     /// Wraps a candle error with context.
     pub fn tensor(context: impl Into<String>, source: candle_core::Error) -> Self {
         Error::Tensor {

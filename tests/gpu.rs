@@ -67,6 +67,54 @@ fn pinned_pool_buffers_are_page_locked() {
 }
 
 #[test]
+fn staged_copies_queued_on_lane_streams_land_intact() {
+    let Some(_) = gpu0("staged_copies_queued_on_lane_streams_land_intact") else {
+        return;
+    };
+    use residency::offload::{copy_to_device, PinnedPool};
+    use residency::vram::DeviceId;
+    let ctx = residency::vram::cuda_context(DeviceId::Cuda(0)).expect("a context on GPU 0");
+    // Two 1 MiB buffers for 64 copies of ~1 MiB queued per stream before anything is read back:
+    // buffers are reused while earlier copies from them may still run, so a buffer rewritten
+    // before its copy finished would show up as a wrong pattern below.
+    let pool = PinnedPool::pinned(residency::ByteSize::mib(2), ctx.clone());
+    let n = 250_000usize;
+    let threads: Vec<_> = (0..3u32)
+        .map(|t| {
+            let (ctx, pool) = (ctx.clone(), pool.clone());
+            std::thread::spawn(move || {
+                let stream = ctx.new_stream().expect("a lane stream");
+                let pattern = |round: u32| -> Vec<u32> {
+                    (0..n as u32)
+                        .map(|i| i.wrapping_mul(2_654_435_761) ^ (t << 24 | round))
+                        .collect()
+                };
+                let copies: Vec<_> = (0..64)
+                    .map(|round| copy_to_device(&pattern(round), &stream, Some(&pool)).unwrap())
+                    .collect();
+                for (round, dst) in copies.iter().enumerate() {
+                    let back = stream.clone_dtoh(dst).expect("read back");
+                    assert!(
+                        back == pattern(round as u32),
+                        "thread {t} copy {round} corrupted"
+                    );
+                }
+            })
+        })
+        .collect();
+    for h in threads {
+        h.join().unwrap();
+    }
+    let s = pool.stats();
+    assert!(s.pinned, "{s:?}");
+    assert!(
+        s.reused > 100,
+        "buffers were reused while copies ran: {s:?}"
+    );
+    assert!(s.allocated <= residency::ByteSize::mib(2), "{s:?}");
+}
+
+#[test]
 fn free_memory_of_an_unbudgeted_gpu_is_the_drivers_figure() {
     let Some(_) = gpu0("free_memory_of_an_unbudgeted_gpu_is_the_drivers_figure") else {
         return;
@@ -135,9 +183,9 @@ mod cuda {
     }
 
     /// Loads an 8-layer bf16 MLP (with a LoRA on every other layer) onto GPU 0 under `budget`,
-    /// runs two forwards of matmuls through `fetch_weight`, and returns the second's output bits
-    /// and the bytes resident on the GPU.
-    fn run(budget: Budget, lanes: usize) -> (Vec<f32>, ByteSize) {
+    /// runs two forwards of matmuls through `fetch_weight`, and returns the second's output bits,
+    /// the bytes resident on the GPU and the bytes streamed through page-locked staging.
+    fn run(budget: Budget, lanes: usize) -> (Vec<f32>, ByteSize, ByteSize) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("mlp.safetensors");
         let tensors: Vec<_> = (0..LAYERS)
@@ -195,10 +243,11 @@ mod cuda {
             p.model().finish_forward();
             out = f32s(&x);
         }
+        let staged = mm.transfer_stats().bytes_staged;
         drop(p);
         mm.unload_all_models();
         mm.soft_empty_cache();
-        (out, resident)
+        (out, resident, staged)
     }
 
     #[test]
@@ -207,20 +256,24 @@ mod cuda {
             return;
         };
         let total = ByteSize(LAYER_BYTES * LAYERS as u64);
-        let (full, resident_full) = run(Budget::Full, 2);
+        let (full, resident_full, _) = run(Budget::Full, 2);
         assert_eq!(
             resident_full, total,
             "a full load keeps every layer on the GPU"
         );
         assert!(full.iter().all(|v| v.is_finite()));
         for lanes in [0, 2] {
-            let (half, resident_half) = run(Budget::Half, lanes);
+            let (half, resident_half, staged) = run(Budget::Half, lanes);
+            assert!(
+                staged > ByteSize::ZERO,
+                "streamed layers were copied from page-locked staging ({lanes} lanes)"
+            );
             assert!(
                 resident_half > ByteSize::ZERO && resident_half <= ByteSize(total.bytes() / 2 + 1),
                 "about half resident: {resident_half} of {total}"
             );
             assert_eq!(half, full, "half budget, {lanes} lanes");
-            let (novram, resident_none) = run(Budget::NoVram, lanes);
+            let (novram, resident_none, _) = run(Budget::NoVram, lanes);
             assert_eq!(
                 resident_none,
                 ByteSize::ZERO,

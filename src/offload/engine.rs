@@ -1,34 +1,47 @@
-//! Transfer lanes: weights are staged, cast and patched off the compute thread.
+//! Transfer lanes: weights are patched, cast and copied off the compute thread.
 //!
 //! A [`TransferEngine`] runs `N` lanes. Each lane materializes a streamed weight exactly as a
-//! synchronous fetch would — copy the clean bytes into a staging buffer, rebuild the tensor from
-//! the staged bytes, apply the patcher's patches, cast to the compute dtype, move it to the load
-//! device — and hands the result over through a [`Pending`] handle, which must be waited on
-//! before the weight can be used (the only way to get the tensor is [`Pending::wait`], which
-//! consumes the handle). With zero lanes the same work runs inline on the caller's thread: same
-//! code, same bits.
+//! synchronous fetch would — apply the patcher's patches to the clean weight and cast it to the
+//! compute dtype on the host — and, for a GPU, copies it into a page-locked staging buffer and
+//! from there to the device on the lane's own CUDA stream, recording an event after the copy.
+//! The result is handed over through a [`Pending`] handle, which must be waited on before the
+//! weight can be used (the only way to get the tensor is [`Pending::wait`], which consumes the
+//! handle); waiting makes the compute thread's stream wait on the copy's event, so the compute
+//! side waits on that copy alone, never on the whole device. With zero lanes the same work runs
+//! inline on the caller's thread (copying on its own stream): same code, same bits.
+//!
+//! A CPU destination has no device copy: its lanes only patch and cast, and take no staging
+//! buffer (copying into one and back out would be two extra passes over the weight for
+//! nothing).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use candle_core::{CpuStorage, Device, Storage, Tensor};
+#[cfg(feature = "cuda")]
+use candle_core::Device;
+use candle_core::Tensor;
+use cudarc::driver::{CudaEvent, CudaStream};
 use parking_lot::Mutex;
 
 use super::pinned::PinnedPool;
+#[cfg(feature = "cuda")]
+use super::upload;
 use crate::error::{Error, Result};
 use crate::patcher::ModelPatcher;
 use crate::size::ByteSize;
+use crate::vram::DeviceId;
 
-type Job = Box<dyn FnOnce() + Send>;
+type Job = Box<dyn FnOnce(&mut Lane) + Send>;
 
 /// Counters of an engine (all monotonic).
 #[derive(Debug, Default)]
 pub struct TransferStats {
     bytes: AtomicU64,
-    staged: AtomicU64,
+    pub(crate) staged: AtomicU64,
     jobs: AtomicU64,
     wait_ns: AtomicU64,
     hits: AtomicU64,
@@ -40,7 +53,7 @@ pub struct TransferStats {
 pub struct TransferSnapshot {
     /// Bytes of clean weights read for streamed fetches.
     pub bytes_transferred: ByteSize,
-    /// Bytes that went through staging buffers.
+    /// Bytes copied to a device through page-locked staging buffers.
     pub bytes_staged: ByteSize,
     /// Weights materialized by lanes or inline.
     pub fetches: u64,
@@ -84,8 +97,8 @@ pub struct Pending {
 }
 
 enum PendingState {
-    Ready(Result<Tensor>),
-    Lane(mpsc::Receiver<Result<Tensor>>),
+    Ready(Result<Arrived>),
+    Lane(mpsc::Receiver<Result<Arrived>>),
 }
 
 impl Pending {
@@ -94,11 +107,12 @@ impl Pending {
         self.bytes
     }
 
-    /// Blocks until the lane finished, then returns the weight. Consumes the handle: a weight can
-    /// only be used after its transfer completed.
+    /// Blocks until the lane finished, then returns the weight, ordered after its device copy
+    /// for the calling thread. Consumes the handle: a weight can only be used after its transfer
+    /// completed.
     pub fn wait(self) -> Result<Tensor> {
         match self.state {
-            PendingState::Ready(r) => r,
+            PendingState::Ready(r) => r?.into_tensor(),
             PendingState::Lane(rx) => {
                 let t0 = Instant::now();
                 let r = rx.recv().unwrap_or_else(|_| {
@@ -108,7 +122,7 @@ impl Pending {
                     })
                 });
                 self.stats.waited(t0.elapsed().as_nanos() as u64);
-                r
+                r?.into_tensor()
             }
         }
     }
@@ -147,11 +161,14 @@ impl TransferEngine {
                     let rx = Arc::clone(&rx);
                     std::thread::Builder::new()
                         .name(format!("residency-lane-{i}"))
-                        .spawn(move || loop {
-                            let job = rx.lock().recv();
-                            match job {
-                                Ok(job) => job(),
-                                Err(_) => break,
+                        .spawn(move || {
+                            let mut lane = Lane::default();
+                            loop {
+                                let job = rx.lock().recv();
+                                match job {
+                                    Ok(job) => job(&mut lane),
+                                    Err(_) => break,
+                                }
                             }
                         })
                 })
@@ -187,7 +204,13 @@ impl TransferEngine {
         let queue = self.queue.lock().clone();
         let Some(queue) = queue else {
             return Pending {
-                state: PendingState::Ready(self.fetch_now(patcher, index)),
+                state: PendingState::Ready(stream_weight(
+                    self.pool.as_ref(),
+                    &self.stats,
+                    patcher,
+                    index,
+                    None,
+                )),
                 bytes,
                 stats: Arc::clone(&self.stats),
             };
@@ -196,14 +219,13 @@ impl TransferEngine {
         let patcher = patcher.clone();
         let pool = self.pool.clone();
         let stats = Arc::clone(&self.stats);
-        let job: Job = Box::new(move || {
-            let r =
-                stream_weight(pool.as_ref(), &stats, &patcher, index).and_then(complete_on_device);
+        let job: Job = Box::new(move |lane: &mut Lane| {
+            let r = stream_weight(pool.as_ref(), &stats, &patcher, index, Some(lane));
             let _ = tx.send(r);
         });
         if let Err(mpsc::SendError(job)) = queue.send(job) {
             // Lanes only stop when the engine is dropped; run the job here if they did.
-            job();
+            job(&mut Lane::default());
         }
         Pending {
             state: PendingState::Lane(rx),
@@ -212,9 +234,10 @@ impl TransferEngine {
         }
     }
 
-    /// Materializes weight `index` on the calling thread through the same staging path.
+    /// Materializes weight `index` on the calling thread through the same path, copying on the
+    /// calling thread's own stream.
     pub fn fetch_now(&self, patcher: &ModelPatcher, index: usize) -> Result<Tensor> {
-        stream_weight(self.pool.as_ref(), &self.stats, patcher, index)
+        stream_weight(self.pool.as_ref(), &self.stats, patcher, index, None)?.into_tensor()
     }
 }
 
@@ -227,95 +250,126 @@ impl Drop for TransferEngine {
     }
 }
 
-/// Waits until a weight a lane built is complete on its device, so the compute thread may use it.
-///
-/// candle queues a CUDA copy on the calling thread's per-thread stream, and per-thread streams of
-/// two threads are not ordered with each other (nor does cudarc insert event waits while a context
-/// runs a single stream). Without this wait, a kernel on the compute thread could read the weight
-/// before the lane's copy landed. Synchronizing the lane's own stream blocks only the lane. CPU
-/// tensors are complete when built.
-fn complete_on_device(t: Tensor) -> Result<Tensor> {
-    if t.device().is_cpu() {
-        return Ok(t);
-    }
-    t.device()
-        .synchronize()
-        .map_err(|e| Error::tensor("waiting for a lane's copy to the device", e))?;
-    Ok(t)
+/// A weight a lane or an inline fetch built, and the event its device copy completes on (only
+/// for a copy on a lane's stream; `None` when the weight is complete as built).
+pub(crate) struct Arrived {
+    tensor: Tensor,
+    ready: Option<CudaEvent>,
 }
 
-/// The streamed-fetch path: stage the clean bytes, rebuild, patch, cast, move.
+impl Arrived {
+    fn complete(tensor: Tensor) -> Arrived {
+        Arrived {
+            tensor,
+            ready: None,
+        }
+    }
+
+    /// A weight whose device copy completes on `ready`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn on_event(tensor: Tensor, ready: CudaEvent) -> Arrived {
+        Arrived {
+            tensor,
+            ready: Some(ready),
+        }
+    }
+
+    /// The weight, usable by the calling (compute) thread: on a GPU, the calling thread's stream
+    /// is first made to wait on the copy's event — the compute side waits on that copy, never on
+    /// the whole device, and the host does not block.
+    fn into_tensor(self) -> Result<Tensor> {
+        let Some(ready) = self.ready else {
+            return Ok(self.tensor);
+        };
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(dev) = self.tensor.device() {
+            let stream = dev.cuda_stream();
+            stream.wait(&ready).map_err(|e| {
+                Error::driver(
+                    stream.context().ordinal(),
+                    "waiting on a lane's copy event",
+                    e,
+                )
+            })?;
+            return Ok(self.tensor);
+        }
+        // Not a GPU tensor (cannot happen: only GPU copies record an event): wait on the host.
+        ready.synchronize().map_err(|e| Error::Device {
+            device: "transfer lane".into(),
+            reason: format!("waiting on a copy event: {e}"),
+        })?;
+        Ok(self.tensor)
+    }
+}
+
+/// What a lane keeps between jobs: its own copy stream on each GPU it copied to, made in
+/// residency's context for that GPU (candle's, with the `cuda` feature).
+#[derive(Default)]
+pub(crate) struct Lane {
+    streams: HashMap<usize, Arc<CudaStream>>,
+}
+
+impl Lane {
+    /// This lane's copy stream on GPU `ordinal`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn stream(&mut self, ordinal: usize) -> Result<Arc<CudaStream>> {
+        if let Some(s) = self.streams.get(&ordinal) {
+            return Ok(Arc::clone(s));
+        }
+        let ctx =
+            crate::vram::cuda_context(DeviceId::Cuda(ordinal)).ok_or_else(|| Error::Device {
+                device: format!("cuda:{ordinal}"),
+                reason: "no CUDA context for a transfer lane".into(),
+            })?;
+        let s = ctx
+            .new_stream()
+            .map_err(|e| Error::driver(ordinal, "creating a transfer lane's stream", e))?;
+        self.streams.insert(ordinal, Arc::clone(&s));
+        Ok(s)
+    }
+}
+
+/// The streamed-fetch path: patch and cast on the host (the same
+/// [`ModelPatcher::materialize_from`] every path uses, so the bits never depend on the path),
+/// then, for a GPU, copy through a staging buffer on `lane`'s stream (or the calling thread's
+/// own stream without a lane). A CPU destination has no copy, so nothing is staged.
 fn stream_weight(
     pool: Option<&PinnedPool>,
     stats: &TransferStats,
     patcher: &ModelPatcher,
     index: usize,
-) -> Result<Tensor> {
+    lane: Option<&mut Lane>,
+) -> Result<Arrived> {
     let slot = &patcher.model().slots()[index];
     stats.jobs.fetch_add(1, Ordering::Relaxed);
     stats
         .bytes
         .fetch_add(slot.bytes().bytes(), Ordering::Relaxed);
-    let staged = match pool {
-        Some(pool) => stage(pool, slot.clean()).inspect(|t| {
-            if t.is_some() {
-                stats
-                    .staged
-                    .fetch_add(slot.bytes().bytes(), Ordering::Relaxed);
-            }
-        })?,
-        None => None,
-    };
-    let clean = staged.as_ref().unwrap_or(slot.clean());
-    patcher.materialize_from(
-        index,
-        clean,
-        patcher.resident_dtype(index),
-        patcher.load_device(),
-    )
-}
-
-/// Copies a contiguous CPU tensor's bytes through a staging buffer and rebuilds the tensor from
-/// them. `None` when the tensor is not contiguous on the CPU or the pool is full (the caller uses
-/// the clean tensor directly: a pageable copy).
-fn stage(pool: &PinnedPool, t: &Tensor) -> Result<Option<Tensor>> {
-    let rebuilt = with_cpu_bytes(t, |bytes| -> Result<Option<Tensor>> {
-        let Some(mut buf) = pool.acquire(bytes.len()) else {
-            return Ok(None);
+    let dtype = patcher.resident_dtype(index);
+    let device = patcher.load_device();
+    #[cfg(feature = "cuda")]
+    if let DeviceId::Cuda(ordinal) = device {
+        let host = patcher.materialize_from(index, slot.clean(), dtype, DeviceId::Cpu)?;
+        let Device::Cuda(dev) = device.to_candle()? else {
+            return Err(Error::Device {
+                device: device.to_string(),
+                reason: "candle did not give a CUDA device".into(),
+            });
         };
-        let Some(dst) = buf.as_mut_bytes() else {
-            return Ok(None);
+        let stream = match lane {
+            Some(lane) => lane.stream(ordinal)?,
+            None => dev.cuda_stream(),
         };
-        dst.copy_from_slice(bytes);
-        let t = Tensor::from_raw_buffer(dst, t.dtype(), t.dims(), &Device::Cpu)
-            .map_err(|e| Error::tensor("rebuilding a staged weight", e))?;
-        Ok(Some(t))
-        // `buf` returns to the pool here, after the tensor was rebuilt from it.
-    });
-    rebuilt.unwrap_or(Ok(None))
-}
-
-/// Calls `f` with the raw bytes of a contiguous CPU tensor, without copying.
-pub(crate) fn with_cpu_bytes<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Option<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let (start, end) = layout.contiguous_offsets()?;
-    let Storage::Cpu(cpu) = &*storage else {
-        return None;
-    };
-    fn raw<T>(v: &[T]) -> &[u8] {
-        // SAFETY: every element type stored by candle's CPU storage is plain old data (floats,
-        // integers, and `#[repr(transparent)]` byte wrappers for fp8) with no padding, so its
-        // memory is `size_of_val(v)` initialised bytes; the returned slice borrows `v`.
-        unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+        return upload::upload(&host, &dev, &stream, pool, stats).map_err(|e| match e {
+            Error::Tensor { context, source } => Error::Tensor {
+                context: format!("`{}`: {context}", slot.name()),
+                source,
+            },
+            other => other,
+        });
     }
-    let bytes = match cpu {
-        CpuStorage::F32(v) => raw(&v[start..end]),
-        CpuStorage::F16(v) => raw(&v[start..end]),
-        CpuStorage::BF16(v) => raw(&v[start..end]),
-        CpuStorage::F64(v) => raw(&v[start..end]),
-        CpuStorage::U8(v) => raw(&v[start..end]),
-        CpuStorage::F8E4M3(v) => raw(&v[start..end]),
-        _ => return None,
-    };
-    Some(f(bytes))
+    let _ = (pool, lane);
+    patcher
+        .materialize_from(index, slot.clean(), dtype, device)
+        .map(Arrived::complete)
 }

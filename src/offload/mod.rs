@@ -8,18 +8,21 @@
 //! [`ModelPatcher::materialize_from`], so outputs are bit-identical whatever the lanes, depth or
 //! budget (DESIGN I3).
 //!
-//! - [`PinnedPool`]: bounded, size-classed staging buffers (page-locked where a CUDA driver is
-//!   present, touched aligned buffers elsewhere).
+//! - [`PinnedPool`]: bounded, size-classed staging buffers for host→device copies (page-locked
+//!   where a CUDA driver is present, touched aligned buffers elsewhere); [`copy_to_device`] copies
+//!   through one on a cudarc stream.
 //! - [`TransferEngine`]: `N` lanes (`--async-offload N`, default 2; `--disable-async-offload` = 0,
 //!   synchronous); a fetched weight is a [`Pending`] handle that must be waited on.
 //! - [`Streamer`]: per-model prefetch in recorded forward order.
 //!
-//! Accounting: prefetched weights not yet used are counted in their device's ledger by the
-//! memory manager, and on a budgeted CPU device the staging pool is too.
+//! Accounting: prefetched weights not yet used (on a GPU: device memory their copies landed or
+//! are landing in) are counted in their device's ledger by the memory manager. Staging buffers
+//! are host memory and are reported separately (`MemoryReport::pinned`), not budgeted.
 
 mod engine;
 mod pinned;
 mod prefetch;
+mod upload;
 
 use std::sync::Arc;
 
@@ -28,6 +31,7 @@ use candle_core::Tensor;
 pub use engine::{Pending, TransferEngine, TransferSnapshot, TransferStats};
 pub use pinned::{default_limit, PinnedPool, PoolStats, StagingBuffer, MIN_CLASS};
 pub use prefetch::Streamer;
+pub use upload::copy_to_device;
 
 use crate::error::{Error, Result};
 use crate::patcher::ModelPatcher;

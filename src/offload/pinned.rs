@@ -11,16 +11,22 @@
 //! and the caller copies from pageable memory instead.
 //!
 //! Ordering: a [`StagingBuffer`] is exclusively borrowed while in use and returns to the pool
-//! when dropped. A pinned buffer additionally owns the CUDA event of its last copy (cudarc
-//! records it), and writing into it waits on that event, so a buffer is never overwritten while a
-//! copy from it is in flight.
+//! when dropped — possibly while a copy from it is still running on a stream. A pinned buffer
+//! therefore owns the CUDA event of its last copy ([`StagingBuffer::copy_to_device`] records it):
+//! writing into the buffer ([`StagingBuffer::as_mut_bytes`]) and freeing it both wait on that
+//! event first, so a buffer is never overwritten or freed while a copy from it is in flight.
+//!
+//! Staging exists for host→device copies only. A weight whose destination is the CPU has no
+//! copy to stage, so the transfer lanes never take a buffer for one.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, DriverError};
 use parking_lot::Mutex;
 
+use crate::error::{Error, Result};
 use crate::size::ByteSize;
 
 /// The smallest size class.
@@ -41,7 +47,32 @@ enum HostMem {
     /// 64-byte aligned, pages touched at creation.
     Aligned(Vec<u64>),
     /// Page-locked through the CUDA driver.
-    Pinned(cudarc::driver::PinnedHostSlice<u8>),
+    Pinned(PinnedMem),
+}
+
+/// Page-locked memory and the event of the last copy out of it.
+struct PinnedMem {
+    mem: cudarc::driver::PinnedHostSlice<u8>,
+    last_copy: Option<CudaEvent>,
+}
+
+impl PinnedMem {
+    /// Blocks until the last copy out of the buffer has completed.
+    fn wait_last_copy(&self) -> std::result::Result<(), DriverError> {
+        match &self.last_copy {
+            Some(e) => e.synchronize(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for PinnedMem {
+    fn drop(&mut self) {
+        // The page-locked memory is freed right after this: never under a running copy.
+        if let Err(e) = self.wait_last_copy() {
+            tracing::warn!(error = %e, "waiting for a staging copy before freeing its buffer");
+        }
+    }
 }
 
 impl HostMem {
@@ -66,7 +97,10 @@ impl HostMem {
                 Some(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), len) })
             }
             // Waits for the buffer's last copy to complete before handing it out.
-            HostMem::Pinned(p) => p.as_mut_slice().ok(),
+            HostMem::Pinned(p) => {
+                p.wait_last_copy().ok()?;
+                p.mem.as_mut_slice().ok()
+            }
         }
     }
 
@@ -220,7 +254,12 @@ impl PinnedPool {
                 // `StagingBuffer::as_mut_bytes`, which callers fill before reading (`u8` has no
                 // invalid values, so reading stale bytes is merely meaningless, never UB).
                 match unsafe { ctx.alloc_pinned::<u8>(class) } {
-                    Ok(p) => return HostMem::Pinned(p),
+                    Ok(mem) => {
+                        return HostMem::Pinned(PinnedMem {
+                            mem,
+                            last_copy: None,
+                        })
+                    }
                     Err(e) => {
                         if !self.shared.pin_failed.swap(true, Ordering::Relaxed) {
                             tracing::warn!(error = %e, "pinning host memory failed; staging from pageable memory");
@@ -285,6 +324,64 @@ impl StagingBuffer {
     pub fn as_mut_bytes(&mut self) -> Option<&mut [u8]> {
         let len = self.len;
         self.mem.as_mut()?.as_mut_bytes().map(|b| &mut b[..len])
+    }
+
+    /// Enqueues a copy of the buffer's first `len` bytes into `dst` on `stream` and records the
+    /// buffer's event after it, so the buffer may return to the pool at once: the next writer
+    /// (or the free) waits for the copy. `dst` must be exactly `len` bytes.
+    ///
+    /// Only a page-locked buffer copies asynchronously; for an aligned (pageable) buffer this
+    /// returns `Ok(false)` and copies nothing (the caller copies from its own memory instead).
+    pub fn copy_to_device<T: DeviceRepr>(
+        &mut self,
+        dst: &mut CudaSlice<T>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<bool> {
+        let len = self.len;
+        let Some(HostMem::Pinned(p)) = self.mem.as_mut() else {
+            return Ok(false);
+        };
+        let ordinal = stream.context().ordinal();
+        if dst.num_bytes() != len {
+            return Err(Error::Device {
+                device: format!("cuda:{ordinal}"),
+                reason: format!(
+                    "a staged copy of {len} bytes into a device buffer of {} bytes",
+                    dst.num_bytes()
+                ),
+            });
+        }
+        p.enqueue_copy(dst, len, stream)
+            .map_err(|e| Error::driver(ordinal, "copying a staging buffer to the device", e))?;
+        Ok(true)
+    }
+}
+
+impl PinnedMem {
+    /// Enqueues the copy of the first `len` bytes into `dst` and records `last_copy` after it.
+    fn enqueue_copy<T: DeviceRepr>(
+        &mut self,
+        dst: &mut CudaSlice<T>,
+        len: usize,
+        stream: &Arc<CudaStream>,
+    ) -> std::result::Result<(), DriverError> {
+        stream.context().bind_to_thread()?;
+        // The previous copy out of this buffer was waited for when the caller filled it
+        // (`as_mut_bytes`); this one is ordered on `stream`.
+        let src = &self.mem.as_slice()?[..len];
+        {
+            // Orders the copy after earlier uses of `dst` and records its write on drop.
+            let (dptr, _record_write) = dst.device_ptr_mut(stream);
+            // SAFETY: `src` is `len` bytes of page-locked memory that stays allocated and
+            // unwritten until the event recorded below completes (writers and the free wait on
+            // it); `dptr` addresses `dst`, a live allocation of exactly `len` bytes.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dptr, src, stream.cu_stream()) }?;
+        }
+        match &self.last_copy {
+            Some(e) => e.record(stream)?,
+            None => self.last_copy = Some(stream.record_event(None)?),
+        }
+        Ok(())
     }
 }
 
