@@ -8,9 +8,10 @@ use candle_core::{Device, Tensor};
 use common::*;
 use proptest::prelude::*;
 use residency::float::Dtype;
+use residency::patcher::lora::unet::{PairKind, UnetLayout, UnetNaming};
 use residency::patcher::{Lora, ModelPatcher, Offset, Patch};
 use residency::vram::DeviceId;
-use residency::weights::SlotResidency;
+use residency::weights::{save_safetensors, SafetensorsOptions, SlotResidency};
 use residency::{ByteSize, Error};
 
 fn lora_for(shape: (usize, usize), rank: usize, seed: u64) -> Patch {
@@ -441,4 +442,199 @@ fn patched_weight_f32_is_the_unrounded_value_patched_weight_rounds() {
         p.patched_weight_f32("nope"),
         Err(Error::UnknownWeight { .. })
     ));
+}
+
+/// Writes a UNet of `layout` in `naming` under `prefix` to a safetensors file: every layer of the
+/// layout as a tiny `[1]` weight and bias (enough for the layout to be recognised), except the
+/// `targets`, which get the given tensors. Returns the model read back.
+fn unet_model_file(
+    dir: &std::path::Path,
+    layout: &UnetLayout,
+    naming: UnetNaming,
+    prefix: &str,
+    targets: &[(&str, &Tensor)],
+) -> residency::Model {
+    let mut paths = Vec::new();
+    for pair in layout.module_pairs() {
+        let side = match naming {
+            UnetNaming::Ldm => pair.ldm,
+            UnetNaming::Diffusers => pair.diffusers,
+        };
+        match pair.kind {
+            PairKind::Layer => paths.push(side),
+            PairKind::Transformer { depth } => {
+                paths.extend(["proj_in", "proj_out"].map(|l| format!("{side}.{l}")));
+                for k in 0..depth {
+                    for l in ["attn1.to_q", "attn2.to_k"] {
+                        paths.push(format!("{side}.transformer_blocks.{k}.{l}"));
+                    }
+                }
+            }
+        }
+    }
+    let tiny = Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu).unwrap();
+    let mut tensors: Vec<(String, Tensor, Dtype)> = paths
+        .iter()
+        .flat_map(|p| [format!("{prefix}{p}.weight"), format!("{prefix}{p}.bias")])
+        .map(|k| {
+            let t = targets
+                .iter()
+                .find(|(key, _)| *key == k)
+                .map_or(tiny.clone(), |(_, t)| (*t).clone());
+            (k, t, Dtype::F32)
+        })
+        .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    for (key, _) in targets {
+        assert!(
+            tensors.iter().any(|(k, _, _)| k == key),
+            "{key} is not in the layout"
+        );
+    }
+    let path = dir.join("unet.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    residency::Model::from_safetensors("unet", &[path]).unwrap()
+}
+
+/// `w + scale · up·down`, with `up` and `down` flattened to matrices and the product reshaped to
+/// `w`'s shape: the LoRA delta computed here, not by the crate.
+fn lora_expected(w: &Tensor, up: &Tensor, down: &Tensor, scale: f64) -> Vec<f32> {
+    let up = up.flatten_from(1).unwrap();
+    let down = down.flatten_from(1).unwrap();
+    let delta = up.matmul(&down).unwrap().reshape(w.shape()).unwrap();
+    f32s(&(w + (delta * scale).unwrap()).unwrap())
+}
+
+fn assert_close(got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= 1e-6, "element {i}: {g} != {w}");
+    }
+}
+
+#[test]
+fn diffusers_named_lora_patches_an_ldm_sd1_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = Device::Cpu;
+    let q_key = "model.diffusion_model.input_blocks.4.1.transformer_blocks.0.attn1.to_q.weight";
+    let conv_key = "model.diffusion_model.output_blocks.5.2.conv.weight";
+    let q = Tensor::new(&[[1.0f32, 2.0], [3.0, 4.0], [5.0, 6.0]], &dev).unwrap();
+    let conv = rand_tensor(&[2, 2, 3, 3], 21);
+    let model = unet_model_file(
+        dir.path(),
+        &UnetLayout::sd1(),
+        UnetNaming::Ldm,
+        "model.diffusion_model.",
+        &[(q_key, &q), (conv_key, &conv)],
+    );
+
+    // PEFT names for the attention projection, kohya names for the upsampler conv.
+    let q_up = Tensor::new(&[[1.0f32], [2.0], [3.0]], &dev).unwrap();
+    let q_down = Tensor::new(&[[1.0f32, -1.0]], &dev).unwrap();
+    let conv_up = rand_tensor(&[2, 1, 1, 1], 22);
+    let conv_down = rand_tensor(&[1, 2, 3, 3], 23);
+    let peft = "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q";
+    let kohya = "lora_unet_up_blocks_1_upsamplers_0_conv";
+    let lora_tensors = [
+        (format!("{peft}.lora_B.weight"), q_up.clone()),
+        (format!("{peft}.lora_A.weight"), q_down.clone()),
+        (format!("{kohya}.lora_up.weight"), conv_up.clone()),
+        (format!("{kohya}.lora_down.weight"), conv_down.clone()),
+        (format!("{kohya}.alpha"), Tensor::new(2.0f32, &dev).unwrap()),
+        // SD1's deepest level has no attention.
+        (
+            "lora_unet_down_blocks_3_attentions_0_proj_in.diff".to_string(),
+            Tensor::zeros(1, candle_core::DType::F32, &dev).unwrap(),
+        ),
+    ]
+    .map(|(k, t)| (k, t, Dtype::F32));
+    let lora_path = dir.path().join("lora.safetensors");
+    save_safetensors(&lora_path, &lora_tensors, &SafetensorsOptions::default()).unwrap();
+
+    let loaded = residency::patcher::lora::load(lora_path.as_path(), model.keys()).unwrap();
+    assert_eq!(
+        loaded.unmatched_lora_keys,
+        ["lora_unet_down_blocks_3_attentions_0_proj_in.diff"]
+    );
+    let mut p = cpu_patcher(model);
+    let mut matched = p.add_patches(loaded.patches, 0.5, 1.0).unwrap();
+    matched.sort();
+    assert_eq!(matched, [q_key, conv_key]);
+
+    // No alpha: scale = strength 0.5. The numbers by hand: W + 0.5·[[1,-1],[2,-2],[3,-3]].
+    let got = f32s(&p.patched_weight(q_key).unwrap());
+    assert_eq!(got, [1.5, 1.5, 4.0, 3.0, 6.5, 4.5]);
+    assert_eq!(got, lora_expected(&q, &q_up, &q_down, 0.5));
+    // alpha 2 over rank 1 at strength 0.5: scale 1.
+    let got = f32s(&p.patched_weight(conv_key).unwrap());
+    assert_close(&got, &lora_expected(&conv, &conv_up, &conv_down, 1.0));
+    // The neighbouring block is untouched.
+    let other = "model.diffusion_model.input_blocks.5.1.transformer_blocks.0.attn1.to_q.weight";
+    assert_eq!(f32s(&p.patched_weight(other).unwrap()), [0.0]);
+}
+
+#[test]
+fn ldm_named_kohya_lora_patches_a_diffusers_sdxl_unet() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = Device::Cpu;
+    let k_key = "down_blocks.2.attentions.0.transformer_blocks.9.attn2.to_k.weight";
+    let up_key = "up_blocks.0.upsamplers.0.conv.weight";
+    let k = rand_tensor(&[4, 3], 31);
+    let conv = rand_tensor(&[2, 2, 3, 3], 32);
+    let model = unet_model_file(
+        dir.path(),
+        &UnetLayout::sdxl(),
+        UnetNaming::Diffusers,
+        "",
+        &[(k_key, &k), (up_key, &conv)],
+    );
+    let mut lora: Vec<(String, Tensor, Dtype)> = Vec::new();
+    let mut adapter = |base: &str, up: Tensor, down: Tensor, alpha: f32| {
+        lora.push((format!("{base}.lora_up.weight"), up, Dtype::F32));
+        lora.push((format!("{base}.lora_down.weight"), down, Dtype::F32));
+        let alpha = Tensor::new(alpha, &dev).unwrap();
+        lora.push((format!("{base}.alpha"), alpha, Dtype::F32));
+    };
+    let (k_up, k_down) = (rand_tensor(&[4, 2], 33), rand_tensor(&[2, 3], 34));
+    let (c_up, c_down) = (
+        rand_tensor(&[2, 2, 1, 1], 35),
+        rand_tensor(&[2, 2, 3, 3], 36),
+    );
+    adapter(
+        "lora_unet_input_blocks_7_1_transformer_blocks_9_attn2_to_k",
+        k_up.clone(),
+        k_down.clone(),
+        1.0,
+    );
+    // Up block 0 (level 2) has attention, so its upsampler is the third module of block 2.
+    adapter(
+        "lora_unet_output_blocks_2_2_conv",
+        c_up.clone(),
+        c_down.clone(),
+        4.0,
+    );
+    // SDXL's first level has no attention.
+    let (x_up, x_down) = (rand_tensor(&[1, 1], 37), rand_tensor(&[1, 1], 38));
+    adapter("lora_unet_input_blocks_1_1_proj_in", x_up, x_down, 1.0);
+    let lora_path = dir.path().join("lora.safetensors");
+    save_safetensors(&lora_path, &lora, &SafetensorsOptions::default()).unwrap();
+
+    let loaded = residency::patcher::lora::load(lora_path.as_path(), model.keys()).unwrap();
+    assert_eq!(
+        loaded.unmatched_lora_keys,
+        [
+            "lora_unet_input_blocks_1_1_proj_in.alpha",
+            "lora_unet_input_blocks_1_1_proj_in.lora_down.weight",
+            "lora_unet_input_blocks_1_1_proj_in.lora_up.weight",
+        ]
+    );
+    let mut p = cpu_patcher(model);
+    let mut matched = p.add_patches(loaded.patches, 1.0, 1.0).unwrap();
+    matched.sort();
+    assert_eq!(matched, [k_key, up_key]);
+    // alpha 1 over rank 2: scale 0.5; alpha 4 over rank 2: scale 2.
+    let got = f32s(&p.patched_weight(k_key).unwrap());
+    assert_close(&got, &lora_expected(&k, &k_up, &k_down, 0.5));
+    let got = f32s(&p.patched_weight(up_key).unwrap());
+    assert_close(&got, &lora_expected(&conv, &c_up, &c_down, 2.0));
 }

@@ -55,16 +55,31 @@
 //!    of the model path written as `_`), then among unprefixed model keys; a LoRA name without a
 //!    component may match any component. When several model keys fit equally, the first in the
 //!    order given wins.
+//! 3. **Stable Diffusion UNet naming.** The diffusion model's paths (or, when the model has no
+//!    prefixed diffusion model, its unprefixed paths) are read as a UNet:
+//!    [`UnetLayout::detect`] finds whether they use ldm naming (`input_blocks.4.1.…`, original
+//!    Stability and ComfyUI checkpoints) or diffusers naming (`down_blocks.1.attentions.0.…`),
+//!    and the number of levels, residual blocks and transformer depths (SD1.x, SD2.x and SDXL
+//!    among them). Each of those model paths is then also indexed under its name in the other
+//!    naming ([`UnetLayout::module_pairs`]), dotted and with `_` for `.`, and a LoRA name of the
+//!    diffusion model, or without a component, that rule 2 did not place is looked up there: a
+//!    kohya `lora_unet_down_blocks_1_attentions_0_proj_in` or a PEFT
+//!    `unet.down_blocks.1.attentions.0.proj_in` finds
+//!    `model.diffusion_model.input_blocks.4.1.proj_in.weight`, and a kohya
+//!    `lora_unet_input_blocks_1_1_proj_in` finds an SD1 diffusers model's
+//!    `down_blocks.0.attentions.0.proj_in.weight`. A key set the detector does not understand
+//!    (another architecture, a partial UNet) gets no second naming: matching is rules 1 and 2.
 //!
-//! Not attempted: renaming blocks between model layouts (diffusers `down_blocks.0` versus ldm
-//! `input_blocks.1`, Flux `double_blocks` versus diffusers `transformer_blocks`) and splitting
-//! fused projections; such names are reported unmatched. Callers that know the layouts can rename
-//! keys and pass tensors in memory.
+//! Not attempted: renaming between other model layouts (Flux `double_blocks` versus diffusers
+//! `transformer_blocks`; UNets whose transformer depth differs between the blocks of one level)
+//! and splitting fused projections; such names are reported unmatched. Callers that know the
+//! layouts can rename keys and pass tensors in memory.
 //!
 //! # Cost
 //!
 //! The file is read whole into CPU tensors (in their stored dtypes; the patch math upcasts).
-//! Matching is O(file tensors + model keys) with hash lookups.
+//! Matching is O(file tensors + model keys) with hash lookups; the UNet layout is detected and
+//! the second naming indexed once per [`load`], in O(model keys × path length).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -73,6 +88,10 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::patcher::patch::{LoHa, LoKr, Lora, Patch};
+
+pub mod unet;
+
+use unet::{LayoutMap, UnetLayout};
 
 /// Where LoRA tensors come from.
 #[derive(Debug, Clone)]
@@ -531,6 +550,10 @@ struct ModelIndex {
     dotted: HashMap<String, Vec<(Component, String)>>,
     /// The same, with every `.` of the path written as `_` (for kohya names).
     underscored: HashMap<String, Vec<(Component, String)>>,
+    /// Diffusion-model paths renamed into the other UNet naming (empty when the layout is not
+    /// understood) → `(component, module)`, dotted and underscored.
+    renamed_dotted: HashMap<String, Vec<(Component, String)>>,
+    renamed_underscored: HashMap<String, Vec<(Component, String)>>,
 }
 
 impl ModelIndex {
@@ -539,8 +562,14 @@ impl ModelIndex {
             keys: HashMap::new(),
             dotted: HashMap::new(),
             underscored: HashMap::new(),
+            renamed_dotted: HashMap::new(),
+            renamed_underscored: HashMap::new(),
         };
         let mut modules = HashSet::new();
+        // `(component, module, path)` of the diffusion model's modules, and of unprefixed ones (a
+        // UNet stored without a prefix), for layout detection.
+        let mut diffusion: Vec<(Component, String, String)> = Vec::new();
+        let mut bare: Vec<(Component, String, String)> = Vec::new();
         for (pos, key) in model_keys.into_iter().enumerate() {
             index.keys.entry(key.to_string()).or_insert(pos);
             let Some(module) = key
@@ -571,11 +600,49 @@ impl ModelIndex {
                 Component::Bare { .. } => {
                     add(comp, path);
                     add(Component::Bare { te_path: true }, te_path(path, '.'));
+                    bare.push((comp, module.to_string(), path.to_string()));
                 }
-                _ => add(comp, path),
+                _ => {
+                    add(comp, path);
+                    diffusion.push((comp, module.to_string(), path.to_string()));
+                }
             }
         }
+        let unet = if diffusion.is_empty() {
+            bare
+        } else {
+            diffusion
+        };
+        index.add_renamed(&unet);
         index
+    }
+
+    /// Indexes the UNet modules `unet` under their names in the other UNet naming, when their
+    /// layout is understood (rule 3 of the module docs). O(modules × path length).
+    fn add_renamed(&mut self, unet: &[(Component, String, String)]) {
+        let Some((naming, layout)) = UnetLayout::detect(unet.iter().map(|(_, _, p)| p.as_str()))
+        else {
+            return;
+        };
+        tracing::debug!(
+            ?naming,
+            levels = layout.levels(),
+            res_blocks = layout.num_res_blocks(),
+            transformer_depth = ?layout.transformer_depth(),
+            "LoRA matching: UNet layout detected, other naming indexed"
+        );
+        let map = LayoutMap::new(naming, &layout);
+        for (comp, module, path) in unet {
+            let Some(renamed) = map.rename(path) else {
+                continue;
+            };
+            let entry = (*comp, module.clone());
+            self.renamed_underscored
+                .entry(renamed.replace('.', "_"))
+                .or_default()
+                .push(entry.clone());
+            self.renamed_dotted.entry(renamed).or_default().push(entry);
+        }
     }
 
     /// The model key (and its position) that the LoRA base `base` patches, for the key suffix
@@ -591,10 +658,10 @@ impl ModelIndex {
             .find_map(|&(p, c, u)| base.strip_prefix(p).map(|rest| (c, rest, u)))
             .unwrap_or((Component::Any, base, false));
         let sep = if underscored { '_' } else { '.' };
-        let map = if underscored {
-            &self.underscored
+        let (map, renamed) = if underscored {
+            (&self.underscored, &self.renamed_underscored)
         } else {
-            &self.dotted
+            (&self.dotted, &self.renamed_dotted)
         };
         let mut paths = vec![path];
         if matches!(comp, Component::TextEncoder(_)) {
@@ -603,28 +670,43 @@ impl ModelIndex {
             paths.push(te_path(path, sep));
         }
         for p in paths {
-            let best = map
-                .get(p)
-                .into_iter()
-                .flatten()
-                .filter_map(|(have, module)| {
-                    let key = format!("{module}{suffix}");
-                    let pos = *self.keys.get(&key)?;
-                    let r = rank(comp, *have)?;
-                    Some((r, pos, key))
-                })
-                .min();
-            if let Some((_, pos, key)) = best {
-                return Some((pos, key));
+            if let Some(found) = self.best(map, p, comp, suffix) {
+                return Some(found);
             }
         }
+        if matches!(comp, Component::Diffusion | Component::Any) {
+            return self.best(renamed, path, comp, suffix);
+        }
         None
+    }
+
+    /// The best-ranked model key among the modules `map` holds for `path` (first in model key
+    /// order on a tie).
+    fn best(
+        &self,
+        map: &HashMap<String, Vec<(Component, String)>>,
+        path: &str,
+        comp: Component,
+        suffix: &str,
+    ) -> Option<(usize, String)> {
+        map.get(path)
+            .into_iter()
+            .flatten()
+            .filter_map(|(have, module)| {
+                let key = format!("{module}{suffix}");
+                let pos = *self.keys.get(&key)?;
+                let r = rank(comp, *have)?;
+                Some((r, pos, key))
+            })
+            .min()
+            .map(|(_, pos, key)| (pos, key))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use unet::UnetNaming;
 
     const SDXL_KEYS: &[&str] = &[
         "diffusion_model.input_blocks.1.1.proj_in.weight",
@@ -953,6 +1035,169 @@ mod tests {
         assert_eq!(a.matched_model_keys, keys); // model key order
         assert_eq!(a.unmatched_lora_keys, b.unmatched_lora_keys);
         assert_eq!(a.unmatched_lora_keys.len(), 8);
+    }
+
+    /// Weight and bias keys of a complete UNet of `layout` in `naming`, under `prefix`.
+    fn unet_keys(layout: &UnetLayout, naming: UnetNaming, prefix: &str) -> Vec<String> {
+        unet::example_paths(layout, naming)
+            .into_iter()
+            .flat_map(|p| [format!("{prefix}{p}.weight"), format!("{prefix}{p}.bias")])
+            .collect()
+    }
+
+    fn sorted(mut v: Vec<String>) -> Vec<String> {
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn diffusers_named_lora_finds_an_ldm_checkpoints_keys() {
+        let mut keys = unet_keys(
+            &UnetLayout::sd1(),
+            UnetNaming::Ldm,
+            "model.diffusion_model.",
+        );
+        keys.push("cond_stage_model.transformer.text_model.encoder.layers.0.mlp.fc1.weight".into());
+        let mut t = HashMap::new();
+        let (peft, kohya) = (
+            (".lora_B.weight", ".lora_A.weight"),
+            (".lora_up.weight", ".lora_down.weight"),
+        );
+        for (base, (up, down)) in [
+            (
+                "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q",
+                peft,
+            ),
+            ("base_model.model.up_blocks.1.upsamplers.0.conv", peft),
+            ("unet.down_blocks.0.downsamplers.0.conv", peft),
+            ("lora_unet_down_blocks_0_resnets_0_conv1", kohya),
+            ("lora_unet_up_blocks_0_upsamplers_0_conv", kohya),
+            ("lora_unet_mid_block_attentions_0_proj_in", kohya),
+            ("lora_unet_mid_block_resnets_1_conv1", kohya),
+            ("lora_unet_time_embedding_linear_1", kohya),
+            (
+                "lora_unet_up_blocks_3_attentions_2_transformer_blocks_0_ff_net_2",
+                kohya,
+            ),
+            ("lora_te_text_model_encoder_layers_0_mlp_fc1", kohya),
+            // SD1 has no attention on its deepest level and no upsampler on its last up block.
+            ("lora_unet_down_blocks_3_attentions_0_proj_in", kohya),
+            ("unet.up_blocks.3.upsamplers.0.conv", peft),
+        ] {
+            lora_pair(&mut t, base, up, down);
+        }
+        t.insert("unet.mid_block.resnets.1.conv1.diff_b".into(), ones(&[4]));
+        let out = load(t, keys.iter().map(String::as_str)).unwrap();
+        let d = "model.diffusion_model.";
+        assert_eq!(
+            sorted(out.patches.iter().map(|(k, _)| k.clone()).collect()),
+            sorted(vec![
+                format!("{d}input_blocks.4.1.transformer_blocks.0.attn1.to_q.weight"),
+                format!("{d}output_blocks.5.2.conv.weight"),
+                format!("{d}input_blocks.3.0.op.weight"),
+                format!("{d}input_blocks.1.0.in_layers.2.weight"),
+                format!("{d}output_blocks.2.1.conv.weight"),
+                format!("{d}middle_block.1.proj_in.weight"),
+                format!("{d}middle_block.2.in_layers.2.weight"),
+                format!("{d}middle_block.2.in_layers.2.bias"),
+                format!("{d}time_embed.0.weight"),
+                format!("{d}output_blocks.11.1.transformer_blocks.0.ff.net.2.weight"),
+                "cond_stage_model.transformer.text_model.encoder.layers.0.mlp.fc1.weight".into(),
+            ])
+        );
+        assert_eq!(out.matched_model_keys.len(), out.patches.len());
+        assert_eq!(
+            out.unmatched_lora_keys,
+            [
+                "lora_unet_down_blocks_3_attentions_0_proj_in.lora_down.weight",
+                "lora_unet_down_blocks_3_attentions_0_proj_in.lora_up.weight",
+                "unet.up_blocks.3.upsamplers.0.conv.lora_A.weight",
+                "unet.up_blocks.3.upsamplers.0.conv.lora_B.weight",
+            ]
+        );
+    }
+
+    #[test]
+    fn ldm_named_lora_finds_a_diffusers_unets_keys() {
+        // SDXL, unprefixed as in a diffusers `unet/diffusion_pytorch_model.safetensors`.
+        let keys = unet_keys(&UnetLayout::sdxl(), UnetNaming::Diffusers, "");
+        let mut t = HashMap::new();
+        for base in [
+            "lora_unet_input_blocks_7_1_transformer_blocks_9_attn2_to_k",
+            "lora_unet_output_blocks_2_2_conv",
+            "lora_unet_output_blocks_8_0_skip_connection",
+            "lora_unet_label_emb_0_0",
+            "diffusion_model.middle_block.2.in_layers.2",
+            "lora_unet_input_blocks_1_1_proj_in", // SDXL level 0 has no attention
+        ] {
+            lora_pair(&mut t, base, ".lora_up.weight", ".lora_down.weight");
+        }
+        let out = load(t.clone(), keys.iter().map(String::as_str)).unwrap();
+        assert_eq!(
+            sorted(out.matched_model_keys.clone()),
+            sorted(
+                [
+                    "down_blocks.2.attentions.0.transformer_blocks.9.attn2.to_k.weight",
+                    "up_blocks.0.upsamplers.0.conv.weight",
+                    "up_blocks.2.resnets.2.conv_shortcut.weight",
+                    "add_embedding.linear_1.weight",
+                    "mid_block.resnets.1.conv1.weight",
+                ]
+                .map(String::from)
+                .to_vec()
+            )
+        );
+        assert_eq!(
+            out.unmatched_lora_keys,
+            [
+                "lora_unet_input_blocks_1_1_proj_in.lora_down.weight",
+                "lora_unet_input_blocks_1_1_proj_in.lora_up.weight",
+            ]
+        );
+
+        // The same name on SD1, whose level 0 has attention, with the model under a prefix.
+        let keys = unet_keys(
+            &UnetLayout::sd1(),
+            UnetNaming::Diffusers,
+            "diffusion_model.",
+        );
+        let out = load(t, keys.iter().map(String::as_str)).unwrap();
+        assert!(out
+            .matched_model_keys
+            .contains(&"diffusion_model.down_blocks.0.attentions.0.proj_in.weight".to_string()));
+    }
+
+    #[test]
+    fn unrecognised_unet_keeps_the_old_matching() {
+        // An SD1 checkpoint with an up block missing is not a layout the detector knows.
+        let keys: Vec<String> = unet_keys(&UnetLayout::sd1(), UnetNaming::Ldm, "diffusion_model.")
+            .into_iter()
+            .filter(|k| !k.starts_with("diffusion_model.output_blocks.4."))
+            .collect();
+        let mut t = HashMap::new();
+        for base in [
+            "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q",
+            "lora_unet_input_blocks_4_1_transformer_blocks_0_attn2_to_k",
+        ] {
+            lora_pair(&mut t, base, ".lora_up.weight", ".lora_down.weight");
+        }
+        let out = load(t.clone(), keys.iter().map(String::as_str)).unwrap();
+        assert_eq!(
+            keys_of(&out),
+            ["diffusion_model.input_blocks.4.1.transformer_blocks.0.attn2.to_k.weight"]
+        );
+        assert_eq!(
+            out.unmatched_lora_keys,
+            [
+                "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight",
+                "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q.lora_up.weight",
+            ]
+        );
+        // With the block back, the diffusers name finds its key too.
+        let keys = unet_keys(&UnetLayout::sd1(), UnetNaming::Ldm, "diffusion_model.");
+        let out = load(t, keys.iter().map(String::as_str)).unwrap();
+        assert_eq!(out.patches.len(), 2);
+        assert!(out.unmatched_lora_keys.is_empty());
     }
 
     #[test]
