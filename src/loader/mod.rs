@@ -152,7 +152,10 @@ impl MemoryManager {
                 None => PinnedPool::aligned(limit),
             })
         };
-        let engine = Arc::new(TransferEngine::new(config.transfer_lanes(), pool.clone()));
+        let engine = Arc::new(TransferEngine::new(
+            config.transfer_lanes_for(policy.compute_device()),
+            pool.clone(),
+        ));
         MemoryManager {
             policy,
             engine,

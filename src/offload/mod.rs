@@ -11,7 +11,8 @@
 //! - [`PinnedPool`]: bounded, size-classed staging buffers for host→device copies (page-locked
 //!   where a CUDA driver is present, touched aligned buffers elsewhere); [`copy_to_device`] copies
 //!   through one on a cudarc stream.
-//! - [`TransferEngine`]: `N` lanes (`--async-offload N`, default 2; `--disable-async-offload` = 0,
+//! - [`TransferEngine`]: `N` lanes (`--async-offload N`; default 2 on a GPU, 0 on the CPU —
+//!   [`crate::vram::Config::transfer_lanes_for`]; `--disable-async-offload` = 0,
 //!   synchronous); a fetched weight is a [`Pending`] handle that must be waited on.
 //! - [`Streamer`]: per-model prefetch in recorded forward order.
 //!

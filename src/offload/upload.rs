@@ -113,10 +113,10 @@ pub(crate) fn upload(
         CpuStorage::F64(v) => copy!(v),
         CpuStorage::U8(v) => copy!(v),
         CpuStorage::F8E4M3(v) => copy!(v),
-        other => {
+        _ => {
             return Err(Error::UnsupportedDtype {
                 what: "a streamed weight copied to the GPU".into(),
-                dtype: format!("{:?}", other.dtype()),
+                dtype: format!("{:?}", host.dtype()),
             })
         }
     };

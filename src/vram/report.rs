@@ -67,7 +67,7 @@ impl Policy {
             vae_dtype: self.vae_dtype(&prefs),
             fp8_compute: self.supports_fp8_compute(dev),
             attention: attention.into(),
-            transfer_lanes: self.config.transfer_lanes(),
+            transfer_lanes: self.config.transfer_lanes_for(dev),
             pinned_memory: !self.config.disable_pinned_memory,
             smart_memory: !self.config.disable_smart_memory,
         }
