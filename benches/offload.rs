@@ -18,11 +18,38 @@ use residency::vram::{Config, DeviceId, Hardware};
 use residency::{ByteSize, Model};
 
 const LAYERS: usize = 16;
-const WIDTH: usize = 1024;
 
-fn model() -> Model {
+/// Where the bench runs: GPU 0 when this build has candle's CUDA backend and a GPU is present
+/// (then wider layers and larger batches, so compute per weight is comparable), else the CPU.
+struct Target {
+    device: DeviceId,
+    hardware: Hardware,
+    width: usize,
+    /// Compute-bound batch, then a batch where the transfer is a visible share.
+    batches: [usize; 2],
+}
+
+fn target() -> Target {
+    let hardware = Hardware::probe();
+    if cfg!(feature = "cuda") && !hardware.gpus.is_empty() {
+        return Target {
+            device: DeviceId::Cuda(0),
+            hardware,
+            width: 4096,
+            batches: [4096, 256],
+        };
+    }
+    Target {
+        device: DeviceId::Cpu,
+        hardware: Hardware::cpu_only(ByteSize::gib(16)),
+        width: 1024,
+        batches: [256, 8],
+    }
+}
+
+fn model(width: usize) -> Model {
     let tensors = (0..LAYERS).map(|l| {
-        let w = Tensor::randn(0f32, 0.03, (WIDTH, WIDTH), &Device::Cpu).unwrap();
+        let w = Tensor::randn(0f32, 0.03, (width, width), &Device::Cpu).unwrap();
         let w = residency::float::from_f32(&w, Dtype::BF16, residency::Rounding::Nearest).unwrap();
         (format!("layers.{l}.weight"), w)
     });
@@ -31,10 +58,12 @@ fn model() -> Model {
 
 struct Setup {
     patcher: ModelPatcher,
+    width: usize,
     _mm: MemoryManager,
 }
 
-fn setup(budget: Option<ByteSize>, lanes: usize, depth: usize) -> Setup {
+/// A manager and a model of its own (residency is per model, so setups never share one).
+fn setup(t: &Target, budget: Option<ByteSize>, lanes: usize, depth: usize) -> Setup {
     let mut args = vec!["--reserve-vram".to_string(), "0".to_string()];
     match budget {
         Some(b) => args.extend(["--vram-budget".to_string(), b.bytes().to_string()]),
@@ -48,67 +77,90 @@ fn setup(budget: Option<ByteSize>, lanes: usize, depth: usize) -> Setup {
         .unwrap()
         .with_transfer_lanes(lanes)
         .with_prefetch_depth(depth);
-    let mm = MemoryManager::new(cfg, Hardware::cpu_only(ByteSize::gib(16))).unwrap();
-    let p = ModelPatcher::new(Arc::new(model()), DeviceId::Cpu, DeviceId::Cpu)
+    let mm = MemoryManager::new(cfg, t.hardware.clone()).unwrap();
+    let p = ModelPatcher::new(Arc::new(model(t.width)), t.device, DeviceId::Cpu)
         .with_compute_dtype(Some(Dtype::F32));
     mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
         .unwrap();
     let s = Setup {
         patcher: p,
+        width: t.width,
         _mm: mm,
     };
-    forward(&s.patcher, 1); // records the order
+    forward(&s, 1); // records the order
     s
 }
 
-fn forward(p: &ModelPatcher, batch: usize) -> Tensor {
-    let mut x = Tensor::ones((batch, WIDTH), candle_core::DType::F32, &Device::Cpu).unwrap();
+fn forward(s: &Setup, batch: usize) -> Tensor {
+    let p = &s.patcher;
+    let dev = p.load_device().to_candle().unwrap();
+    let mut x = Tensor::ones((batch, s.width), candle_core::DType::F32, &dev).unwrap();
     for l in 0..LAYERS {
         let (w, _) = fetch_weight(p, &format!("layers.{l}.weight")).unwrap();
         x = x.matmul(&w.t().unwrap()).unwrap().tanh().unwrap();
     }
     p.model().finish_forward();
+    // GPU work is asynchronous: the forward ends when its last kernel has.
+    dev.synchronize().unwrap();
     x
 }
 
-fn time(p: &ModelPatcher, batch: usize, iters: u32) -> Duration {
+fn time(s: &Setup, batch: usize, iters: u32) -> Duration {
     let t0 = Instant::now();
     for _ in 0..iters {
-        std::hint::black_box(forward(p, batch));
+        std::hint::black_box(forward(s, batch));
     }
     t0.elapsed() / iters
 }
 
 fn bench(c: &mut Criterion) {
-    // f32 resident copies: 4 MiB per layer; a budget of a quarter of the model.
-    let model_f32 = ByteSize((LAYERS * WIDTH * WIDTH * 4) as u64);
+    let t = target();
+    let width = t.width;
+    let [big, small] = t.batches;
+    let device = t.device;
+    println!(
+        "offload bench on {device} ({} layers of {width}x{width})",
+        LAYERS
+    );
+    // f32 resident copies; a budget of a quarter of the model.
+    let model_f32 = ByteSize((LAYERS * width * width * 4) as u64);
     let budget = ByteSize(model_f32.bytes() / 4);
-    let resident = setup(None, 2, 2);
-    let sync = setup(Some(budget), 0, 0);
-    let no_prefetch = setup(Some(budget), 2, 0);
-    let prefetch = setup(Some(budget), 2, 2);
+    let resident = setup(&t, None, 2, 2);
+    let sync = setup(&t, Some(budget), 0, 0);
+    let no_prefetch = setup(&t, Some(budget), 2, 0);
+    let prefetch = setup(&t, Some(budget), 2, 2);
 
     let mut g = c.benchmark_group("offload");
     g.sample_size(10).measurement_time(Duration::from_secs(3));
-    g.bench_function("resident", |b| b.iter(|| forward(&resident.patcher, 256)));
-    g.bench_function("streamed_sync", |b| b.iter(|| forward(&sync.patcher, 256)));
+    g.bench_function("resident", |b| b.iter(|| forward(&resident, big)));
+    g.bench_function("streamed_sync", |b| b.iter(|| forward(&sync, big)));
     g.bench_function("streamed_lanes_no_prefetch", |b| {
-        b.iter(|| forward(&no_prefetch.patcher, 256))
+        b.iter(|| forward(&no_prefetch, big))
     });
     g.bench_function("streamed_prefetch_2", |b| {
-        b.iter(|| forward(&prefetch.patcher, 256))
+        b.iter(|| forward(&prefetch, big))
     });
     g.finish();
 
-    // Batch 256: compute dominates (the target case). Batch 8: the per-layer transfer
-    // (a bf16 -> f32 cast of 4 MiB) is a visible share, so overlap can be measured.
-    for batch in [256, 8] {
-        let iters = if batch > 64 { 5 } else { 20 };
+    // The big batch: compute dominates (the target case). The small one: the per-layer
+    // transfer (a bf16 -> f32 cast, plus the copy on a GPU) is a visible share, so overlap can
+    // be measured. The four setups are timed in interleaved rounds and the median taken, so
+    // drift of a shared machine hits them alike.
+    for batch in [big, small] {
+        let rounds = if batch == big { 9 } else { 31 };
+        let setups = [&resident, &sync, &no_prefetch, &prefetch];
+        let mut samples = vec![Vec::with_capacity(rounds); setups.len()];
+        for _ in 0..rounds {
+            for (s, out) in setups.iter().zip(samples.iter_mut()) {
+                out.push(time(s, batch, 1));
+            }
+        }
+        let median = |v: &mut Vec<Duration>| {
+            v.sort();
+            v[v.len() / 2]
+        };
+        let [t_res, t_sync, t_nopf, t_pf] = [0, 1, 2, 3].map(|i| median(&mut samples[i]));
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        let t_res = time(&resident.patcher, batch, iters);
-        let t_sync = time(&sync.patcher, batch, iters);
-        let t_nopf = time(&no_prefetch.patcher, batch, iters);
-        let t_pf = time(&prefetch.patcher, batch, iters);
         let transfer = t_sync.saturating_sub(t_res);
         let exposed = t_pf.saturating_sub(t_res);
         let hidden = if transfer.is_zero() {
@@ -118,7 +170,7 @@ fn bench(c: &mut Criterion) {
         };
         let r = |d: Duration| d.as_secs_f64() / t_res.as_secs_f64();
         println!();
-        println!("offload summary ({LAYERS} layers of {WIDTH}x{WIDTH} bf16, batch {batch}, budget {budget} = 1/4 of {model_f32} f32):");
+        println!("offload summary on {device} ({LAYERS} layers of {width}x{width} bf16, batch {batch}, budget {budget} = 1/4 of {model_f32} f32, median of {rounds} interleaved rounds):");
         println!("  resident forward (limit)          {:>8.2} ms", ms(t_res));
         println!(
             "  streamed, synchronous (naive)     {:>8.2} ms  ratio {:.2}",
@@ -136,7 +188,7 @@ fn bench(c: &mut Criterion) {
             r(t_pf)
         );
         println!(
-            "  transfer time {:.2} ms, hidden behind compute: {:.0}%",
+            "  transfer time {:.2} ms (synchronous minus resident), hidden behind compute by prefetch: {:.0}%",
             ms(transfer),
             hidden * 100.0
         );
