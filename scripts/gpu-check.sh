@@ -10,6 +10,11 @@
 # from whatever ~/.cargo already holds. Carry: .cache/vendor.tar.gz, .cache/vendor-config.toml
 # (and .cache/cuda-venv only if the machine has no toolkit; it is ~370 MiB). Three cargo invocations: one build, one test run, one
 # example run; about 2–4 minutes on 16 cores (mostly candle's CUDA kernels).
+#
+# Without cargo on the GPU machine: build the programs elsewhere with scripts/gpu-build.sh and
+# carry `.cache/gpu-bin`; this script then unpacks and runs them (GPU tests, library tests,
+# MiniLM on the GPU when .cache/minilm is there too, bandwidth, the offload bench and the
+# pipeline on the GPU) in about a minute.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -22,8 +27,6 @@ step() { echo; echo "== $* ($((SECONDS - START)) s)"; }
 fail() { echo "gpu-check: FAILED: $*"; exit 1; }
 
 step "machine"
-command -v cargo >/dev/null || fail "no cargo on PATH: this machine needs a Rust toolchain (1.85 or newer)"
-cargo --version
 if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,memory.total,memory.free,driver_version,compute_cap --format=csv \
         || echo "nvidia-smi failed (the tests will say whether a GPU is usable)"
@@ -33,6 +36,44 @@ else
     echo "no nvidia-smi: the GPU tests will skip if the driver is missing too"
 fi
 nproc
+
+if ! command -v cargo >/dev/null; then
+    [ -f .cache/gpu-bin/gpu-bin.tar.xz ] || fail "no cargo on PATH and no .cache/gpu-bin \
+(build it where there is cargo with scripts/gpu-build.sh and carry .cache/gpu-bin)"
+    step "prebuilt programs (no cargo here)"
+    BIN="${TMPDIR:-/tmp}/residency-gpu-bin"
+    rm -rf "$BIN" && mkdir -p "$BIN"
+    tar -C "$BIN" -xJf .cache/gpu-bin/gpu-bin.tar.xz || fail "could not unpack .cache/gpu-bin"
+    cat "$BIN/MANIFEST"
+    # candle's kernels link the CUDA runtime: the system toolkit's, where there is one.
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do
+        [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    done
+    export RESIDENCY_ROOT="$ROOT"
+    declare -A RC
+    run() { local name="$1"; shift; step "$name"; "$@"; RC[$name]=$?; }
+    run "GPU tests" "$BIN/gpu-tests" --nocapture --test-threads 4
+    run "library tests" "$BIN/lib-tests" --test-threads 8
+    if [ -f .cache/minilm/model.safetensors ]; then
+        run "MiniLM on the GPU" "$BIN/minilm-tests" --nocapture embeddings_on_the_gpu
+    else
+        step "MiniLM on the GPU: skipped (no .cache/minilm carried; scripts/fetch-minilm.sh)"
+    fi
+    run "bandwidth" "$BIN/bandwidth"
+    run "offload bench (streamed vs resident on the GPU)" "$BIN/offload-bench" --bench \
+        --warm-up-time 1 --measurement-time 2
+    PIPE="${TMPDIR:-/tmp}/residency-pipeline"
+    run "pipeline on the GPU, budget 8 MiB" "$BIN/pipeline" --cache "$PIPE" --vram-budget 8MiB
+    step "done"
+    ok=0
+    for k in "${!RC[@]}"; do
+        echo "  $k: $([ "${RC[$k]}" -eq 0 ] && echo ok || echo "FAILED (${RC[$k]})")"
+        [ "${RC[$k]}" -eq 0 ] || ok=1
+    done
+    echo "$((SECONDS - START)) s in all"
+    exit $ok
+fi
+cargo --version
 
 step "CUDA toolkit"
 VENV_CU="$(ls -d "$ROOT"/.cache/cuda-venv/lib/python3*/site-packages/nvidia/cu13 2>/dev/null | head -1)"

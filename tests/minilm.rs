@@ -18,8 +18,17 @@ use residency::ops::{OpsMode, OpsSource};
 use residency::patcher::{Lora, ModelPatcher, Patch};
 use residency::ByteSize;
 
+/// The repository root: `RESIDENCY_ROOT` when set (a test binary built elsewhere and run from
+/// another checkout, as `scripts/gpu-check.sh` does on a GPU machine without cargo), else the
+/// crate's own folder.
+fn root() -> PathBuf {
+    std::env::var_os("RESIDENCY_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
 fn model_dir() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/minilm");
+    let dir = root().join(".cache/minilm");
     for f in ["model.safetensors", "config.json", "tokenizer.json"] {
         assert!(
             dir.join(f).is_file(),
@@ -39,8 +48,7 @@ struct Case {
 
 fn fixture() -> Vec<Case> {
     let path = "/work/shared/fixtures/minilm_reference.json";
-    let local =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/minilm_reference.json");
+    let local = root().join("tests/fixtures/minilm_reference.json");
     let text = std::fs::read_to_string(&local)
         .or_else(|_| std::fs::read_to_string(path))
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", local.display()));
@@ -344,5 +352,92 @@ fn embeddings_agree_whichever_attention_backend_runs() {
         for (e, c) in got.iter().zip(&cases) {
             assert!(cosine(e, &c.embedding) >= 0.99999, "{request:?}");
         }
+    }
+}
+
+/// The first test's f32 case on GPU 0: embeddings against the reference and bit-identical for a
+/// full load, a quarter of the model resident (the rest streamed through page-locked staging on
+/// the transfer lanes) and `--novram`. Needs `--features cuda` and a GPU; prints why it skipped
+/// otherwise (`scripts/gpu-check.sh` runs it on a GPU machine).
+#[test]
+fn embeddings_on_the_gpu_match_reference_and_are_identical_across_budgets() {
+    let name = "embeddings_on_the_gpu_match_reference_and_are_identical_across_budgets";
+    if !cfg!(feature = "cuda") {
+        eprintln!("skipping {name}: GPU tensors need `--features cuda`");
+        return;
+    }
+    let hw = residency::vram::Hardware::probe();
+    if hw.gpus.is_empty() {
+        eprintln!("skipping {name}: no CUDA GPU on this machine");
+        return;
+    }
+    let cases = fixture();
+    let ids: Vec<Vec<u32>> = cases.iter().map(|c| c.ids.clone()).collect();
+    let gpu = residency::DeviceId::Cuda(0);
+    let dev = gpu.to_candle().unwrap();
+    let m = bert::load_model(
+        &model_dir().join("model.safetensors"),
+        "all-MiniLM-L6-v2",
+        Dtype::F32,
+    )
+    .unwrap();
+    let patcher = ModelPatcher::new(Arc::new(m), gpu, residency::DeviceId::Cpu);
+    let size = patcher.resident_model_size();
+    let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
+    let mut runs = Vec::new();
+    for (what, flags) in [
+        ("full", vec!["--reserve-vram".to_string(), "0".to_string()]),
+        (
+            "quarter",
+            vec![
+                "--reserve-vram".to_string(),
+                "0".to_string(),
+                "--vram-budget".to_string(),
+                (size.bytes() / 4).to_string(),
+            ],
+        ),
+        ("novram", vec!["--novram".to_string()]),
+    ] {
+        let mm = MemoryManager::new(
+            residency::vram::Config::from_args(&flags).unwrap(),
+            hw.clone(),
+        )
+        .unwrap();
+        let report = mm
+            .load_models_gpu(std::slice::from_ref(&patcher), LoadOptions::default())
+            .unwrap();
+        let resident = report.models[0].resident.as_f64() / size.as_f64();
+        let bert = Bert::new(
+            &patcher,
+            OpsMode::ManualCast {
+                compute: Dtype::F32,
+            },
+            &config,
+        )
+        .unwrap();
+        let (i, m) = batch(&ids);
+        let (i, m) = (i.to_device(&dev).unwrap(), m.to_device(&dev).unwrap());
+        // Twice: the second forward is served by prefetch where weights stream.
+        let _ = bert.embed(&i, &m, None).unwrap();
+        let e = bert.embed(&i, &m, None).unwrap();
+        assert!(e.device().is_cuda(), "{what}: computed on the GPU");
+        eprintln!(
+            "{what}: {:.0}% resident, transfers {:?}",
+            resident * 100.0,
+            mm.transfer_stats()
+        );
+        runs.push((what, e.to_vec2::<f32>().unwrap()));
+        drop(bert);
+        patcher.detach();
+    }
+    let worst = cases
+        .iter()
+        .zip(&runs[0].1)
+        .map(|(c, e)| cosine(&c.embedding, e))
+        .fold(1.0f64, f64::min);
+    eprintln!("GPU f32: worst cosine to the reference {worst:.7}");
+    assert!(worst >= 0.9999, "GPU f32: cosine {worst}");
+    for (what, e) in &runs[1..] {
+        assert_eq!(bits(&runs[0].1), bits(e), "GPU: {what} differs from full");
     }
 }
