@@ -539,7 +539,7 @@ impl ModelPatcher {
     /// device.
     pub fn resident_tensor(&self, index: usize) -> Option<Tensor> {
         let fp = self.fingerprint(index);
-        match self.model.state().slots.get(index)? {
+        match self.model.state().slots().get(index)? {
             SlotResidency::Resident {
                 tensor,
                 fingerprint,
@@ -562,7 +562,7 @@ impl ModelPatcher {
             fingerprint,
             device,
             ..
-        } = &self.model.state().slots[index]
+        } = &self.model.state().slots()[index]
         {
             if *fingerprint == fp && *device == self.load_device {
                 return Ok((tensor.clone(), false));
@@ -589,7 +589,7 @@ impl ModelPatcher {
     /// Bytes of this model resident on the load device with this patcher's fingerprints.
     pub fn loaded_size(&self) -> ByteSize {
         let st = self.model.state();
-        st.slots
+        st.slots()
             .iter()
             .enumerate()
             .map(|(i, s)| match s {
@@ -616,7 +616,7 @@ impl ModelPatcher {
         (0..self.model.len())
             .filter(|&i| {
                 let name = self.model.slots()[i].name();
-                !self.patches.get(name).is_empty() && !self.is_current(&st.slots[i], i)
+                !self.patches.get(name).is_empty() && !self.is_current(&st.slots()[i], i)
             })
             .count()
     }
@@ -698,7 +698,7 @@ impl ModelPatcher {
         let mut candidates = Vec::new();
         {
             let st = self.model.state();
-            for (i, s) in st.slots.iter().enumerate() {
+            for (i, s) in st.slots().iter().enumerate() {
                 match s {
                     SlotResidency::Resident { device: d, .. } if *d == device => want[i] = true,
                     _ => candidates.push(i),
@@ -731,7 +731,7 @@ impl ModelPatcher {
             ..LoadOutcome::default()
         };
         for i in 0..self.model.len() {
-            if !self.is_current(&st.slots[i], i) {
+            if !self.is_current(&st.slots()[i], i) {
                 out.streaming = out.streaming.saturating_add(self.resident_size(i));
                 if !self.patches.get(self.model.slots()[i].name()).is_empty() {
                     out.lazy_patched += 1;
@@ -747,7 +747,7 @@ impl ModelPatcher {
     pub fn partially_unload(&self, device: DeviceId, bytes: ByteSize) -> ByteSize {
         let mut st = self.model.state_mut();
         let mut resident: Vec<(ByteSize, usize)> = st
-            .slots
+            .slots()
             .iter()
             .enumerate()
             .filter_map(|(i, s)| match s {
@@ -763,7 +763,7 @@ impl ModelPatcher {
             if freed > bytes {
                 break;
             }
-            st.slots[i] = SlotResidency::Offloaded;
+            st.set(i, SlotResidency::Offloaded);
             freed = freed.saturating_add(size);
         }
         if freed > ByteSize::ZERO {
@@ -776,8 +776,8 @@ impl ModelPatcher {
     pub fn detach(&self) -> ByteSize {
         let mut st = self.model.state_mut();
         let freed = st.bytes_total();
-        for s in st.slots.iter_mut() {
-            *s = SlotResidency::Offloaded;
+        for i in 0..st.slots().len() {
+            st.set(i, SlotResidency::Offloaded);
         }
         freed
     }
@@ -871,7 +871,7 @@ impl ModelPatcher {
         };
         let snapshot: Vec<bool> = {
             let st = self.model.state();
-            st.slots
+            st.slots()
                 .iter()
                 .enumerate()
                 .map(|(i, s)| current(s, i))
@@ -889,27 +889,26 @@ impl ModelPatcher {
         let mut st = self.model.state_mut();
         for (i, &w) in want.iter().enumerate() {
             if !w {
-                if let SlotResidency::Resident { bytes, .. } = &st.slots[i] {
-                    out.freed = out.freed.saturating_add(*bytes);
-                    st.slots[i] = SlotResidency::Offloaded;
+                if let SlotResidency::Resident { bytes, .. } = st.set(i, SlotResidency::Offloaded) {
+                    out.freed = out.freed.saturating_add(bytes);
                 }
             }
         }
         for (i, tensor, fingerprint, bytes) in built {
-            if let SlotResidency::Resident { bytes: old, .. } = &st.slots[i] {
-                out.freed = out.freed.saturating_add(*old);
-            }
             out.moved = out.moved.saturating_add(bytes);
-            st.slots[i] = SlotResidency::Resident {
+            let new = SlotResidency::Resident {
                 tensor,
                 fingerprint,
                 device,
                 bytes,
             };
+            if let SlotResidency::Resident { bytes: old, .. } = st.set(i, new) {
+                out.freed = out.freed.saturating_add(old);
+            }
         }
         out.resident = st.bytes_on(device);
         for i in 0..self.model.len() {
-            if !current(&st.slots[i], i) {
+            if !current(&st.slots()[i], i) {
                 out.streaming = out.streaming.saturating_add(self.resident_size(i));
                 if !self.patches.get(self.model.slots()[i].name()).is_empty() {
                     out.lazy_patched += 1;

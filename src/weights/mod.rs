@@ -96,49 +96,78 @@ pub enum SlotResidency {
 }
 
 /// The mutable part of a model: residency and pins, guarded by one lock.
+///
+/// Slots change only through [`Residency::set`], which keeps a running byte total per device, so
+/// the memory manager's ledger (asked on every load) costs O(devices) per model, not O(weights).
 #[derive(Debug)]
 pub(crate) struct Residency {
-    pub(crate) slots: Vec<SlotResidency>,
+    slots: Vec<SlotResidency>,
     pub(crate) pinned: Vec<bool>,
+    /// Resident bytes and weights per device (devices holding none are absent).
+    totals: Vec<(DeviceId, u64, usize)>,
 }
 
 impl Residency {
+    pub(crate) fn new(len: usize) -> Residency {
+        Residency {
+            slots: vec![SlotResidency::Offloaded; len],
+            pinned: vec![false; len],
+            totals: Vec::new(),
+        }
+    }
+
+    /// Every slot's residency, by weight index.
+    pub(crate) fn slots(&self) -> &[SlotResidency] {
+        &self.slots
+    }
+
+    /// Sets weight `index`'s residency and returns the previous one.
+    pub(crate) fn set(&mut self, index: usize, new: SlotResidency) -> SlotResidency {
+        if let SlotResidency::Resident { device, bytes, .. } = &new {
+            let t = self.total_mut(*device);
+            t.1 += bytes.bytes();
+            t.2 += 1;
+        }
+        let old = std::mem::replace(&mut self.slots[index], new);
+        if let SlotResidency::Resident { device, bytes, .. } = &old {
+            let t = self.total_mut(*device);
+            t.1 = t.1.saturating_sub(bytes.bytes());
+            t.2 = t.2.saturating_sub(1);
+            if t.2 == 0 {
+                self.totals.retain(|t| t.2 > 0);
+            }
+        }
+        old
+    }
+
+    fn total_mut(&mut self, device: DeviceId) -> &mut (DeviceId, u64, usize) {
+        let pos = match self.totals.iter().position(|t| t.0 == device) {
+            Some(p) => p,
+            None => {
+                self.totals.push((device, 0, 0));
+                self.totals.len() - 1
+            }
+        };
+        &mut self.totals[pos]
+    }
+
     /// Bytes resident on `device`.
     pub(crate) fn bytes_on(&self, device: DeviceId) -> ByteSize {
-        self.slots
+        self.totals
             .iter()
-            .map(|s| match s {
-                SlotResidency::Resident {
-                    device: d, bytes, ..
-                } if *d == device => *bytes,
-                _ => ByteSize::ZERO,
-            })
-            .sum()
+            .find(|t| t.0 == device)
+            .map_or(ByteSize::ZERO, |t| ByteSize(t.1))
     }
 
     /// Bytes resident anywhere.
     pub(crate) fn bytes_total(&self) -> ByteSize {
-        self.slots
-            .iter()
-            .map(|s| match s {
-                SlotResidency::Resident { bytes, .. } => *bytes,
-                SlotResidency::Offloaded => ByteSize::ZERO,
-            })
-            .sum()
+        ByteSize(self.totals.iter().map(|t| t.1).sum())
     }
 
     /// The devices holding resident weights.
     pub(crate) fn devices(&self) -> Vec<DeviceId> {
-        let mut d: Vec<DeviceId> = self
-            .slots
-            .iter()
-            .filter_map(|s| match s {
-                SlotResidency::Resident { device, .. } => Some(*device),
-                SlotResidency::Offloaded => None,
-            })
-            .collect();
+        let mut d: Vec<DeviceId> = self.totals.iter().map(|t| t.0).collect();
         d.sort();
-        d.dedup();
         d
     }
 }
@@ -263,10 +292,7 @@ impl Model {
             index,
             total,
             numel,
-            state: RwLock::new(Residency {
-                slots: vec![SlotResidency::Offloaded; n],
-                pinned: vec![false; n],
-            }),
+            state: RwLock::new(Residency::new(n)),
             forward_order: Mutex::new(ForwardOrder {
                 order: Vec::new(),
                 seen: vec![false; n],
@@ -352,7 +378,7 @@ impl Model {
     }
     /// Where weight `index` lives now.
     pub fn residency_of(&self, index: usize) -> Option<SlotResidency> {
-        self.state.read().slots.get(index).cloned()
+        self.state.read().slots().get(index).cloned()
     }
 
     pub(crate) fn state(&self) -> RwLockReadGuard<'_, Residency> {
@@ -473,4 +499,59 @@ pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
             })
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn resident(device: DeviceId, bytes: u64) -> SlotResidency {
+        SlotResidency::Resident {
+            tensor: Tensor::zeros(1, candle_core::DType::U8, &candle_core::Device::Cpu).unwrap(),
+            fingerprint: 0,
+            device,
+            bytes: ByteSize(bytes),
+        }
+    }
+
+    proptest! {
+        /// The running totals always equal the sum over the slots, whatever the sequence of
+        /// loads, replacements and offloads (zero-byte weights included).
+        #[test]
+        fn running_totals_match_the_slots(
+            ops in prop::collection::vec((0usize..6, 0u8..3, 0u64..5000), 1..64)
+        ) {
+            let devices = [DeviceId::Cpu, DeviceId::Cuda(0)];
+            let mut r = Residency::new(6);
+            for (i, what, bytes) in ops {
+                let new = match what {
+                    0 => SlotResidency::Offloaded,
+                    d => resident(devices[d as usize - 1], bytes),
+                };
+                r.set(i, new);
+                for d in devices {
+                    let sum: u64 = r
+                        .slots()
+                        .iter()
+                        .filter_map(|s| match s {
+                            SlotResidency::Resident { device, bytes, .. } if *device == d => {
+                                Some(bytes.bytes())
+                            }
+                            _ => None,
+                        })
+                        .sum();
+                    prop_assert_eq!(r.bytes_on(d), ByteSize(sum));
+                    let holds = r.slots().iter().any(
+                        |s| matches!(s, SlotResidency::Resident { device, .. } if *device == d),
+                    );
+                    prop_assert_eq!(r.devices().contains(&d), holds);
+                }
+                prop_assert_eq!(
+                    r.bytes_total(),
+                    r.bytes_on(DeviceId::Cpu).saturating_add(r.bytes_on(DeviceId::Cuda(0)))
+                );
+            }
+        }
+    }
 }
