@@ -33,11 +33,14 @@ _cuda_toolkit_main() {
     py="$venv/bin/python"
     site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || return 1
     cu="$site/nvidia/cu13"
-    if [ ! -x "$cu/bin/nvcc" ] || [ ! -f "$cu/include/cuda_fp16.h" ] || [ ! -d "$cu/include/cccl/cub" ]; then
+    # nvcc's front end (cicc) comes in nvidia-nvvm, which nvcc's wheel pulls in unpinned: pin it
+    # too, or a 13.0 ptxas meets PTX from a newer cicc.
+    if [ ! -x "$cu/bin/nvcc" ] || [ ! -f "$cu/include/cuda_fp16.h" ] || [ ! -d "$cu/include/cccl/cub" ] \
+        || { [ -n "$want" ] && ! "$py" -m pip show nvidia-nvvm 2>/dev/null | grep -q "^Version: $want\."; }; then
         echo "cuda-toolkit: installing the CUDA 13 compiler into $venv (PyPI)" >&2
         "$py" -m pip install --quiet --disable-pip-version-check \
             "nvidia-cuda-nvcc$spec" "nvidia-cuda-runtime$spec" "nvidia-cuda-cccl$spec" \
-            "nvidia-cuda-crt$spec" >&2 || return 1
+            "nvidia-cuda-crt$spec" "nvidia-nvvm$spec" >&2 || return 1
     fi
     if [ ! -x "$cu/bin/nvcc" ]; then
         echo "cuda-toolkit: no nvcc under $cu after install" >&2

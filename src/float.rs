@@ -119,6 +119,20 @@ impl Dtype {
         ByteSize(numel.saturating_mul(self.size_in_bytes() as u64))
     }
 
+    /// Whether every value of this dtype is exactly a value of `to`, so a cast to `to` never
+    /// rounds and gives the same bits wherever it runs (host or GPU). E5M2 is left out: candle
+    /// stores it as `u8`, and only the host decodes it.
+    pub const fn widens_exactly_to(self, to: Dtype) -> bool {
+        matches!(
+            (self, to),
+            (
+                Dtype::F16 | Dtype::BF16 | Dtype::F8E4M3FN,
+                Dtype::F32 | Dtype::F64
+            ) | (Dtype::F32, Dtype::F64)
+                | (Dtype::F8E4M3FN, Dtype::F16 | Dtype::BF16)
+        )
+    }
+
     /// Whether this is one of the fp8 formats.
     pub const fn is_fp8(self) -> bool {
         matches!(self, Dtype::F8E4M3FN | Dtype::F8E5M2)
@@ -1047,6 +1061,57 @@ mod tests {
     use super::*;
 
     const FORMATS: [Fp8Format; 2] = [Fp8Format::E4M3FN, Fp8Format::E5M2];
+
+    /// Every finite value of a 16- or 8-bit dtype, as f32.
+    fn all_values(d: Dtype) -> Vec<f32> {
+        let bits: Vec<u32> = match d.size_in_bytes() {
+            1 => (0..=u8::MAX as u32).collect(),
+            _ => (0..=u16::MAX as u32).collect(),
+        };
+        let decode = |b: u32| match d {
+            Dtype::F16 => half::f16::from_bits(b as u16).to_f32(),
+            Dtype::BF16 => half::bf16::from_bits(b as u16).to_f32(),
+            Dtype::F8E4M3FN => Fp8Format::E4M3FN.table()[b as usize],
+            Dtype::F8E5M2 => Fp8Format::E5M2.table()[b as usize],
+            _ => unreachable!(),
+        };
+        bits.into_iter()
+            .map(decode)
+            .filter(|v| v.is_finite())
+            .collect()
+    }
+
+    #[test]
+    fn exact_widening_never_rounds_and_the_others_do() {
+        let small = [Dtype::F16, Dtype::BF16, Dtype::F8E4M3FN, Dtype::F8E5M2];
+        for from in small {
+            let values = all_values(from);
+            let t = Tensor::from_vec(values.clone(), values.len(), &Device::Cpu).unwrap();
+            for to in small.into_iter().chain([Dtype::F32]) {
+                if to == from {
+                    continue;
+                }
+                let back = to_f32(&from_f32(&t, to, Rounding::Nearest).unwrap(), to)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                let kept = values
+                    .iter()
+                    .zip(&back)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                if from.widens_exactly_to(to) {
+                    assert!(kept, "{from} -> {to} claimed exact but rounds a value");
+                } else if to != Dtype::F32 && from != Dtype::F8E5M2 {
+                    assert!(!kept, "{from} -> {to} is exact but not claimed");
+                }
+            }
+        }
+        assert!(
+            !Dtype::F8E5M2.widens_exactly_to(Dtype::F32),
+            "E5M2 decodes on the host only"
+        );
+        assert!(!Dtype::F32.widens_exactly_to(Dtype::BF16));
+    }
 
     /// A small deterministic generator for test inputs (independent of the module's hash).
     struct Lcg(u64);

@@ -31,6 +31,8 @@ use super::pinned::PinnedPool;
 #[cfg(feature = "cuda")]
 use super::upload;
 use crate::error::{Error, Result};
+#[cfg(feature = "cuda")]
+use crate::float::Dtype;
 use crate::patcher::ModelPatcher;
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
@@ -274,6 +276,25 @@ impl Arrived {
         }
     }
 
+    /// Casts the copied weight `from` → `to` on the calling thread's stream of `dev` (a lane's
+    /// per-thread stream), after the copy: that stream first waits on the copy's event. The
+    /// result completes on a new event recorded after the cast.
+    #[cfg(feature = "cuda")]
+    fn cast_here(self, dev: &candle_core::CudaDevice, from: Dtype, to: Dtype) -> Result<Arrived> {
+        let stream = dev.cuda_stream();
+        let ordinal = stream.context().ordinal();
+        if let Some(copied) = &self.ready {
+            stream
+                .wait(copied)
+                .map_err(|e| Error::driver(ordinal, "ordering a cast after its copy", e))?;
+        }
+        let cast = crate::patcher::cast_weight(&self.tensor, from, to)?;
+        let ready = stream
+            .record_event(None)
+            .map_err(|e| Error::driver(ordinal, "recording a cast event", e))?;
+        Ok(Arrived::on_event(cast, ready))
+    }
+
     /// The weight, usable by the calling (compute) thread: on a GPU, the calling thread's stream
     /// is first made to wait on the copy's event — the compute side waits on that copy, never on
     /// the whole device, and the host does not block.
@@ -349,7 +370,7 @@ fn stream_weight(
     let device = patcher.load_device();
     #[cfg(feature = "cuda")]
     if let DeviceId::Cuda(ordinal) = device {
-        let host = patcher.materialize_from(index, slot.clean(), dtype, DeviceId::Cpu)?;
+        let (host, cast_after_copy) = patcher.host_part(index, slot.clean(), dtype, device)?;
         let Device::Cuda(dev) = device.to_candle()? else {
             return Err(Error::Device {
                 device: device.to_string(),
@@ -360,13 +381,18 @@ fn stream_weight(
             Some(lane) => lane.stream(ordinal)?,
             None => dev.cuda_stream(),
         };
-        return upload::upload(&host, &dev, &stream, pool, stats).map_err(|e| match e {
+        let named = |e| match e {
             Error::Tensor { context, source } => Error::Tensor {
                 context: format!("`{}`: {context}", slot.name()),
                 source,
             },
             other => other,
-        });
+        };
+        let copied = upload::upload(&host, &dev, &stream, pool, stats).map_err(named)?;
+        return match cast_after_copy {
+            None => Ok(copied),
+            Some(to) => copied.cast_here(&dev, slot.dtype(), to).map_err(named),
+        };
     }
     let _ = (pool, lane);
     patcher

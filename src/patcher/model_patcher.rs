@@ -515,7 +515,7 @@ impl ModelPatcher {
     }
 
     /// [`ModelPatcher::materialize`] starting from `clean`, which must hold the same bits as weight
-    /// `index`'s clean tensor (the transfer lanes pass a staged copy).
+    /// `index`'s clean tensor.
     pub fn materialize_from(
         &self,
         index: usize,
@@ -524,15 +524,38 @@ impl ModelPatcher {
         device: DeviceId,
     ) -> Result<Tensor> {
         let slot = &self.model.slots()[index];
-        let stored = self.patched_storage_from(index, clean)?;
-        let cast = cast_weight(&stored, slot.dtype(), dtype)?;
+        let (host, cast_after_copy) = self.host_part(index, clean, dtype, device)?;
         if device.is_cpu() {
-            Ok(cast)
-        } else {
-            let dev = device.to_candle()?;
-            cast.to_device(&dev)
-                .map_err(|e| Error::tensor(format!("`{}`: copying to {device}", slot.name()), e))
+            return Ok(host);
         }
+        let dev = device.to_candle()?;
+        let moved = host
+            .to_device(&dev)
+            .map_err(|e| Error::tensor(format!("`{}`: copying to {device}", slot.name()), e))?;
+        match cast_after_copy {
+            Some(to) => cast_weight(&moved, slot.dtype(), to),
+            None => Ok(moved),
+        }
+    }
+
+    /// The host side of materializing weight `index` for `device`: the patched weight, and
+    /// whether the cast to `dtype` is left for after the copy. For a GPU, a cast that widens
+    /// exactly ([`Dtype::widens_exactly_to`]: bf16/f16/fp8 → f32, fp8 → bf16/f16) runs on the
+    /// device after the copy — fewer bytes cross the bus, and an exact cast gives the same bits
+    /// wherever it runs; every other cast runs here. The transfer lanes copy what this returns.
+    pub(crate) fn host_part(
+        &self,
+        index: usize,
+        clean: &Tensor,
+        dtype: Dtype,
+        device: DeviceId,
+    ) -> Result<(Tensor, Option<Dtype>)> {
+        let slot = &self.model.slots()[index];
+        let stored = self.patched_storage_from(index, clean)?;
+        if !device.is_cpu() && slot.dtype().widens_exactly_to(dtype) {
+            return Ok((stored, Some(dtype)));
+        }
+        Ok((cast_weight(&stored, slot.dtype(), dtype)?, None))
     }
 
     /// The resident copy of weight `index` when it is current for this patcher on its load
