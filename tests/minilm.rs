@@ -207,20 +207,32 @@ fn embeddings_match_reference_and_are_identical_across_budgets_for_every_storage
             runs.push((budget, e));
             patcher.detach();
         }
-        let worst = cases
-            .iter()
-            .zip(&runs[0].1)
-            .map(|(c, e)| cosine(&c.embedding, e))
-            .fold(1.0f64, f64::min);
-        eprintln!("{storage}: worst cosine to the reference {worst:.7}");
-        assert!(worst >= min_cos, "{storage}: cosine {worst} < {min_cos}");
-        for (budget, e) in &runs[1..] {
-            assert_eq!(
-                bits(&runs[0].1),
-                bits(e),
-                "{storage}: {budget:?} differs from full"
-            );
-        }
+        check_runs(&storage.to_string(), &cases, &runs, min_cos);
+    }
+}
+
+/// The first run's embeddings are within `min_cos` of the reference, and every other run (another
+/// budget) gives the first run's bits.
+fn check_runs(
+    label: &str,
+    cases: &[Case],
+    runs: &[(impl std::fmt::Debug, Vec<Vec<f32>>)],
+    min_cos: f64,
+) {
+    let worst = cases
+        .iter()
+        .zip(&runs[0].1)
+        .map(|(c, e)| cosine(&c.embedding, e))
+        .fold(1.0f64, f64::min);
+    eprintln!("{label}: worst cosine to the reference {worst:.7}");
+    assert!(worst >= min_cos, "{label}: cosine {worst} < {min_cos}");
+    for (budget, e) in &runs[1..] {
+        assert_eq!(
+            bits(&runs[0].1),
+            bits(e),
+            "{label}: {budget:?} differs from {:?}",
+            runs[0].0
+        );
     }
 }
 
@@ -430,14 +442,5 @@ fn embeddings_on_the_gpu_match_reference_and_are_identical_across_budgets() {
         drop(bert);
         patcher.detach();
     }
-    let worst = cases
-        .iter()
-        .zip(&runs[0].1)
-        .map(|(c, e)| cosine(&c.embedding, e))
-        .fold(1.0f64, f64::min);
-    eprintln!("GPU f32: worst cosine to the reference {worst:.7}");
-    assert!(worst >= 0.9999, "GPU f32: cosine {worst}");
-    for (what, e) in &runs[1..] {
-        assert_eq!(bits(&runs[0].1), bits(e), "GPU: {what} differs from full");
-    }
+    check_runs("GPU f32", &cases, &runs, 0.9999);
 }
