@@ -17,10 +17,12 @@
 //! | `.alpha`, `.dora_scale` | alpha (a scalar), DoRA magnitude (any adapter) |
 //! | `.hada_w1_a`, `.hada_w1_b`, `.hada_w2_a`, `.hada_w2_b`, `.hada_t1`, `.hada_t2` | LoHa |
 //! | `.lokr_w1`, `.lokr_w1_a`, `.lokr_w1_b`, `.lokr_w2`, `.lokr_w2_a`, `.lokr_w2_b`, `.lokr_t2` | LoKr |
+//! | `.a1.weight`, `.a2.weight`, `.b1.weight`, `.b2.weight` | GLoRA (`.bm.weight`, a Tucker GLoRA, is recognised and refused) |
 //! | `.diff`, `.diff_b` | full difference of the weight, of the bias |
 //!
-//! A group becomes a [`Patch::Lora`] (up and down present), [`Patch::LoHa`] (all four `hada_w*`)
-//! or [`Patch::LoKr`] (`w1` or `w1_a`+`w1_b`, and `w2` or `w2_a`+`w2_b`) on `<module>.weight`,
+//! A group becomes a [`Patch::Lora`] (up and down present), [`Patch::LoHa`] (all four `hada_w*`),
+//! [`Patch::LoKr`] (`w1` or `w1_a`+`w1_b`, and `w2` or `w2_a`+`w2_b`) or [`Patch::GLora`] (all
+//! four of `a1`, `a2`, `b1`, `b2`, no `bm`) on `<module>.weight`,
 //! or a [`Patch::Diff`] on `<module>.weight`; a `diff_b` gives a second [`Patch::Diff`] on
 //! `<module>.bias`. A group that mixes kinds or lacks a part is malformed: its tensors are
 //! reported as unmatched (and logged), the rest of the file still loads. Old diffusers
@@ -87,7 +89,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::patcher::patch::{LoHa, LoKr, Lora, Patch};
+use crate::patcher::patch::{GLora, LoHa, LoKr, Lora, Patch};
 
 pub mod unet;
 
@@ -187,6 +189,11 @@ enum PartKind {
     LokrW2a,
     LokrW2b,
     LokrT2,
+    GloraA1,
+    GloraA2,
+    GloraB1,
+    GloraB2,
+    GloraBm,
     Diff,
     DiffB,
 }
@@ -219,6 +226,11 @@ const SUFFIXES: &[(&str, PartKind, bool)] = &[
     (".lokr_w2_a", PartKind::LokrW2a, false),
     (".lokr_w2_b", PartKind::LokrW2b, false),
     (".lokr_t2", PartKind::LokrT2, false),
+    (".a1.weight", PartKind::GloraA1, false),
+    (".a2.weight", PartKind::GloraA2, false),
+    (".b1.weight", PartKind::GloraB1, false),
+    (".b2.weight", PartKind::GloraB2, false),
+    (".bm.weight", PartKind::GloraBm, false),
     (".diff", PartKind::Diff, false),
     (".diff_b", PartKind::DiffB, false),
 ];
@@ -282,6 +294,14 @@ const LOKR_PARTS: &[PartKind] = &[
     PartKind::LokrT2,
 ];
 
+const GLORA_PARTS: &[PartKind] = &[
+    PartKind::GloraA1,
+    PartKind::GloraA2,
+    PartKind::GloraB1,
+    PartKind::GloraB2,
+    PartKind::GloraBm,
+];
+
 /// The patches a group yields: `(on the weight, on the bias)`; used parts are removed from the
 /// group, so what remains is unused.
 fn group_patches(group: &mut Group) -> std::result::Result<(Option<Patch>, Option<Patch>), String> {
@@ -290,6 +310,7 @@ fn group_patches(group: &mut Group) -> std::result::Result<(Option<Patch>, Optio
         group.has(LOHA_PARTS),
         group.has(LOKR_PARTS),
         group.has(&[PartKind::Diff]),
+        group.has(GLORA_PARTS),
     ];
     if kinds.iter().filter(|&&k| k).count() > 1 {
         return Err("mixes several patch kinds".into());
@@ -298,7 +319,7 @@ fn group_patches(group: &mut Group) -> std::result::Result<(Option<Patch>, Optio
         Some((_, t)) => Some(scalar(t)?),
         None => None,
     };
-    let adapter = kinds[0] || kinds[1] || kinds[2];
+    let adapter = kinds[0] || kinds[1] || kinds[2] || kinds[4];
     let weight = if kinds[0] {
         let (Some(up), Some(down)) = (group.take(PartKind::Up), group.take(PartKind::Down)) else {
             return Err("has only one of the LoRA up and down tensors".into());
@@ -352,6 +373,33 @@ fn group_patches(group: &mut Group) -> std::result::Result<(Option<Patch>, Optio
             w2a: group.take(PartKind::LokrW2a),
             w2b: group.take(PartKind::LokrW2b),
             t2: group.take(PartKind::LokrT2),
+            alpha,
+            dora_scale: group.take(PartKind::DoraScale),
+        }))
+    } else if kinds[4] {
+        if group.parts.contains_key(&PartKind::GloraBm) {
+            return Err("is a Tucker GLoRA (bm), which is not supported".into());
+        }
+        let parts = [
+            PartKind::GloraA1,
+            PartKind::GloraA2,
+            PartKind::GloraB1,
+            PartKind::GloraB2,
+        ];
+        let mut take = |k| group.take(k);
+        let (Some(a1), Some(a2), Some(b1), Some(b2)) = (
+            take(parts[0]),
+            take(parts[1]),
+            take(parts[2]),
+            take(parts[3]),
+        ) else {
+            return Err("lacks one of the GLoRA a1, a2, b1, b2 weights".into());
+        };
+        Some(Patch::GLora(GLora {
+            a1,
+            a2,
+            b1,
+            b2,
             alpha,
             dora_scale: group.take(PartKind::DoraScale),
         }))
@@ -942,6 +990,55 @@ mod tests {
             "{:?}",
             out.unmatched_lora_keys
         );
+    }
+
+    #[test]
+    fn glora_groups_become_glora_patches_and_bad_ones_are_reported() {
+        let mut t = HashMap::new();
+        let base = "lora_unet_input_blocks_1_1_proj_in";
+        for p in ["a1", "a2", "b1", "b2"] {
+            t.insert(format!("{base}.{p}.weight"), ones(&[2, 2]));
+        }
+        t.insert(
+            format!("{base}.alpha"),
+            Tensor::new(3.0f32, &Device::Cpu).unwrap(),
+        );
+        // A GLoRA without b2, and a Tucker GLoRA: both reported, neither loaded.
+        let lacking = "lora_unet_middle_block_1_transformer_blocks_0_attn1_to_q";
+        for p in ["a1", "a2", "b1"] {
+            t.insert(format!("{lacking}.{p}.weight"), ones(&[2, 2]));
+        }
+        let tucker = "lora_unet_middle_block_1_transformer_blocks_0_attn1_to_out_0";
+        for p in ["a1", "a2", "b1", "b2", "bm"] {
+            t.insert(format!("{tucker}.{p}.weight"), ones(&[2, 2]));
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let out = load(
+            save(&dir, "glora.safetensors", &t),
+            SDXL_KEYS.iter().copied(),
+        )
+        .unwrap();
+        assert_eq!(out.patches.len(), 1);
+        assert_eq!(
+            out.patches[0].0,
+            "diffusion_model.input_blocks.1.1.proj_in.weight"
+        );
+        let Patch::GLora(g) = &out.patches[0].1 else {
+            panic!("not GLoRA: {}", out.patches[0].1.kind())
+        };
+        assert_eq!(out.patches[0].1.kind(), "glora");
+        assert_eq!(g.alpha, Some(3.0));
+        let mut want: Vec<String> = ["a1", "a2", "b1"]
+            .iter()
+            .map(|p| format!("{lacking}.{p}.weight"))
+            .chain(
+                ["a1", "a2", "b1", "b2", "bm"]
+                    .iter()
+                    .map(|p| format!("{tucker}.{p}.weight")),
+            )
+            .collect();
+        want.sort();
+        assert_eq!(out.unmatched_lora_keys, want);
     }
 
     #[test]

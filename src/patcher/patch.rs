@@ -2,7 +2,7 @@
 //!
 //! A [`Patch`] describes a change to one weight: a full difference ([`Patch::Diff`]), a
 //! replacement ([`Patch::Set`]), or a low-rank adapter ([`Patch::Lora`], [`Patch::LoHa`],
-//! [`Patch::LoKr`]), each optionally with a DoRA magnitude vector. A [`PatchEntry`] adds the two
+//! [`Patch::LoKr`], [`Patch::GLora`]), each optionally with a DoRA magnitude vector. A [`PatchEntry`] adds the two
 //! strengths and an optional [`Offset`] that narrows the target weight. Patches never touch the
 //! base weight: [`apply`] reads it and returns a new tensor.
 //!
@@ -38,6 +38,22 @@
 //!      alpha (scale 1), like the LyCORIS reference. A 2-D `w1` next to a 4-D `w2` is treated as
 //!      `[a, b, 1, 1]`.
 //!
+//!    - `GLora` (LyCORIS GLoRA, `f(x) = W·x + W·A·x + B·x`): `w += s · (alpha / rank) · Δ` with
+//!      the current (accumulated, `strength_model`-scaled) weight `w` inside `Δ`. Two layouts,
+//!      told apart by the parts' first two dimensions as ComfyUI does:
+//!      - new (LyCORIS ≥ 2; `a1 [in, r]`, `a2 [r, in]`, `b1 [out, r]`, `b2 [r, in…]`, conv parts
+//!        with trailing `1, 1` except `b2 [r, in, kh, kw]`; rank `a2[0]`):
+//!        `Δ[o, j, sp…] = Σ_i (w[o, i, sp…] · (a1·a2)[i, j]) + (b1·b2)[o, j, sp…]` — for a conv the
+//!        input channels are mixed at every kernel position, the weight is *not* flattened;
+//!      - old (early LyCORIS; `a1 [r, in]`, `a2 [in, r]`, `b1 [r, in]`, `b2 [out, r]`; rank
+//!        `a1[0]`): `Δ = w_flat·a2·a1 + b2·b1` with `w_flat` the weight as `[out, in·kh·kw]`.
+//!
+//!      Old when `a1[0] = a2[1] = b1[0] = b2[1]`, new when `a1[1] = a2[0] = b1[1] = b2[0]`; when
+//!      both hold, old only if `a2[0]` is the weight's output dimension and the weight is square.
+//!      Verified against LyCORIS `modules/glora.py` (`make_weight`) and ComfyUI
+//!      `comfy/weight_adapter/glora.py` (`calculate_weight`). A Tucker GLoRA (`bm`) is not
+//!      supported.
+//!
 //!    For the adapters, the delta is reshaped to the target's shape when its natural shape differs
 //!    but the output dimension and the element count agree (a linear LoRA on a 1×1 conv, a conv
 //!    LoHa stored as `[r, in·kh·kw]`).
@@ -67,7 +83,8 @@
 //!
 //! # Cost
 //!
-//! A rank-`r` LoRA on an `[out, in]` weight costs one `out·r·in` matmul plus one elementwise pass;
+//! A rank-`r` LoRA on an `[out, in]` weight costs one `out·r·in` matmul plus one elementwise pass
+//! (a GLoRA two, `w·a1` then `·a2`, plus `b1·b2`);
 //! DoRA adds two elementwise passes and a row reduction. Every entry allocates a new accumulator of
 //! the weight's size (candle tensors are immutable); an offset entry also re-concatenates the
 //! weight along the offset's dimension.
@@ -108,10 +125,12 @@ pub enum Patch {
     LoHa(LoHa),
     /// A LoKr (Kronecker product) adapter.
     LoKr(LoKr),
+    /// A GLoRA (generalised LoRA) adapter, whose delta also depends on the weight.
+    GLora(GLora),
 }
 
 impl Patch {
-    /// A short name of the kind, for messages: `diff`, `set`, `lora`, `loha`, `lokr`.
+    /// A short name of the kind, for messages: `diff`, `set`, `lora`, `loha`, `lokr`, `glora`.
     pub fn kind(&self) -> &'static str {
         match self {
             Patch::Diff { .. } => "diff",
@@ -119,6 +138,7 @@ impl Patch {
             Patch::Lora(_) => "lora",
             Patch::LoHa(_) => "loha",
             Patch::LoKr(_) => "lokr",
+            Patch::GLora(_) => "glora",
         }
     }
 }
@@ -193,6 +213,39 @@ pub struct LoKr {
     pub alpha: Option<f32>,
     /// DoRA magnitude.
     pub dora_scale: Option<Tensor>,
+}
+
+/// A GLoRA adapter (LyCORIS "generalised LoRA"): `delta = W·A + B` with `A = a1·a2` (new
+/// layout) and `B = b1·b2`, scaled by `alpha / rank`. See the [module docs](self) for the two
+/// layouts and how conv weights are handled.
+#[derive(Debug, Clone)]
+pub struct GLora {
+    /// New layout: `[in, r]` (or `[in, r, 1, 1]`). Old layout: `[r, in]`.
+    pub a1: Tensor,
+    /// New layout: `[r, in]` (or `[r, in, 1, 1]`). Old layout: `[in, r]`.
+    pub a2: Tensor,
+    /// New layout: `[out, r]` (or `[out, r, 1, 1]`). Old layout: `[r, in…]`.
+    pub b1: Tensor,
+    /// New layout: `[r, in…]` (a conv's `[r, in, kh, kw]`). Old layout: `[out, r]`.
+    pub b2: Tensor,
+    /// The delta is scaled by `alpha / rank`; by 1 when absent.
+    pub alpha: Option<f32>,
+    /// DoRA magnitude.
+    pub dora_scale: Option<Tensor>,
+}
+
+impl GLora {
+    /// A GLoRA without alpha (scale 1) or DoRA.
+    pub fn new(a1: Tensor, a2: Tensor, b1: Tensor, b2: Tensor) -> Self {
+        GLora {
+            a1,
+            a2,
+            b1,
+            b2,
+            alpha: None,
+            dora_scale: None,
+        }
+    }
 }
 
 /// A patch with its strengths and target region, as a patch set stores it.
@@ -338,6 +391,9 @@ fn patch_region(key: &str, target: &Tensor, entry: &PatchEntry, dora: DoraNorm) 
         }),
         Patch::LoKr(k) => adapter(key, &w, s, k.dora_scale.as_ref(), dora, |factor| {
             lokr_delta(key, k, &dev, factor)
+        }),
+        Patch::GLora(g) => adapter(key, &w, s, g.dora_scale.as_ref(), dora, |factor| {
+            glora_delta(key, g, &w, factor)
         }),
     }
 }
@@ -539,6 +595,60 @@ fn lokr_delta(key: &str, k: &LoKr, dev: &Device, factor: f32) -> Result<Tensor> 
     kron(&w1, &w2).ctx(ctx)
 }
 
+fn glora_delta(key: &str, g: &GLora, w: &Tensor, factor: f32) -> Result<Tensor> {
+    let ctx = || format!("`{key}`: computing the GLoRA delta");
+    let (layout, rank) = glora_layout(key, g, w.dims())?;
+    let dev = w.device();
+    let flat = |t: &Tensor, what: &str| -> Result<Tensor> {
+        f32_on(key, t, dev, what)?.flatten_from(1).ctx(ctx)
+    };
+    let (a1, a2) = (flat(&g.a1, "glora a1")?, flat(&g.a2, "glora a2")?);
+    let (b1, b2) = (flat(&g.b1, "glora b1")?, flat(&g.b2, "glora b2")?);
+    let f = factor * alpha_scale(g.alpha, rank);
+    let delta = match layout {
+        GloraLayout::Old => {
+            // W_flat·a2·a1 + b2·b1
+            let wa = w
+                .flatten_from(1)
+                .and_then(|t| t.matmul(&a2))
+                .and_then(|t| t.matmul(&a1))
+                .ctx(ctx)?;
+            let b = b2.matmul(&b1).ctx(ctx)?;
+            (wa + b).and_then(|t| t.reshape(w.shape())).ctx(ctx)?
+        }
+        GloraLayout::New => {
+            // Σ_i W[o, i, sp…]·(a1·a2)[i, j], the input dimension contracted at every kernel
+            // position, then + b1·b2.
+            let (out, inn) = (w.dim(0).ctx(ctx)?, w.dim(1).ctx(ctx)?);
+            let spatial: usize = w.dims()[2..].iter().product();
+            let mut perm: Vec<usize> = vec![0];
+            perm.extend(2..w.rank());
+            perm.push(1);
+            let w_rows = if spatial == 1 {
+                w.reshape((out, inn)).ctx(ctx)?
+            } else {
+                w.permute(perm)
+                    .and_then(|t| t.contiguous())
+                    .and_then(|t| t.reshape((out * spatial, inn)))
+                    .ctx(ctx)?
+            };
+            let wa = w_rows.matmul(&a1).and_then(|t| t.matmul(&a2)).ctx(ctx)?;
+            let wa = if spatial == 1 {
+                wa.reshape(w.shape()).ctx(ctx)?
+            } else {
+                wa.reshape((out, spatial, inn))
+                    .and_then(|t| t.transpose(1, 2))
+                    .and_then(|t| t.contiguous())
+                    .and_then(|t| t.reshape(w.shape()))
+                    .ctx(ctx)?
+            };
+            let b = b1.matmul(&b2).and_then(|t| t.reshape(w.shape())).ctx(ctx)?;
+            (wa + b).ctx(ctx)?
+        }
+    };
+    scale(key, &delta, f)
+}
+
 /// Kronecker product; the lower-rank operand gets trailing 1-dims.
 fn kron(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     let n = a.rank().max(b.rank());
@@ -698,6 +808,120 @@ fn patch_output_shape(key: &str, target: &[usize], patch: &Patch) -> Result<Vec<
             check_fits(key, target, &natural)?;
             check_dora(key, target, k.dora_scale.as_ref())?;
             Ok(target.to_vec())
+        }
+        Patch::GLora(g) => {
+            glora_check(key, target, g)?;
+            check_dora(key, target, g.dora_scale.as_ref())?;
+            Ok(target.to_vec())
+        }
+    }
+}
+
+/// The two GLoRA layouts: LyCORIS's current one and the one of its early releases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GloraLayout {
+    /// `delta = W_flat·a2·a1 + b2·b1` (early LyCORIS).
+    Old,
+    /// `delta = W·a1·a2 + b1·b2` (LyCORIS ≥ 2, the input dimension contracted per kernel
+    /// position).
+    New,
+}
+
+/// Tells the layouts apart by the parts' first two dimensions, as ComfyUI does, and returns the
+/// rank: old when `a1[0] = a2[1] = b1[0] = b2[1]` (rank `a1[0]`), new when
+/// `a1[1] = a2[0] = b1[1] = b2[0]` (rank `a2[0]`). When both hold, old wins only if
+/// `a2[0]` equals the weight's output dimension and the weight is square (`W[0] = W[1]`).
+fn glora_layout(key: &str, g: &GLora, weight: &[usize]) -> Result<(GloraLayout, usize)> {
+    let (a1, a2, b1, b2) = (g.a1.dims(), g.a2.dims(), g.b1.dims(), g.b2.dims());
+    if [a1, a2, b1, b2].iter().any(|d| d.len() < 2) {
+        return Err(bad(
+            key,
+            format!(
+                "GLoRA parts need at least 2 dimensions: a1 {a1:?}, a2 {a2:?}, b1 {b1:?}, b2 {b2:?}"
+            ),
+        ));
+    }
+    let old = b2[1] == b1[0] && b1[0] == a1[0] && a1[0] == a2[1];
+    let new = b2[0] == b1[1] && b1[1] == a1[1] && a1[1] == a2[0];
+    let square_old = old && weight.len() >= 2 && a2[0] == weight[0] && weight[0] == weight[1];
+    let (layout, rank) = if new && !square_old {
+        (GloraLayout::New, a2[0])
+    } else if old {
+        (GloraLayout::Old, a1[0])
+    } else {
+        return Err(bad(
+            key,
+            format!(
+                "GLoRA ranks do not chain in either layout: a1 {a1:?}, a2 {a2:?}, b1 {b1:?}, \
+                 b2 {b2:?} (new: a1 [in, r], a2 [r, in], b1 [out, r], b2 [r, in…]; \
+                 old: a1 [r, in], a2 [in, r], b1 [r, in], b2 [out, r])"
+            ),
+        ));
+    };
+    if rank == 0 {
+        return Err(bad(key, "GLoRA rank is 0"));
+    }
+    Ok((layout, rank))
+}
+
+/// Checks a GLoRA's parts against the target shape (flattened as the math flattens them).
+fn glora_check(key: &str, target: &[usize], g: &GLora) -> Result<()> {
+    let (layout, _) = glora_layout(key, g, target)?;
+    let flat = |d: &[usize]| [d[0], numel(&d[1..])];
+    let (a1, a2) = (flat(g.a1.dims()), flat(g.a2.dims()));
+    let (b1, b2) = (flat(g.b1.dims()), flat(g.b2.dims()));
+    if target.len() < 2 {
+        return Err(shape_err(
+            key,
+            target,
+            &[a1[0], a2[1]],
+            "GLoRA needs a weight with an input dimension (at least 2 dimensions)",
+        ));
+    }
+    let (out, inn) = (target[0], target[1]);
+    match layout {
+        GloraLayout::New => {
+            if a1[1] != a2[0] || b1[1] != b2[0] {
+                return Err(bad(
+                    key,
+                    format!("GLoRA ranks do not chain once flattened: a1 {a1:?}, a2 {a2:?}, b1 {b1:?}, b2 {b2:?}"),
+                ));
+            }
+            if a1[0] != inn || a2[1] != inn {
+                return Err(shape_err(
+                    key,
+                    target,
+                    &[a1[0], a2[1]],
+                    "GLoRA's a1·a2 must be [in, in] for the weight's input dimension",
+                ));
+            }
+            check_fits(key, target, &[b1[0], b2[1]])
+        }
+        GloraLayout::Old => {
+            let cols = numel(&target[1..]);
+            if a2[1] != a1[0] || b2[1] != b1[0] {
+                return Err(bad(
+                    key,
+                    format!("GLoRA ranks do not chain once flattened: a1 {a1:?}, a2 {a2:?}, b1 {b1:?}, b2 {b2:?}"),
+                ));
+            }
+            if a2[0] != cols || a1[1] != cols {
+                return Err(shape_err(
+                    key,
+                    target,
+                    &[a2[0], a1[1]],
+                    "old-layout GLoRA's a2·a1 must be [in…, in…] for the flattened weight",
+                ));
+            }
+            if b2[0] != out || b1[1] != cols {
+                return Err(shape_err(
+                    key,
+                    target,
+                    &[b2[0], b1[1]],
+                    "old-layout GLoRA's b2·b1 must be [out, in…] for the flattened weight",
+                ));
+            }
+            Ok(())
         }
     }
 }
@@ -1306,6 +1530,116 @@ mod tests {
         let w = t2(&[&[3.0, 4.0]]);
         let out = run(&w, &[lora_entry(dora_lora(), 0.0)]);
         assert_close(&out, &[3.0, 4.0], 0.0);
+    }
+
+    #[test]
+    fn glora_new_layout_is_w_a1_a2_plus_b1_b2() {
+        // W [[1,2],[3,4]]; a1 [in 2, r 1] = [[1],[0]], a2 [r 1, in 2] = [[0, 1]] so
+        // A = a1·a2 = [[0,1],[0,0]] and W·A = [[0,1],[0,3]]; b1 [out 2, r 1] = [[1],[2]],
+        // b2 [1, 2] = [[1,-1]] so B = [[1,-1],[2,-2]]. Δ = [[1,0],[2,1]]; alpha 2 / rank 1 at
+        // strength 0.5 scales it by 1. (The old-layout test on these dims also holds, but
+        // a2[0] = 1 is not the output dimension, so this is the new layout.)
+        let mut g = GLora::new(
+            t2(&[&[1.0], &[0.0]]),
+            t2(&[&[0.0, 1.0]]),
+            t2(&[&[1.0], &[2.0]]),
+            t2(&[&[1.0, -1.0]]),
+        );
+        g.alpha = Some(2.0);
+        let w = t2(&[&[1.0, 2.0], &[3.0, 4.0]]);
+        let e = PatchEntry::new(Patch::GLora(g)).with_strengths(0.5, 1.0);
+        assert_close(&run(&w, &[e]), &[2.0, 2.0, 5.0, 5.0], 0.0);
+    }
+
+    #[test]
+    fn glora_old_layout_is_w_a2_a1_plus_b2_b1() {
+        // Old layout: a1 [r 1, in 2] = [[1,1]], a2 [in 2, r 1] = [[1],[0]],
+        // b1 [r 1, in 2] = [[1,0]], b2 [out 2, r 1] = [[2],[0]]. Both layout tests hold and
+        // a2[0] = 2 = out on a square weight, so ComfyUI reads it as old:
+        // W·a2 = [[1],[3]], ·a1 = [[1,1],[3,3]]; b2·b1 = [[2,0],[0,0]]; Δ = [[3,1],[3,3]].
+        let g = GLora::new(
+            t2(&[&[1.0, 1.0]]),
+            t2(&[&[1.0], &[0.0]]),
+            t2(&[&[1.0, 0.0]]),
+            t2(&[&[2.0], &[0.0]]),
+        );
+        let w = t2(&[&[1.0, 2.0], &[3.0, 4.0]]);
+        let out = run(&w, &[PatchEntry::new(Patch::GLora(g))]);
+        assert_close(&out, &[4.0, 3.0, 6.0, 7.0], 0.0);
+    }
+
+    #[test]
+    fn glora_on_a_conv_contracts_the_input_dimension_at_each_kernel_position() {
+        // W [out 1, in 2, 1, 2]: channel 0 = [1, 2], channel 1 = [3, 4].
+        // a1 [2, 1, 1, 1] = [1, 1], a2 [1, 2, 1, 1] = [1, 0]: A = [[1,0],[1,0]], so
+        // (W·A)[j = 0] = channel 0 + channel 1 = [4, 6], (W·A)[j = 1] = [0, 0].
+        // b1 [1, 1, 1, 1] = 2, b2 [1, 2, 1, 2] = [1, 0, 0, 1]: B = [2, 0, 0, 2].
+        // Δ = [6, 6, 0, 2]; W + Δ = [7, 8, 3, 6].
+        let g = GLora::new(
+            tn(&[1.0, 1.0], &[2, 1, 1, 1]),
+            tn(&[1.0, 0.0], &[1, 2, 1, 1]),
+            tn(&[2.0], &[1, 1, 1, 1]),
+            tn(&[1.0, 0.0, 0.0, 1.0], &[1, 2, 1, 2]),
+        );
+        let w = tn(&[1.0, 2.0, 3.0, 4.0], &[1, 2, 1, 2]);
+        let out = run(&w, &[PatchEntry::new(Patch::GLora(g))]);
+        assert_eq!(out.dims(), &[1, 2, 1, 2]);
+        assert_close(&out, &[7.0, 8.0, 3.0, 6.0], 0.0);
+    }
+
+    #[test]
+    fn glora_for_another_input_width_is_rejected_naming_key_and_shapes() {
+        // Built for in = 3 (new layout, rank 1), offered a [2, 2] weight.
+        let g = GLora::new(
+            full(1.0, &[3, 1]),
+            full(1.0, &[1, 3]),
+            full(1.0, &[2, 1]),
+            full(1.0, &[1, 3]),
+        );
+        let e = PatchEntry::new(Patch::GLora(g));
+        let err = validate("blocks.1.mlp.fc.weight", &[2, 2], &e).unwrap_err();
+        match &err {
+            Error::PatchShape {
+                key,
+                weight_shape,
+                patch_shape,
+                ..
+            } => {
+                assert_eq!(key, "blocks.1.mlp.fc.weight");
+                assert_eq!(weight_shape, &[2, 2]);
+                assert_eq!(patch_shape, &[3, 3]);
+            }
+            other => panic!("unexpected {other}"),
+        }
+        assert!(err.to_string().contains("blocks.1.mlp.fc.weight"), "{err}");
+        assert!(apply("k", &full(0.0, &[2, 2]), &[e], DoraNorm::Standard).is_err());
+    }
+
+    #[test]
+    fn glora_whose_ranks_chain_in_neither_layout_is_malformed() {
+        // Old needs a1[0] = a2[1] = b1[0] = b2[1] (3, 2, 2, 2); new needs
+        // a1[1] = a2[0] = b1[1] = b2[0] (1, 2, 1, 1).
+        let g = GLora::new(
+            full(1.0, &[3, 1]),
+            full(1.0, &[2, 2]),
+            full(1.0, &[2, 1]),
+            full(1.0, &[1, 2]),
+        );
+        let err = validate("k", &[2, 2], &PatchEntry::new(Patch::GLora(g))).unwrap_err();
+        assert!(matches!(err, Error::BadPatch { .. }), "{err}");
+    }
+
+    #[test]
+    fn glora_at_zero_strength_leaves_the_weight_bit_for_bit() {
+        let w = t2(&[&[0.1, 0.2], &[0.3, 0.7]]);
+        let g = GLora::new(
+            t2(&[&[1.0], &[0.5]]),
+            t2(&[&[0.3, 1.0]]),
+            t2(&[&[1.0], &[2.0]]),
+            t2(&[&[1.0, -1.0]]),
+        );
+        let e = PatchEntry::new(Patch::GLora(g)).with_strengths(0.0, 1.0);
+        assert_eq!(vals(&run(&w, &[e])), vals(&w));
     }
 
     #[test]
