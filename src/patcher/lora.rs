@@ -18,11 +18,13 @@
 //! | `.hada_w1_a`, `.hada_w1_b`, `.hada_w2_a`, `.hada_w2_b`, `.hada_t1`, `.hada_t2` | LoHa |
 //! | `.lokr_w1`, `.lokr_w1_a`, `.lokr_w1_b`, `.lokr_w2`, `.lokr_w2_a`, `.lokr_w2_b`, `.lokr_t2` | LoKr |
 //! | `.a1.weight`, `.a2.weight`, `.b1.weight`, `.b2.weight` | GLoRA (`.bm.weight`, a Tucker GLoRA, is recognised and refused) |
+//! | `.oft_blocks`, `.rescale` | OFT blocks; `.alpha` is then its norm constraint (`.rescale` and 4-D BOFT blocks are recognised and refused) |
 //! | `.diff`, `.diff_b` | full difference of the weight, of the bias |
 //!
 //! A group becomes a [`Patch::Lora`] (up and down present), [`Patch::LoHa`] (all four `hada_w*`),
 //! [`Patch::LoKr`] (`w1` or `w1_a`+`w1_b`, and `w2` or `w2_a`+`w2_b`) or [`Patch::GLora`] (all
-//! four of `a1`, `a2`, `b1`, `b2`, no `bm`) on `<module>.weight`,
+//! four of `a1`, `a2`, `b1`, `b2`, no `bm`) or [`Patch::Oft`] (3-D `oft_blocks`, no `rescale`, no
+//! `dora_scale`) on `<module>.weight`,
 //! or a [`Patch::Diff`] on `<module>.weight`; a `diff_b` gives a second [`Patch::Diff`] on
 //! `<module>.bias`. A group that mixes kinds or lacks a part is malformed: its tensors are
 //! reported as unmatched (and logged), the rest of the file still loads. Old diffusers
@@ -89,7 +91,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::patcher::patch::{GLora, LoHa, LoKr, Lora, Patch};
+use crate::patcher::patch::{GLora, LoHa, LoKr, Lora, Oft, Patch};
 
 pub mod unet;
 
@@ -194,6 +196,8 @@ enum PartKind {
     GloraB1,
     GloraB2,
     GloraBm,
+    OftBlocks,
+    OftRescale,
     Diff,
     DiffB,
 }
@@ -231,6 +235,8 @@ const SUFFIXES: &[(&str, PartKind, bool)] = &[
     (".b1.weight", PartKind::GloraB1, false),
     (".b2.weight", PartKind::GloraB2, false),
     (".bm.weight", PartKind::GloraBm, false),
+    (".oft_blocks", PartKind::OftBlocks, false),
+    (".rescale", PartKind::OftRescale, false),
     (".diff", PartKind::Diff, false),
     (".diff_b", PartKind::DiffB, false),
 ];
@@ -311,6 +317,7 @@ fn group_patches(group: &mut Group) -> std::result::Result<(Option<Patch>, Optio
         group.has(LOKR_PARTS),
         group.has(&[PartKind::Diff]),
         group.has(GLORA_PARTS),
+        group.has(&[PartKind::OftBlocks, PartKind::OftRescale]),
     ];
     if kinds.iter().filter(|&&k| k).count() > 1 {
         return Err("mixes several patch kinds".into());
@@ -319,7 +326,7 @@ fn group_patches(group: &mut Group) -> std::result::Result<(Option<Patch>, Optio
         Some((_, t)) => Some(scalar(t)?),
         None => None,
     };
-    let adapter = kinds[0] || kinds[1] || kinds[2] || kinds[4];
+    let adapter = kinds[0] || kinds[1] || kinds[2] || kinds[4] || kinds[5];
     let weight = if kinds[0] {
         let (Some(up), Some(down)) = (group.take(PartKind::Up), group.take(PartKind::Down)) else {
             return Err("has only one of the LoRA up and down tensors".into());
@@ -403,6 +410,22 @@ fn group_patches(group: &mut Group) -> std::result::Result<(Option<Patch>, Optio
             alpha,
             dora_scale: group.take(PartKind::DoraScale),
         }))
+    } else if kinds[5] {
+        if group.parts.contains_key(&PartKind::OftRescale) {
+            return Err("is a rescaled OFT (rescale), which is not supported".into());
+        }
+        if group.parts.contains_key(&PartKind::DoraScale) {
+            return Err("is an OFT with a dora_scale, which is not supported".into());
+        }
+        let Some(blocks) = group.take(PartKind::OftBlocks) else {
+            return Err("lacks oft_blocks".into());
+        };
+        match blocks.rank() {
+            3 => {}
+            4 => return Err("has 4-D oft_blocks (BOFT), which is not supported".into()),
+            r => return Err(format!("has {r}-D oft_blocks; OFT blocks are [k, n, n]")),
+        }
+        Some(Patch::Oft(Oft { blocks, alpha }))
     } else {
         group
             .take(PartKind::Diff)
@@ -1039,6 +1062,42 @@ mod tests {
             .collect();
         want.sort();
         assert_eq!(out.unmatched_lora_keys, want);
+    }
+
+    #[test]
+    fn oft_groups_become_oft_patches_and_boft_or_rescaled_ones_are_reported() {
+        let mut t = HashMap::new();
+        let base = "lora_unet_input_blocks_1_1_proj_in";
+        t.insert(format!("{base}.oft_blocks"), ones(&[2, 2, 2]));
+        t.insert(
+            format!("{base}.alpha"),
+            Tensor::new(0.5f32, &Device::Cpu).unwrap(),
+        );
+        let boft = "lora_unet_middle_block_1_transformer_blocks_0_attn1_to_q";
+        t.insert(format!("{boft}.oft_blocks"), ones(&[1, 2, 2, 2]));
+        let rescaled = "lora_unet_middle_block_1_transformer_blocks_0_attn1_to_out_0";
+        t.insert(format!("{rescaled}.oft_blocks"), ones(&[2, 2, 2]));
+        t.insert(format!("{rescaled}.rescale"), ones(&[4, 1]));
+        let dir = tempfile::tempdir().unwrap();
+        let out = load(save(&dir, "oft.safetensors", &t), SDXL_KEYS.iter().copied()).unwrap();
+        assert_eq!(out.patches.len(), 1);
+        assert_eq!(
+            out.patches[0].0,
+            "diffusion_model.input_blocks.1.1.proj_in.weight"
+        );
+        let Patch::Oft(o) = &out.patches[0].1 else {
+            panic!("not OFT: {}", out.patches[0].1.kind())
+        };
+        assert_eq!(out.patches[0].1.kind(), "oft");
+        assert_eq!(o.alpha, Some(0.5));
+        assert_eq!(
+            out.unmatched_lora_keys,
+            [
+                format!("{rescaled}.oft_blocks"),
+                format!("{rescaled}.rescale"),
+                format!("{boft}.oft_blocks"),
+            ]
+        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! - [`ModelPatcher`]: the per-use handle — `Arc<Model>` + its own patch set + devices + options;
 //!   cloning is cheap and copy-on-write (see its `# Sharing` section); loading, partial loading and
 //!   unloading choose which weights are resident.
-//! - [`patch`]: patch kinds (`Diff`, `Set`, LoRA, LoHa, LoKr, GLoRA, DoRA) and their exact f32 math.
+//! - [`patch`]: patch kinds (`Diff`, `Set`, LoRA, LoHa, LoKr, GLoRA, OFT, DoRA) and their exact f32 math.
 //! - [`lora`]: reading LoRA files onto a model's weight names.
 //!
 //! Patches never modify base weights; they are applied to copies, in f32, then rounded back to the
@@ -19,4 +19,4 @@ pub use model_patcher::{
     LoadOutcome, MemoryEstimator, ModelPatcher, PatchKey, PatchSet, PatcherOptions, SetEntry,
     WeightWrapper, WEIGHT_SCALE_SUFFIX,
 };
-pub use patch::{DoraNorm, GLora, LoHa, LoKr, Lora, Offset, Patch, PatchEntry};
+pub use patch::{DoraNorm, GLora, LoHa, LoKr, Lora, Offset, Oft, Patch, PatchEntry};

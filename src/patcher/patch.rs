@@ -2,7 +2,8 @@
 //!
 //! A [`Patch`] describes a change to one weight: a full difference ([`Patch::Diff`]), a
 //! replacement ([`Patch::Set`]), or a low-rank adapter ([`Patch::Lora`], [`Patch::LoHa`],
-//! [`Patch::LoKr`], [`Patch::GLora`]), each optionally with a DoRA magnitude vector. A [`PatchEntry`] adds the two
+//! [`Patch::LoKr`], [`Patch::GLora`]), each optionally with a DoRA magnitude vector, or an
+//! orthogonal rotation of the output rows ([`Patch::Oft`]). A [`PatchEntry`] adds the two
 //! strengths and an optional [`Offset`] that narrows the target weight. Patches never touch the
 //! base weight: [`apply`] reads it and returns a new tensor.
 //!
@@ -54,6 +55,19 @@
 //!      `comfy/weight_adapter/glora.py` (`calculate_weight`). A Tucker GLoRA (`bm`) is not
 //!      supported.
 //!
+//!    - `Oft` (LyCORIS diag-OFT, blocks `B [k, n, n]`, `k·n = out`): per block `Q = B − Bᵀ`;
+//!      with a positive `alpha`, when `‖Q‖ + 1e-8 > alpha` (Frobenius norm over all blocks) `Q`
+//!      becomes `Q · alpha / (‖Q‖ + 1e-8)`; `R = (I + Q)(I − Q)⁻¹` (Cayley transform, orthogonal).
+//!      The weight, viewed as `[k, n, rest]` (output rows in consecutive groups of `n`, a conv's
+//!      filters whole), is rotated as `rot[b, m, ·] = Σ_j R[b, j, m] · w[b, j, ·]` (`Rᵀ·w_b`),
+//!      and `w += s² · (rot − w)`. The square is ComfyUI's (`comfy/weight_adapter/oft.py` builds
+//!      `s·R − s·I` and then multiplies the result by `s` again); LyCORIS
+//!      (`modules/diag_oft.py`) interpolates linearly, `(s·R + (1 − s)·I)`, and checks the norm
+//!      against `alpha · out` rather than `alpha`. Both agree at `s = 1` with no active
+//!      constraint. The Cayley transform is solved on the host in f64 (Gauss–Jordan; the blocks
+//!      are small, `k·n³`), the rotation applied in f32. DoRA, `rescale` and 4-D butterfly
+//!      blocks (BOFT) are not supported.
+//!
 //!    For the adapters, the delta is reshaped to the target's shape when its natural shape differs
 //!    but the output dimension and the element count agree (a linear LoRA on a 1×1 conv, a conv
 //!    LoHa stored as `[r, in·kh·kw]`).
@@ -84,7 +98,8 @@
 //! # Cost
 //!
 //! A rank-`r` LoRA on an `[out, in]` weight costs one `out·r·in` matmul plus one elementwise pass
-//! (a GLoRA two, `w·a1` then `·a2`, plus `b1·b2`);
+//! (a GLoRA two, `w·a1` then `·a2`, plus `b1·b2`; an OFT one batched `[n, n] × [n, rest]`
+//! matmul per block, `out·n·rest` in all, after a host Cayley transform of `k·n³`);
 //! DoRA adds two elementwise passes and a row reduction. Every entry allocates a new accumulator of
 //! the weight's size (candle tensors are immutable); an offset entry also re-concatenates the
 //! weight along the offset's dimension.
@@ -127,10 +142,13 @@ pub enum Patch {
     LoKr(LoKr),
     /// A GLoRA (generalised LoRA) adapter, whose delta also depends on the weight.
     GLora(GLora),
+    /// An OFT (orthogonal fine-tuning) adapter: a block-diagonal rotation of the output rows.
+    Oft(Oft),
 }
 
 impl Patch {
-    /// A short name of the kind, for messages: `diff`, `set`, `lora`, `loha`, `lokr`, `glora`.
+    /// A short name of the kind, for messages: `diff`, `set`, `lora`, `loha`, `lokr`, `glora`,
+    /// `oft`.
     pub fn kind(&self) -> &'static str {
         match self {
             Patch::Diff { .. } => "diff",
@@ -139,6 +157,7 @@ impl Patch {
             Patch::LoHa(_) => "loha",
             Patch::LoKr(_) => "lokr",
             Patch::GLora(_) => "glora",
+            Patch::Oft(_) => "oft",
         }
     }
 }
@@ -244,6 +263,29 @@ impl GLora {
             b2,
             alpha: None,
             dora_scale: None,
+        }
+    }
+}
+
+/// An OFT adapter (LyCORIS diag-OFT): each of `k` skew-symmetric blocks `Q = B − Bᵀ` becomes a
+/// rotation `R = (I + Q)(I − Q)⁻¹` (Cayley transform), and the weight's output rows, taken `n`
+/// at a time, are rotated by `Rᵀ`. See the [module docs](self) for the constraint and strength.
+#[derive(Debug, Clone)]
+pub struct Oft {
+    /// `[k, n, n]`, `k·n` = the weight's output dimension. (4-D butterfly blocks, BOFT, are not
+    /// supported.)
+    pub blocks: Tensor,
+    /// Norm constraint: when positive and `‖Q‖ + 1e-8` (Frobenius, over all blocks) exceeds it,
+    /// `Q` is scaled to `Q · alpha / (‖Q‖ + 1e-8)`. None, zero or negative: unconstrained.
+    pub alpha: Option<f32>,
+}
+
+impl Oft {
+    /// An unconstrained OFT.
+    pub fn new(blocks: Tensor) -> Self {
+        Oft {
+            blocks,
+            alpha: None,
         }
     }
 }
@@ -395,6 +437,7 @@ fn patch_region(key: &str, target: &Tensor, entry: &PatchEntry, dora: DoraNorm) 
         Patch::GLora(g) => adapter(key, &w, s, g.dora_scale.as_ref(), dora, |factor| {
             glora_delta(key, g, &w, factor)
         }),
+        Patch::Oft(o) => oft_apply(key, &w, o, s),
     }
 }
 
@@ -649,6 +692,107 @@ fn glora_delta(key: &str, g: &GLora, w: &Tensor, factor: f32) -> Result<Tensor> 
     scale(key, &delta, f)
 }
 
+/// `w + s² · (Rᵀ·w − w)` per block of `n` output rows (ComfyUI's strength; see the module docs).
+fn oft_apply(key: &str, w: &Tensor, o: &Oft, s: f32) -> Result<Tensor> {
+    if s == 0.0 {
+        return Ok(w.clone());
+    }
+    let ctx = || format!("`{key}`: applying the OFT rotation");
+    let (k, n) = (o.blocks.dim(0).ctx(ctx)?, o.blocks.dim(1).ctx(ctx)?);
+    let r = cayley(key, o)?;
+    // Rᵀ per block, so that rotated[k, m, ·] = Σ_n R[k, n, m] · w[k, n, ·].
+    let mut rt = vec![0f32; r.len()];
+    for b in 0..k {
+        for i in 0..n {
+            for j in 0..n {
+                rt[(b * n + j) * n + i] = r[(b * n + i) * n + j] as f32;
+            }
+        }
+    }
+    let rest = w.elem_count() / (k * n).max(1);
+    let rt = Tensor::from_vec(rt, (k, n, n), w.device()).ctx(ctx)?;
+    let blocks = w.reshape((k, n, rest)).ctx(ctx)?;
+    let step = rt
+        .matmul(&blocks)
+        .and_then(|rot| rot - &blocks)
+        .and_then(|d| d.reshape(w.shape()))
+        .and_then(|d| d.affine(f64::from(s) * f64::from(s), 0.0))
+        .ctx(ctx)?;
+    (w + &step).ctx(ctx)
+}
+
+/// The rotations `R = (I + Q)(I − Q)⁻¹` of an OFT's blocks, `[k, n, n]` row-major, in f64 (the
+/// blocks are small; `I − Q` is always invertible for a skew-symmetric `Q`).
+fn cayley(key: &str, o: &Oft) -> Result<Vec<f64>> {
+    let ctx = || format!("`{key}`: reading the OFT blocks");
+    let (k, n) = (o.blocks.dim(0).ctx(ctx)?, o.blocks.dim(1).ctx(ctx)?);
+    let b: Vec<f32> = o
+        .blocks
+        .to_dtype(DType::F32)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1())
+        .ctx(ctx)?;
+    let at = |blk: usize, i: usize, j: usize| f64::from(b[(blk * n + i) * n + j]);
+    let mut q: Vec<f64> = (0..k * n * n)
+        .map(|x| {
+            let (blk, i, j) = (x / (n * n), (x / n) % n, x % n);
+            at(blk, i, j) - at(blk, j, i)
+        })
+        .collect();
+    if let Some(alpha) = o.alpha.map(f64::from).filter(|a| *a > 0.0) {
+        let norm = q.iter().map(|v| v * v).sum::<f64>().sqrt() + 1e-8;
+        if norm > alpha {
+            q.iter_mut().for_each(|v| *v *= alpha / norm);
+        }
+    }
+    let mut r = vec![0f64; k * n * n];
+    for blk in 0..k {
+        let qb = &q[blk * n * n..(blk + 1) * n * n];
+        let eye = |i: usize, j: usize| if i == j { 1.0 } else { 0.0 };
+        // Gauss-Jordan on [I − Q | I] with partial pivoting.
+        let mut m: Vec<f64> = (0..n * n).map(|x| eye(x / n, x % n) - qb[x]).collect();
+        let mut inv: Vec<f64> = (0..n * n).map(|x| eye(x / n, x % n)).collect();
+        for c in 0..n {
+            let p = (c..n)
+                .max_by(|&a, &b| m[a * n + c].abs().total_cmp(&m[b * n + c].abs()))
+                .unwrap_or(c);
+            let pivot = m[p * n + c];
+            if !pivot.is_finite() || pivot == 0.0 {
+                return Err(bad(
+                    key,
+                    format!("OFT block {blk} is not finite (I − Q cannot be inverted)"),
+                ));
+            }
+            for j in 0..n {
+                m.swap(c * n + j, p * n + j);
+                inv.swap(c * n + j, p * n + j);
+            }
+            for j in 0..n {
+                m[c * n + j] /= pivot;
+                inv[c * n + j] /= pivot;
+            }
+            for row in (0..n).filter(|&row| row != c) {
+                let f = m[row * n + c];
+                if f != 0.0 {
+                    for j in 0..n {
+                        m[row * n + j] -= f * m[c * n + j];
+                        inv[row * n + j] -= f * inv[c * n + j];
+                    }
+                }
+            }
+        }
+        let out = &mut r[blk * n * n..(blk + 1) * n * n];
+        for i in 0..n {
+            for j in 0..n {
+                out[i * n + j] = (0..n)
+                    .map(|l| (eye(i, l) + qb[i * n + l]) * inv[l * n + j])
+                    .sum();
+            }
+        }
+    }
+    Ok(r)
+}
+
 /// Kronecker product; the lower-rank operand gets trailing 1-dims.
 fn kron(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     let n = a.rank().max(b.rank());
@@ -812,6 +956,41 @@ fn patch_output_shape(key: &str, target: &[usize], patch: &Patch) -> Result<Vec<
         Patch::GLora(g) => {
             glora_check(key, target, g)?;
             check_dora(key, target, g.dora_scale.as_ref())?;
+            Ok(target.to_vec())
+        }
+        Patch::Oft(o) => {
+            let d = o.blocks.dims();
+            if d.len() == 4 {
+                return Err(bad(
+                    key,
+                    format!("OFT blocks {d:?} are 4-D (BOFT, butterfly factors), which is not supported"),
+                ));
+            }
+            if d.len() != 3 || d[1] != d[2] || d[0] == 0 || d[1] == 0 {
+                return Err(bad(
+                    key,
+                    format!("OFT blocks {d:?} must be [k, n, n] with k, n > 0"),
+                ));
+            }
+            let rows = d[0] * d[1];
+            if target.first() != Some(&rows) {
+                let mut natural = target.to_vec();
+                match natural.first_mut() {
+                    Some(first) => *first = rows,
+                    None => natural.push(rows),
+                }
+                return Err(shape_err(
+                    key,
+                    target,
+                    &natural,
+                    format!(
+                        "OFT's {} blocks of {} rotate {rows} output rows; the weight has {:?}",
+                        d[0],
+                        d[1],
+                        target.first()
+                    ),
+                ));
+            }
             Ok(target.to_vec())
         }
     }
@@ -1640,6 +1819,134 @@ mod tests {
         );
         let e = PatchEntry::new(Patch::GLora(g)).with_strengths(0.0, 1.0);
         assert_eq!(vals(&run(&w, &[e])), vals(&w));
+    }
+
+    /// One 2×2 block `B = [[0, b], [0, 0]]`, so `Q = [[0, b], [-b, 0]]`.
+    fn oft_2x2(b: f32) -> Oft {
+        Oft::new(tn(&[0.0, b, 0.0, 0.0], &[1, 2, 2]))
+    }
+
+    #[test]
+    fn oft_cayley_of_a_2x2_block_is_the_expected_rotation() {
+        // Q = [[0, q], [-q, 0]]: I − Q = [[1, -q], [q, 1]], its inverse [[1, q], [-q, 1]] / (1 + q²),
+        // R = (I + Q)(I − Q)⁻¹ = [[1 − q², 2q], [-2q, 1 − q²]] / (1 + q²). q = 0.5: [[.6, .8], [-.8, .6]].
+        let r = cayley("k", &oft_2x2(0.5)).unwrap();
+        let expected = [0.6, 0.8, -0.8, 0.6];
+        for (g, e) in r.iter().zip(expected) {
+            assert!((g - e).abs() < 1e-12, "{r:?}");
+        }
+    }
+
+    #[test]
+    fn oft_rotations_are_orthogonal() {
+        // Three 4×4 blocks of arbitrary values, unconstrained and constrained.
+        let data: Vec<f32> = (0..48)
+            .map(|v| ((v * 37 % 17) as f32 - 8.0) * 0.13)
+            .collect();
+        for alpha in [None, Some(0.3)] {
+            let o = Oft {
+                blocks: tn(&data, &[3, 4, 4]),
+                alpha,
+            };
+            let r: Vec<f32> = cayley("k", &o).unwrap().iter().map(|&v| v as f32).collect();
+            for b in 0..3 {
+                let m = &r[b * 16..(b + 1) * 16];
+                for i in 0..4 {
+                    for j in 0..4 {
+                        let dot: f32 = (0..4).map(|l| m[i * 4 + l] * m[j * 4 + l]).sum();
+                        let want = if i == j { 1.0 } else { 0.0 };
+                        assert!((dot - want).abs() < 1e-5, "block {b} ({i},{j}): {dot}");
+                    }
+                }
+                // Not the identity: the blocks really rotate.
+                assert!((m[0] - 1.0).abs() > 1e-3 || m[1].abs() > 1e-3);
+            }
+        }
+    }
+
+    #[test]
+    fn oft_rotates_output_rows_by_r_transposed() {
+        // Rᵀ = [[.6, -.8], [.8, .6]]; W = [[1, 2], [3, 4]]:
+        // Rᵀ·W = [[.6 − 2.4, 1.2 − 3.2], [.8 + 1.8, 1.6 + 2.4]] = [[-1.8, -2], [2.6, 4]].
+        let w = t2(&[&[1.0, 2.0], &[3.0, 4.0]]);
+        let out = run(&w, &[PatchEntry::new(Patch::Oft(oft_2x2(0.5)))]);
+        assert_close(&out, &[-1.8, -2.0, 2.6, 4.0], 1e-6);
+    }
+
+    #[test]
+    fn oft_blocks_are_block_diagonal() {
+        // Block 0 as above, block 1 zero (R = I): rows 0-1 rotate, rows 2-3 stay.
+        // Rᵀ·[1, 2] = [.6 − 1.6, .8 + 1.2] = [-1, 2].
+        let o = Oft::new(tn(&[0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], &[2, 2, 2]));
+        let w = tn(&[1.0, 2.0, 3.0, 4.0], &[4, 1]);
+        let out = run(&w, &[PatchEntry::new(Patch::Oft(o))]);
+        assert_close(&out, &[-1.0, 2.0, 3.0, 4.0], 1e-6);
+    }
+
+    #[test]
+    fn oft_on_a_conv_rotates_whole_output_filters() {
+        // W [2, 1, 1, 2] with filters [1, 2] and [3, 4]: the same numbers as the 2×2 case.
+        let w = tn(&[1.0, 2.0, 3.0, 4.0], &[2, 1, 1, 2]);
+        let out = run(&w, &[PatchEntry::new(Patch::Oft(oft_2x2(0.5)))]);
+        assert_eq!(out.dims(), &[2, 1, 1, 2]);
+        assert_close(&out, &[-1.8, -2.0, 2.6, 4.0], 1e-6);
+    }
+
+    #[test]
+    fn oft_strength_scales_the_rotation_step_by_its_square() {
+        // ComfyUI: W + s·(s·Rᵀ − s·I)·W. s = 0.5: W + 0.25·(Rᵀ·W − W)
+        // = [[1 − .7, 2 − 1], [3 − .1, 4 + 0]] = [[.3, 1], [2.9, 4]].
+        let w = t2(&[&[1.0, 2.0], &[3.0, 4.0]]);
+        let e = PatchEntry::new(Patch::Oft(oft_2x2(0.5))).with_strengths(0.5, 1.0);
+        assert_close(&run(&w, &[e]), &[0.3, 1.0, 2.9, 4.0], 1e-6);
+    }
+
+    #[test]
+    fn oft_alpha_caps_the_norm_of_q() {
+        // b = 2: ‖Q‖ = √8. alpha = √8 / 4 scales Q by 1/4 (the 1e-8 aside) → q = 0.5.
+        let w = t2(&[&[1.0, 2.0], &[3.0, 4.0]]);
+        let mut o = oft_2x2(2.0);
+        o.alpha = Some(8f32.sqrt() / 4.0);
+        let out = run(&w, &[PatchEntry::new(Patch::Oft(o.clone()))]);
+        assert_close(&out, &[-1.8, -2.0, 2.6, 4.0], 1e-5);
+        // A constraint above the norm leaves q = 2: R = [[-3, 4], [-4, -3]] / 5,
+        // Rᵀ = [[-.6, -.8], [.8, -.6]], Rᵀ·W = [[-.6 − 2.4, -1.2 − 3.2], [.8 − 1.8, 1.6 − 2.4]].
+        o.alpha = Some(10.0);
+        let out = run(&w, &[PatchEntry::new(Patch::Oft(o))]);
+        assert_close(&out, &[-3.0, -4.4, -1.0, -0.8], 1e-5);
+    }
+
+    #[test]
+    fn oft_at_zero_strength_leaves_the_weight_bit_for_bit() {
+        let w = t2(&[&[0.1, 0.2], &[0.3, 0.7]]);
+        let e = PatchEntry::new(Patch::Oft(oft_2x2(0.5))).with_strengths(0.0, 1.0);
+        assert_eq!(vals(&run(&w, &[e])), vals(&w));
+    }
+
+    #[test]
+    fn oft_for_another_output_width_is_rejected_naming_key_and_shapes() {
+        let e = PatchEntry::new(Patch::Oft(Oft::new(full(0.1, &[2, 2, 2]))));
+        let err = validate("blocks.2.attn.proj.weight", &[3, 2], &e).unwrap_err();
+        match &err {
+            Error::PatchShape {
+                key,
+                weight_shape,
+                patch_shape,
+                ..
+            } => {
+                assert_eq!(key, "blocks.2.attn.proj.weight");
+                assert_eq!(weight_shape, &[3, 2]);
+                assert_eq!(patch_shape, &[4, 2]);
+            }
+            other => panic!("unexpected {other}"),
+        }
+        assert!(apply("k", &full(0.0, &[3, 2]), &[e], DoraNorm::Standard).is_err());
+        // Butterfly (BOFT) blocks and non-square blocks are refused as malformed.
+        for d in [&[1, 2, 2, 2][..], &[2, 2, 1]] {
+            let e = PatchEntry::new(Patch::Oft(Oft::new(full(0.1, d))));
+            let err = validate("k", &[4, 2], &e).unwrap_err();
+            assert!(matches!(err, Error::BadPatch { .. }), "{err}");
+        }
     }
 
     #[test]
