@@ -638,3 +638,98 @@ fn ldm_named_kohya_lora_patches_a_diffusers_sdxl_unet() {
     let got = f32s(&p.patched_weight(up_key).unwrap());
     assert_close(&got, &lora_expected(&conv, &c_up, &c_down, 2.0));
 }
+
+/// A model file with a linear weight, a conv weight and a second linear weight, and a LoRA
+/// file (written with the crate's save helper) holding a new-layout GLoRA, an OFT and a BOFT.
+#[test]
+fn glora_and_oft_groups_from_a_file_patch_a_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = Device::Cpu;
+    let t = |data: &[f32], shape: &[usize]| Tensor::from_vec(data.to_vec(), shape, &dev).unwrap();
+    let model_tensors = [
+        ("lin.weight", t(&[1.0, 2.0, 3.0, 4.0], &[2, 2])),
+        ("conv.weight", t(&[1.0, 2.0, 3.0, 4.0], &[2, 1, 1, 2])),
+        ("other.weight", t(&[1.0, 2.0, 3.0, 4.0], &[2, 2])),
+    ]
+    .map(|(k, t)| (k.to_string(), t, Dtype::F32));
+    let model_path = dir.path().join("m.safetensors");
+    save_safetensors(&model_path, &model_tensors, &SafetensorsOptions::default()).unwrap();
+    let model = residency::Model::from_safetensors("m", &[model_path]).unwrap();
+
+    let lora_tensors = [
+        // GLoRA, new layout, rank 1, alpha 1: A = a1·a2 = [[0,1],[0,0]], B = b1·b2 = [[1,-1],[2,-2]].
+        ("lin.a1.weight", t(&[1.0, 0.0], &[2, 1])),
+        ("lin.a2.weight", t(&[0.0, 1.0], &[1, 2])),
+        ("lin.b1.weight", t(&[1.0, 2.0], &[2, 1])),
+        ("lin.b2.weight", t(&[1.0, -1.0], &[1, 2])),
+        ("lin.alpha", Tensor::new(1.0f32, &dev).unwrap()),
+        // OFT, one 2×2 block with q = 0.5: R = [[.6, .8], [-.8, .6]].
+        ("conv.oft_blocks", t(&[0.0, 0.5, 0.0, 0.0], &[1, 2, 2])),
+        // BOFT: not supported, reported.
+        ("other.oft_blocks", t(&[0.0; 8], &[2, 1, 2, 2])),
+    ]
+    .map(|(k, t)| (k.to_string(), t, Dtype::F32));
+    let lora_path = dir.path().join("lyco.safetensors");
+    save_safetensors(&lora_path, &lora_tensors, &SafetensorsOptions::default()).unwrap();
+
+    let loaded = residency::patcher::lora::load(lora_path.as_path(), model.keys()).unwrap();
+    assert_eq!(loaded.unmatched_lora_keys, ["other.oft_blocks"]);
+    let kinds: Vec<(&str, &str)> = loaded
+        .patches
+        .iter()
+        .map(|(k, p)| (k.as_str(), p.kind()))
+        .collect();
+    assert_eq!(kinds, [("conv.weight", "oft"), ("lin.weight", "glora")]);
+
+    let mut p = cpu_patcher(model);
+    let mut matched = p.add_patches(loaded.patches.clone(), 1.0, 1.0).unwrap();
+    matched.sort();
+    assert_eq!(matched, ["conv.weight", "lin.weight"]);
+    // W + W·A + B = [[1,2],[3,4]] + [[0,1],[0,3]] + [[1,-1],[2,-2]].
+    assert_eq!(
+        f32s(&p.patched_weight("lin.weight").unwrap()),
+        [2.0, 2.0, 5.0, 5.0]
+    );
+    // Rᵀ·W on the filters [1, 2] and [3, 4].
+    assert_close(
+        &f32s(&p.patched_weight("conv.weight").unwrap()),
+        &[-1.8, -2.0, 2.6, 4.0],
+    );
+    assert_eq!(
+        f32s(&p.patched_weight("other.weight").unwrap()),
+        [1.0, 2.0, 3.0, 4.0]
+    );
+
+    // A valid GLoRA with an OFT built for 4 rows, both on `lin`: refused, nothing added.
+    let mut fresh = p.clone();
+    fresh.clear_patches();
+    assert!(fresh.patches().is_empty());
+    let swapped: Vec<(String, Patch)> = loaded
+        .patches
+        .into_iter()
+        .map(|(k, patch)| match patch {
+            Patch::Oft(o) => {
+                // Blocks for 4 rows on a 2-row weight.
+                let o =
+                    residency::patcher::Oft::new(Tensor::cat(&[&o.blocks, &o.blocks], 0).unwrap());
+                ("lin.weight".to_string(), Patch::Oft(o))
+            }
+            other => (k, other),
+        })
+        .collect();
+    let err = fresh.add_patches(swapped, 1.0, 1.0).unwrap_err();
+    match &err {
+        Error::PatchShape {
+            key,
+            weight_shape,
+            patch_shape,
+            ..
+        } => {
+            assert_eq!(key, "lin.weight");
+            assert_eq!(weight_shape, &vec![2, 2]);
+            assert_eq!(patch_shape, &vec![4, 2]);
+        }
+        other => panic!("unexpected {other}"),
+    }
+    assert!(fresh.patches().is_empty());
+}
