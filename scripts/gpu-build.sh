@@ -26,6 +26,27 @@ STAGE="$(mktemp -d)"
 trap 'rm -rf "$STAGE"' EXIT
 echo "gpu-build: CUDA $CUDA_WHEEL_VERSION (cudarc $CUDARC_CUDA_VERSION), compute $CUDA_COMPUTE_CAP, into $CARGO_TARGET_DIR" >&2
 
+# candle's `cuda` feature makes cudarc link libcuda, libnvrtc, libcublas, libcublasLt and libcurand
+# at build time. The PyPI compiler has none of them (and libcuda is the driver's), so link against
+# stubs: one shared library per name, with the SONAME the real one has, defining every symbol
+# cudarc uses. At run time the GPU machine's own libraries load under those names.
+cargo build --release --features cuda --lib
+STUBS="$CARGO_TARGET_DIR/cuda-stubs"
+mkdir -p "$STUBS"
+RLIB="$(ls -t "$CARGO_TARGET_DIR"/release/deps/libcudarc-*.rlib | head -1)"
+nm -u --format=just-symbols "$RLIB" 2>/dev/null | grep -E '^(cu|nvrtc)' | sort -u > "$STUBS/symbols"
+stub() { # name soname pattern
+    grep -P "$3" "$STUBS/symbols" | sed 's/.*/void &(void) {}/' > "$STUBS/$1.c"
+    cc -shared -fPIC -o "$STUBS/lib$1.so" -Wl,-soname,"$2" "$STUBS/$1.c"
+}
+stub cublasLt libcublasLt.so.13 '^cublasLt'
+stub cublas libcublas.so.13 '^cublas(?!Lt)'
+stub curand libcurand.so.10 '^curand'
+stub nvrtc libnvrtc.so.13 '^nvrtc'
+stub cuda libcuda.so.1 '^cu[A-Z]'
+echo "gpu-build: link stubs for $(wc -l < "$STUBS/symbols") CUDA library symbols in $STUBS" >&2
+export LIBRARY_PATH="$STUBS${LIBRARY_PATH:+:$LIBRARY_PATH}"
+
 # cargo names each test and bench executable in its JSON messages; keep the ones we carry.
 cargo build --release --features cuda --lib --test gpu --test minilm --bench offload \
     --example bandwidth --example probe --example pipeline --message-format=json-render-diagnostics \
