@@ -305,3 +305,45 @@ fn cleanup_releases_staging_memory_after_models_are_dropped() {
     );
     let _ = Tensor::zeros(1, DType::F32, &Device::Cpu);
 }
+
+#[test]
+fn the_last_handle_to_an_engine_may_drop_on_its_own_lane() {
+    // A lane job holds a patcher clone; the patcher's model holds the streamer, which holds the
+    // engine. Dropping every other handle while jobs run makes a lane drop the engine, which
+    // must not try to join the lane it runs on (that panics in `pthread_join`).
+    let lane_panics = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let previous = Arc::new(std::panic::take_hook());
+    {
+        let (lane_panics, previous) = (lane_panics.clone(), previous.clone());
+        std::panic::set_hook(Box::new(move |info| {
+            let name = std::thread::current().name().unwrap_or("").to_string();
+            if name.starts_with("residency-lane") {
+                lane_panics.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            previous(info);
+        }));
+    }
+    for round in 0..20 {
+        let tensors = (0..4).map(|l| {
+            let w = rand_tensor(&[512, 512], round * 10 + l);
+            let w =
+                residency::float::from_f32(&w, Dtype::BF16, residency::Rounding::Nearest).unwrap();
+            (format!("layers.{l}.weight"), w)
+        });
+        let model = Arc::new(Model::from_tensors("mlp", tensors).unwrap());
+        let p = ModelPatcher::new(model, DeviceId::Cpu, DeviceId::Cpu)
+            .with_compute_dtype(Some(Dtype::F32));
+        let engine = Arc::new(TransferEngine::new(2, None));
+        let streamer = Arc::new(Streamer::new(engine.clone(), 2, ByteSize::gib(1)));
+        residency::offload::attach_streamer(&p, Some(streamer));
+        let pending: Vec<_> = (0..4).map(|i| engine.submit(&p, i)).collect();
+        drop((engine, p, pending));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let _ = std::panic::take_hook();
+    assert_eq!(
+        lane_panics.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "a lane panicked while dropping its own engine"
+    );
+}

@@ -246,8 +246,14 @@ impl TransferEngine {
 impl Drop for TransferEngine {
     fn drop(&mut self) {
         self.queue.lock().take();
+        let me = std::thread::current().id();
         for w in self.workers.lock().drain(..) {
-            let _ = w.join();
+            // The last handle to the engine can go away on one of its own lanes (a job's patcher
+            // clone holding the model whose streamer holds the engine); a thread cannot join
+            // itself, and that lane leaves its loop on its own once the queue is gone.
+            if w.thread().id() != me {
+                let _ = w.join();
+            }
         }
     }
 }
