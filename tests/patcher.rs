@@ -67,19 +67,7 @@ fn mismatched_patch_is_rejected_and_nothing_is_added() {
             1.0,
         )
         .unwrap_err();
-    match &err {
-        Error::PatchShape {
-            key,
-            weight_shape,
-            patch_shape,
-            ..
-        } => {
-            assert_eq!(key, "blocks.0.attn.k.weight");
-            assert_eq!(weight_shape, &vec![16, 16]);
-            assert_eq!(patch_shape, &vec![16, 8]);
-        }
-        other => panic!("{other:?}"),
-    }
+    assert_patch_shape(&err, "blocks.0.attn.k.weight", &[16, 16], &[16, 8]);
     assert!(
         p.patches().is_empty(),
         "a failed add_patches added something"
@@ -718,18 +706,6 @@ fn glora_and_oft_groups_from_a_file_patch_a_model() {
         })
         .collect();
     let err = fresh.add_patches(swapped, 1.0, 1.0).unwrap_err();
-    match &err {
-        Error::PatchShape {
-            key,
-            weight_shape,
-            patch_shape,
-            ..
-        } => {
-            assert_eq!(key, "lin.weight");
-            assert_eq!(weight_shape, &vec![2, 2]);
-            assert_eq!(patch_shape, &vec![4, 2]);
-        }
-        other => panic!("unexpected {other}"),
-    }
+    assert_patch_shape(&err, "lin.weight", &[2, 2], &[4, 2]);
     assert!(fresh.patches().is_empty());
 }

@@ -1275,6 +1275,22 @@ fn part_shape(key: &str, p: &Part<'_>, what: &str) -> Result<Vec<usize>> {
 mod tests {
     use super::*;
 
+    /// `err` is a [`Error::PatchShape`] naming `key`, `weight` and `patch`.
+    fn assert_patch_shape(err: &Error, key: &str, weight: &[usize], patch: &[usize]) {
+        match err {
+            Error::PatchShape {
+                key: k,
+                weight_shape,
+                patch_shape,
+                ..
+            } => assert_eq!(
+                (k.as_str(), weight_shape.as_slice(), patch_shape.as_slice()),
+                (key, weight, patch)
+            ),
+            other => panic!("expected a PatchShape error, got {other}"),
+        }
+    }
+
     fn t2(rows: &[&[f32]]) -> Tensor {
         let r = rows.len();
         let c = rows[0].len();
@@ -1657,19 +1673,7 @@ mod tests {
         let l = Lora::new(full(1.0, &[3, 1]), full(1.0, &[1, 2]));
         let e = PatchEntry::new(Patch::Lora(l));
         let err = validate("blocks.0.attn.q.weight", &[2, 2], &e).unwrap_err();
-        match &err {
-            Error::PatchShape {
-                key,
-                weight_shape,
-                patch_shape,
-                ..
-            } => {
-                assert_eq!(key, "blocks.0.attn.q.weight");
-                assert_eq!(weight_shape, &[2, 2]);
-                assert_eq!(patch_shape, &[3, 2]);
-            }
-            other => panic!("unexpected {other}"),
-        }
+        assert_patch_shape(&err, "blocks.0.attn.q.weight", &[2, 2], &[3, 2]);
         let msg = err.to_string();
         assert!(
             msg.contains("blocks.0.attn.q.weight") && msg.contains("[3, 2]"),
@@ -1777,19 +1781,7 @@ mod tests {
         );
         let e = PatchEntry::new(Patch::GLora(g));
         let err = validate("blocks.1.mlp.fc.weight", &[2, 2], &e).unwrap_err();
-        match &err {
-            Error::PatchShape {
-                key,
-                weight_shape,
-                patch_shape,
-                ..
-            } => {
-                assert_eq!(key, "blocks.1.mlp.fc.weight");
-                assert_eq!(weight_shape, &[2, 2]);
-                assert_eq!(patch_shape, &[3, 3]);
-            }
-            other => panic!("unexpected {other}"),
-        }
+        assert_patch_shape(&err, "blocks.1.mlp.fc.weight", &[2, 2], &[3, 3]);
         assert!(err.to_string().contains("blocks.1.mlp.fc.weight"), "{err}");
         assert!(apply("k", &full(0.0, &[2, 2]), &[e], DoraNorm::Standard).is_err());
     }
@@ -1927,19 +1919,7 @@ mod tests {
     fn oft_for_another_output_width_is_rejected_naming_key_and_shapes() {
         let e = PatchEntry::new(Patch::Oft(Oft::new(full(0.1, &[2, 2, 2]))));
         let err = validate("blocks.2.attn.proj.weight", &[3, 2], &e).unwrap_err();
-        match &err {
-            Error::PatchShape {
-                key,
-                weight_shape,
-                patch_shape,
-                ..
-            } => {
-                assert_eq!(key, "blocks.2.attn.proj.weight");
-                assert_eq!(weight_shape, &[3, 2]);
-                assert_eq!(patch_shape, &[4, 2]);
-            }
-            other => panic!("unexpected {other}"),
-        }
+        assert_patch_shape(&err, "blocks.2.attn.proj.weight", &[3, 2], &[4, 2]);
         assert!(apply("k", &full(0.0, &[3, 2]), &[e], DoraNorm::Standard).is_err());
         // Butterfly (BOFT) blocks and non-square blocks are refused as malformed.
         for d in [&[1, 2, 2, 2][..], &[2, 2, 1]] {

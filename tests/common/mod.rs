@@ -89,3 +89,19 @@ pub fn f32s(t: &Tensor) -> Vec<f32> {
         .to_vec1::<f32>()
         .unwrap()
 }
+
+/// `err` is a [`residency::Error::PatchShape`] naming `key`, `weight` and `patch`.
+pub fn assert_patch_shape(err: &residency::Error, key: &str, weight: &[usize], patch: &[usize]) {
+    match err {
+        residency::Error::PatchShape {
+            key: k,
+            weight_shape,
+            patch_shape,
+            ..
+        } => assert_eq!(
+            (k.as_str(), weight_shape.as_slice(), patch_shape.as_slice()),
+            (key, weight, patch)
+        ),
+        other => panic!("expected a PatchShape error, got {other}"),
+    }
+}
