@@ -107,6 +107,8 @@ fn batch(ids: &[Vec<u32>]) -> (Tensor, Tensor) {
 enum Budget {
     Full,
     Quarter,
+    /// A quarter resident, two transfer lanes prefetching two weights ahead.
+    QuarterLanes,
     NoVram,
 }
 
@@ -115,6 +117,10 @@ fn manager_for(budget: Budget, patcher: &ModelPatcher) -> MemoryManager {
     match budget {
         Budget::Full => manager(ByteSize::gib(2), &["--reserve-vram", "0"]),
         Budget::Quarter => manager(ByteSize(size.bytes() / 4), &["--reserve-vram", "0"]),
+        Budget::QuarterLanes => manager(
+            ByteSize(size.bytes() / 4),
+            &["--reserve-vram", "0", "--async-offload", "2"],
+        ),
         Budget::NoVram => manager(ByteSize::gib(2), &["--novram", "--reserve-vram", "0"]),
     }
 }
@@ -151,6 +157,17 @@ fn embed(patcher: &ModelPatcher, budget: Budget, ids: &[Vec<u32>]) -> (Vec<Vec<f
     )
     .unwrap();
     let (ids, mask) = batch(ids);
+    if matches!(budget, Budget::QuarterLanes) {
+        // The first forward records the order; the second is served by the lanes' prefetches.
+        bert.embed(&ids, &mask, None).unwrap();
+        let before = mm.transfer_stats().prefetch_hits;
+        let e = bert.embed(&ids, &mask, None).unwrap();
+        assert!(
+            mm.transfer_stats().prefetch_hits > before,
+            "lanes prefetched"
+        );
+        return (e.to_vec2::<f32>().unwrap(), resident);
+    }
     let e = bert.embed(&ids, &mask, None).unwrap();
     (e.to_vec2::<f32>().unwrap(), resident)
 }
@@ -196,7 +213,7 @@ fn embeddings_match_reference_and_are_identical_across_budgets_for_every_storage
             let (e, resident) = embed(&patcher, budget, &ids);
             match budget {
                 Budget::Full => assert!(resident > 0.999, "{storage} {budget:?}: {resident}"),
-                Budget::Quarter => {
+                Budget::Quarter | Budget::QuarterLanes => {
                     assert!(
                         resident > 0.1 && resident < 0.3,
                         "{storage} {budget:?}: {resident}"
@@ -268,6 +285,12 @@ fn attention_lora_changes_the_embedding_and_strength_zero_gives_base_bits() {
     let (e1, _) = embed(&lora, Budget::Full, &ids);
     let (e1_streamed, _) = embed(&lora, Budget::NoVram, &ids);
     assert_eq!(bits(&e1), bits(&e1_streamed), "LoRA: resident vs streamed");
+    let (e1_lanes, _) = embed(&lora, Budget::QuarterLanes, &ids);
+    assert_eq!(
+        bits(&e1),
+        bits(&e1_lanes),
+        "LoRA: resident vs prefetched on lanes"
+    );
     let moved = e0
         .iter()
         .flatten()
