@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use criterion::{Criterion, Throughput};
 
 mod common;
@@ -23,16 +23,7 @@ fn median_ms(name: &str) -> f64 {
 }
 
 fn rand(shape: (usize, usize), seed: u64) -> Tensor {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
-    let v: Vec<f32> = (0..shape.0 * shape.1)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).expect("host tensor")
+    residency::float::uniform_tensor(&[shape.0, shape.1], seed).expect("host tensor")
 }
 
 fn bench(c: &mut Criterion) {

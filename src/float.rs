@@ -751,6 +751,26 @@ fn check_len(what: &str, src: usize, dst: usize) -> Result<()> {
     }
 }
 
+/// A deterministic pseudo-random f32 tensor on the CPU with values in [-0.5, 0.5): the same bits
+/// for the same `shape` and `seed` on every machine. For examples, tests and benchmarks that need
+/// reproducible weights without an RNG crate (a xorshift64 stream seeded from `seed`).
+///
+/// # Errors
+/// [`Error::Tensor`] only if candle cannot build the tensor (it always can for a CPU `Vec`).
+pub fn uniform_tensor(shape: &[usize], seed: u64) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).ctx(|| format!("a uniform tensor of shape {shape:?}"))
+}
+
 /// Buffers at least this large are backed by transparent huge pages where the kernel offers them.
 const HUGE_PAGE_MIN: usize = 4 << 20;
 
@@ -1112,6 +1132,22 @@ mod tests {
             .map(decode)
             .filter(|v| v.is_finite())
             .collect()
+    }
+
+    #[test]
+    fn uniform_tensor_is_reproducible_and_in_range() {
+        let a = uniform_tensor(&[64, 33], 7).unwrap().flatten_all().unwrap();
+        let a = a.to_vec1::<f32>().unwrap();
+        let again = uniform_tensor(&[64, 33], 7).unwrap().flatten_all().unwrap();
+        assert_eq!(a, again.to_vec1::<f32>().unwrap());
+        let other = uniform_tensor(&[64, 33], 8).unwrap().flatten_all().unwrap();
+        assert_ne!(a, other.to_vec1::<f32>().unwrap());
+        assert!(a.iter().all(|v| (-0.5..0.5).contains(v)), "range");
+        let mean = a.iter().sum::<f32>() / a.len() as f32;
+        assert!(mean.abs() < 0.05, "roughly centred: {mean}");
+        // Seed 0 starts from state 1, whose first xorshift output has no bits above 40: -0.5.
+        let first = uniform_tensor(&[1], 0).unwrap().to_vec1::<f32>().unwrap()[0];
+        assert_eq!(first, -0.5);
     }
 
     #[test]

@@ -10,17 +10,7 @@ use crate::patcher::{Lora, Patch};
 use crate::weights::Model;
 
 fn rand(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    crate::float::uniform_tensor(shape, seed).unwrap()
 }
 
 /// The layers' weights in f32, and a model holding them in `storage`.

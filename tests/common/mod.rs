@@ -14,19 +14,9 @@ use residency::ByteSize;
 pub const MIB: u64 = 1024 * 1024;
 pub const GIB: u64 = 1024 * MIB;
 
-/// A deterministic pseudo-random f32 tensor.
+/// A deterministic pseudo-random f32 tensor ([`residency::float::uniform_tensor`]).
 pub fn rand_tensor(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    residency::float::uniform_tensor(shape, seed).unwrap()
 }
 
 /// Writes a small real model to a safetensors file and reads it back.
