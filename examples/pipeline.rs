@@ -726,7 +726,7 @@ pub fn to_json(r: &PipelineReport) -> String {
                 e.device,
                 e.freed.bytes(),
                 e.fully,
-                json_escape(&e.reason)
+                json_escape(&e.reason())
             )
         })
         .collect();
@@ -779,7 +779,9 @@ pub fn to_table(r: &PipelineReport) -> String {
     if let Some(e) = r.evictions.first() {
         s.push_str(&format!(
             " (first: {} freed {} because {})",
-            e.name, e.freed, e.reason
+            e.name,
+            e.freed,
+            e.reason()
         ));
     }
     s.push('\n');

@@ -165,6 +165,19 @@ pub enum Error {
         reason: String,
     },
 
+    /// A load failed mid-way (`source`) and was rolled back, but some resident copies it had
+    /// dropped could not be rebuilt (memory ran out again, or no patcher that built them is
+    /// left); those weights now stream until their model is loaded again. Everything else is as
+    /// it was before the call.
+    #[error("{source}; rolled back, but {} resident copies could not be restored: {}", not_restored.len(), not_restored.join(", "))]
+    RollbackIncomplete {
+        /// Why the load failed.
+        #[source]
+        source: Box<Error>,
+        /// Each copy not restored: model, weight key, size and device.
+        not_restored: Vec<String>,
+    },
+
     /// An error from a candle tensor operation, with what we were doing.
     #[error("{context}: {source}")]
     Tensor {
@@ -178,9 +191,13 @@ pub enum Error {
 
 impl Error {
     /// Whether the same call may succeed after freeing memory or waiting: true only for
-    /// [`Error::OutOfMemory`].
+    /// [`Error::OutOfMemory`] (also when it caused an incomplete rollback).
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Error::OutOfMemory { .. })
+        match self {
+            Error::OutOfMemory { .. } => true,
+            Error::RollbackIncomplete { source, .. } => source.is_retryable(),
+            _ => false,
+        }
     }
 
     /// A failed CUDA driver call on GPU `ordinal` while doing `what`.

@@ -55,6 +55,8 @@
 
 pub mod attention;
 pub mod error;
+#[cfg(test)]
+pub(crate) mod fault;
 pub mod float;
 pub mod loader;
 pub mod models;

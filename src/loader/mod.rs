@@ -6,28 +6,40 @@
 //! free memory is its total minus the ledger; a CUDA device without a budget reports the driver's
 //! free memory.
 //!
-//! [`MemoryManager::load_models_gpu`] follows DESIGN §8: drop entries whose patchers were all
-//! dropped; work out `extra_mem` and the minimum; evict other models until the bytes still to load
-//! (×1.1) plus `extra_mem` are free; then give each model its weight budget
-//! ([`weight_budget`]) and load it fully or partially. Eviction order
-//! ([`MemoryManager::free_memory`]): most offloaded bytes first, then fewest outside handles, then
-//! smallest, then most recently used; smart memory unloads each victim only by what is missing.
+//! [`MemoryManager::load_models_gpu`] is *plan, validate, act* (ARCHITECTURE.md §5): a pure
+//! [`MemoryManager::plan`] ([`plan`]) decides every eviction, each model's weight budget
+//! ([`weight_budget`]) and exactly which weights will be resident, checks the result against
+//! every budget and refuses invalid requests — all before anything moves; execution
+//! ([`execute`]) then carries the plan out in an order that keeps the ledger within budget at
+//! every step, and rolls back what it did if the driver fails mid-way. Eviction order: most
+//! offloaded bytes first, then fewest outside handles, then smallest, then most recently used;
+//! smart memory unloads each victim only by what is missing.
+//!
+//! Models being loaded stay in the registry throughout (they take their final places before the
+//! first copy is built), so the ledger counts them at every step. Bytes of prefetched weights are
+//! booked in the [`ledger`] by reservation, and a reservation that would overrun a budget is
+//! refused, so the bound holds whatever loads on other threads.
 //!
 //! Locks (the crate's lock table, lowest rank first; a lock may only be taken while holding
 //! locks of lower rank):
 //!
 //! | rank | lock | guards |
 //! |---|---|---|
-//! | 1 | `MemoryManager::inner` | registry, peaks |
+//! | 1 | `MemoryManager::inner` | registry, staging pool |
 //! | 2 | `Model::state` | residency and pins of one model |
+//! | 3 | `offload::Streamer` queue and gate | one model's prefetched weights |
 //! | 4 | `Model::forward_order` | first-forward order (leaf) |
 //! | 5 | the candle device table in `vram` | one candle device per ordinal (leaf) |
 //! | 6 | `ops::OpsSource`'s patcher handle | which patcher layers fetch through (leaf; held only to clone an `Arc`) |
+//! | 7 | `loader::Ledger` books | bytes in flight, bounds and peaks per device (leaf) |
 //!
-//! The manager lock is held while a load materializes weights, which serializes loads (that is
-//! what keeps the ledger within budget); it is never held while calling a model's memory
-//! estimator or any other user code.
+//! The manager lock is held while a load is planned and executed, which serializes loads (that
+//! is what keeps the plan's figures true while it is carried out); it is never held while calling
+//! a model's memory estimator or any other user code.
 
+mod execute;
+mod ledger;
+pub mod plan;
 mod report;
 
 use std::sync::Arc;
@@ -35,13 +47,15 @@ use std::sync::Arc;
 use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
 
-use crate::error::{Error, Result};
-use crate::offload::{PinnedPool, Streamer, TransferEngine, TransferSnapshot};
+use crate::error::Result;
+use crate::offload::{PinnedPool, PrefetchGate, Streamer, TransferEngine, TransferSnapshot};
 use crate::patcher::ModelPatcher;
 use crate::size::ByteSize;
 use crate::vram::{Config, DeviceId, Hardware, Policy, VramState};
 use crate::weights::Model;
 
+use self::ledger::Ledger;
+pub use plan::{LoadPlan, PlanProblem, PlannedDevice, PlannedLoad};
 pub use report::{Eviction, LoadReport, LoadedModelInfo, MemoryReport, ModelLoad};
 
 /// Options of one [`MemoryManager::load_models_gpu`] call.
@@ -99,6 +113,16 @@ struct Entry {
     device: DeviceId,
 }
 
+impl Clone for Entry {
+    /// The same handle (same patcher id), for the undo log.
+    fn clone(&self) -> Self {
+        Entry {
+            patcher: self.patcher.same_handle(),
+            device: self.device,
+        }
+    }
+}
+
 impl Entry {
     fn model(&self) -> &Arc<Model> {
         self.patcher.model()
@@ -111,7 +135,6 @@ impl Entry {
 
 struct Inner {
     registry: Vec<Entry>,
-    peaks: Vec<(DeviceId, ByteSize)>,
     pool: Option<PinnedPool>,
 }
 
@@ -119,6 +142,7 @@ struct Inner {
 pub struct MemoryManager {
     policy: Policy,
     engine: Arc<TransferEngine>,
+    ledger: Arc<Ledger>,
     inner: Mutex<Inner>,
 }
 
@@ -159,9 +183,9 @@ impl MemoryManager {
         MemoryManager {
             policy,
             engine,
+            ledger: Arc::new(Ledger::default()),
             inner: Mutex::new(Inner {
                 registry: Vec::new(),
-                peaks: Vec::new(),
                 pool,
             }),
         }
@@ -187,9 +211,10 @@ impl MemoryManager {
         self.policy.compute_device()
     }
 
-    /// The ledger of `device`: bytes resident there across registered models.
+    /// The ledger of `device`: bytes resident there across registered models, plus bytes of
+    /// prefetched weights in flight.
     pub fn ledger(&self, device: DeviceId) -> ByteSize {
-        ledger_of(&self.inner.lock(), device)
+        self.ledger_in(&self.inner.lock().registry, device)
     }
 
     /// The device's total as the scheduler sees it (budget-capped).
@@ -200,140 +225,109 @@ impl MemoryManager {
     /// Free memory on `device`: total − ledger on a budgeted device; the driver's figure on an
     /// unbudgeted GPU; host available RAM otherwise.
     pub fn get_free_memory(&self, device: DeviceId) -> ByteSize {
-        let inner = self.inner.lock();
-        self.free_of(&inner, device)
+        self.free_in(&self.inner.lock().registry, device)
     }
 
-    fn free_of(&self, inner: &Inner, device: DeviceId) -> ByteSize {
+    fn resident_in(registry: &[Entry], device: DeviceId) -> ByteSize {
+        registry
+            .iter()
+            .map(|e| e.model().resident_bytes(device))
+            .sum()
+    }
+
+    fn ledger_in(&self, registry: &[Entry], device: DeviceId) -> ByteSize {
+        Self::resident_in(registry, device).saturating_add(self.ledger.in_flight(device))
+    }
+
+    fn free_in(&self, registry: &[Entry], device: DeviceId) -> ByteSize {
         if self.policy.is_budgeted(device) {
             return self
                 .policy
                 .total_memory(device)
-                .saturating_sub(ledger_of(inner, device));
+                .saturating_sub(self.ledger_in(registry, device));
         }
         match device {
             DeviceId::Cuda(n) => crate::vram::driver_free_memory(n).unwrap_or_else(|| {
                 self.policy
                     .probed_free(device)
-                    .saturating_sub(ledger_of(inner, device))
+                    .saturating_sub(self.ledger_in(registry, device))
             }),
             DeviceId::Cpu => self.policy.hardware().host.available,
         }
     }
 
-    fn note_peak(&self, inner: &mut Inner, device: DeviceId) {
-        let now = ledger_of(inner, device);
-        match inner.peaks.iter_mut().find(|(d, _)| *d == device) {
-            Some((_, p)) => *p = (*p).max(now),
-            None => inner.peaks.push((device, now)),
+    /// Tells the ledger `device`'s resident bytes and bound (and so its peak).
+    fn note_ledger(&self, inner: &Inner, device: DeviceId) {
+        let bound = self
+            .policy
+            .is_scheduled(device)
+            .then(|| self.policy.total_memory(device));
+        self.ledger
+            .note(device, Self::resident_in(&inner.registry, device), bound);
+    }
+
+    /// [`MemoryManager::note_ledger`] for every device holding registered weights, and the
+    /// compute device.
+    fn refresh_ledger(&self, inner: &Inner) {
+        let mut devices: Vec<DeviceId> = inner
+            .registry
+            .iter()
+            .flat_map(|e| e.model().state().devices())
+            .collect();
+        devices.push(self.policy.compute_device());
+        devices.sort();
+        devices.dedup();
+        for d in devices {
+            self.note_ledger(inner, d);
         }
     }
 
-    /// The highest ledger seen on `device` since the manager was built.
+    /// The highest ledger (resident plus in flight) seen on `device` since the manager was built.
     pub fn peak_ledger(&self, device: DeviceId) -> ByteSize {
-        let inner = self.inner.lock();
-        inner
-            .peaks
-            .iter()
-            .find(|(d, _)| *d == device)
-            .map(|(_, p)| *p)
-            .unwrap_or(ByteSize::ZERO)
+        self.ledger.peak(device)
     }
 
-    /// Loads `models` (and their additional models) onto their load devices following DESIGN §8,
-    /// evicting other models as needed. On error nothing already loaded is lost beyond what
-    /// eviction freed, and the failing model is unchanged.
+    /// Loads `models` (and their additional models) onto their load devices: plans the load
+    /// ([`MemoryManager::plan`]), refuses it when it is invalid or does not fit — before anything
+    /// moves — and carries it out, evicting other models as planned (ARCHITECTURE.md §5).
+    ///
+    /// # Errors
+    /// Whatever [`MemoryManager::plan`] refuses; [`Error::OutOfMemory`] /
+    /// [`Error::BudgetExceeded`] when the plan does not fit; a driver error mid-way, after
+    /// which everything this call changed is rolled back ([`Error::RollbackIncomplete`] lists
+    /// any copy that could not be rebuilt). On error the registry, every model's residency and
+    /// patches, and the ledger are as they were.
+    ///
+    /// [`Error::OutOfMemory`]: crate::Error::OutOfMemory
+    /// [`Error::BudgetExceeded`]: crate::Error::BudgetExceeded
+    /// [`Error::RollbackIncomplete`]: crate::Error::RollbackIncomplete
     pub fn load_models_gpu(
         &self,
         models: &[ModelPatcher],
         options: LoadOptions,
     ) -> Result<LoadReport> {
-        let mut all: Vec<ModelPatcher> = Vec::new();
-        for m in models {
-            push_unique(&mut all, m.clone());
-            for extra in m.additional_models() {
-                push_unique(&mut all, extra.clone());
-            }
-        }
-        let mut inner = self.inner.lock();
-        let mut report = LoadReport::default();
-        // 1. drop entries nobody outside holds.
-        cleanup(&mut inner);
-        // 2. memory to keep free.
-        let reserve = self.policy.reserve().as_f64();
-        let min_inf = self.policy.minimum_inference_memory_f64();
-        let extra_mem = min_inf.max(options.memory_required.as_f64() + reserve);
-        let min_required = match options.minimum_memory_required {
-            Some(m) => min_inf.max(m.as_f64() + reserve),
-            None => extra_mem,
-        };
-        // A full load on a budgeted device that cannot fit even after evicting everything else
-        // fails before anything is evicted (I4).
-        self.check_full_loads_fit(&all, &options)?;
-        // 3. registered clones of these models leave the registry (their copies stay shared).
+        let all = expand(models);
         for m in &all {
             tracing::info!(
                 model = m.model().name(),
                 "Requested to load {}",
                 m.model().name()
             );
-            inner
-                .registry
-                .retain(|e| !Arc::ptr_eq(e.model(), m.model()));
         }
-        // 4. free memory per device.
         let mut devices: Vec<DeviceId> = all.iter().map(|m| m.load_device()).collect();
         devices.sort();
         devices.dedup();
-        let keep: Vec<u64> = all.iter().map(|m| m.model().id()).collect();
-        for &device in &devices {
-            if !self.policy.is_scheduled(device) {
-                continue;
-            }
-            let to_load: ByteSize = all
-                .iter()
-                .filter(|m| m.load_device() == device)
-                .map(|m| m.resident_model_size().saturating_sub(m.loaded_size()))
-                .sum();
-            let want = to_load.as_f64() * 1.1 + extra_mem;
-            self.free_memory_locked(
-                &mut inner,
-                ByteSize::from_f64(want),
-                device,
-                &keep,
-                &mut report,
-            );
-            if self.free_of(&inner, device).as_f64() < min_required {
-                self.free_memory_locked(
-                    &mut inner,
-                    ByteSize::from_f64(min_required),
-                    device,
-                    &keep,
-                    &mut report,
-                );
-            }
-        }
-        // 5 + 6. budgets and loads.
-        for m in all {
-            let mut m = m;
-            let device = m.load_device();
-            let load = self.load_one(&mut inner, &mut m, device, &options, min_required, min_inf);
-            let load = match load {
-                Ok(l) => l,
-                Err(e) => {
-                    // The model was taken out of the registry above; put it back as it is.
-                    if m.model().resident_bytes_total() > ByteSize::ZERO {
-                        inner.registry.insert(0, Entry { patcher: m, device });
-                    }
-                    return Err(e);
-                }
-            };
-            self.attach_streamer(&inner, &m, &load, &options);
-            report.models.push(load);
-            inner.registry.insert(0, Entry { patcher: m, device });
-            self.note_peak(&mut inner, device);
-        }
-        Ok(report)
+        let mut inner = self.inner.lock();
+        let _no_prefetch = self.ledger.loading(&devices);
+        cleanup(&mut inner);
+        let result =
+            self.plan_locked(&inner, &all, &options)
+                .and_then(|plan| match &plan.problem {
+                    Some(problem) => Err(problem.to_error()),
+                    None => self.execute(&mut inner, &plan, &all, &options),
+                });
+        self.refresh_ledger(&inner);
+        result
     }
 
     fn full_load(&self, device: DeviceId, options: &LoadOptions) -> bool {
@@ -345,160 +339,23 @@ impl MemoryManager {
             || !self.policy.is_scheduled(device)
     }
 
-    /// Everything else on a device can be evicted, so a full load fits iff the models fully
-    /// loaded together on that device fit its total.
-    fn check_full_loads_fit(&self, all: &[ModelPatcher], options: &LoadOptions) -> Result<()> {
-        let mut together: Vec<(DeviceId, ByteSize)> = Vec::new();
-        for m in all {
-            let device = m.load_device();
-            if !self.full_load(device, options) || !self.policy.is_budgeted(device) {
-                continue;
-            }
-            let total = self.policy.total_memory(device);
-            let size = m.resident_model_size();
-            if size > total {
-                return Err(Error::BudgetExceeded {
-                    model: m.model().name().to_string(),
-                    device: device.to_string(),
-                    required: size,
-                    budget: total,
-                });
-            }
-            let sum = match together.iter_mut().find(|(d, _)| *d == device) {
-                Some((_, s)) => {
-                    *s = s.saturating_add(size);
-                    *s
-                }
-                None => {
-                    together.push((device, size));
-                    size
-                }
-            };
-            if sum > total {
-                return Err(Error::OutOfMemory {
-                    model: m.model().name().to_string(),
-                    device: device.to_string(),
-                    required: sum,
-                    available: total,
-                });
-            }
-        }
-        Ok(())
-    }
-
-    fn load_one(
-        &self,
-        inner: &mut Inner,
-        m: &mut ModelPatcher,
-        device: DeviceId,
-        options: &LoadOptions,
-        min_required: f64,
-        min_inf: f64,
-    ) -> Result<ModelLoad> {
-        let name = m.model().name().to_string();
-        let state = self.policy.vram_state();
-        let full = self.full_load(device, options);
-        let budgeted = self.policy.is_budgeted(device);
-        let outcome = if full {
-            if budgeted {
-                let need = m
-                    .resident_model_size()
-                    .saturating_sub(m.model().resident_bytes(device));
-                let free = self.free_of(inner, device);
-                if need > free {
-                    let total = self.policy.total_memory(device);
-                    return Err(if m.resident_model_size() > total {
-                        Error::BudgetExceeded {
-                            model: name,
-                            device: device.to_string(),
-                            required: m.resident_model_size(),
-                            budget: total,
-                        }
-                    } else {
-                        Error::OutOfMemory {
-                            model: name,
-                            device: device.to_string(),
-                            required: need,
-                            available: free,
-                        }
-                    });
-                }
-            }
-            m.load(device, ByteSize::MAX, options.force_patch_weights, true)?
-        } else if state == VramState::NoVram {
-            m.load(device, ByteSize::ZERO, options.force_patch_weights, false)?
-        } else {
-            let already = m.loaded_size();
-            let free = self.free_of(inner, device);
-            let budget = weight_budget(
-                free,
-                already,
-                min_required,
-                min_inf,
-                self.policy.weight_ratio(device),
-            );
-            if already > ByteSize::ZERO {
-                m.partially_load_prioritized(device, budget, options.force_patch_weights)?
-                    .1
-            } else {
-                m.load(device, budget, options.force_patch_weights, false)?
-            }
-        };
-        // Safety net for I2: a clone whose resident dtype differs can grow in place.
-        let mut outcome = outcome;
-        if budgeted {
-            let ledger = ledger_of(inner, device).saturating_add(m.model().resident_bytes(device));
-            let total = self.policy.total_memory(device);
-            if ledger > total {
-                m.partially_unload(device, ledger.saturating_sub(total));
-                outcome = m.load_outcome();
-            }
-        }
-        let load = ModelLoad {
-            name: name.clone(),
-            device,
-            resident: outcome.resident,
-            streaming: outcome.streaming,
-            moved: outcome.moved,
-            lazy_patched: outcome.lazy_patched,
-            full: outcome.full,
-        };
-        if load.full {
-            tracing::info!(model = %name, %device, resident = load.resident.bytes(), moved = load.moved.bytes(),
-                "loaded completely {name}: {} resident, {} moved", load.resident, load.moved);
-        } else {
-            tracing::info!(model = %name, %device, resident = load.resident.bytes(), streaming = load.streaming.bytes(),
-                lowvram_patches = load.lazy_patched,
-                "loaded partially {name}: {} resident, {} streaming, {} lowvram patches", load.resident, load.streaming, load.lazy_patched);
-        }
-        Ok(load)
-    }
-
-    /// A partially loaded model streams: give it a prefetching streamer whose bytes in flight stay
-    /// within what is free after the load beyond the activation memory asked for.
-    fn attach_streamer(
-        &self,
-        inner: &Inner,
-        m: &ModelPatcher,
-        load: &ModelLoad,
-        options: &LoadOptions,
-    ) {
+    /// A partially loaded model streams: give it a prefetching streamer whose bytes in flight
+    /// are booked in the ledger, keeping the activation memory the load asked for free.
+    fn attach_streamer(&self, m: &ModelPatcher, load: &ModelLoad, options: &LoadOptions) {
         if load.full {
             crate::offload::attach_streamer(m, None);
             return;
         }
-        let cap = self
-            .free_of(inner, load.device)
-            .saturating_sub(options.memory_required);
         let streamer = match crate::offload::streamer_of(m) {
             Some(s) if Arc::ptr_eq(s.engine(), &self.engine) => s,
             _ => Arc::new(Streamer::new(
                 Arc::clone(&self.engine),
                 self.policy.config().prefetch_depth(),
-                cap,
+                ByteSize::MAX,
             )),
         };
-        streamer.set_cap(cap);
+        let gate: Arc<dyn PrefetchGate> = self.ledger.clone();
+        streamer.set_gate(Some((gate, options.memory_required)));
         crate::offload::attach_streamer(m, Some(streamer));
     }
 
@@ -517,79 +374,14 @@ impl MemoryManager {
     ) -> Vec<Eviction> {
         let keep: Vec<u64> = keep_loaded.iter().map(|m| m.model().id()).collect();
         let mut inner = self.inner.lock();
-        let mut report = LoadReport::default();
-        self.free_memory_locked(&mut inner, required, device, &keep, &mut report);
-        report.evicted
-    }
-
-    fn free_memory_locked(
-        &self,
-        inner: &mut Inner,
-        required: ByteSize,
-        device: DeviceId,
-        keep: &[u64],
-        report: &mut LoadReport,
-    ) {
-        cleanup(inner);
-        // (offloaded bytes desc, outside handles asc, size asc, registry position asc = MRU first)
-        let mut candidates: Vec<(std::cmp::Reverse<ByteSize>, usize, ByteSize, usize, u64)> = inner
-            .registry
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| e.device == device && !keep.contains(&e.model().id()))
-            .filter_map(|(i, e)| {
-                let resident = e.model().resident_bytes(device);
-                if resident == ByteSize::ZERO {
-                    return None;
-                }
-                let size = e.patcher.resident_model_size();
-                Some((
-                    std::cmp::Reverse(size.saturating_sub(resident)),
-                    e.outside_handles(),
-                    size,
-                    i,
-                    e.model().id(),
-                ))
-            })
-            .collect();
-        candidates.sort();
-        let mut unloaded = 0usize;
-        let smart = !self.policy.config().disable_smart_memory;
-        for (_, _, _, _, id) in candidates {
-            let free = self.free_of(inner, device);
-            // Without smart memory every candidate goes, as in ComfyUI.
-            if smart && free > required {
-                break;
-            }
-            let Some(pos) = inner.registry.iter().position(|e| e.model().id() == id) else {
-                continue;
-            };
-            let entry = &inner.registry[pos];
-            let name = entry.model().name().to_string();
-            let missing = required.saturating_sub(free);
-            let freed = if !smart {
-                entry.patcher.detach()
-            } else {
-                entry.patcher.partially_unload(device, missing)
-            };
-            let fully = entry.model().resident_bytes(device) == ByteSize::ZERO;
-            if fully {
-                entry.patcher.detach();
-                crate::offload::attach_streamer(&entry.patcher, None);
-                inner.registry.remove(pos);
-                unloaded += 1;
-            }
-            report.evicted.push(Eviction {
-                name,
-                device,
-                freed,
-                fully,
-                reason: format!("{required} needed on {device}, {free} free"),
-            });
-        }
-        if unloaded > 0 {
-            tracing::info!(%device, "{unloaded} models unloaded.");
-        }
+        cleanup(&mut inner);
+        let mut planner = plan::Planner::new(self, &inner);
+        planner.evict(required, device, &keep);
+        let (evictions, steps) = planner.into_evictions();
+        let mut undo = execute::Undo::new(&inner);
+        self.execute_evictions(&mut inner, &steps, &mut undo);
+        self.refresh_ledger(&inner);
+        evictions
     }
 
     /// Unloads every model from every device; the registry is emptied.
@@ -603,6 +395,7 @@ impl MemoryManager {
         if let Some(pool) = &inner.pool {
             pool.trim();
         }
+        self.refresh_ledger(&inner);
         tracing::info!("{n} models unloaded.");
         n
     }
@@ -629,6 +422,7 @@ impl MemoryManager {
         if let Some(pool) = &inner.pool {
             pool.trim();
         }
+        self.refresh_ledger(&inner);
     }
 
     /// The registered models, most recently used first.
@@ -662,14 +456,9 @@ impl MemoryManager {
                 device: d,
                 total: self.policy.total_memory(d),
                 budgeted: self.policy.is_budgeted(d),
-                ledger: ledger_of(&inner, d),
-                peak: inner
-                    .peaks
-                    .iter()
-                    .find(|(x, _)| *x == d)
-                    .map(|(_, p)| *p)
-                    .unwrap_or(ByteSize::ZERO),
-                free: self.free_of(&inner, d),
+                ledger: self.ledger_in(&inner.registry, d),
+                peak: self.ledger.peak(d),
+                free: self.free_in(&inner.registry, d),
             })
             .collect();
         let pool = self.engine.pool().map(|p| p.stats()).unwrap_or_default();
@@ -683,31 +472,21 @@ impl MemoryManager {
     }
 }
 
-fn push_unique(all: &mut Vec<ModelPatcher>, m: ModelPatcher) {
-    if let Some(pos) = all.iter().position(|x| x.is_clone(&m)) {
-        all[pos] = m;
-    } else {
-        all.push(m);
+/// The requested models and their additional models, one patcher per model (the last one given
+/// for a model wins).
+fn expand(models: &[ModelPatcher]) -> Vec<ModelPatcher> {
+    let mut all: Vec<ModelPatcher> = Vec::new();
+    let mut push = |m: &ModelPatcher| match all.iter().position(|x| x.is_clone(m)) {
+        Some(pos) => all[pos] = m.same_handle(),
+        None => all.push(m.same_handle()),
+    };
+    for m in models {
+        push(m);
+        for extra in m.additional_models() {
+            push(extra);
+        }
     }
-}
-
-/// Resident bytes of registered models on `device`, plus their prefetched weights not yet used.
-/// Staging buffers are host memory (the tier clean weights stream from, even when the budgeted
-/// CPU simulates a device) and are reported separately as pinned bytes.
-fn ledger_of(inner: &Inner, device: DeviceId) -> ByteSize {
-    let resident: ByteSize = inner
-        .registry
-        .iter()
-        .map(|e| e.model().resident_bytes(device))
-        .sum();
-    let in_flight: ByteSize = inner
-        .registry
-        .iter()
-        .filter(|e| e.device == device)
-        .filter_map(|e| crate::offload::streamer_of(&e.patcher))
-        .map(|s| s.in_flight_bytes())
-        .sum();
-    resident.saturating_add(in_flight)
+    all
 }
 
 fn cleanup(inner: &mut Inner) {

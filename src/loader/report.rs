@@ -29,14 +29,28 @@ pub struct ModelLoad {
 pub struct Eviction {
     /// Model name.
     pub name: String,
+    /// Model id ([`crate::weights::Model::id`]).
+    pub model_id: u64,
     /// Device it was evicted from.
     pub device: DeviceId,
-    /// Bytes freed.
+    /// Bytes freed on that device.
     pub freed: ByteSize,
     /// Whether it was unloaded completely (and left the registry).
     pub fully: bool,
-    /// Why: what was needed and what was free.
-    pub reason: String,
+    /// The free memory the eviction was working towards.
+    pub required: ByteSize,
+    /// The free memory before this model gave up its bytes.
+    pub free: ByteSize,
+}
+
+impl Eviction {
+    /// Why, in words: what was needed and what was free.
+    pub fn reason(&self) -> String {
+        format!(
+            "{} needed on {}, {} free",
+            self.required, self.device, self.free
+        )
+    }
 }
 
 /// What [`crate::loader::MemoryManager::load_models_gpu`] did.
@@ -80,7 +94,7 @@ impl fmt::Display for LoadReport {
                 e.device,
                 e.freed,
                 if e.fully { ", unloaded" } else { ", partially" },
-                e.reason
+                e.reason()
             )?;
         }
         Ok(())

@@ -31,7 +31,7 @@ use candle_core::Tensor;
 
 pub use engine::{Pending, TransferEngine, TransferSnapshot, TransferStats};
 pub use pinned::{default_limit, PinnedPool, PoolStats, StagingBuffer, MIN_CLASS};
-pub use prefetch::Streamer;
+pub use prefetch::{PrefetchGate, Streamer};
 pub use upload::copy_to_device;
 
 use crate::error::{Error, Result};

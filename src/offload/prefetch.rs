@@ -6,6 +6,12 @@
 //! (wrapping around to the start, so the next step's first weights arrive during this step's
 //! last layers) while the current layer computes, within a cap on bytes in flight.
 //!
+//! Every prefetched weight holds a reservation on a [`PrefetchGate`] (the memory manager's ledger)
+//! from the moment it is requested until it is used or dropped: the gate refuses a reservation
+//! that would take the device's ledger past its budget (less the activation memory the last load
+//! asked to keep free), so bytes in flight stay within what is free at every moment, whatever
+//! else loads meanwhile. A refused prefetch is not an error: that weight is fetched when used.
+//!
 //! Correctness never depends on the order being right: an in-flight fetch is keyed by weight,
 //! fingerprint (patch list), dtype and device, and is only used when all four match the request.
 //! Anything else is a miss and is fetched synchronously — a different branch, a different clone
@@ -37,6 +43,34 @@ struct FetchKey {
 struct InFlight {
     key: FetchKey,
     pending: Pending,
+    _reservation: Option<Reservation>,
+}
+
+/// Where prefetched bytes are booked: the memory manager's ledger implements it.
+pub trait PrefetchGate: Send + Sync {
+    /// Books `bytes` in flight on `device` when its ledger plus `bytes` plus `keep_free` stays
+    /// within its budget; returns whether it did.
+    fn try_reserve(&self, device: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool;
+    /// Returns bytes booked by [`PrefetchGate::try_reserve`].
+    fn release(&self, device: DeviceId, bytes: ByteSize);
+}
+
+/// Bytes booked on a gate, returned when dropped.
+struct Reservation {
+    gate: Arc<dyn PrefetchGate>,
+    device: DeviceId,
+    bytes: ByteSize,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.gate.release(self.device, self.bytes);
+    }
+}
+
+struct Gate {
+    gate: Arc<dyn PrefetchGate>,
+    keep_free: ByteSize,
 }
 
 /// Per-model prefetch state on top of a shared [`TransferEngine`].
@@ -44,6 +78,7 @@ pub struct Streamer {
     engine: Arc<TransferEngine>,
     depth: AtomicUsize,
     cap: AtomicU64,
+    gate: Mutex<Option<Gate>>,
     inflight: Mutex<VecDeque<InFlight>>,
 }
 
@@ -63,6 +98,7 @@ impl Streamer {
             engine,
             depth: AtomicUsize::new(depth),
             cap: AtomicU64::new(cap.bytes()),
+            gate: Mutex::new(None),
             inflight: Mutex::new(VecDeque::new()),
         }
     }
@@ -82,6 +118,11 @@ impl Streamer {
     /// Sets the cap on bytes in flight.
     pub fn set_cap(&self, cap: ByteSize) {
         self.cap.store(cap.bytes(), Ordering::Relaxed);
+    }
+    /// Books every prefetch on `gate` from now on, keeping `keep_free` bytes of the device free
+    /// (the activation memory of the coming forward); `None` removes the gate.
+    pub fn set_gate(&self, gate: Option<(Arc<dyn PrefetchGate>, ByteSize)>) {
+        *self.gate.lock() = gate.map(|(gate, keep_free)| Gate { gate, keep_free });
     }
     /// Bytes of prefetched weights not yet used.
     pub fn in_flight_bytes(&self) -> ByteSize {
@@ -164,8 +205,25 @@ impl Streamer {
             if in_flight.saturating_add(bytes) > cap {
                 break;
             }
+            let reservation = match &*self.gate.lock() {
+                Some(g) => {
+                    if !g.gate.try_reserve(key.device, bytes, g.keep_free) {
+                        break;
+                    }
+                    Some(Reservation {
+                        gate: Arc::clone(&g.gate),
+                        device: key.device,
+                        bytes,
+                    })
+                }
+                None => None,
+            };
             let pending = self.engine.submit(patcher, next);
-            q.push_back(InFlight { key, pending });
+            q.push_back(InFlight {
+                key,
+                pending,
+                _reservation: reservation,
+            });
         }
         // Never hold more than a few rounds of unused prefetches (a branch not taken).
         while q.len() > 2 * depth + 2 {

@@ -13,6 +13,7 @@
 pub mod lora;
 mod model_patcher;
 pub mod patch;
+pub(crate) mod selection;
 
 pub(crate) use model_patcher::cast_weight;
 pub use model_patcher::{

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 
 use super::patch::{self, DoraNorm, Offset, Patch, PatchEntry};
+use super::selection::{self, WeightView};
 use crate::error::{Error, Result};
 use crate::float::{self, Dtype, Rounding};
 use crate::size::ByteSize;
@@ -196,6 +197,19 @@ impl Clone for ModelPatcher {
     }
 }
 
+impl ModelPatcher {
+    /// Another handle that *is* this patcher: same id and parent, same patches, devices and
+    /// options (a [`Clone::clone`] is a new patcher whose parent is this one). The memory manager
+    /// keeps such handles in its registry and undo log.
+    pub(crate) fn same_handle(&self) -> ModelPatcher {
+        ModelPatcher {
+            id: self.id,
+            parent: self.parent,
+            ..self.clone()
+        }
+    }
+}
+
 impl fmt::Debug for ModelPatcher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ModelPatcher")
@@ -339,6 +353,27 @@ impl ModelPatcher {
             matched.push(key);
         }
         Ok(matched)
+    }
+
+    /// Checks that every patch chain still fits its weight and that every patched fp8 weight has
+    /// a usable scale: what a load needs before it evicts anything. O(patched keys).
+    ///
+    /// # Errors
+    /// [`Error::PatchShape`] / [`Error::BadPatch`] naming the key.
+    pub fn validate(&self) -> Result<()> {
+        for key in self.patches.keys() {
+            let index = self.index_of(key)?;
+            let slot = &self.model.slots()[index];
+            let chain: Vec<PatchEntry> = self
+                .patches
+                .get(key)
+                .iter()
+                .map(|e| e.entry.clone())
+                .collect();
+            patch::patched_shape(key, slot.shape(), &chain)?;
+            self.weight_scale(index)?;
+        }
+        Ok(())
     }
 
     /// Removes every patch (the clone then computes the clean model).
@@ -524,6 +559,8 @@ impl ModelPatcher {
         device: DeviceId,
     ) -> Result<Tensor> {
         let slot = &self.model.slots()[index];
+        #[cfg(test)]
+        crate::fault::check(slot.name())?;
         let (host, cast_after_copy) = self.host_part(index, clean, dtype, device)?;
         if device.is_cpu() {
             return Ok(host);
@@ -663,29 +700,8 @@ impl ModelPatcher {
         full_load: bool,
     ) -> Result<LoadOutcome> {
         self.load_device = device;
-        let n = self.model.len();
-        let pinned = self.model.state().pinned.clone();
-        let mut order: Vec<usize> = (0..n).collect();
-        order.sort_by_key(|&i| {
-            let patched =
-                force_patch_weights && !self.patches.get(self.model.slots()[i].name()).is_empty();
-            (
-                !pinned[i],
-                !patched,
-                std::cmp::Reverse(self.resident_size(i)),
-                i,
-            )
-        });
-        let mut want = vec![false; n];
-        let mut total = ByteSize::ZERO;
-        for i in order {
-            let size = self.resident_size(i);
-            let next = total.saturating_add(size);
-            if full_load || next < budget {
-                want[i] = true;
-                total = next;
-            }
-        }
+        let views = self.weight_views(device);
+        let want = selection::from_scratch(&views, budget, force_patch_weights, full_load);
         self.apply_plan(&want)
     }
 
@@ -716,34 +732,38 @@ impl ModelPatcher {
         force_patch_weights: bool,
     ) -> Result<(ByteSize, LoadOutcome)> {
         self.load_device = device;
-        let n = self.model.len();
-        let mut want = vec![false; n];
-        let mut candidates = Vec::new();
-        {
-            let st = self.model.state();
-            for (i, s) in st.slots().iter().enumerate() {
-                match s {
-                    SlotResidency::Resident { device: d, .. } if *d == device => want[i] = true,
-                    _ => candidates.push(i),
-                }
-            }
-        }
-        candidates.sort_by_key(|&i| {
-            let patched =
-                force_patch_weights && !self.patches.get(self.model.slots()[i].name()).is_empty();
-            (!patched, std::cmp::Reverse(self.resident_size(i)), i)
-        });
-        let mut added = ByteSize::ZERO;
-        for i in candidates {
-            let next = added.saturating_add(self.resident_size(i));
-            if next < extra {
-                want[i] = true;
-                added = next;
-            }
-        }
+        let views = self.weight_views(device);
+        let want = selection::grow(&views, extra, force_patch_weights);
         let before = self.model.resident_bytes(device);
         let out = self.apply_plan(&want)?;
         Ok((out.resident.saturating_sub(before), out))
+    }
+
+    /// Every weight as the selection rules see it for a load on `device` under this patcher.
+    pub(crate) fn weight_views(&self, device: DeviceId) -> Vec<WeightView> {
+        let st = self.model.state();
+        let patched_any = !self.patches.is_empty();
+        (0..self.model.len())
+            .map(|i| {
+                let (on_device, current) = match &st.slots()[i] {
+                    SlotResidency::Resident {
+                        device: d,
+                        bytes,
+                        fingerprint,
+                        ..
+                    } if *d == device => (Some(*bytes), *fingerprint == self.fingerprint(i)),
+                    _ => (None, false),
+                };
+                WeightView {
+                    size: self.resident_size(i),
+                    pinned: st.pinned[i],
+                    patched: patched_any
+                        && !self.patches.get(self.model.slots()[i].name()).is_empty(),
+                    on_device,
+                    current,
+                }
+            })
+            .collect()
     }
 
     /// The current state as a [`LoadOutcome`] (nothing moved).
@@ -769,25 +789,12 @@ impl ModelPatcher {
     /// while the bytes freed are at most `bytes`. Returns the bytes freed.
     pub fn partially_unload(&self, device: DeviceId, bytes: ByteSize) -> ByteSize {
         let mut st = self.model.state_mut();
-        let mut resident: Vec<(ByteSize, usize)> = st
-            .slots()
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| match s {
-                SlotResidency::Resident {
-                    device: d, bytes, ..
-                } if *d == device && !st.pinned[i] => Some((*bytes, i)),
-                _ => None,
-            })
-            .collect();
-        resident.sort();
+        let dropped = selection::unload(&st.resident_on(device), bytes);
         let mut freed = ByteSize::ZERO;
-        for (size, i) in resident {
-            if freed > bytes {
-                break;
+        for i in dropped {
+            if let SlotResidency::Resident { bytes, .. } = st.set(i, SlotResidency::Offloaded) {
+                freed = freed.saturating_add(bytes);
             }
-            st.set(i, SlotResidency::Offloaded);
-            freed = freed.saturating_add(size);
         }
         if freed > ByteSize::ZERO {
             tracing::debug!(model = self.model.name(), %device, freed = freed.bytes(), "partially unloaded");

@@ -33,6 +33,9 @@ use crate::vram::DeviceId;
 pub(crate) use self::safetensors::{read_raw_tensors, save_safetensors_with_raw};
 pub use self::safetensors::{save_safetensors, SafetensorsOptions};
 
+/// What the offload layer hangs on a model to stream it (an `offload::Streamer`).
+pub(crate) type StreamHook = Arc<dyn Any + Send + Sync>;
+
 /// A fingerprint of the patch list (and resident dtype) a resident copy was built from.
 pub type Fingerprint = u64;
 
@@ -164,6 +167,20 @@ impl Residency {
         ByteSize(self.totals.iter().map(|t| t.1).sum())
     }
 
+    /// The copies resident on `device`: `(index, bytes, pinned)` in index order.
+    pub(crate) fn resident_on(&self, device: DeviceId) -> Vec<(usize, ByteSize, bool)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                SlotResidency::Resident {
+                    device: d, bytes, ..
+                } if *d == device => Some((i, *bytes, self.pinned[i])),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The devices holding resident weights.
     pub(crate) fn devices(&self) -> Vec<DeviceId> {
         let mut d: Vec<DeviceId> = self.totals.iter().map(|t| t.0).collect();
@@ -185,7 +202,7 @@ pub struct Model {
     state: RwLock<Residency>,
     forward_order: Mutex<ForwardOrder>,
     skipped: Vec<String>,
-    stream_hook: RwLock<Option<Arc<dyn Any + Send + Sync>>>,
+    stream_hook: RwLock<Option<StreamHook>>,
 }
 
 #[derive(Debug, Default)]
@@ -304,12 +321,12 @@ impl Model {
     }
 
     /// The streaming hook attached by the offload layer (an `offload::Streamer`), if any.
-    pub(crate) fn stream_hook(&self) -> Option<Arc<dyn Any + Send + Sync>> {
+    pub(crate) fn stream_hook(&self) -> Option<StreamHook> {
         self.stream_hook.read().clone()
     }
 
     /// Attaches or detaches the streaming hook.
-    pub(crate) fn set_stream_hook(&self, hook: Option<Arc<dyn Any + Send + Sync>>) {
+    pub(crate) fn set_stream_hook(&self, hook: Option<StreamHook>) {
         *self.stream_hook.write() = hook;
     }
 

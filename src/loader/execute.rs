@@ -1,0 +1,364 @@
+//! Carrying a [`LoadPlan`] out, and rolling it back when the driver fails mid-way.
+//!
+//! Order of execution, chosen so the ledger never runs ahead of memory (ARCHITECTURE.md, I2):
+//!
+//! 1. the requested models take their final places at the front of the registry (so the ledger
+//!    counts them, and the copies they are about to gain, at every step);
+//! 2. evictions drop the planned copies of other models;
+//! 3. per model: first drop its copies the plan does not keep (not wanted, stale, or on another
+//!    device), then build the missing ones one by one, each committed as soon as it exists. The
+//!    ledger therefore only falls, then rises to the planned figure, which the plan checked.
+//!
+//! Every copy dropped and built is recorded in an [`Undo`] log. If building fails (a driver out
+//! of memory, a failed transfer), the rollback restores the registry's order and entries, drops
+//! every copy this call built, and rebuilds the dropped ones through a patcher whose fingerprint
+//! matches them (the registered one or the requested one), where the budget allows. The error
+//! then says which copies, if any, could not be restored (ARCHITECTURE.md, I4).
+
+use std::sync::Arc;
+
+use super::plan::{LoadPlan, Step};
+use super::report::{LoadReport, ModelLoad};
+use super::{Entry, Inner, LoadOptions, MemoryManager};
+use crate::error::{Error, Result};
+use crate::patcher::ModelPatcher;
+use crate::size::ByteSize;
+use crate::vram::DeviceId;
+use crate::weights::{Fingerprint, Model, SlotResidency, StreamHook};
+
+/// A resident copy this call dropped.
+struct Dropped {
+    model: Arc<Model>,
+    index: usize,
+    fingerprint: Fingerprint,
+    device: DeviceId,
+    bytes: ByteSize,
+}
+
+/// A resident copy this call built.
+struct Built {
+    model: Arc<Model>,
+    index: usize,
+    fingerprint: Fingerprint,
+    device: DeviceId,
+}
+
+/// What a call changed, to undo it.
+pub(super) struct Undo {
+    registry: Vec<Entry>,
+    hooks: Vec<(Arc<Model>, Option<StreamHook>)>,
+    dropped: Vec<Dropped>,
+    built: Vec<Built>,
+}
+
+impl Undo {
+    pub(super) fn new(inner: &Inner) -> Undo {
+        Undo {
+            registry: inner.registry.clone(),
+            hooks: Vec::new(),
+            dropped: Vec::new(),
+            built: Vec::new(),
+        }
+    }
+}
+
+/// Drops resident copy `index` of `model`, recording it.
+fn drop_copy(model: &Arc<Model>, index: usize, undo: &mut Undo) -> ByteSize {
+    let old = model.state_mut().set(index, SlotResidency::Offloaded);
+    match old {
+        SlotResidency::Resident {
+            fingerprint,
+            device,
+            bytes,
+            ..
+        } => {
+            undo.dropped.push(Dropped {
+                model: Arc::clone(model),
+                index,
+                fingerprint,
+                device,
+                bytes,
+            });
+            bytes
+        }
+        SlotResidency::Offloaded => ByteSize::ZERO,
+    }
+}
+
+impl MemoryManager {
+    /// Carries out the evictions of a plan (they cannot fail).
+    pub(super) fn execute_evictions(&self, inner: &mut Inner, steps: &[Step], undo: &mut Undo) {
+        let mut unloaded = 0usize;
+        for step in steps {
+            let Step::Evict {
+                model_id,
+                device,
+                indices,
+                fully,
+            } = step
+            else {
+                continue;
+            };
+            let Some(pos) = inner
+                .registry
+                .iter()
+                .position(|e| e.model().id() == *model_id)
+            else {
+                continue;
+            };
+            let model = Arc::clone(inner.registry[pos].model());
+            if *fully {
+                let all: Vec<usize> = (0..model.len()).collect();
+                for i in all {
+                    drop_copy(&model, i, undo);
+                }
+                undo.hooks.push((Arc::clone(&model), model.stream_hook()));
+                model.set_stream_hook(None);
+                inner.registry.remove(pos);
+                unloaded += 1;
+            } else {
+                for &i in indices {
+                    drop_copy(&model, i, undo);
+                }
+            }
+            tracing::debug!(model = model.name(), %device, fully, "evicted");
+        }
+        if unloaded > 0 {
+            tracing::info!("{unloaded} models unloaded.");
+        }
+    }
+
+    /// Carries out `plan` for the requested models `all`. On error everything is rolled back.
+    pub(super) fn execute(
+        &self,
+        inner: &mut Inner,
+        plan: &LoadPlan,
+        all: &[ModelPatcher],
+        options: &LoadOptions,
+    ) -> Result<LoadReport> {
+        let mut undo = Undo::new(inner);
+        // 1. The requested models take their final places: each load goes to the front, so the
+        // last one loaded is the most recently used.
+        for m in all {
+            inner
+                .registry
+                .retain(|e| !Arc::ptr_eq(e.model(), m.model()));
+        }
+        for m in all {
+            inner.registry.insert(
+                0,
+                Entry {
+                    patcher: m.clone(),
+                    device: m.load_device(),
+                },
+            );
+        }
+        // 2. Evictions.
+        self.execute_evictions(inner, &plan.steps, &mut undo);
+        // 3. Loads.
+        let mut report = LoadReport {
+            models: Vec::new(),
+            evicted: plan.evictions.clone(),
+        };
+        for step in &plan.steps {
+            let Step::Load { k, want } = step else {
+                continue;
+            };
+            let m = &all[*k];
+            match self.load_planned(m, want, &mut undo) {
+                Ok(load) => {
+                    self.note_ledger(inner, m.load_device());
+                    report.models.push(load);
+                }
+                Err(e) => return Err(self.rollback(inner, undo, all, e)),
+            }
+        }
+        // Never report success over a budget (the plan checked it; a patcher changed behind the
+        // manager's back is the only way here).
+        for d in &plan.devices {
+            if self.policy.is_budgeted(d.device) {
+                let ledger = self.ledger_in(&inner.registry, d.device);
+                if ledger > d.total {
+                    let e = Error::OutOfMemory {
+                        model: all
+                            .iter()
+                            .find(|m| m.load_device() == d.device)
+                            .map(|m| m.model().name().to_string())
+                            .unwrap_or_default(),
+                        device: d.device.to_string(),
+                        required: ledger,
+                        available: d.total,
+                    };
+                    return Err(self.rollback(inner, undo, all, e));
+                }
+            }
+        }
+        for (m, load) in all.iter().zip(&report.models) {
+            self.attach_streamer(m, load, options);
+            log_load(load);
+        }
+        Ok(report)
+    }
+
+    /// Makes exactly `want` resident for `m`: drops what the plan does not keep, then builds and
+    /// commits the missing copies one by one.
+    fn load_planned(&self, m: &ModelPatcher, want: &[bool], undo: &mut Undo) -> Result<ModelLoad> {
+        let device = m.load_device();
+        let model = m.model();
+        let fingerprints: Vec<Fingerprint> = (0..model.len()).map(|i| m.fingerprint(i)).collect();
+        let keep = |s: &SlotResidency, i: usize| {
+            want[i]
+                && matches!(s, SlotResidency::Resident { device: d, fingerprint, .. }
+                    if *d == device && *fingerprint == fingerprints[i])
+        };
+        let to_drop: Vec<usize> = {
+            let st = model.state();
+            st.slots()
+                .iter()
+                .enumerate()
+                .filter(|(i, s)| matches!(s, SlotResidency::Resident { .. }) && !keep(s, *i))
+                .map(|(i, _)| i)
+                .collect()
+        };
+        for i in to_drop {
+            drop_copy(model, i, undo);
+        }
+        let to_build: Vec<usize> = {
+            let st = model.state();
+            (0..model.len())
+                .filter(|&i| want[i] && !keep(&st.slots()[i], i))
+                .collect()
+        };
+        let mut moved = ByteSize::ZERO;
+        for i in to_build {
+            let tensor = m.materialize(i, m.resident_dtype(i), device)?;
+            let bytes = ByteSize((tensor.elem_count() * tensor.dtype().size_in_bytes()) as u64);
+            model.state_mut().set(
+                i,
+                SlotResidency::Resident {
+                    tensor,
+                    fingerprint: fingerprints[i],
+                    device,
+                    bytes,
+                },
+            );
+            undo.built.push(Built {
+                model: Arc::clone(model),
+                index: i,
+                fingerprint: fingerprints[i],
+                device,
+            });
+            moved = moved.saturating_add(bytes);
+        }
+        let outcome = m.load_outcome();
+        Ok(ModelLoad {
+            name: model.name().to_string(),
+            device,
+            resident: outcome.resident,
+            streaming: outcome.streaming,
+            moved,
+            lazy_patched: outcome.lazy_patched,
+            full: outcome.full,
+        })
+    }
+
+    /// Undoes a failed execution and returns the error to report.
+    fn rollback(&self, inner: &mut Inner, undo: Undo, all: &[ModelPatcher], cause: Error) -> Error {
+        let Undo {
+            registry,
+            hooks,
+            dropped,
+            built,
+        } = undo;
+        inner.registry = registry;
+        for b in built.iter().rev() {
+            let mut st = b.model.state_mut();
+            let ours = matches!(&st.slots()[b.index], SlotResidency::Resident { fingerprint, device, .. }
+                if *fingerprint == b.fingerprint && *device == b.device);
+            if ours {
+                st.set(b.index, SlotResidency::Offloaded);
+            }
+        }
+        for (model, hook) in hooks {
+            model.set_stream_hook(hook);
+        }
+        let mut not_restored = Vec::new();
+        for d in dropped {
+            let key = d.model.slots()[d.index].name();
+            let describe = || {
+                format!(
+                    "`{}` weight `{key}` ({} on {})",
+                    d.model.name(),
+                    d.bytes,
+                    d.device
+                )
+            };
+            if matches!(
+                d.model.state().slots()[d.index],
+                SlotResidency::Resident { .. }
+            ) {
+                continue;
+            }
+            let builder = inner
+                .registry
+                .iter()
+                .map(|e| &e.patcher)
+                .chain(all)
+                .find(|p| {
+                    Arc::ptr_eq(p.model(), &d.model) && p.fingerprint(d.index) == d.fingerprint
+                });
+            let Some(p) = builder else {
+                not_restored.push(describe());
+                continue;
+            };
+            if self.policy.is_budgeted(d.device) {
+                let ledger = self.ledger_in(&inner.registry, d.device);
+                if ledger.saturating_add(d.bytes) > self.policy.total_memory(d.device) {
+                    not_restored.push(describe());
+                    continue;
+                }
+            }
+            match p.materialize(d.index, p.resident_dtype(d.index), d.device) {
+                Ok(tensor) => {
+                    let bytes =
+                        ByteSize((tensor.elem_count() * tensor.dtype().size_in_bytes()) as u64);
+                    d.model.state_mut().set(
+                        d.index,
+                        SlotResidency::Resident {
+                            tensor,
+                            fingerprint: d.fingerprint,
+                            device: d.device,
+                            bytes,
+                        },
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not restore {}", describe());
+                    not_restored.push(describe());
+                }
+            }
+        }
+        tracing::warn!(error = %cause, not_restored = not_restored.len(), "load failed and was rolled back");
+        if not_restored.is_empty() {
+            cause
+        } else {
+            Error::RollbackIncomplete {
+                source: Box::new(cause),
+                not_restored,
+            }
+        }
+    }
+}
+
+fn log_load(load: &ModelLoad) {
+    let name = &load.name;
+    let device = load.device;
+    if load.full {
+        tracing::info!(model = %name, %device, resident = load.resident.bytes(), moved = load.moved.bytes(),
+            "loaded completely {name}: {} resident, {} moved", load.resident, load.moved);
+    } else {
+        tracing::info!(model = %name, %device, resident = load.resident.bytes(), streaming = load.streaming.bytes(),
+            lowvram_patches = load.lazy_patched,
+            "loaded partially {name}: {} resident, {} streaming, {} lowvram patches", load.resident, load.streaming, load.lazy_patched);
+    }
+}

@@ -1,0 +1,184 @@
+//! The live part of each device's ledger: bytes in flight, the bound prefetches are held to, and
+//! the peak.
+//!
+//! Resident bytes are counted from the registry (each model keeps running per-device totals), so
+//! they are exact by construction. What the registry cannot see is the bytes of prefetched weights
+//! a transfer lane is materializing or holding for a forward: those are booked here, by
+//! reservation, through the [`PrefetchGate`] every streamer the manager attaches holds.
+//!
+//! A reservation is granted only when `resident + in flight + bytes + keep_free ≤ total`, where
+//! `resident` is the registry's figure as of the manager's last step (the manager refreshes it
+//! after every call, under its own lock; between calls resident bytes only shrink, so the figure
+//! is conservative) and `keep_free` is the activation memory the model's last load asked for.
+//! While a load is planned and executed on a device, no reservation is granted there: the plan's
+//! figures cannot be overtaken by prefetches mid-way. So on every device, at every moment,
+//! resident + in flight ≤ total (ARCHITECTURE.md, I2).
+//!
+//! Lock: `Ledger::books` is a leaf (rank 7 in the crate's lock table); it is taken inside a
+//! streamer's queue lock when a prefetch books or returns bytes, and never held across any call.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::offload::PrefetchGate;
+use crate::size::ByteSize;
+use crate::vram::DeviceId;
+
+#[derive(Debug, Clone, Copy)]
+struct Book {
+    device: DeviceId,
+    /// The bound; `None` on a device the manager does not schedule.
+    total: Option<ByteSize>,
+    resident: ByteSize,
+    in_flight: ByteSize,
+    /// Loads in progress on the device (planned or executing).
+    loading: u32,
+    peak: ByteSize,
+}
+
+impl Book {
+    fn note_peak(&mut self) {
+        self.peak = self.peak.max(self.resident.saturating_add(self.in_flight));
+    }
+}
+
+/// Per-device in-flight bytes, bounds and peaks.
+#[derive(Debug, Default)]
+pub(crate) struct Ledger {
+    books: Mutex<Vec<Book>>,
+}
+
+impl Ledger {
+    fn with<R>(&self, device: DeviceId, f: impl FnOnce(&mut Book) -> R) -> R {
+        let mut books = self.books.lock();
+        let pos = match books.iter().position(|b| b.device == device) {
+            Some(p) => p,
+            None => {
+                books.push(Book {
+                    device,
+                    total: None,
+                    resident: ByteSize::ZERO,
+                    in_flight: ByteSize::ZERO,
+                    loading: 0,
+                    peak: ByteSize::ZERO,
+                });
+                books.len() - 1
+            }
+        };
+        f(&mut books[pos])
+    }
+
+    /// Records `device`'s resident bytes (the registry's exact figure) and its bound.
+    pub(crate) fn note(&self, device: DeviceId, resident: ByteSize, total: Option<ByteSize>) {
+        self.with(device, |b| {
+            b.resident = resident;
+            b.total = total;
+            b.note_peak();
+        });
+    }
+
+    /// Bytes in flight on `device`.
+    pub(crate) fn in_flight(&self, device: DeviceId) -> ByteSize {
+        self.with(device, |b| b.in_flight)
+    }
+
+    /// The highest resident + in-flight figure seen on `device`.
+    pub(crate) fn peak(&self, device: DeviceId) -> ByteSize {
+        self.with(device, |b| b.peak)
+    }
+
+    /// Stops new reservations on `devices` until the returned guard is dropped.
+    pub(crate) fn loading(self: &Arc<Self>, devices: &[DeviceId]) -> LoadingGuard {
+        for &d in devices {
+            self.with(d, |b| b.loading += 1);
+        }
+        LoadingGuard {
+            ledger: Arc::clone(self),
+            devices: devices.to_vec(),
+        }
+    }
+}
+
+impl PrefetchGate for Ledger {
+    fn try_reserve(&self, device: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool {
+        self.with(device, |b| {
+            if b.loading > 0 {
+                return false;
+            }
+            if let Some(total) = b.total {
+                let after = b
+                    .resident
+                    .saturating_add(b.in_flight)
+                    .saturating_add(bytes)
+                    .saturating_add(keep_free);
+                if after > total {
+                    return false;
+                }
+            }
+            b.in_flight = b.in_flight.saturating_add(bytes);
+            b.note_peak();
+            true
+        })
+    }
+
+    fn release(&self, device: DeviceId, bytes: ByteSize) {
+        self.with(device, |b| b.in_flight = b.in_flight.saturating_sub(bytes));
+    }
+}
+
+/// Keeps reservations closed on some devices while a load runs.
+pub(crate) struct LoadingGuard {
+    ledger: Arc<Ledger>,
+    devices: Vec<DeviceId>,
+}
+
+impl Drop for LoadingGuard {
+    fn drop(&mut self) {
+        for &d in &self.devices {
+            self.ledger
+                .with(d, |b| b.loading = b.loading.saturating_sub(1));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const D: DeviceId = DeviceId::Cpu;
+
+    #[test]
+    fn reservations_stay_within_total_less_what_must_stay_free() {
+        let l = Ledger::default();
+        l.note(D, ByteSize(60), Some(ByteSize(100)));
+        assert!(l.try_reserve(D, ByteSize(30), ByteSize(10)));
+        assert!(
+            !l.try_reserve(D, ByteSize(1), ByteSize(10)),
+            "60 + 30 + 1 + 10 > 100"
+        );
+        assert!(l.try_reserve(D, ByteSize(10), ByteSize::ZERO));
+        assert_eq!(l.in_flight(D), ByteSize(40));
+        assert_eq!(l.peak(D), ByteSize(100));
+        l.release(D, ByteSize(30));
+        assert_eq!(l.in_flight(D), ByteSize(10));
+    }
+
+    #[test]
+    fn no_reservation_while_a_load_runs_on_the_device() {
+        let l = Arc::new(Ledger::default());
+        l.note(D, ByteSize::ZERO, Some(ByteSize(100)));
+        {
+            let _g = l.loading(&[D]);
+            assert!(!l.try_reserve(D, ByteSize(1), ByteSize::ZERO));
+            assert!(l.try_reserve(DeviceId::Cuda(0), ByteSize(1), ByteSize::ZERO));
+        }
+        assert!(l.try_reserve(D, ByteSize(1), ByteSize::ZERO));
+    }
+
+    #[test]
+    fn an_unscheduled_device_has_no_bound() {
+        let l = Ledger::default();
+        assert!(l.try_reserve(D, ByteSize::MAX, ByteSize::ZERO));
+    }
+}

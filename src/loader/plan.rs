@@ -1,0 +1,692 @@
+//! Planning a load: every decision of [`MemoryManager::load_models_gpu`], made before anything
+//! moves.
+//!
+//! [`MemoryManager::plan`] reads the registry and each model's residency under the manager's lock
+//! and changes nothing. It decides, in ComfyUI's order (ARCHITECTURE.md §5):
+//!
+//! 1. registry entries nobody holds any more count as gone;
+//! 2. `extra_mem` and the minimum to keep free;
+//! 3. per device, which other models are evicted and which of their weights go (the same
+//!    selection rule [`crate::patcher::ModelPatcher::partially_unload`] uses), until the bytes
+//!    still to load ×1.1 plus `extra_mem` are free, then the minimum;
+//! 4. per model, its weight budget ([`super::weight_budget`]) and exactly which weights will be
+//!    resident (the rules of `ModelPatcher::load` / `partially_load`);
+//! 5. the ledger after each step, checked against each budgeted device's total.
+//!
+//! A plan that cannot be carried out without overrunning a budget has a [`PlanProblem`]; a
+//! request that is invalid (a patch that does not fit, an fp8 scale that is not a finite non-zero
+//! number, an unknown GPU) is an error from `plan` itself. Execution ([`super::execute`]) carries
+//! the plan out step by step, so its only failures are the driver's.
+//!
+//! Complexity: O(weights of the requested models) plus O(weights) of each model actually chosen
+//! for eviction; O(registry) for the candidates' order.
+
+use std::sync::Arc;
+
+use super::report::Eviction;
+use super::{weight_budget, Entry, Inner, LoadOptions, MemoryManager};
+use crate::error::{Error, Result};
+use crate::patcher::selection::{self, WeightView};
+use crate::patcher::ModelPatcher;
+use crate::size::ByteSize;
+use crate::vram::{DeviceId, VramState};
+use crate::weights::Model;
+
+/// What one model's load will do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedLoad {
+    /// Model name.
+    pub name: String,
+    /// Model id ([`crate::weights::Model::id`]).
+    pub model_id: u64,
+    /// The load device.
+    pub device: DeviceId,
+    /// Whether every weight will be resident.
+    pub full: bool,
+    /// The bytes a partial load may add beyond those already loaded (ComfyUI's
+    /// `lowvram_model_memory`); `None` for a full load, zero under `--novram`.
+    pub weight_budget: Option<ByteSize>,
+    /// Bytes already resident and current for this patcher on the device.
+    pub already_loaded: ByteSize,
+    /// Bytes resident after the load.
+    pub resident: ByteSize,
+    /// Bytes that will stream at use.
+    pub streaming: ByteSize,
+    /// Bytes to materialize (missing or stale copies).
+    pub to_move: ByteSize,
+    /// Bytes of this model's resident copies the load drops (not wanted, stale, or elsewhere).
+    pub to_drop: ByteSize,
+    /// Weights that will stream with patches (applied at use).
+    pub lazy_patched: usize,
+}
+
+/// One device's ledger before and after a plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedDevice {
+    /// The device.
+    pub device: DeviceId,
+    /// Its total as the scheduler sees it (budget-capped).
+    pub total: ByteSize,
+    /// Whether the ledger is bounded by it.
+    pub budgeted: bool,
+    /// The ledger now (resident bytes of registered models plus bytes in flight).
+    pub ledger_before: ByteSize,
+    /// The ledger after the plan is carried out.
+    pub ledger_after: ByteSize,
+}
+
+/// Why a plan cannot be carried out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PlanProblem {
+    /// Not enough can be freed right now (other models' pinned weights, or models loaded in the
+    /// same call, hold the rest).
+    OutOfMemory {
+        /// The model that does not fit.
+        model: String,
+        /// The device.
+        device: DeviceId,
+        /// Bytes it needs.
+        required: ByteSize,
+        /// Bytes that would be free.
+        available: ByteSize,
+    },
+    /// The model can never fit this device's budget.
+    BudgetExceeded {
+        /// The model.
+        model: String,
+        /// The device.
+        device: DeviceId,
+        /// Bytes it needs.
+        required: ByteSize,
+        /// The device's total.
+        budget: ByteSize,
+    },
+}
+
+impl PlanProblem {
+    /// The error `load_models_gpu` returns for this problem.
+    pub fn to_error(&self) -> Error {
+        match self.clone() {
+            PlanProblem::OutOfMemory {
+                model,
+                device,
+                required,
+                available,
+            } => Error::OutOfMemory {
+                model,
+                device: device.to_string(),
+                required,
+                available,
+            },
+            PlanProblem::BudgetExceeded {
+                model,
+                device,
+                required,
+                budget,
+            } => Error::BudgetExceeded {
+                model,
+                device: device.to_string(),
+                required,
+                budget,
+            },
+        }
+    }
+}
+
+/// A step of execution.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Step {
+    /// Drop `indices` of model `model_id` on `device`; `fully`: drop every copy and unregister.
+    Evict {
+        model_id: u64,
+        device: DeviceId,
+        indices: Vec<usize>,
+        fully: bool,
+    },
+    /// Make exactly `want` resident for the `k`-th requested model.
+    Load { k: usize, want: Vec<bool> },
+}
+
+/// Everything [`MemoryManager::load_models_gpu`] would do with the same models and options now:
+/// evictions, per-model budgets and residency, bytes to move, the ledger after, and whether it
+/// fits. Plain data; asking for it changes nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadPlan {
+    /// Per requested model (additional models included), in load order.
+    pub models: Vec<PlannedLoad>,
+    /// Models that would be unloaded, in order (partly, or `fully` and unregistered).
+    pub evictions: Vec<Eviction>,
+    /// The ledgers of the devices involved.
+    pub devices: Vec<PlannedDevice>,
+    /// Why the plan cannot be carried out, if it cannot.
+    pub problem: Option<PlanProblem>,
+    pub(super) steps: Vec<Step>,
+}
+
+impl LoadPlan {
+    /// Whether the load fits: carrying the plan out keeps every budgeted ledger within its total.
+    pub fn fits(&self) -> bool {
+        self.problem.is_none()
+    }
+    /// Bytes the load would materialize.
+    pub fn bytes_to_move(&self) -> ByteSize {
+        self.models.iter().map(|m| m.to_move).sum()
+    }
+    /// Bytes eviction would free.
+    pub fn bytes_to_evict(&self) -> ByteSize {
+        self.evictions.iter().map(|e| e.freed).sum()
+    }
+}
+
+/// A device's ledger as the plan goes.
+#[derive(Debug, Clone, Copy)]
+struct DeviceProjection {
+    device: DeviceId,
+    total: ByteSize,
+    budgeted: bool,
+    /// The ledger now.
+    before: ByteSize,
+    /// The ledger once unheld entries are gone (where the plan starts).
+    start: ByteSize,
+    /// Free memory at the start, as the manager measures it.
+    free_at_start: ByteSize,
+    ledger: ByteSize,
+}
+
+impl DeviceProjection {
+    /// Free memory once the plan's steps so far are done: what was free at the start plus what
+    /// the ledger shrank by since (or minus what it grew by).
+    fn free(&self) -> ByteSize {
+        self.free_at_start
+            .saturating_add(self.start)
+            .saturating_sub(self.ledger)
+    }
+}
+
+/// A registry entry chosen for eviction: its copies on the eviction device not yet dropped.
+struct Victim {
+    model_id: u64,
+    remaining: Vec<(usize, ByteSize, bool)>,
+    gone: bool,
+}
+
+/// The plan under construction.
+pub(super) struct Planner<'a> {
+    mm: &'a MemoryManager,
+    registry: &'a [Entry],
+    devices: Vec<DeviceProjection>,
+    victims: Vec<Victim>,
+    evictions: Vec<Eviction>,
+    steps: Vec<Step>,
+}
+
+impl<'a> Planner<'a> {
+    pub(super) fn new(mm: &'a MemoryManager, inner: &'a Inner) -> Planner<'a> {
+        Planner {
+            mm,
+            registry: &inner.registry,
+            devices: Vec::new(),
+            victims: Vec::new(),
+            evictions: Vec::new(),
+            steps: Vec::new(),
+        }
+    }
+
+    fn held(e: &Entry) -> bool {
+        e.outside_handles() > 0
+    }
+
+    fn device(&mut self, device: DeviceId) -> &mut DeviceProjection {
+        if let Some(p) = self.devices.iter().position(|d| d.device == device) {
+            return &mut self.devices[p];
+        }
+        let before = self.mm.ledger_in(self.registry, device);
+        let unheld: ByteSize = self
+            .registry
+            .iter()
+            .filter(|e| !Self::held(e))
+            .map(|e| e.model().resident_bytes(device))
+            .sum();
+        let start = before.saturating_sub(unheld);
+        let free_at_start = self
+            .mm
+            .free_in(self.registry, device)
+            .saturating_add(unheld);
+        self.devices.push(DeviceProjection {
+            device,
+            total: self.mm.policy.total_memory(device),
+            budgeted: self.mm.policy.is_budgeted(device),
+            before,
+            start,
+            free_at_start,
+            ledger: start,
+        });
+        self.devices.last_mut().unwrap_or_else(|| unreachable!())
+    }
+
+    /// Free memory on `device` after the steps planned so far.
+    fn free(&mut self, device: DeviceId) -> ByteSize {
+        self.device(device).free()
+    }
+
+    fn add(&mut self, device: DeviceId, bytes: ByteSize) {
+        let d = self.device(device);
+        d.ledger = d.ledger.saturating_add(bytes);
+    }
+
+    fn sub(&mut self, device: DeviceId, bytes: ByteSize) {
+        let d = self.device(device);
+        d.ledger = d.ledger.saturating_sub(bytes);
+    }
+
+    fn victim(&mut self, e: &Entry, device: DeviceId) -> usize {
+        let id = e.model().id();
+        if let Some(p) = self.victims.iter().position(|v| v.model_id == id) {
+            return p;
+        }
+        self.victims.push(Victim {
+            model_id: id,
+            remaining: e.model().state().resident_on(device),
+            gone: false,
+        });
+        self.victims.len() - 1
+    }
+
+    /// Projected resident bytes of entry `e` on `device`.
+    fn resident_of(&self, e: &Entry, device: DeviceId) -> ByteSize {
+        match self.victims.iter().find(|v| v.model_id == e.model().id()) {
+            Some(v) if v.gone => ByteSize::ZERO,
+            Some(v) => v.remaining.iter().map(|r| r.1).sum(),
+            None => e.model().resident_bytes(device),
+        }
+    }
+
+    /// Plans evicting models on `device` (not in `keep`, by model id) until more than `required`
+    /// bytes are free: candidates most offloaded first, then fewest outside handles, then
+    /// smallest, then most recently used; with smart memory each gives up only what is missing.
+    pub(super) fn evict(&mut self, required: ByteSize, device: DeviceId, keep: &[u64]) {
+        let registry = self.registry;
+        let mut candidates: Vec<(std::cmp::Reverse<ByteSize>, usize, ByteSize, usize)> = registry
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| Self::held(e) && e.device == device && !keep.contains(&e.model().id()))
+            .filter_map(|(i, e)| {
+                let resident = self.resident_of(e, device);
+                if resident == ByteSize::ZERO {
+                    return None;
+                }
+                let size = e.patcher.resident_model_size();
+                Some((
+                    std::cmp::Reverse(size.saturating_sub(resident)),
+                    e.outside_handles(),
+                    size,
+                    i,
+                ))
+            })
+            .collect();
+        candidates.sort();
+        let smart = !self.mm.policy.config().disable_smart_memory;
+        for (_, _, _, pos) in candidates {
+            let free = self.free(device);
+            // Without smart memory every candidate goes, as in ComfyUI.
+            if smart && free > required {
+                break;
+            }
+            let e = &registry[pos];
+            let v = self.victim(e, device);
+            let missing = required.saturating_sub(free);
+            let (indices, freed, fully) = if smart {
+                let dropped = selection::unload(&self.victims[v].remaining, missing);
+                let remaining = &mut self.victims[v].remaining;
+                let mut freed = ByteSize::ZERO;
+                remaining.retain(|&(i, b, _)| {
+                    let drop = dropped.contains(&i);
+                    if drop {
+                        freed = freed.saturating_add(b);
+                    }
+                    !drop
+                });
+                (dropped, freed, remaining.is_empty())
+            } else {
+                let all: Vec<usize> = self.victims[v].remaining.iter().map(|r| r.0).collect();
+                let freed = self.victims[v].remaining.iter().map(|r| r.1).sum();
+                self.victims[v].remaining.clear();
+                (all, freed, true)
+            };
+            self.sub(device, freed);
+            if fully {
+                self.victims[v].gone = true;
+                // A model unloaded fully loses its copies on every device.
+                for other in e.model().state().devices() {
+                    if other != device {
+                        let bytes = e.model().resident_bytes(other);
+                        self.sub(other, bytes);
+                    }
+                }
+            }
+            self.evictions.push(Eviction {
+                name: e.model().name().to_string(),
+                model_id: e.model().id(),
+                device,
+                freed,
+                fully,
+                required,
+                free,
+            });
+            self.steps.push(Step::Evict {
+                model_id: e.model().id(),
+                device,
+                indices,
+                fully,
+            });
+        }
+    }
+
+    /// The evictions planned, and their steps.
+    pub(super) fn into_evictions(self) -> (Vec<Eviction>, Vec<Step>) {
+        (self.evictions, self.steps)
+    }
+}
+
+/// Whether model `m` is in the registry (and held).
+fn registered(registry: &[Entry], m: &Arc<Model>) -> bool {
+    registry
+        .iter()
+        .any(|e| Arc::ptr_eq(e.model(), m) && Planner::held(e))
+}
+
+impl MemoryManager {
+    /// Plans loading `models` (and their additional models) with `options`: what
+    /// [`MemoryManager::load_models_gpu`] would do if called now, changing nothing. An engine can
+    /// ask whether a load fits ([`LoadPlan::fits`]) and what it would evict before committing.
+    ///
+    /// # Errors
+    /// Invalid requests, as `load_models_gpu` reports them: a patch chain that does not fit its
+    /// weight, an fp8 weight whose scale is not a finite non-zero number, a GPU the machine does
+    /// not have. A request that is valid but does not fit is an `Ok` plan with a
+    /// [`LoadPlan::problem`].
+    pub fn plan(&self, models: &[ModelPatcher], options: LoadOptions) -> Result<LoadPlan> {
+        let all = super::expand(models);
+        let inner = self.inner.lock();
+        self.plan_locked(&inner, &all, &options)
+    }
+
+    pub(super) fn plan_locked(
+        &self,
+        inner: &Inner,
+        all: &[ModelPatcher],
+        options: &LoadOptions,
+    ) -> Result<LoadPlan> {
+        for m in all {
+            self.validate_request(m)?;
+        }
+        let mut p = Planner::new(self, inner);
+        let reserve = self.policy.reserve().as_f64();
+        let min_inf = self.policy.minimum_inference_memory_f64();
+        let extra_mem = min_inf.max(options.memory_required.as_f64() + reserve);
+        let min_required = match options.minimum_memory_required {
+            Some(m) => min_inf.max(m.as_f64() + reserve),
+            None => extra_mem,
+        };
+        let views: Vec<Vec<WeightView>> = all
+            .iter()
+            .map(|m| m.weight_views(m.load_device()))
+            .collect();
+        let already: Vec<ByteSize> = views
+            .iter()
+            .map(|v| {
+                v.iter()
+                    .filter(|w| w.current)
+                    .map(|w| w.on_device.unwrap_or(ByteSize::ZERO))
+                    .sum()
+            })
+            .collect();
+
+        // Evictions, per device.
+        let mut devices: Vec<DeviceId> = all.iter().map(|m| m.load_device()).collect();
+        devices.sort();
+        devices.dedup();
+        let keep: Vec<u64> = all.iter().map(|m| m.model().id()).collect();
+        for &device in &devices {
+            p.device(device);
+            if !self.policy.is_scheduled(device) {
+                continue;
+            }
+            let to_load: ByteSize = all
+                .iter()
+                .zip(&already)
+                .filter(|(m, _)| m.load_device() == device)
+                .map(|(m, a)| m.resident_model_size().saturating_sub(*a))
+                .sum();
+            let want = to_load.as_f64() * 1.1 + extra_mem;
+            p.evict(ByteSize::from_f64(want), device, &keep);
+            if p.free(device).as_f64() < min_required {
+                p.evict(ByteSize::from_f64(min_required), device, &keep);
+            }
+        }
+
+        // Budgets and residency, per model in load order.
+        let mut models = Vec::with_capacity(all.len());
+        let mut problem = None;
+        for (k, m) in all.iter().enumerate() {
+            let device = m.load_device();
+            let views = &views[k];
+            let novram =
+                self.policy.vram_state() == VramState::NoVram && self.policy.is_scheduled(device);
+            let full = !novram && self.full_load(device, options);
+            let (mut want, budget) = if full {
+                (vec![true; views.len()], None)
+            } else if novram {
+                // ComfyUI gives this load a 0.1-byte budget: every castable weight streams, even
+                // with `force_full_load`.
+                (vec![false; views.len()], Some(ByteSize::ZERO))
+            } else {
+                let budget = weight_budget(
+                    p.free(device),
+                    already[k],
+                    min_required,
+                    min_inf,
+                    self.policy.weight_ratio(device),
+                );
+                let select = |budget: ByteSize| {
+                    if already[k] > ByteSize::ZERO {
+                        selection::grow(views, budget, options.force_patch_weights)
+                    } else {
+                        selection::from_scratch(views, budget, options.force_patch_weights, false)
+                    }
+                };
+                let mut want = select(budget);
+                let mut budget = budget;
+                // Room for the weights prefetched while this model streams (they are counted in
+                // the ledger): without it a partial load that takes every free byte (the 128 MiB
+                // floor on a small device) leaves prefetching nothing to work with.
+                let room_after = p
+                    .free(device)
+                    .saturating_add(already[k])
+                    .saturating_sub(selection::wanted_bytes(views, &want));
+                let needed = self.prefetch_room(views, &want, p.free(device), options);
+                if room_after < needed {
+                    budget = budget.saturating_sub(needed.saturating_sub(room_after));
+                    want = select(budget);
+                }
+                (want, Some(budget))
+            };
+            // What the ledger counts of this model now, per device.
+            let counted = registered(&inner.registry, m.model());
+            let here: ByteSize = if counted {
+                m.model().resident_bytes(device)
+            } else {
+                ByteSize::ZERO
+            };
+            let budgeted = self.policy.is_budgeted(device);
+            let total = self.policy.total_memory(device);
+            let base = p.device(device).ledger.saturating_sub(here);
+            if budgeted && problem.is_none() {
+                let after = base.saturating_add(selection::wanted_bytes(views, &want));
+                if after > total {
+                    if full {
+                        let size = m.resident_model_size();
+                        problem = Some(if size > total {
+                            PlanProblem::BudgetExceeded {
+                                model: m.model().name().to_string(),
+                                device,
+                                required: size,
+                                budget: total,
+                            }
+                        } else {
+                            PlanProblem::OutOfMemory {
+                                model: m.model().name().to_string(),
+                                device,
+                                required: selection::wanted_bytes(views, &want)
+                                    .saturating_sub(here),
+                                available: p.free(device),
+                            }
+                        });
+                    } else if !shrink_to_fit(views, &mut want, total.saturating_sub(base)) {
+                        problem = Some(PlanProblem::OutOfMemory {
+                            model: m.model().name().to_string(),
+                            device,
+                            required: selection::wanted_bytes(views, &want).saturating_sub(here),
+                            available: p.free(device),
+                        });
+                    }
+                }
+            }
+            let resident = selection::wanted_bytes(views, &want);
+            p.sub(device, here);
+            p.add(device, resident);
+            let mut to_drop = ByteSize::ZERO;
+            let st = m.model().state();
+            for other in st.devices() {
+                if other != device {
+                    let bytes = st.bytes_on(other);
+                    to_drop = to_drop.saturating_add(bytes);
+                    if counted {
+                        p.sub(other, bytes);
+                    }
+                }
+            }
+            drop(st);
+            let mut planned = PlannedLoad {
+                name: m.model().name().to_string(),
+                model_id: m.model().id(),
+                device,
+                full: want.iter().all(|&w| w),
+                weight_budget: budget,
+                already_loaded: already[k],
+                resident,
+                streaming: ByteSize::ZERO,
+                to_move: ByteSize::ZERO,
+                to_drop,
+                lazy_patched: 0,
+            };
+            for (w, &wanted) in views.iter().zip(&want) {
+                match (wanted, w.on_device, w.current) {
+                    (true, _, true) => {}
+                    (true, old, false) => {
+                        planned.to_move = planned.to_move.saturating_add(w.size);
+                        planned.to_drop = planned
+                            .to_drop
+                            .saturating_add(old.unwrap_or(ByteSize::ZERO));
+                    }
+                    (false, old, _) => {
+                        planned.streaming = planned.streaming.saturating_add(w.size);
+                        planned.to_drop = planned
+                            .to_drop
+                            .saturating_add(old.unwrap_or(ByteSize::ZERO));
+                        if w.patched {
+                            planned.lazy_patched += 1;
+                        }
+                    }
+                }
+            }
+            models.push(planned);
+            p.steps.push(Step::Load { k, want });
+        }
+        let devices = p
+            .devices
+            .iter()
+            .map(|d| PlannedDevice {
+                device: d.device,
+                total: d.total,
+                budgeted: d.budgeted,
+                ledger_before: d.before,
+                ledger_after: d.ledger,
+            })
+            .collect();
+        Ok(LoadPlan {
+            models,
+            evictions: p.evictions,
+            devices,
+            problem,
+            steps: p.steps,
+        })
+    }
+
+    /// Free memory a partial load leaves for streaming: the activation memory asked for plus
+    /// `depth` times the largest weight that will stream, when the engine prefetches — at most
+    /// half of what is free, so the window never crowds out residency.
+    fn prefetch_room(
+        &self,
+        views: &[WeightView],
+        want: &[bool],
+        free: ByteSize,
+        options: &LoadOptions,
+    ) -> ByteSize {
+        let depth = self.policy.config().prefetch_depth() as u64;
+        if self.engine.lanes() == 0 || depth == 0 {
+            return ByteSize::ZERO;
+        }
+        let largest = views
+            .iter()
+            .zip(want)
+            .filter(|(_, &w)| !w)
+            .map(|(v, _)| v.size)
+            .max()
+            .unwrap_or(ByteSize::ZERO);
+        if largest == ByteSize::ZERO {
+            return ByteSize::ZERO;
+        }
+        ByteSize(largest.bytes().saturating_mul(depth))
+            .saturating_add(options.memory_required)
+            .min(ByteSize(free.bytes() / 2))
+    }
+
+    /// The checks that can fail for a reason other than memory, made before anything moves.
+    fn validate_request(&self, m: &ModelPatcher) -> Result<()> {
+        if let DeviceId::Cuda(n) = m.load_device() {
+            if self.policy.hardware().gpu(n).is_none() {
+                return Err(Error::Device {
+                    device: m.load_device().to_string(),
+                    reason: format!(
+                        "model `{}` is set to load on a GPU this machine does not have",
+                        m.model().name()
+                    ),
+                });
+            }
+        }
+        m.validate()
+    }
+}
+
+/// Drops wanted, unpinned weights smallest first until the wanted bytes are at most `room`.
+/// Returns whether that was enough.
+fn shrink_to_fit(views: &[WeightView], want: &mut [bool], room: ByteSize) -> bool {
+    let mut order: Vec<(ByteSize, usize)> = views
+        .iter()
+        .enumerate()
+        .filter(|(i, w)| want[*i] && !w.pinned)
+        .map(|(i, w)| (w.size, i))
+        .collect();
+    order.sort();
+    let mut bytes = selection::wanted_bytes(views, want);
+    for (size, i) in order {
+        if bytes <= room {
+            break;
+        }
+        want[i] = false;
+        bytes = bytes.saturating_sub(size);
+    }
+    bytes <= room
+}
