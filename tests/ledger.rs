@@ -1,0 +1,303 @@
+//! The ledger never lies: ComfyUI's facts through the public API, pinned weights next to loads,
+//! prefetch under a live bound, loads that fail before anything moves, and the public plan.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use residency::loader::{LoadOptions, MemoryManager, PlanProblem};
+use residency::offload::fetch_weight;
+use residency::patcher::ModelPatcher;
+use residency::vram::{Config, DeviceId, Hardware};
+use residency::weights::Model;
+use residency::{ByteSize, Dtype, Error};
+
+const CPU: DeviceId = DeviceId::Cpu;
+const KIB: u64 = 1024;
+
+/// A real f32 model whose weights take `sizes` bytes each (multiples of 4).
+fn kib_model(name: &str, sizes: &[u64]) -> ModelPatcher {
+    let tensors = sizes.iter().enumerate().map(|(i, &bytes)| {
+        (
+            format!("w{i}"),
+            rand_tensor(&[(bytes / 4) as usize], i as u64 + 17),
+        )
+    });
+    cpu_patcher(Model::from_tensors(name, tensors).unwrap())
+}
+
+/// A budgeted CPU manager for KiB-sized models: no reserve, a 1 KiB inference minimum.
+fn small_manager(budget: ByteSize, extra: &[&str]) -> MemoryManager {
+    let mut flags = vec!["--reserve-vram", "0", "--inference-memory", "1KiB"];
+    flags.extend_from_slice(extra);
+    manager(budget, &flags)
+}
+
+fn registered(mm: &MemoryManager) -> Vec<(String, ByteSize)> {
+    mm.loaded_models()
+        .iter()
+        .map(|m| (m.name.clone(), m.resident))
+        .collect()
+}
+
+#[test]
+fn an_already_loaded_model_gets_the_extra_budget_comfyui_gives_it() {
+    // 5 GiB device; M (8 × 1 GiB) loaded with 2 GiB resident; 3 GiB free; memory_required 1 GiB
+    // ⇒ ComfyUI's extra weight budget is 1728053248 bytes beyond the loaded 2 GiB.
+    let mm = manager(ByteSize::gib(5), &[]);
+    let m = cpu_patcher(virtual_model("M", &[GIB; 8]));
+    let first = LoadOptions::default().with_memory_required(ByteSize::gib(2));
+    let r = mm.load_models_gpu(std::slice::from_ref(&m), first).unwrap();
+    assert_eq!(r.models[0].resident, ByteSize::gib(2), "{r}");
+    assert_eq!(mm.get_free_memory(CPU), ByteSize::gib(3));
+
+    let opts = LoadOptions::default().with_memory_required(ByteSize::gib(1));
+    let plan = mm.plan(std::slice::from_ref(&m), opts).unwrap();
+    assert!(plan.fits());
+    assert!(plan.evictions.is_empty(), "the model never evicts itself");
+    let p = &plan.models[0];
+    assert_eq!(p.already_loaded, ByteSize::gib(2));
+    assert_eq!(p.weight_budget, Some(ByteSize(1728053248)));
+    // One more 1 GiB weight fits below 1.61 GiB: not a full reload, nothing dropped.
+    assert_eq!(p.to_move, ByteSize::gib(1));
+    assert_eq!(p.to_drop, ByteSize::ZERO);
+    assert_eq!(p.resident, ByteSize::gib(3));
+
+    let r = mm.load_models_gpu(std::slice::from_ref(&m), opts).unwrap();
+    assert_eq!(r.moved(), ByteSize::gib(1), "{r}");
+    assert!(r.evicted.is_empty(), "{r}");
+    assert_eq!(m.loaded_size(), ByteSize::gib(3));
+    assert_eq!(mm.ledger(CPU), ByteSize::gib(3));
+}
+
+#[test]
+fn pinned_weights_of_a_model_being_loaded_never_push_the_ledger_over_budget() {
+    let budget = ByteSize::kib(160);
+    let mm = small_manager(budget, &[]);
+    let a = kib_model("A", &[10 * KIB; 5]);
+    let b = kib_model("B", &[20 * KIB, 17 * KIB]);
+    let c = kib_model("C", &[14 * KIB; 7]);
+    for m in [&a, &b] {
+        mm.load_model_gpu(m).unwrap();
+    }
+    assert_eq!(mm.ledger(CPU), ByteSize::kib(87));
+    b.pin_weight_to_device("w0").unwrap();
+    b.pin_weight_to_device("w1").unwrap();
+    let r = mm
+        .load_models_gpu(&[c.clone(), b.clone()], LoadOptions::default())
+        .unwrap();
+    assert!(mm.ledger(CPU) <= budget, "{r}\nledger {}", mm.ledger(CPU));
+    assert!(mm.peak_ledger(CPU) <= budget);
+    assert_eq!(b.loaded_size(), ByteSize::kib(37), "pinned weights stay");
+    let names: Vec<String> = registered(&mm).into_iter().map(|m| m.0).collect();
+    assert_eq!(names[..2], ["B", "C"], "last loaded first");
+}
+
+#[test]
+fn a_forced_full_load_that_pins_block_fails_before_anything_is_evicted() {
+    let budget = ByteSize::kib(100);
+    let mm = small_manager(budget, &[]);
+    let other = kib_model("other", &[8 * KIB; 7]);
+    mm.load_model_gpu(&other).unwrap();
+    for i in 0..7 {
+        other.pin_weight_to_device(&format!("w{i}")).unwrap();
+    }
+    let big = kib_model("big", &[15 * KIB; 4]);
+    let before = registered(&mm);
+    let full = LoadOptions::default().with_force_full_load(true);
+    let plan = mm.plan(std::slice::from_ref(&big), full).unwrap();
+    assert!(!plan.fits());
+    assert!(
+        matches!(&plan.problem, Some(PlanProblem::OutOfMemory { model, .. }) if model == "big"),
+        "{:?}",
+        plan.problem
+    );
+    let err = mm
+        .load_models_gpu(std::slice::from_ref(&big), full)
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::OutOfMemory { .. }) && err.is_retryable(),
+        "{err}"
+    );
+    assert_eq!(registered(&mm), before, "nothing was evicted");
+    assert_eq!(other.loaded_size(), ByteSize::kib(56), "all 7 weights kept");
+    assert_eq!(big.model().resident_bytes_total(), ByteSize::ZERO);
+    // Unpinned, the same load evicts `other` and fits.
+    other.unpin_all_weights();
+    let r = mm
+        .load_models_gpu(std::slice::from_ref(&big), full)
+        .unwrap();
+    assert!(r.models[0].full && mm.ledger(CPU) <= budget, "{r}");
+}
+
+#[test]
+fn a_load_that_can_never_fit_is_a_budget_error_and_changes_nothing() {
+    let mm = small_manager(ByteSize::kib(64), &["--highvram"]);
+    let a = kib_model("A", &[16 * KIB; 2]);
+    mm.load_model_gpu(&a).unwrap();
+    let big = kib_model("big", &[40 * KIB; 2]);
+    let err = mm.load_model_gpu(&big).unwrap_err();
+    assert!(
+        matches!(&err, Error::BudgetExceeded { required, budget, .. }
+            if *required == ByteSize::kib(80) && *budget == ByteSize::kib(64)),
+        "{err}"
+    );
+    assert_eq!(registered(&mm), [("A".to_string(), ByteSize::kib(32))]);
+}
+
+#[test]
+fn novram_streams_every_weight_even_with_force_full_load() {
+    let mm = small_manager(ByteSize::mib(8), &["--novram"]);
+    let m = kib_model("M", &[16 * KIB; 4]);
+    let full = LoadOptions::default().with_force_full_load(true);
+    let plan = mm.plan(std::slice::from_ref(&m), full).unwrap();
+    assert_eq!(plan.models[0].weight_budget, Some(ByteSize::ZERO));
+    let r = mm.load_models_gpu(std::slice::from_ref(&m), full).unwrap();
+    assert_eq!(r.models[0].resident, ByteSize::ZERO, "{r}");
+    assert_eq!(r.models[0].streaming, ByteSize::kib(64));
+    assert!(!r.models[0].full);
+}
+
+#[test]
+fn the_plan_predicts_the_load_exactly() {
+    let mm = small_manager(ByteSize::kib(100), &[]);
+    let a = kib_model("A", &[12 * KIB; 4]);
+    let b = kib_model("B", &[9 * KIB; 5]);
+    mm.load_model_gpu(&a).unwrap();
+    mm.load_model_gpu(&b).unwrap();
+    let c = kib_model("C", &[20 * KIB, 16 * KIB, 8 * KIB, 4 * KIB]);
+    let opts = LoadOptions::default().with_memory_required(ByteSize::kib(10));
+    let plan = mm.plan(std::slice::from_ref(&c), opts).unwrap();
+    // Asking changed nothing.
+    assert_eq!(mm.ledger(CPU), ByteSize::kib(93));
+    assert_eq!(c.model().resident_bytes_total(), ByteSize::ZERO);
+    let r = mm.load_models_gpu(std::slice::from_ref(&c), opts).unwrap();
+    assert_eq!(r.evicted, plan.evictions);
+    assert_eq!(r.models[0].resident, plan.models[0].resident);
+    assert_eq!(r.models[0].streaming, plan.models[0].streaming);
+    assert_eq!(r.moved(), plan.bytes_to_move());
+    let after = plan.devices.iter().find(|d| d.device == CPU).unwrap();
+    assert_eq!(after.ledger_after, mm.ledger(CPU));
+    assert_eq!(after.ledger_before, ByteSize::kib(93));
+}
+
+#[test]
+fn a_gpu_the_machine_does_not_have_is_refused_at_plan_time() {
+    let mm = small_manager(ByteSize::kib(64), &[]);
+    let m = ModelPatcher::new(
+        Arc::new(Model::from_tensors("g", [("w", rand_tensor(&[4], 1))]).unwrap()),
+        DeviceId::Cuda(3),
+        CPU,
+    );
+    let err = mm.plan(std::slice::from_ref(&m), LoadOptions::default());
+    assert!(
+        matches!(&err, Err(Error::Device { device, .. }) if device == "cuda:3"),
+        "{err:?}"
+    );
+}
+
+/// A 2-layer-deep MLP of `layers` square f32 weights (`width`²), streamed through lanes.
+fn mlp(layers: usize, width: usize, seed: u64) -> ModelPatcher {
+    let tensors = (0..layers).map(|l| {
+        let w = (rand_tensor(&[width, width], seed + l as u64) * 0.2).unwrap();
+        (format!("layers.{l}.weight"), w)
+    });
+    let m = Model::from_tensors(format!("mlp{seed}"), tensors).unwrap();
+    cpu_patcher(m)
+}
+
+fn forward(p: &ModelPatcher, layers: usize, width: usize) -> Vec<f32> {
+    let mut x = Tensor::ones((2, width), DType::F32, &Device::Cpu).unwrap();
+    for l in 0..layers {
+        let (w, _) = fetch_weight(p, &format!("layers.{l}.weight")).unwrap();
+        x = x.matmul(&w.t().unwrap()).unwrap().tanh().unwrap();
+    }
+    p.model().finish_forward();
+    f32s(&x)
+}
+
+#[test]
+fn prefetch_stays_within_the_budget_less_the_model_own_resident_bytes() {
+    // 291 KiB of weights under a 200 KiB budget with two lanes prefetching: the prefetch bound
+    // must see the model's own resident bytes and every later change.
+    let budget = ByteSize::kib(200);
+    let mm = small_manager(budget, &["--async-offload", "2"]);
+    let m = mlp(9, 90, 5); // 9 × 90² f32 = 291600 bytes
+    let r = mm.load_model_gpu(&m).unwrap();
+    assert!(!r.models[0].full, "{r}");
+    let reference = {
+        let mm2 = small_manager(ByteSize::mib(4), &[]);
+        let full = mlp(9, 90, 5);
+        mm2.load_model_gpu(&full).unwrap();
+        forward(&full, 9, 90)
+    };
+    for _ in 0..3 {
+        assert_eq!(forward(&m, 9, 90), reference, "streamed == resident");
+        assert!(mm.ledger(CPU) <= budget);
+    }
+    assert!(mm.transfer_stats().prefetch_hits > 0, "lanes prefetched");
+    assert!(
+        mm.peak_ledger(CPU) <= budget,
+        "peak {} over {budget}",
+        mm.peak_ledger(CPU)
+    );
+}
+
+#[test]
+fn threads_sharing_a_budget_with_lanes_never_overrun_it() {
+    let budget = ByteSize::kib(320);
+    let mm = Arc::new(small_manager(budget, &["--async-offload", "2"]));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(1500);
+    let handles: Vec<_> = (0..8)
+        .map(|t| {
+            let mm = Arc::clone(&mm);
+            std::thread::spawn(move || {
+                let m = mlp(6, 64 + 8 * (t % 3), 100 + t as u64);
+                let width = 64 + 8 * (t % 3);
+                let mut over = 0u32;
+                let mut n = 0u32;
+                while std::time::Instant::now() < deadline {
+                    mm.load_model_gpu(&m).unwrap();
+                    forward(&m, 6, width);
+                    if mm.ledger(CPU) > budget {
+                        over += 1;
+                    }
+                    n += 1;
+                }
+                (over, n)
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for h in handles {
+        let (over, n) = h.join().unwrap();
+        assert_eq!(over, 0, "ledger seen over budget");
+        total += n;
+    }
+    assert!(total > 8, "threads made progress");
+    assert!(mm.peak_ledger(CPU) <= budget, "peak {}", mm.peak_ledger(CPU));
+}
+
+#[test]
+fn a_dtype_change_between_clones_cannot_grow_past_the_budget() {
+    // bf16 storage resident as bf16 (A) then as f32 (a clone computing in f32): the rebuilt
+    // copies double in size; the plan shrinks the resident set instead of overrunning.
+    let budget = ByteSize::kib(48);
+    let mm = small_manager(budget, &[]);
+    let t = (0..4).map(|i| {
+        let w = rand_tensor(&[2048], i)
+            .to_dtype(DType::BF16)
+            .unwrap();
+        (format!("w{i}"), w)
+    });
+    let model = Arc::new(Model::from_tensors("m", t).unwrap());
+    let a = ModelPatcher::new(Arc::clone(&model), CPU, CPU);
+    mm.load_model_gpu(&a).unwrap();
+    assert_eq!(mm.ledger(CPU), ByteSize::kib(16));
+    let wide = a.clone().with_compute_dtype(Some(Dtype::F32));
+    let r = mm.load_model_gpu(&wide).unwrap();
+    assert!(mm.ledger(CPU) <= budget, "{r}");
+    assert!(mm.peak_ledger(CPU) <= budget);
+}
