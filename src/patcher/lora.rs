@@ -91,7 +91,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::patcher::patch::{GLora, LoHa, LoKr, Lora, Oft, Patch};
+use crate::patcher::adapters::{GLora, LoHa, LoKr, Lora, Oft, Patch};
 
 pub mod unet;
 

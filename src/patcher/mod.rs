@@ -3,20 +3,27 @@
 //! - [`ModelPatcher`]: the per-use handle — `Arc<Model>` + its own patch set + devices + options;
 //!   cloning is cheap and copy-on-write (see its `# Sharing` section); loading, partial loading and
 //!   unloading choose which weights are resident.
-//! - [`patch`]: patch kinds (`Diff`, `Set`, LoRA, LoHa, LoKr, GLoRA, OFT, DoRA) and their exact f32 math.
+//! - [`adapters`]: patch kinds (`Diff`, `Set`, LoRA, LoHa, LoKr, GLoRA, OFT, DoRA), one file per
+//!   kind with its shape rule and its exact f32 math; [`patch`] is its earlier name.
 //! - [`lora`]: reading LoRA files onto a model's weight names.
 //!
 //! Patches never modify base weights; they are applied to copies, in f32, then rounded back to the
 //! storage dtype (nearest-even for f16/bf16, seeded stochastic rounding for fp8), so every path
 //! that asks for a patched weight gets the same bits.
 
+pub mod adapters;
 pub mod lora;
 mod model_patcher;
-pub mod patch;
 
+/// The patch kinds under their earlier path: [`adapters`] re-exported, so code that names
+/// `residency::patcher::patch::…` keeps compiling.
+pub mod patch {
+    pub use super::adapters::*;
+}
+
+pub use adapters::{DoraNorm, GLora, LoHa, LoKr, Lora, Offset, Oft, Patch, PatchEntry};
 pub(crate) use model_patcher::cast_weight;
 pub use model_patcher::{
     LoadOutcome, MemoryEstimator, ModelPatcher, PatchKey, PatchSet, PatcherOptions, SetEntry,
     WeightWrapper, WEIGHT_SCALE_SUFFIX,
 };
-pub use patch::{DoraNorm, GLora, LoHa, LoKr, Lora, Offset, Oft, Patch, PatchEntry};

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use super::patch::{self, DoraNorm, Offset, Patch, PatchEntry};
+use super::adapters::{self, DoraNorm, Offset, Patch, PatchEntry};
 use crate::error::{Error, Result};
 use crate::float::{self, Dtype, Rounding};
 use crate::size::ByteSize;
@@ -326,7 +326,7 @@ impl ModelPatcher {
                 .map(|e| e.entry.clone())
                 .collect();
             chain.extend(new.iter().cloned());
-            patch::patched_shape(key, slot.shape(), &chain)?;
+            adapters::patched_shape(key, slot.shape(), &chain)?;
         }
         let set = Arc::make_mut(&mut self.patches);
         let mut matched = Vec::with_capacity(staged.len());
@@ -430,7 +430,7 @@ impl ModelPatcher {
                 .affine(f64::from(s), 0.0)
                 .map_err(|e| Error::tensor(format!("`{}`: applying its scale", slot.name()), e))?;
         }
-        let mut patched = patch::apply(slot.name(), &w, &chain, self.options.dora)?;
+        let mut patched = adapters::apply(slot.name(), &w, &chain, self.options.dora)?;
         if let Some(s) = scale {
             patched = (patched / f64::from(s))
                 .map_err(|e| Error::tensor(format!("`{}`: removing its scale", slot.name()), e))?;
