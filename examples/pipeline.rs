@@ -26,7 +26,7 @@ use residency::ops::{
     Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig, GroupNorm, LayerNorm, Linear,
     OpsBuilder, OpsMode, OpsSource,
 };
-use residency::patcher::{lora, ModelPatcher};
+use residency::patcher::{lora_file, ModelPatcher};
 use residency::vram::{Config, DeviceId, Hardware};
 use residency::weights::{save_safetensors, Model, SafetensorsOptions};
 use residency::{ByteSize, Error, Result};
@@ -237,7 +237,7 @@ fn build_checkpoints(dir: &Path) -> Result<()> {
         &de,
         &SafetensorsOptions::default(),
     )?;
-    // A LoRA for the denoiser's attention, in kohya naming (read back through `lora::load`).
+    // A LoRA for the denoiser's attention, in kohya naming (read back through `lora_file::load`).
     let mut lo: Vec<(String, Tensor, Dtype)> = Vec::new();
     for b in 0..BLOCKS / 2 {
         for n in ["q", "v"] {
@@ -564,7 +564,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     }));
     let de = ModelPatcher::new(de_model, device, offload);
     let mut styled = base.clone();
-    let lora = lora::load(
+    let lora = lora_file::load(
         args.cache.join("style_lora.safetensors"),
         base.model().keys(),
     )?;
