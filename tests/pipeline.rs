@@ -2,7 +2,7 @@
 //! async setting (DESIGN I3), the budget never exceeded, and a valid JSON report.
 
 #[allow(dead_code)]
-#[path = "../examples/pipeline.rs"]
+#[path = "../examples/pipeline/main.rs"]
 mod pipeline;
 
 fn run(cache: &std::path::Path, flags: &[&str]) -> pipeline::PipelineReport {
