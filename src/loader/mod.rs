@@ -2,13 +2,13 @@
 //!
 //! A [`MemoryManager`] owns the registry of loaded models (most recently used first) and computes
 //! each scheduled device's ledger from it: the ledger of a device is the sum of the resident bytes
-//! of the registered models on it, so it is exact by construction (DESIGN I2). A budgeted device's
-//! free memory is its total minus the ledger; a CUDA device without a budget reports the driver's
-//! free memory.
+//! of the registered models on it, so it is exact by construction (I2, docs/ARCHITECTURE.md §4.2).
+//! A budgeted device's free memory is its total minus the ledger; a CUDA device without a budget
+//! reports the driver's free memory.
 //!
-//! [`MemoryManager::load_models_gpu`] follows DESIGN §8: drop entries whose patchers were all
-//! dropped; work out `extra_mem` and the minimum; evict other models until the bytes still to load
-//! (×1.1) plus `extra_mem` are free; then give each model its weight budget
+//! [`MemoryManager::load_models_gpu`] follows docs/ARCHITECTURE.md §5: drop entries whose patchers
+//! were all dropped; work out `extra_mem` and the minimum; evict other models until the bytes still
+//! to load (×1.1) plus `extra_mem` are free; then give each model its weight budget
 //! ([`weight_budget`]) and load it fully or partially. Eviction order
 //! ([`MemoryManager::free_memory`]): most offloaded bytes first, then fewest outside handles, then
 //! smallest, then most recently used; smart memory unloads each victim only by what is missing.
@@ -73,7 +73,7 @@ impl LoadOptions {
 /// 128 MiB: the smallest weight budget a partial load gets.
 pub const MIN_WEIGHT_BUDGET: ByteSize = ByteSize::mib(128);
 
-/// The weight budget of a partial load (DESIGN §8 step 5), pure:
+/// The weight budget of a partial load (docs/ARCHITECTURE.md §5, step 7), pure:
 /// `max(128 MiB, free_now − minimum_memory_required, min(free_now × ratio, free_now −
 /// minimum_inference_memory)) − already_loaded`, at least one byte and never more than `free`,
 /// where `free_now = free + already_loaded`.
@@ -240,9 +240,9 @@ impl MemoryManager {
             .unwrap_or(ByteSize::ZERO)
     }
 
-    /// Loads `models` (and their additional models) onto their load devices following DESIGN §8,
-    /// evicting other models as needed. On error nothing already loaded is lost beyond what
-    /// eviction freed, and the failing model is unchanged.
+    /// Loads `models` (and their additional models) onto their load devices following
+    /// docs/ARCHITECTURE.md §5, evicting other models as needed. On error nothing already loaded is
+    /// lost beyond what eviction freed, and the failing model is unchanged.
     pub fn load_models_gpu(
         &self,
         models: &[ModelPatcher],

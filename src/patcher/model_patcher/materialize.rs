@@ -15,7 +15,7 @@ use crate::weights::SlotResidency;
 impl ModelPatcher {
     /// The patched weight `key` in its storage dtype on the host: patches applied in f32, then
     /// rounded to nearest-even (f16/bf16) or stochastically with the key's seed (fp8). The same
-    /// bits whichever path asks (DESIGN I3).
+    /// bits whichever path asks (I3, docs/ARCHITECTURE.md §4.3).
     pub fn patched_weight(&self, key: &str) -> Result<Tensor> {
         let index = self.index_of(key)?;
         self.patched_storage(index)
@@ -214,9 +214,9 @@ impl ModelPatcher {
     }
 }
 
-/// Casts a weight from dtype `from` to `to` the one way every path does (DESIGN I3): through f32,
-/// rounding to nearest-even. Identity when the dtypes agree. On the CPU this uses
-/// [`float::to_f32`]/[`float::from_f32`]; on other devices candle's cast (also RNE).
+/// Casts a weight from dtype `from` to `to` the one way every path does (I3, docs/ARCHITECTURE.md
+/// §4.3): through f32, rounding to nearest-even. Identity when the dtypes agree. On the CPU this
+/// uses [`float::to_f32`]/[`float::from_f32`]; on other devices candle's cast (also RNE).
 pub(crate) fn cast_weight(t: &Tensor, from: Dtype, to: Dtype) -> Result<Tensor> {
     if from == to {
         return Ok(t.clone());

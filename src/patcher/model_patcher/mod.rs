@@ -152,7 +152,7 @@ pub struct LoadOutcome {
 ///   (attachments and wrappers by `Arc`, copy-on-write).
 ///   The clone records its parent's id ([`ModelPatcher::parent_id`]).
 /// - Nothing a clone does changes the original's patches, and no patcher ever changes a clean
-///   weight (DESIGN I1): patched values are always new tensors.
+///   weight (I1, docs/ARCHITECTURE.md §4.1): patched values are always new tensors.
 /// - Resident copies belong to the model and carry the fingerprint of the patch list they were
 ///   built from. A clone with different patches re-materializes only the weights whose patch lists
 ///   differ; other patchers see a stale fingerprint and stream those weights until they load again.
@@ -295,10 +295,10 @@ impl ModelPatcher {
     }
 
     /// Adds patches. Keys not in the model are ignored (not returned); every patch for a known key
-    /// is validated against the weight's shape (after the patches already there) before anything
-    /// is added, and one bad patch rejects the whole call with an error naming key and shapes
-    /// (DESIGN I4). `strength_patch` scales each patch; `strength_model` scales the weight
-    /// accumulated so far. Returns the keys that matched, in input order.
+    /// is validated against the weight's shape (after the patches already there) before anything is
+    /// added, and one bad patch rejects the whole call with an error naming key and shapes (I4,
+    /// docs/ARCHITECTURE.md §4.4). `strength_patch` scales each patch; `strength_model` scales the
+    /// weight accumulated so far. Returns the keys that matched, in input order.
     pub fn add_patches<K, I>(
         &mut self,
         patches: I,
