@@ -8,6 +8,7 @@ use candle_core::{DType, Tensor};
 
 use crate::patcher::adapters::{GLora, LoHa, LoKr, Lora, Oft, Patch};
 
+/// The part of a patch a file tensor holds, named by its suffix ([`SUFFIXES`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(super) enum PartKind {
     Up,
