@@ -1,6 +1,6 @@
 //! LoRA merge throughput against the machine's own limits, measured in the same run.
 //!
-//! `patch::apply` of a rank-16 and a rank-64 LoRA on a 4096×4096 f32 weight, next to the naive
+//! `adapters::apply` of a rank-16 and a rank-64 LoRA on a 4096×4096 f32 weight, next to the naive
 //! way of doing the same work with plain candle: the matmul `up[4096×r] · down[r×4096]` and the
 //! 4096×4096 add. The merge cannot beat `matmul + add`; a ratio near 1 means the patch path adds
 //! no overhead of its own. Throughput is reported in bytes of merged weight written.
@@ -13,7 +13,7 @@ use candle_core::Tensor;
 use criterion::{Criterion, Throughput};
 
 mod common;
-use residency::patcher::{patch, DoraNorm, Lora, Patch, PatchEntry};
+use residency::patcher::{adapters, DoraNorm, Lora, Patch, PatchEntry};
 
 const N: usize = 4096;
 const RANKS: [usize; 2] = [16, 64];
@@ -47,7 +47,7 @@ fn bench(c: &mut Criterion) {
         });
         g.bench_function(format!("apply_r{r}"), |b| {
             common::timed(b, &format!("apply_r{r}"), || {
-                patch::apply("w", &w, &entries, DoraNorm::Standard).expect("apply")
+                adapters::apply("w", &w, &entries, DoraNorm::Standard).expect("apply")
             })
         });
     }
@@ -77,7 +77,7 @@ fn summary() {
     for r in RANKS {
         let apply = median_ms(&format!("apply_r{r}"));
         let mm = median_ms(&format!("matmul_r{r}"));
-        let op = format!("patch::apply rank {r}");
+        let op = format!("adapters::apply rank {r}");
         row(&op, apply, "candle matmul + add (naive)", mm + add);
         row(&op, apply, &format!("candle matmul {N}x{r}x{N}"), mm);
         row(&op, apply, &format!("candle add {N}x{N}"), add);

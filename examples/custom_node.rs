@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use residency::patcher::{lora, ModelPatcher};
+use residency::patcher::{lora_file, ModelPatcher};
 use residency::weights::{save_safetensors, SafetensorsOptions};
 use residency::{DeviceId, Dtype, Model, Result};
 
@@ -17,7 +17,7 @@ fn lora_node(
     strength: f32,
 ) -> Result<ModelPatcher> {
     let mut out = input.clone(); // shares weights; patches are copied on write
-    let loaded = lora::load(lora_file, input.model().keys())?;
+    let loaded = lora_file::load(lora_file, input.model().keys())?;
     let keys = out.add_patches(loaded.patches, strength, 1.0)?;
     println!(
         "lora node: patched {} weights, ignored {:?}",

@@ -21,7 +21,7 @@ use residency::float::Dtype;
 use residency::loader::{LoadOptions, MemoryManager};
 use residency::models::bert::{self, Bert, BertConfig, BertOptions};
 use residency::ops::pick_operations;
-use residency::patcher::{lora, ModelPatcher};
+use residency::patcher::{lora_file, ModelPatcher};
 use residency::vram::{Config, DeviceId, Hardware};
 
 struct Args {
@@ -130,7 +130,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let mut patcher = ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu);
     for (file, strength) in &args.loras {
         let keys: Vec<String> = patcher.model().keys().map(str::to_string).collect();
-        let l = lora::load(file.as_path(), keys.iter().map(String::as_str))?;
+        let l = lora_file::load(file.as_path(), keys.iter().map(String::as_str))?;
         let matched = patcher.add_patches(l.patches, *strength, 1.0)?;
         eprintln!(
             "lora {}: {} weights patched at strength {strength}, {} names unmatched",

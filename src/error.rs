@@ -9,7 +9,8 @@
 //! - *bad input*: configuration, sizes, files, patches, shapes — fix the input.
 //!
 //! Messages name the model, the weight key and the sizes involved, so a user can act on them
-//! without a debugger. A failed call never changes what was already loaded (DESIGN I4).
+//! without a debugger. A failed call never changes what was already loaded (I4,
+//! docs/ARCHITECTURE.md §4.4).
 
 use std::path::PathBuf;
 

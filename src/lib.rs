@@ -38,18 +38,22 @@
 //!
 //! ## Module map, in dependency order (no cycles)
 //!
-//! `error`, `size` (leaves) → [`float`] (casts, fp8, stochastic rounding) → [`vram`] (config,
-//! hardware probe, VRAM state, device helpers, dtype policy) → [`weights`] (models as named slots,
-//! residency) → [`patcher`] (ModelPatcher, patch math, LoRA files) → [`offload`] (staging pool,
-//! transfer lanes, prefetch) → [`ops`] (layers), [`attention`] (backends, dispatcher) → [`loader`]
-//! (the memory manager, the global API) → [`models`] (BERT), [`tools`] (LoRA merging).
+//! `error`, `size` (leaves) → [`float`] (dtypes, casts, fp8, stochastic rounding) → [`vram`]
+//! (config, hardware probe, VRAM state, device helpers, dtype policy) → [`weights`] (models as
+//! named slots, residency) → [`patcher`] (ModelPatcher; patch kinds in [`patcher::adapters`], one
+//! file per kind; LoRA files in [`patcher::lora_file`]) → [`offload`] (staging pool, transfer
+//! lanes, prefetch) → [`ops`] (layers), [`attention`] (backends, memory plans, dispatcher) →
+//! [`loader`] (the memory manager, the global API) → [`models`] (BERT), [`tools`] (LoRA merging).
+//!
+//! The design — memory tiers, the invariants and their tests, the load algorithm, the transfer
+//! path, the lock table, and where each lives — is in `docs/ARCHITECTURE.md`.
 //!
 //! ## Invariants
 //!
 //! - **I1** clean weights are immutable; **I2** each device's ledger is exact and bounded by its
 //!   budget; **I3** a streamed weight gives bit-identical outputs to a resident one; **I4** a
 //!   failed call changes nothing loaded; **I5** handles are `Send + Sync`, and every lock has a
-//!   rank (the table is in [`loader`]).
+//!   rank (the table is in [`loader`]). `docs/ARCHITECTURE.md` §4 says how each is kept and tested.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 

@@ -3,7 +3,7 @@
 //!
 //! [`merge_files`] (the `lora_merge` example) bakes LoRA-style patches into a checkpoint: it reads
 //! the base model ([`Model::from_safetensors`]), maps each LoRA file onto the model's keys
-//! ([`lora::load`]), adds the patches to a [`ModelPatcher`] at their strengths, merges
+//! ([`lora_file::load`]), adds the patches to a [`ModelPatcher`] at their strengths, merges
 //! ([`ModelPatcher::patched_state_dict`]: patch math in f32, one rounding back to each weight's
 //! storage dtype) and writes a safetensors file with exactly the base's tensor names and shapes.
 //! Non-float tensors of the base (position ids and similar buffers, which a [`Model`] does not
@@ -31,7 +31,7 @@ use candle_core::Tensor;
 
 use crate::error::{Error, Result};
 use crate::float::{self, Dtype, Rounding};
-use crate::patcher::{lora, ModelPatcher};
+use crate::patcher::{lora_file, ModelPatcher};
 use crate::vram::DeviceId;
 use crate::weights::{self, Model, SafetensorsOptions};
 
@@ -198,7 +198,7 @@ pub struct LoraMerged {
     pub strength: f32,
     /// The model keys it patched, in model order.
     pub patched_keys: Vec<String>,
-    /// Its tensors that patched nothing ([`lora::LoraLoad::unmatched_lora_keys`]), sorted.
+    /// Its tensors that patched nothing ([`lora_file::LoraLoad::unmatched_lora_keys`]), sorted.
     pub ignored_lora_keys: Vec<String>,
 }
 
@@ -288,7 +288,7 @@ pub fn merge_files(config: &MergeConfig) -> Result<MergeReport> {
     let mut loras = Vec::with_capacity(config.loras.len());
     for l in &config.loras {
         let strength = l.strength.unwrap_or(config.strength);
-        let loaded = lora::load(l.path.as_path(), model.keys())?;
+        let loaded = lora_file::load(l.path.as_path(), model.keys())?;
         patcher
             .add_patches(loaded.patches, strength, 1.0)
             .map_err(|e| Error::File {

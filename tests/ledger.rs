@@ -10,7 +10,7 @@ use common::*;
 use residency::loader::{LoadOptions, MemoryManager, PlanProblem};
 use residency::offload::fetch_weight;
 use residency::patcher::ModelPatcher;
-use residency::vram::{Config, DeviceId, Hardware};
+use residency::vram::DeviceId;
 use residency::weights::Model;
 use residency::{ByteSize, Dtype, Error};
 
@@ -277,7 +277,11 @@ fn threads_sharing_a_budget_with_lanes_never_overrun_it() {
         total += n;
     }
     assert!(total > 8, "threads made progress");
-    assert!(mm.peak_ledger(CPU) <= budget, "peak {}", mm.peak_ledger(CPU));
+    assert!(
+        mm.peak_ledger(CPU) <= budget,
+        "peak {}",
+        mm.peak_ledger(CPU)
+    );
 }
 
 #[test]
@@ -287,9 +291,7 @@ fn a_dtype_change_between_clones_cannot_grow_past_the_budget() {
     let budget = ByteSize::kib(48);
     let mm = small_manager(budget, &[]);
     let t = (0..4).map(|i| {
-        let w = rand_tensor(&[2048], i)
-            .to_dtype(DType::BF16)
-            .unwrap();
+        let w = rand_tensor(&[2048], i).to_dtype(DType::BF16).unwrap();
         (format!("w{i}"), w)
     });
     let model = Arc::new(Model::from_tensors("m", t).unwrap());

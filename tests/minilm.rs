@@ -47,10 +47,8 @@ struct Case {
 }
 
 fn fixture() -> Vec<Case> {
-    let path = "/work/shared/fixtures/minilm_reference.json";
     let local = root().join("tests/fixtures/minilm_reference.json");
     let text = std::fs::read_to_string(&local)
-        .or_else(|_| std::fs::read_to_string(path))
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", local.display()));
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     v["cases"]

@@ -1,5 +1,6 @@
-//! Streamed weights through transfer lanes and prefetch: bit-identical outputs for any lane
-//! count, depth and budget (DESIGN I3), no staging buffer overwritten in flight, pool behaviour.
+//! Streamed weights through transfer lanes and prefetch: bit-identical outputs for any lane count,
+//! depth and budget (I3, docs/ARCHITECTURE.md §4.3), no staging buffer overwritten in flight, pool
+//! behaviour.
 
 mod common;
 

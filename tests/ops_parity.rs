@@ -1,7 +1,7 @@
-//! DESIGN I3 for the ops layers: a small net built from every ops layer, with LoRA and diff
-//! patches, read from a real safetensors file, gives bit-identical outputs whether its weights
-//! are all resident, about a quarter resident, or all streamed (NoVram) — for f32, f16, bf16,
-//! fp8 (E4M3FN, E5M2) and per-tensor scaled fp8 storage, computing in f32.
+//! Invariant I3 (docs/ARCHITECTURE.md §4.3) for the ops layers: a small net built from every ops
+//! layer, with LoRA and diff patches, read from a real safetensors file, gives bit-identical
+//! outputs whether its weights are all resident, about a quarter resident, or all streamed (NoVram)
+//! — for f32, f16, bf16, fp8 (E4M3FN, E5M2) and per-tensor scaled fp8 storage, computing in f32.
 
 mod common;
 

@@ -1,8 +1,8 @@
-//! The pipeline example end to end: identical output checksums for any budget, lane count and
-//! async setting (DESIGN I3), the budget never exceeded, and a valid JSON report.
+//! The pipeline example end to end: identical output checksums for any budget, lane count and async
+//! setting (I3, docs/ARCHITECTURE.md §4.3), the budget never exceeded, and a valid JSON report.
 
 #[allow(dead_code)]
-#[path = "../examples/pipeline.rs"]
+#[path = "../examples/pipeline/main.rs"]
 mod pipeline;
 
 fn run(cache: &std::path::Path, flags: &[&str]) -> pipeline::PipelineReport {

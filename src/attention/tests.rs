@@ -1,3 +1,8 @@
+//! Unit tests of attention: every backend against the naive one on odd shapes, dtypes, masks and
+//! layouts; the memory plans against the temporaries actually created; the dispatcher's table.
+
+use candle_core::{DType, Device, Tensor};
+
 use super::*;
 use proptest::prelude::*;
 

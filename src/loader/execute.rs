@@ -1,6 +1,6 @@
 //! Carrying a [`LoadPlan`] out, and rolling it back when the driver fails mid-way.
 //!
-//! Order of execution, chosen so the ledger never runs ahead of memory (ARCHITECTURE.md, I2):
+//! Order of execution, chosen so the ledger never runs ahead of memory (docs/ARCHITECTURE.md §4.2):
 //!
 //! 1. the requested models take their final places at the front of the registry (so the ledger
 //!    counts them, and the copies they are about to gain, at every step);
@@ -13,7 +13,7 @@
 //! of memory, a failed transfer), the rollback restores the registry's order and entries, drops
 //! every copy this call built, and rebuilds the dropped ones through a patcher whose fingerprint
 //! matches them (the registered one or the requested one), where the budget allows. The error
-//! then says which copies, if any, could not be restored (ARCHITECTURE.md, I4).
+//! then says which copies, if any, could not be restored (docs/ARCHITECTURE.md §4.4).
 
 use std::sync::Arc;
 

@@ -12,7 +12,7 @@
 //! is conservative) and `keep_free` is the activation memory the model's last load asked for.
 //! While a load is planned and executed on a device, no reservation is granted there: the plan's
 //! figures cannot be overtaken by prefetches mid-way. So on every device, at every moment,
-//! resident + in flight ≤ total (ARCHITECTURE.md, I2).
+//! resident + in flight ≤ total (docs/ARCHITECTURE.md §4.2).
 //!
 //! Lock: `Ledger::books` is a leaf (rank 7 in the crate's lock table); it is taken inside a
 //! streamer's queue lock when a prefetch books or returns bytes, and never held across any call.

@@ -2,11 +2,11 @@
 //!
 //! A [`MemoryManager`] owns the registry of loaded models (most recently used first) and computes
 //! each scheduled device's ledger from it: the ledger of a device is the sum of the resident bytes
-//! of the registered models on it, so it is exact by construction (DESIGN I2). A budgeted device's
-//! free memory is its total minus the ledger; a CUDA device without a budget reports the driver's
-//! free memory.
+//! of the registered models on it, so it is exact by construction (I2, docs/ARCHITECTURE.md §4.2).
+//! A budgeted device's free memory is its total minus the ledger; a CUDA device without a budget
+//! reports the driver's free memory.
 //!
-//! [`MemoryManager::load_models_gpu`] is *plan, validate, act* (ARCHITECTURE.md §5): a pure
+//! [`MemoryManager::load_models_gpu`] is *plan, validate, act* (docs/ARCHITECTURE.md §5): a pure
 //! [`MemoryManager::plan`] ([`plan`]) decides every eviction, each model's weight budget
 //! ([`weight_budget`]) and exactly which weights will be resident, checks the result against
 //! every budget and refuses invalid requests — all before anything moves; execution
@@ -87,7 +87,7 @@ impl LoadOptions {
 /// 128 MiB: the smallest weight budget a partial load gets.
 pub const MIN_WEIGHT_BUDGET: ByteSize = ByteSize::mib(128);
 
-/// The weight budget of a partial load (DESIGN §8 step 5), pure:
+/// The weight budget of a partial load (docs/ARCHITECTURE.md §5, step 7), pure:
 /// `max(128 MiB, free_now − minimum_memory_required, min(free_now × ratio, free_now −
 /// minimum_inference_memory)) − already_loaded`, at least one byte and never more than `free`,
 /// where `free_now = free + already_loaded`.
@@ -289,7 +289,7 @@ impl MemoryManager {
 
     /// Loads `models` (and their additional models) onto their load devices: plans the load
     /// ([`MemoryManager::plan`]), refuses it when it is invalid or does not fit — before anything
-    /// moves — and carries it out, evicting other models as planned (ARCHITECTURE.md §5).
+    /// moves — and carries it out, evicting other models as planned (docs/ARCHITECTURE.md §5).
     ///
     /// # Errors
     /// Whatever [`MemoryManager::plan`] refuses; [`Error::OutOfMemory`] /

@@ -2,7 +2,7 @@
 //! moves.
 //!
 //! [`MemoryManager::plan`] reads the registry and each model's residency under the manager's lock
-//! and changes nothing. It decides, in ComfyUI's order (ARCHITECTURE.md §5):
+//! and changes nothing. It decides, in ComfyUI's order (docs/ARCHITECTURE.md §5):
 //!
 //! 1. registry entries nobody holds any more count as gone;
 //! 2. `extra_mem` and the minimum to keep free;

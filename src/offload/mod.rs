@@ -6,7 +6,7 @@
 //! the weight comes from a prefetch or a synchronous fetch through the [`TransferEngine`]; without
 //! one it is materialized inline. Every path builds the weight with the same
 //! [`ModelPatcher::materialize_from`], so outputs are bit-identical whatever the lanes, depth or
-//! budget (DESIGN I3).
+//! budget (I3, docs/ARCHITECTURE.md §4.3).
 //!
 //! - [`PinnedPool`]: bounded, size-classed staging buffers for host→device copies (page-locked
 //!   where a CUDA driver is present, touched aligned buffers elsewhere); [`copy_to_device`] copies

@@ -327,7 +327,7 @@ fn prepare_weight(
 /// resident tensor, otherwise fetched from the host tier with the active patch set applied now;
 /// then cast to `mode`'s compute dtype (dequantized first when quantized), moved to `device`, and
 /// passed through the patcher's weight wrappers. The same steps for resident and streamed
-/// weights, so both give the same bits (DESIGN I3).
+/// weights, so both give the same bits (I3, docs/ARCHITECTURE.md §4.3).
 ///
 /// # Errors
 /// [`Error::UnknownWeight`] if the patcher lost a key (it cannot, for a source on the same model),

@@ -2,7 +2,7 @@
 //!
 //! A [`Model`] is the shared, immutable set of weights of one checkpoint: per slot its name,
 //! shape, storage dtype and the **clean** tensor on the offload device (host RAM). Clean tensors
-//! are never mutated (DESIGN I1): patches produce new tensors.
+//! are never mutated (I1, docs/ARCHITECTURE.md §4.1): patches produce new tensors.
 //!
 //! Next to the clean weights a model keeps its *residency*: for each slot either
 //! [`SlotResidency::Offloaded`] or [`SlotResidency::Resident`] — one materialized, patched copy

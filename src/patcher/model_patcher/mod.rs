@@ -1,4 +1,9 @@
 //! [`ModelPatcher`]: the per-use handle on a shared [`Model`].
+//!
+//! `mod.rs` holds the handle, its patch set and options, fingerprints and sizes;
+//! `materialize.rs` builds a weight as it is used (patched, rounded, cast, on its device: the one
+//! path behind resident copies and streamed fetches); `placement.rs` chooses which weights are
+//! resident (load, partial load and unload, pins).
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -9,10 +14,14 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use super::patch::{self, DoraNorm, Offset, Patch, PatchEntry};
-use super::selection::{self, WeightView};
+mod materialize;
+mod placement;
+
+pub(crate) use materialize::cast_weight;
+
+use super::adapters::{self, DoraNorm, Offset, Patch, PatchEntry};
 use crate::error::{Error, Result};
-use crate::float::{self, Dtype, Rounding};
+use crate::float::Dtype;
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
 use crate::weights::{Fingerprint, Model, SlotResidency};
@@ -143,7 +152,7 @@ pub struct LoadOutcome {
 ///   (attachments and wrappers by `Arc`, copy-on-write).
 ///   The clone records its parent's id ([`ModelPatcher::parent_id`]).
 /// - Nothing a clone does changes the original's patches, and no patcher ever changes a clean
-///   weight (DESIGN I1): patched values are always new tensors.
+///   weight (I1, docs/ARCHITECTURE.md §4.1): patched values are always new tensors.
 /// - Resident copies belong to the model and carry the fingerprint of the patch list they were
 ///   built from. A clone with different patches re-materializes only the weights whose patch lists
 ///   differ; other patchers see a stale fingerprint and stream those weights until they load again.
@@ -223,7 +232,6 @@ impl fmt::Debug for ModelPatcher {
             .finish()
     }
 }
-
 impl ModelPatcher {
     /// A patcher on `model` that computes on `load_device` and keeps clean weights on
     /// `offload_device`.
@@ -252,49 +260,58 @@ impl ModelPatcher {
         self.options.compute_dtype = dtype;
         self
     }
+
     /// Sets how DoRA normalises (default: the paper's form).
     pub fn with_dora_norm(mut self, dora: DoraNorm) -> Self {
         self.options.dora = dora;
         self
     }
+
     /// The options.
     pub fn options(&self) -> PatcherOptions {
         self.options
     }
+
     /// The shared model.
     pub fn model(&self) -> &Arc<Model> {
         &self.model
     }
+
     /// The device this patcher computes on.
     pub fn load_device(&self) -> DeviceId {
         self.load_device
     }
+
     /// The device clean weights live on.
     pub fn offload_device(&self) -> DeviceId {
         self.offload_device
     }
+
     /// This handle's process-unique id.
     pub fn id(&self) -> u64 {
         self.id
     }
+
     /// The id of the patcher this one was cloned from.
     pub fn parent_id(&self) -> Option<u64> {
         self.parent
     }
+
     /// Whether `other` shares this patcher's model.
     pub fn is_clone(&self, other: &ModelPatcher) -> bool {
         Arc::ptr_eq(&self.model, &other.model)
     }
+
     /// The patch set.
     pub fn patches(&self) -> &PatchSet {
         &self.patches
     }
 
     /// Adds patches. Keys not in the model are ignored (not returned); every patch for a known key
-    /// is validated against the weight's shape (after the patches already there) before anything
-    /// is added, and one bad patch rejects the whole call with an error naming key and shapes
-    /// (DESIGN I4). `strength_patch` scales each patch; `strength_model` scales the weight
-    /// accumulated so far. Returns the keys that matched, in input order.
+    /// is validated against the weight's shape (after the patches already there) before anything is
+    /// added, and one bad patch rejects the whole call with an error naming key and shapes (I4,
+    /// docs/ARCHITECTURE.md §4.4). `strength_patch` scales each patch; `strength_model` scales the
+    /// weight accumulated so far. Returns the keys that matched, in input order.
     pub fn add_patches<K, I>(
         &mut self,
         patches: I,
@@ -340,7 +357,7 @@ impl ModelPatcher {
                 .map(|e| e.entry.clone())
                 .collect();
             chain.extend(new.iter().cloned());
-            patch::patched_shape(key, slot.shape(), &chain)?;
+            adapters::patched_shape(key, slot.shape(), &chain)?;
         }
         let set = Arc::make_mut(&mut self.patches);
         let mut matched = Vec::with_capacity(staged.len());
@@ -370,7 +387,7 @@ impl ModelPatcher {
                 .iter()
                 .map(|e| e.entry.clone())
                 .collect();
-            patch::patched_shape(key, slot.shape(), &chain)?;
+            adapters::patched_shape(key, slot.shape(), &chain)?;
             self.weight_scale(index)?;
         }
         Ok(())
@@ -430,208 +447,6 @@ impl ModelPatcher {
             })
     }
 
-    /// The patched weight `key` in its storage dtype on the host: patches applied in f32, then
-    /// rounded to nearest-even (f16/bf16) or stochastically with the key's seed (fp8). The same
-    /// bits whichever path asks (DESIGN I3).
-    pub fn patched_weight(&self, key: &str) -> Result<Tensor> {
-        let index = self.index_of(key)?;
-        self.patched_storage(index)
-    }
-
-    /// The patched weight `key` in f32 on the host, before any rounding: what
-    /// [`ModelPatcher::patched_weight`] rounds to the storage dtype. A tool that converts to
-    /// another dtype rounds this once instead of twice. Unpatched weights are decoded exactly.
-    pub fn patched_weight_f32(&self, key: &str) -> Result<Tensor> {
-        let index = self.index_of(key)?;
-        let slot = &self.model.slots()[index];
-        let w = float::to_f32(slot.clean(), slot.dtype())?;
-        self.patch_f32(index, &w)
-    }
-
-    /// Applies weight `index`'s patches to its f32 value `w` (in stored units: a per-tensor scale
-    /// is applied before the patches and removed after them).
-    fn patch_f32(&self, index: usize, w: &Tensor) -> Result<Tensor> {
-        let slot = &self.model.slots()[index];
-        let entries = self.patches.get(slot.name());
-        if entries.is_empty() {
-            return Ok(w.clone());
-        }
-        let chain: Vec<PatchEntry> = entries.iter().map(|e| e.entry.clone()).collect();
-        let scale = self.weight_scale(index)?;
-        let mut w = w.clone();
-        if let Some(s) = scale {
-            // Patches act on the weight the layer computes with: decoded × scale.
-            w = w
-                .affine(f64::from(s), 0.0)
-                .map_err(|e| Error::tensor(format!("`{}`: applying its scale", slot.name()), e))?;
-        }
-        let mut patched = patch::apply(slot.name(), &w, &chain, self.options.dora)?;
-        if let Some(s) = scale {
-            patched = (patched / f64::from(s))
-                .map_err(|e| Error::tensor(format!("`{}`: removing its scale", slot.name()), e))?;
-        }
-        Ok(patched)
-    }
-
-    fn patched_storage(&self, index: usize) -> Result<Tensor> {
-        self.patched_storage_from(index, self.model.slots()[index].clean())
-    }
-
-    /// Patches `clean` (weight `index`'s clean tensor, or a bit-identical copy of it such as a
-    /// staged one) and rounds back to the storage dtype.
-    fn patched_storage_from(&self, index: usize, clean: &Tensor) -> Result<Tensor> {
-        let slot = &self.model.slots()[index];
-        if self.patches.get(slot.name()).is_empty() {
-            return Ok(clean.clone());
-        }
-        let w = float::to_f32(clean, slot.dtype())?;
-        let patched = self.patch_f32(index, &w)?;
-        let rounding = if slot.dtype().is_fp8() {
-            Rounding::stochastic_for(slot.name())
-        } else {
-            Rounding::Nearest
-        };
-        float::from_f32(&patched, slot.dtype(), rounding)
-    }
-
-    /// The per-tensor scale of weight `index`: the f32 scalar stored as `<layer>.weight_scale`
-    /// next to an fp8 `<layer>.weight`, else `None`. Patches on a scaled weight are applied to
-    /// `decode(w) × scale` and divided by the scale again before rounding back to fp8.
-    ///
-    /// # Errors
-    /// [`Error::BadPatch`] when the scale tensor is not a single finite, non-zero value.
-    pub fn weight_scale(&self, index: usize) -> Result<Option<f32>> {
-        let slot = &self.model.slots()[index];
-        if !slot.dtype().is_fp8() {
-            return Ok(None);
-        }
-        let Some(prefix) = slot.name().strip_suffix(".weight") else {
-            return Ok(None);
-        };
-        let key = format!("{prefix}{WEIGHT_SCALE_SUFFIX}");
-        let Some(si) = self.model.index_of(&key) else {
-            return Ok(None);
-        };
-        let s = &self.model.slots()[si];
-        let bad = |reason: String| Error::BadPatch {
-            key: key.clone(),
-            reason: format!("model `{}`: {reason}", self.model.name()),
-        };
-        if s.numel() != 1 {
-            return Err(bad(format!(
-                "a per-tensor scale must hold one value, not shape {:?}",
-                s.shape()
-            )));
-        }
-        let v = float::to_f32(s.clean(), s.dtype())?
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(|e| Error::tensor(format!("reading `{key}`"), e))?[0];
-        if !v.is_finite() || v == 0.0 {
-            return Err(bad(format!("scale {v} is not a finite non-zero number")));
-        }
-        Ok(Some(v))
-    }
-
-    /// Every weight, patched, in its storage dtype: `(key, tensor, dtype)` in file order.
-    pub fn patched_state_dict(&self) -> Result<Vec<(String, Tensor, Dtype)>> {
-        (0..self.model.len())
-            .map(|i| {
-                let s = &self.model.slots()[i];
-                Ok((s.name().to_string(), self.patched_storage(i)?, s.dtype()))
-            })
-            .collect()
-    }
-
-    /// Builds weight `index` as it is used: patched storage, cast to `dtype`, on `device`. The one
-    /// function behind resident copies and streamed fetches, so both give the same bits.
-    pub fn materialize(&self, index: usize, dtype: Dtype, device: DeviceId) -> Result<Tensor> {
-        self.materialize_from(index, self.model.slots()[index].clean(), dtype, device)
-    }
-
-    /// [`ModelPatcher::materialize`] starting from `clean`, which must hold the same bits as weight
-    /// `index`'s clean tensor.
-    pub fn materialize_from(
-        &self,
-        index: usize,
-        clean: &Tensor,
-        dtype: Dtype,
-        device: DeviceId,
-    ) -> Result<Tensor> {
-        let slot = &self.model.slots()[index];
-        #[cfg(test)]
-        crate::fault::check(slot.name())?;
-        let (host, cast_after_copy) = self.host_part(index, clean, dtype, device)?;
-        if device.is_cpu() {
-            return Ok(host);
-        }
-        let dev = device.to_candle()?;
-        let moved = host
-            .to_device(&dev)
-            .map_err(|e| Error::tensor(format!("`{}`: copying to {device}", slot.name()), e))?;
-        match cast_after_copy {
-            Some(to) => cast_weight(&moved, slot.dtype(), to),
-            None => Ok(moved),
-        }
-    }
-
-    /// The host side of materializing weight `index` for `device`: the patched weight, and
-    /// whether the cast to `dtype` is left for after the copy. For a GPU, a cast that widens
-    /// exactly ([`Dtype::widens_exactly_to`]: bf16/f16/fp8 → f32, fp8 → bf16/f16) runs on the
-    /// device after the copy — fewer bytes cross the bus, and an exact cast gives the same bits
-    /// wherever it runs; every other cast runs here. The transfer lanes copy what this returns.
-    pub(crate) fn host_part(
-        &self,
-        index: usize,
-        clean: &Tensor,
-        dtype: Dtype,
-        device: DeviceId,
-    ) -> Result<(Tensor, Option<Dtype>)> {
-        let slot = &self.model.slots()[index];
-        let stored = self.patched_storage_from(index, clean)?;
-        if !device.is_cpu() && slot.dtype().widens_exactly_to(dtype) {
-            return Ok((stored, Some(dtype)));
-        }
-        Ok((cast_weight(&stored, slot.dtype(), dtype)?, None))
-    }
-
-    /// The resident copy of weight `index` when it is current for this patcher on its load
-    /// device.
-    pub fn resident_tensor(&self, index: usize) -> Option<Tensor> {
-        let fp = self.fingerprint(index);
-        match self.model.state().slots().get(index)? {
-            SlotResidency::Resident {
-                tensor,
-                fingerprint,
-                device,
-                ..
-            } if *fingerprint == fp && *device == self.load_device => Some(tensor.clone()),
-            _ => None,
-        }
-    }
-
-    /// The weight `key` ready for compute on the load device, in the resident dtype: the resident
-    /// copy when it is current, else fetched from the host and patched now (streamed). The second
-    /// value says whether it streamed. Records first-forward order.
-    pub fn fetch(&self, key: &str) -> Result<(Tensor, bool)> {
-        let index = self.index_of(key)?;
-        self.model.record_use(index);
-        let fp = self.fingerprint(index);
-        if let SlotResidency::Resident {
-            tensor,
-            fingerprint,
-            device,
-            ..
-        } = &self.model.state().slots()[index]
-        {
-            if *fingerprint == fp && *device == self.load_device {
-                return Ok((tensor.clone(), false));
-            }
-        }
-        let t = self.materialize(index, self.resident_dtype(index), self.load_device)?;
-        Ok((t, true))
-    }
-
     /// Total size of the clean weights (storage dtypes).
     pub fn model_size(&self) -> ByteSize {
         self.model.model_size()
@@ -686,149 +501,6 @@ impl ModelPatcher {
             if *device == self.load_device && *fingerprint == self.fingerprint(index))
     }
 
-    /// Chooses resident weights on `device` from scratch within `budget`: weights are considered
-    /// largest first (pinned ones before all others, and with `force_patch_weights` patched ones
-    /// next) and one becomes resident while the running total plus its size stays *below* the
-    /// budget; the rest stream, with their patches applied at use. `full_load` makes every weight
-    /// resident. Resident copies that are already current are kept (0 bytes moved); stale ones are
-    /// rebuilt; those outside the plan are dropped. On error nothing changes.
-    pub fn load(
-        &mut self,
-        device: DeviceId,
-        budget: ByteSize,
-        force_patch_weights: bool,
-        full_load: bool,
-    ) -> Result<LoadOutcome> {
-        self.load_device = device;
-        let views = self.weight_views(device);
-        let want = selection::from_scratch(&views, budget, force_patch_weights, full_load);
-        self.apply_plan(&want)
-    }
-
-    /// Makes more weights resident on the load device, largest first, while the bytes added stay
-    /// below `extra`. Stale resident copies are rebuilt first (they already hold their memory).
-    /// Returns the bytes added.
-    pub fn partially_load(&mut self, device: DeviceId, extra: ByteSize) -> Result<ByteSize> {
-        self.partially_load_outcome(device, extra)
-            .map(|(added, _)| added)
-    }
-
-    /// [`ModelPatcher::partially_load`], also returning the full outcome.
-    pub fn partially_load_outcome(
-        &mut self,
-        device: DeviceId,
-        extra: ByteSize,
-    ) -> Result<(ByteSize, LoadOutcome)> {
-        self.partially_load_prioritized(device, extra, false)
-    }
-
-    /// [`ModelPatcher::partially_load_outcome`]; with `force_patch_weights`, weights that carry
-    /// patches are considered before the others (so a LoRA clone's patched weights become
-    /// resident instead of being patched at every use).
-    pub fn partially_load_prioritized(
-        &mut self,
-        device: DeviceId,
-        extra: ByteSize,
-        force_patch_weights: bool,
-    ) -> Result<(ByteSize, LoadOutcome)> {
-        self.load_device = device;
-        let views = self.weight_views(device);
-        let want = selection::grow(&views, extra, force_patch_weights);
-        let before = self.model.resident_bytes(device);
-        let out = self.apply_plan(&want)?;
-        Ok((out.resident.saturating_sub(before), out))
-    }
-
-    /// Every weight as the selection rules see it for a load on `device` under this patcher.
-    pub(crate) fn weight_views(&self, device: DeviceId) -> Vec<WeightView> {
-        let st = self.model.state();
-        let patched_any = !self.patches.is_empty();
-        (0..self.model.len())
-            .map(|i| {
-                let (on_device, current) = match &st.slots()[i] {
-                    SlotResidency::Resident {
-                        device: d,
-                        bytes,
-                        fingerprint,
-                        ..
-                    } if *d == device => (Some(*bytes), *fingerprint == self.fingerprint(i)),
-                    _ => (None, false),
-                };
-                WeightView {
-                    size: self.resident_size(i),
-                    pinned: st.pinned[i],
-                    patched: patched_any
-                        && !self.patches.get(self.model.slots()[i].name()).is_empty(),
-                    on_device,
-                    current,
-                }
-            })
-            .collect()
-    }
-
-    /// The current state as a [`LoadOutcome`] (nothing moved).
-    pub fn load_outcome(&self) -> LoadOutcome {
-        let st = self.model.state();
-        let mut out = LoadOutcome {
-            resident: st.bytes_on(self.load_device),
-            ..LoadOutcome::default()
-        };
-        for i in 0..self.model.len() {
-            if !self.is_current(&st.slots()[i], i) {
-                out.streaming = out.streaming.saturating_add(self.resident_size(i));
-                if !self.patches.get(self.model.slots()[i].name()).is_empty() {
-                    out.lazy_patched += 1;
-                }
-            }
-        }
-        out.full = out.streaming == ByteSize::ZERO;
-        out
-    }
-
-    /// Drops resident copies on `device`, smallest first, skipping pinned weights, and keeps going
-    /// while the bytes freed are at most `bytes`. Returns the bytes freed.
-    pub fn partially_unload(&self, device: DeviceId, bytes: ByteSize) -> ByteSize {
-        let mut st = self.model.state_mut();
-        let dropped = selection::unload(&st.resident_on(device), bytes);
-        let mut freed = ByteSize::ZERO;
-        for i in dropped {
-            if let SlotResidency::Resident { bytes, .. } = st.set(i, SlotResidency::Offloaded) {
-                freed = freed.saturating_add(bytes);
-            }
-        }
-        if freed > ByteSize::ZERO {
-            tracing::debug!(model = self.model.name(), %device, freed = freed.bytes(), "partially unloaded");
-        }
-        freed
-    }
-
-    /// Drops every resident copy of the model (pinned ones too). Returns the bytes freed.
-    pub fn detach(&self) -> ByteSize {
-        let mut st = self.model.state_mut();
-        let freed = st.bytes_total();
-        for i in 0..st.slots().len() {
-            st.set(i, SlotResidency::Offloaded);
-        }
-        freed
-    }
-
-    /// Keeps weight `key` resident through partial unloads until [`ModelPatcher::unpin_all_weights`].
-    pub fn pin_weight_to_device(&self, key: &str) -> Result<()> {
-        let index = self
-            .model
-            .slot(key)
-            .map(|_| self.model.index_of(key).unwrap_or(0))?;
-        self.model.state_mut().pinned[index] = true;
-        Ok(())
-    }
-
-    /// Releases every pin.
-    pub fn unpin_all_weights(&self) {
-        for p in self.model.state_mut().pinned.iter_mut() {
-            *p = false;
-        }
-    }
-
     /// Sets the activation-memory estimator used by [`ModelPatcher::memory_required`].
     pub fn set_memory_estimator(&mut self, estimator: MemoryEstimator) {
         self.estimator = Some(estimator);
@@ -847,14 +519,17 @@ impl ModelPatcher {
     pub fn add_additional_model(&mut self, other: ModelPatcher) {
         self.additional.push(other);
     }
+
     /// The models loaded together with this one.
     pub fn additional_models(&self) -> &[ModelPatcher] {
         &self.additional
     }
+
     /// Attaches a typed value under `name` (copied by `Arc` into clones).
     pub fn set_attachment<T: Any + Send + Sync>(&mut self, name: &str, value: T) {
         Arc::make_mut(&mut self.attachments).insert(name.to_string(), Arc::new(value));
     }
+
     /// The attachment under `name`, if it has type `T`.
     pub fn attachment<T: Any + Send + Sync>(&self, name: &str) -> Option<&T> {
         self.attachments
@@ -885,86 +560,5 @@ impl ModelPatcher {
     /// Removes every weight wrapper.
     pub fn clear_weight_wrappers(&mut self) {
         self.wrappers = Arc::new(HashMap::new());
-    }
-
-    /// Makes exactly the weights in `want` resident on the load device with current fingerprints:
-    /// builds every missing or stale copy first, then commits under the model lock. On error
-    /// nothing has changed.
-    fn apply_plan(&self, want: &[bool]) -> Result<LoadOutcome> {
-        let device = self.load_device;
-        // The patcher cannot change during this call, so each fingerprint is computed once.
-        let fingerprints: Vec<Fingerprint> =
-            (0..self.model.len()).map(|i| self.fingerprint(i)).collect();
-        let current = |s: &SlotResidency, i: usize| {
-            matches!(s, SlotResidency::Resident { fingerprint, device: d, .. }
-                if *d == device && *fingerprint == fingerprints[i])
-        };
-        let snapshot: Vec<bool> = {
-            let st = self.model.state();
-            st.slots()
-                .iter()
-                .enumerate()
-                .map(|(i, s)| current(s, i))
-                .collect()
-        };
-        let mut built: Vec<(usize, Tensor, Fingerprint, ByteSize)> = Vec::new();
-        for (i, &w) in want.iter().enumerate() {
-            if w && !snapshot[i] {
-                let t = self.materialize(i, self.resident_dtype(i), device)?;
-                let bytes = ByteSize((t.elem_count() * t.dtype().size_in_bytes()) as u64);
-                built.push((i, t, fingerprints[i], bytes));
-            }
-        }
-        let mut out = LoadOutcome::default();
-        let mut st = self.model.state_mut();
-        for (i, &w) in want.iter().enumerate() {
-            if !w {
-                if let SlotResidency::Resident { bytes, .. } = st.set(i, SlotResidency::Offloaded) {
-                    out.freed = out.freed.saturating_add(bytes);
-                }
-            }
-        }
-        for (i, tensor, fingerprint, bytes) in built {
-            out.moved = out.moved.saturating_add(bytes);
-            let new = SlotResidency::Resident {
-                tensor,
-                fingerprint,
-                device,
-                bytes,
-            };
-            if let SlotResidency::Resident { bytes: old, .. } = st.set(i, new) {
-                out.freed = out.freed.saturating_add(old);
-            }
-        }
-        out.resident = st.bytes_on(device);
-        for i in 0..self.model.len() {
-            if !current(&st.slots()[i], i) {
-                out.streaming = out.streaming.saturating_add(self.resident_size(i));
-                if !self.patches.get(self.model.slots()[i].name()).is_empty() {
-                    out.lazy_patched += 1;
-                }
-            }
-        }
-        out.full = out.streaming == ByteSize::ZERO;
-        Ok(out)
-    }
-}
-
-/// Casts a weight from dtype `from` to `to` the one way every path does (DESIGN I3): through f32,
-/// rounding to nearest-even. Identity when the dtypes agree. On the CPU this uses
-/// [`float::to_f32`]/[`float::from_f32`]; on other devices candle's cast (also RNE).
-pub(crate) fn cast_weight(t: &Tensor, from: Dtype, to: Dtype) -> Result<Tensor> {
-    if from == to {
-        return Ok(t.clone());
-    }
-    let wide = float::to_f32(t, from)?;
-    if to == Dtype::F32 {
-        return Ok(wide);
-    }
-    if wide.device().is_cpu() {
-        float::from_f32(&wide, to, Rounding::Nearest)
-    } else {
-        wide.to_dtype(to.candle_storage_dtype())
-            .map_err(|e| Error::tensor(format!("casting a weight from f32 to {to}"), e))
     }
 }

@@ -186,18 +186,8 @@ impl UnetLayout {
         for (level, &depth) in self.transformer_depth.iter().enumerate() {
             for j in 0..n {
                 let block = 1 + level * (n + 1) + j;
-                resnet(
-                    &mut pairs,
-                    &format!("input_blocks.{block}.0"),
-                    &format!("down_blocks.{level}.resnets.{j}"),
-                );
-                if depth > 0 {
-                    pairs.push(transformer(
-                        format!("input_blocks.{block}.1"),
-                        format!("down_blocks.{level}.attentions.{j}"),
-                        depth,
-                    ));
-                }
+                let ldm = format!("input_blocks.{block}");
+                resnet_and_attention(&mut pairs, &ldm, &format!("down_blocks.{level}"), j, depth);
             }
             if level + 1 < levels {
                 pairs.push(layer(
@@ -217,18 +207,8 @@ impl UnetLayout {
             let depth = self.transformer_depth[levels - 1 - up];
             for j in 0..=n {
                 let block = up * (n + 1) + j;
-                resnet(
-                    &mut pairs,
-                    &format!("output_blocks.{block}.0"),
-                    &format!("up_blocks.{up}.resnets.{j}"),
-                );
-                if depth > 0 {
-                    pairs.push(transformer(
-                        format!("output_blocks.{block}.1"),
-                        format!("up_blocks.{up}.attentions.{j}"),
-                        depth,
-                    ));
-                }
+                let ldm = format!("output_blocks.{block}");
+                resnet_and_attention(&mut pairs, &ldm, &format!("up_blocks.{up}"), j, depth);
             }
             if up + 1 < levels {
                 let slot = if depth > 0 { 2 } else { 1 };
@@ -281,6 +261,30 @@ fn transformer(ldm: String, diffusers: String, depth: usize) -> ModulePair {
         ldm,
         diffusers,
         kind: PairKind::Transformer { depth },
+    }
+}
+
+/// Residual block `j` of a down or up level and, when the level has attention (`depth > 0`), its
+/// attention: ldm block `ldm_block` holds them at `.0` and `.1`; diffusers names them
+/// `{level}.resnets.{j}` and `{level}.attentions.{j}`.
+fn resnet_and_attention(
+    pairs: &mut Vec<ModulePair>,
+    ldm_block: &str,
+    level: &str,
+    j: usize,
+    depth: usize,
+) {
+    resnet(
+        pairs,
+        &format!("{ldm_block}.0"),
+        &format!("{level}.resnets.{j}"),
+    );
+    if depth > 0 {
+        pairs.push(transformer(
+            format!("{ldm_block}.1"),
+            format!("{level}.attentions.{j}"),
+            depth,
+        ));
     }
 }
 

@@ -1,0 +1,342 @@
+//! The main job: a small diffusion-shaped pipeline — text encoder, denoiser, decoder — sharing one
+//! memory budget, prompts run back to back, a LoRA clone on prompt 2 and back to the base on
+//! prompt 3, smart memory in between. No download, no GPU needed.
+//!
+//! ```sh
+//! cargo run --release --example pipeline -- [--prompts N] [--steps N] [--seed S] [--json FILE]
+//!     [--cache DIR] [any residency flag: --vram-budget 64MiB --novram --async-offload 3 ...]
+//! ```
+//!
+//! The models are built once from deterministic weights and saved as safetensors in the cache
+//! folder. Without `--vram-budget` the budget is a third of the three models' resident size, so
+//! eviction, partial loading and streaming all happen. Because these models are tiny, the example
+//! defaults `--reserve-vram 0 --inference-memory 4MiB` (ComfyUI's 0.8 GiB minimum would dwarf
+//! them); pass either flag to override.
+//!
+//! This file is the job itself ([`run`]); `models.rs` holds the three models, `checkpoints.rs`
+//! their deterministic weights and the LoRA file, `report.rs` what a run reports.
+
+mod checkpoints;
+mod models;
+mod report;
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::Tensor;
+use residency::float::{self, Dtype};
+use residency::loader::{LoadOptions, MemoryManager};
+use residency::patcher::{lora_file, ModelPatcher};
+use residency::vram::{Config, DeviceId, Hardware};
+use residency::weights::Model;
+use residency::{ByteSize, Result};
+
+use checkpoints::{build_checkpoints, weight};
+use models::{Decoder, Denoiser, TextEncoder, H, HEADS, LATENT_C, LATENT_HW};
+pub use report::{to_json, to_table, PipelineReport, PromptResult};
+
+/// Options of one run.
+#[derive(Debug, Clone)]
+pub struct PipelineArgs {
+    pub prompts: usize,
+    pub steps: usize,
+    pub seed: u64,
+    pub json: Option<PathBuf>,
+    pub cache: PathBuf,
+    pub config: Config,
+    pub quiet: bool,
+}
+
+/// Runs the pipeline.
+pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
+    let t_start = Instant::now();
+    if !args.cache.join("READY").exists() {
+        build_checkpoints(&args.cache)?;
+    }
+    let te_model = Arc::new(Model::from_safetensors(
+        "text_encoder",
+        &[args.cache.join("text_encoder.safetensors")],
+    )?);
+    let dn_model = Arc::new(Model::from_safetensors(
+        "denoiser",
+        &[args.cache.join("denoiser.safetensors")],
+    )?);
+    let de_model = Arc::new(Model::from_safetensors(
+        "decoder",
+        &[args.cache.join("decoder.safetensors")],
+    )?);
+
+    let mut config = args.config.clone();
+    if config.reserve_vram_gb.is_none() {
+        config.reserve_vram_gb = Some(0.0);
+    }
+    if config.inference_memory.is_none() {
+        config.inference_memory = Some(ByteSize::mib(4));
+    }
+    let hardware = Hardware::probe();
+    let f32_total = ByteSize(
+        te_model.model_size().bytes()
+            + dn_model.model_size().bytes() * 2
+            + de_model.model_size().bytes(),
+    );
+    if config.vram_budget.is_none() && hardware.gpus.is_empty() {
+        config.vram_budget = Some(ByteSize(f32_total.bytes() / 3));
+    }
+    let mm = MemoryManager::new(config, hardware)?;
+    let device = mm.compute_device();
+    let offload = DeviceId::Cpu;
+    let te = ModelPatcher::new(te_model, device, offload);
+    let mut base =
+        ModelPatcher::new(dn_model, device, offload).with_compute_dtype(Some(Dtype::F32));
+    base.set_memory_estimator(Arc::new(|shape: &[usize]| {
+        // Activations of one step: a few [tokens, 4·H] f32 buffers plus attention scores.
+        let tokens = shape.iter().product::<usize>().max(1) as u64;
+        ByteSize(tokens * (4 * H as u64) * 4 * 6 + tokens * tokens * HEADS as u64 * 4 * 3)
+    }));
+    let de = ModelPatcher::new(de_model, device, offload);
+    let mut styled = base.clone();
+    let lora = lora_file::load(
+        args.cache.join("style_lora.safetensors"),
+        base.model().keys(),
+    )?;
+    let patched = styled.add_patches(lora.patches, 1.0, 1.0)?;
+    if !args.quiet {
+        eprintln!(
+            "LoRA: {} weights patched, {} LoRA keys ignored",
+            patched.len(),
+            lora.unmatched_lora_keys.len()
+        );
+    }
+
+    let text_encoder = TextEncoder::new(&te)?;
+    let denoiser = Denoiser::new(&base)?;
+    let decoder = Decoder::new(&de)?;
+    let progress = Progress {
+        tty: std::io::stderr().is_terminal(),
+        quiet: args.quiet,
+    };
+    let prompts = [
+        "a lighthouse at dusk",
+        "the same lighthouse, in watercolour",
+        "a lighthouse at dawn",
+    ];
+    let mut results = Vec::new();
+    let mut evictions = Vec::new();
+    let mut moved_per_model: std::collections::BTreeMap<String, ByteSize> = Default::default();
+    for i in 0..args.prompts {
+        let prompt = prompts[i % prompts.len()].to_string();
+        let use_lora = i % 3 == 1;
+        // 1. text
+        let r = mm.load_models_gpu(std::slice::from_ref(&te), LoadOptions::default())?;
+        evictions.extend(r.evicted.clone());
+        add_moved(&mut moved_per_model, &r);
+        let context = text_encoder.forward(&prompt)?;
+        // 2. denoise
+        let dn = if use_lora { &styled } else { &base };
+        denoiser.source.set_patcher(dn)?;
+        let latent_shape = [1, LATENT_HW * LATENT_HW];
+        let opts = LoadOptions {
+            // Patched weights first: the LoRA's weights become resident rather than re-patched at
+            // every step, and going back to the base moves exactly those weights.
+            force_patch_weights: true,
+            ..LoadOptions::default().with_memory_required(dn.memory_required(&latent_shape))
+        };
+        let r = mm.load_models_gpu(std::slice::from_ref(dn), opts)?;
+        evictions.extend(r.evicted.clone());
+        let denoiser_moved = r.moved();
+        add_moved(&mut moved_per_model, &r);
+        let mut x = weight(
+            &[1, LATENT_HW * LATENT_HW, LATENT_C],
+            args.seed + i as u64,
+            1.0,
+        )?;
+        let t0 = Instant::now();
+        for s in 0..args.steps {
+            let t = 1.0 - s as f32 / args.steps as f32;
+            let eps = denoiser.forward(&x, t, &context)?;
+            x = (x - (eps * (1.0 / args.steps as f64))?)?;
+            let elapsed = t0.elapsed().as_secs_f64();
+            progress.step(i + 1, s + 1, args.steps, (s + 1) as f64 / elapsed.max(1e-9));
+        }
+        let step_ms = t0.elapsed().as_secs_f64() * 1e3 / args.steps.max(1) as f64;
+        // 3. decode
+        let r = mm.load_models_gpu(std::slice::from_ref(&de), LoadOptions::default())?;
+        evictions.extend(r.evicted.clone());
+        add_moved(&mut moved_per_model, &r);
+        let image = decoder.forward(&x)?;
+        let checksum = checksum(&image)?;
+        mm.cleanup_models();
+        results.push(PromptResult {
+            prompt,
+            lora: use_lora,
+            checksum,
+            step_ms,
+            denoiser_moved,
+        });
+    }
+    let budget = mm.get_total_memory(device);
+    let loaded = mm.loaded_models();
+    let models = [&te, &base, &de]
+        .iter()
+        .map(|p| {
+            let name = p.model().name().to_string();
+            let resident = loaded
+                .iter()
+                .find(|m| m.name == name)
+                .map(|m| m.resident)
+                .unwrap_or_default();
+            let size = p.resident_model_size();
+            (
+                name.clone(),
+                resident,
+                size.saturating_sub(resident),
+                moved_per_model.get(&name).copied().unwrap_or_default(),
+            )
+        })
+        .collect();
+    Ok(PipelineReport {
+        prompts: results,
+        budget,
+        peak: mm.peak_ledger(device),
+        models,
+        evictions,
+        transfers: mm.transfer_stats(),
+        memory: mm.memory_report().to_string(),
+        total_ms: t_start.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+fn checksum(t: &Tensor) -> Result<u32> {
+    let v = t.flatten_all()?.to_vec1::<f32>()?;
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    Ok(float::crc32(&bytes))
+}
+
+struct Progress {
+    tty: bool,
+    quiet: bool,
+}
+
+impl Progress {
+    fn step(&self, prompt: usize, step: usize, steps: usize, its: f64) {
+        if self.quiet {
+            return;
+        }
+        if self.tty {
+            let filled = step * 30 / steps;
+            eprint!(
+                "\rprompt {prompt} [{}{}] {step}/{steps} {its:.1} it/s",
+                "#".repeat(filled),
+                "-".repeat(30 - filled)
+            );
+            if step == steps {
+                eprintln!();
+            }
+            let _ = std::io::stderr().flush();
+        } else if step == steps {
+            eprintln!("prompt {prompt}: {steps} steps, {its:.1} it/s");
+        }
+    }
+}
+
+/// Adds each loaded model's moved bytes to its running total.
+fn add_moved(totals: &mut std::collections::BTreeMap<String, ByteSize>, r: &residency::LoadReport) {
+    for m in &r.models {
+        let t = totals.entry(m.name.clone()).or_default();
+        *t = t.saturating_add(m.moved);
+    }
+}
+
+/// Splits the example's own flags from residency's.
+pub fn parse_args(raw: &[String]) -> std::result::Result<PipelineArgs, String> {
+    let mut a = PipelineArgs {
+        prompts: 3,
+        steps: 8,
+        seed: 0,
+        json: None,
+        cache: PathBuf::from(".cache/pipeline"),
+        config: Config::default(),
+        quiet: false,
+    };
+    let mut rest = Vec::new();
+    let mut i = 0;
+    while i < raw.len() {
+        let flag = raw[i].as_str();
+        let value = |i: usize| {
+            raw.get(i + 1)
+                .cloned()
+                .ok_or_else(|| format!("{flag} needs a value"))
+        };
+        match flag {
+            "--prompts" => {
+                a.prompts = value(i)?
+                    .parse()
+                    .map_err(|_| "--prompts takes a number".to_string())?;
+                i += 2;
+            }
+            "--steps" => {
+                a.steps = value(i)?
+                    .parse()
+                    .map_err(|_| "--steps takes a number".to_string())?;
+                if a.steps == 0 {
+                    return Err("--steps must be at least 1".into());
+                }
+                i += 2;
+            }
+            "--seed" => {
+                a.seed = value(i)?
+                    .parse()
+                    .map_err(|_| "--seed takes a number".to_string())?;
+                i += 2;
+            }
+            "--json" => {
+                a.json = Some(PathBuf::from(value(i)?));
+                i += 2;
+            }
+            "--cache" => {
+                a.cache = PathBuf::from(value(i)?);
+                i += 2;
+            }
+            "--quiet" => {
+                a.quiet = true;
+                i += 1;
+            }
+            _ => {
+                rest.push(raw[i].clone());
+                i += 1;
+            }
+        }
+    }
+    a.config = Config::from_args(&rest).map_err(|e| e.to_string())?;
+    Ok(a)
+}
+
+#[allow(dead_code)]
+fn main() {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let args = match parse_args(&raw) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}\nusage: pipeline [--prompts N] [--steps N] [--seed S] [--json FILE] [--cache DIR] [residency flags]");
+            std::process::exit(2);
+        }
+    };
+    match run(&args) {
+        Ok(report) => {
+            println!("{}", to_table(&report));
+            println!("{}", report.memory);
+            if let Some(path) = &args.json {
+                if let Err(e) = std::fs::write(path, to_json(&report)) {
+                    eprintln!("error: cannot write {}: {e}", path.display());
+                    std::process::exit(2);
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,243 @@
+//! The tensor-level conversions the patcher uses: [`to_f32`] decodes a CPU tensor of any storage
+//! dtype into a new `f32` tensor, [`from_f32`] encodes one back, each with exactly one output
+//! allocation (huge-page backed when large).
+
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor, WithDType};
+use half::{bf16, f16};
+
+use super::cast::{
+    bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f32_to_fp8, fp8_to_f32, par_convert,
+};
+use super::{Dtype, Fp8Format, Rounding};
+use crate::error::{Error, Result, TensorContext};
+
+/// Buffers at least this large are backed by transparent huge pages where the kernel offers them.
+const HUGE_PAGE_MIN: usize = 4 << 20;
+
+/// A zeroed buffer of `n` elements for a conversion's output.
+///
+/// A large allocation is fresh memory from the kernel each time (glibc maps anything over 32 MiB
+/// anew and unmaps it on free), so filling it takes one page fault per 4 KiB page — about as
+/// long as the conversion itself for a 4096² weight. Buffers of at least 4 MiB are therefore
+/// advised to use transparent huge pages before their first touch (`madvise(MADV_HUGEPAGE)`;
+/// Linux only, ignored where THP is off): one fault per 2 MiB.
+fn output_buffer<T: Copy + Default>(n: usize) -> Vec<T> {
+    let mut v: Vec<T> = Vec::with_capacity(n);
+    let bytes = n.saturating_mul(std::mem::size_of::<T>());
+    #[cfg(target_os = "linux")]
+    if bytes >= HUGE_PAGE_MIN {
+        const PAGE: usize = 4096;
+        let start = v.as_mut_ptr() as usize;
+        let first = start.next_multiple_of(PAGE);
+        let end = (start + bytes) / PAGE * PAGE;
+        if end > first {
+            // SAFETY: `[first, end)` lies inside `v`'s allocation (page-aligned inward), which
+            // this function owns and has not touched; MADV_HUGEPAGE only changes how the kernel
+            // backs those pages, never their contents, and failure is harmless (ignored).
+            unsafe {
+                libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    let _ = bytes;
+    v.resize(n, T::default());
+    v
+}
+
+fn storage_mismatch(t: &Tensor, dtype: Dtype, what: &str) -> Error {
+    Error::UnsupportedDtype {
+        dtype: t.dtype().as_str().into(),
+        what: format!(
+            "{what} as {dtype}: the tensor's candle dtype must be {}",
+            dtype.candle_storage_dtype().as_str()
+        ),
+    }
+}
+
+/// The contiguous element range of `t`'s storage, or `None` when `t` is strided.
+fn contiguous_range(t: &Tensor) -> Option<std::ops::Range<usize>> {
+    let (_, layout) = t.storage_and_layout();
+    layout.contiguous_offsets().map(|(start, end)| start..end)
+}
+
+/// Calls `f` with the contiguous CPU data of `t` (copied to a contiguous layout first only when
+/// `t` is strided).
+fn with_cpu_data<R>(
+    t: &Tensor,
+    f: impl FnOnce(&CpuStorage, std::ops::Range<usize>) -> Result<R>,
+) -> Result<R> {
+    let owned;
+    let t = match contiguous_range(t) {
+        Some(_) => t,
+        None => {
+            owned = t
+                .contiguous()
+                .ctx(|| "making a strided tensor contiguous for a dtype conversion".into())?;
+            &owned
+        }
+    };
+    let range = contiguous_range(t).ok_or_else(|| Error::ShapeMismatch {
+        what: "a contiguous copy of a tensor".into(),
+        expected: t.dims().to_vec(),
+        got: t.stride().to_vec(),
+    })?;
+    let (storage, _) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => f(cpu, range),
+        _ => Err(Error::Device {
+            device: format!("{:?}", t.device().location()),
+            reason: "the fast dtype conversions read CPU tensors only".into(),
+        }),
+    }
+}
+
+/// Decodes a CPU tensor stored as `dtype` into a new contiguous `f32` tensor of the same shape.
+///
+/// `dtype` says how to read the storage: the tensor's candle dtype must be
+/// [`Dtype::candle_storage_dtype`] of it (`U8` bytes for [`Dtype::F8E5M2`]). An `F32` tensor is
+/// returned as is (a cheap clone sharing storage). Strided tensors are made contiguous first
+/// (one extra copy). Uses this module's parallel slice converters, not candle's `to_dtype`.
+///
+/// Non-CPU tensors of dtypes candle can cast itself (`f64`, `f16`, `bf16`, `F8E4M3`) go through
+/// candle's `to_dtype` on their device.
+///
+/// # Errors
+/// [`Error::UnsupportedDtype`] when the tensor's candle dtype does not match `dtype`;
+/// [`Error::Device`] for fp8 E5M2 bytes on a non-CPU device; [`Error::Tensor`] when candle fails.
+pub fn to_f32(t: &Tensor, dtype: Dtype) -> Result<Tensor> {
+    if t.dtype() != dtype.candle_storage_dtype() {
+        return Err(storage_mismatch(t, dtype, "decoding to f32"));
+    }
+    if dtype == Dtype::F32 {
+        return Ok(t.clone());
+    }
+    if !t.device().is_cpu() && dtype != Dtype::F8E5M2 {
+        return t.to_dtype(DType::F32).ctx(|| {
+            format!(
+                "casting a {dtype} tensor to f32 on {:?}",
+                t.device().location()
+            )
+        });
+    }
+    let shape = t.shape().clone();
+    let out = with_cpu_data(t, |cpu, range| {
+        let mut out = output_buffer::<f32>(range.len());
+        match (cpu, dtype) {
+            (CpuStorage::F16(v), Dtype::F16) => f16_to_f32(&v[range], &mut out)?,
+            (CpuStorage::BF16(v), Dtype::BF16) => bf16_to_f32(&v[range], &mut out)?,
+            (CpuStorage::F64(v), Dtype::F64) => {
+                let src = &v[range];
+                par_convert(src, &mut out, |s, d, _| {
+                    d.iter_mut().zip(s).for_each(|(d, &s)| *d = s as f32)
+                });
+            }
+            (CpuStorage::U8(v), Dtype::F8E5M2) => fp8_to_f32(&v[range], &mut out, Fp8Format::E5M2)?,
+            (CpuStorage::F8E4M3(v), Dtype::F8E4M3FN) => {
+                let src = &v[range];
+                let table = Fp8Format::E4M3FN.table();
+                par_convert(src, &mut out, |s, d, _| {
+                    d.iter_mut()
+                        .zip(s)
+                        .for_each(|(d, s)| *d = table[usize::from(s.to_bits())])
+                });
+            }
+            _ => return Err(storage_mismatch(t, dtype, "decoding to f32")),
+        }
+        Ok(out)
+    })?;
+    Tensor::from_vec(out, shape, &Device::Cpu)
+        .ctx(|| format!("building the f32 tensor decoded from {dtype}"))
+}
+
+/// Encodes a CPU `f32` tensor into a new contiguous CPU tensor in storage form for `dtype`
+/// (candle `F16`, `BF16`, `F8E4M3`, `U8` bytes for E5M2, `F32`, `F64`), same shape.
+///
+/// Rounding: `f16`/`bf16` always RNE (a [`Rounding::Stochastic`] request falls back to RNE); fp8
+/// RNE for [`Rounding::Nearest`], seeded stochastic rounding for [`Rounding::Stochastic`] (the
+/// [rounding rules](crate::float#rounding-rules) give the contract; element indices are row-major
+/// over the tensor). An `F32` target returns the tensor as is (a cheap clone). Strided inputs are
+/// made contiguous first.
+///
+/// # Errors
+/// [`Error::UnsupportedDtype`] when `t` is not `f32`; [`Error::Device`] when it is not on the
+/// CPU; [`Error::Tensor`] when candle fails.
+pub fn from_f32(t: &Tensor, dtype: Dtype, rounding: Rounding) -> Result<Tensor> {
+    if t.dtype() != DType::F32 {
+        return Err(storage_mismatch(
+            t,
+            Dtype::F32,
+            &format!("encoding to {dtype}"),
+        ));
+    }
+    if dtype == Dtype::F32 {
+        return Ok(t.clone());
+    }
+    let shape = t.shape().clone();
+    let ctx = || format!("building the {dtype} tensor encoded from f32");
+    with_cpu_data(t, |cpu, range| {
+        let CpuStorage::F32(v) = cpu else {
+            return Err(storage_mismatch(
+                t,
+                Dtype::F32,
+                &format!("encoding to {dtype}"),
+            ));
+        };
+        let src = &v[range];
+        let n = src.len();
+        match dtype {
+            Dtype::F32 => Tensor::from_slice(src, shape, &Device::Cpu).ctx(ctx),
+            Dtype::F64 => {
+                let mut out = output_buffer::<f64>(n);
+                par_convert(src, &mut out, |s, d, _| {
+                    d.iter_mut().zip(s).for_each(|(d, &s)| *d = f64::from(s))
+                });
+                Tensor::from_vec(out, shape, &Device::Cpu).ctx(ctx)
+            }
+            Dtype::F16 => {
+                let mut out = output_buffer::<f16>(n);
+                f32_to_f16(src, &mut out)?;
+                Tensor::from_vec(out, shape, &Device::Cpu).ctx(ctx)
+            }
+            Dtype::BF16 => {
+                let mut out = output_buffer::<bf16>(n);
+                f32_to_bf16(src, &mut out)?;
+                Tensor::from_vec(out, shape, &Device::Cpu).ctx(ctx)
+            }
+            Dtype::F8E5M2 => {
+                let mut out = output_buffer::<u8>(n);
+                f32_to_fp8(src, &mut out, Fp8Format::E5M2, rounding)?;
+                Tensor::from_vec(out, shape, &Device::Cpu).ctx(ctx)
+            }
+            Dtype::F8E4M3FN => {
+                let mut out = output_buffer::<u8>(n);
+                f32_to_fp8(src, &mut out, Fp8Format::E4M3FN, rounding)?;
+                let out = into_candle_elements(out, CpuStorage::F8E4M3)?;
+                Tensor::from_vec(out, shape, &Device::Cpu).ctx(ctx)
+            }
+        }
+    })
+}
+
+/// Reinterprets fp8 codes as the element type candle stores `F8E4M3` tensors in (its own
+/// `float8::F8E4M3`, of a `float8` version we do not depend on; `variant` names it by inference:
+/// pass `CpuStorage::F8E4M3`). No copy.
+fn into_candle_elements<T: WithDType>(
+    bytes: Vec<u8>,
+    _variant: fn(Vec<T>) -> CpuStorage,
+) -> Result<Vec<T>> {
+    if T::DTYPE != DType::F8E4M3 || std::mem::size_of::<T>() != 1 || std::mem::align_of::<T>() != 1
+    {
+        return Err(Error::UnsupportedDtype {
+            dtype: T::DTYPE.as_str().into(),
+            what: "building an fp8 tensor: candle's F8E4M3 element is not a 1-byte type".into(),
+        });
+    }
+    let mut bytes = std::mem::ManuallyDrop::new(bytes);
+    let (ptr, len, cap) = (bytes.as_mut_ptr(), bytes.len(), bytes.capacity());
+    // SAFETY: `T` is the element of `CpuStorage::F8E4M3` with `DTYPE == F8E4M3`, i.e. candle's
+    // `float8::F8E4M3`, a `#[repr(transparent)]` wrapper of a `u8` for which every bit pattern is
+    // a valid value; size and alignment are checked above to be 1, so `ptr` (from a `Vec<u8>`,
+    // not used again: `ManuallyDrop`) was allocated with the layout a `Vec<T>` of capacity `cap`
+    // deallocates with, and its `len` elements are initialized.
+    Ok(unsafe { Vec::from_raw_parts(ptr.cast::<T>(), len, cap) })
+}

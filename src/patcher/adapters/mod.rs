@@ -1,0 +1,370 @@
+//! Patch kinds and their exact math, one file per kind.
+//!
+//! A [`Patch`] describes a change to one weight: a full difference ([`Patch::Diff`]), a
+//! replacement ([`Patch::Set`]), or a low-rank adapter ([`Lora`], [`LoHa`], [`LoKr`],
+//! [`GLora`]), each optionally with a DoRA magnitude vector, or an orthogonal rotation of the
+//! output rows ([`Oft`]). A [`PatchEntry`] adds the two strengths and an optional [`Offset`] that
+//! narrows the target weight. Patches never touch the base weight: [`apply`] reads it and returns
+//! a new tensor.
+//!
+//! # Layout
+//!
+//! Each kind lives in its own file with its struct, its shape rule and its math, as in ComfyUI's
+//! `comfy/weight_adapter/` package: `diff.rs` (`Diff` and `Set`), `lora.rs`, `loha.rs`,
+//! `lokr.rs`, `glora.rs`, `oft.rs`. `factor.rs` builds the factors LoHa and LoKr share, `dora.rs`
+//! holds DoRA's shape rule and renormalisation, `offset.rs` the narrowing of a target. Every kind
+//! implements the module's private `WeightAdapter` trait (its shape rule and how it applies); the
+//! four that add a delta implement `DeltaAdapter` instead (the delta's natural shape and the
+//! delta) and share the reshape rule, DoRA and the strength. [`Patch`] maps each variant to its
+//! implementation in one `match`, so a new kind is a new file, a variant and one arm.
+//!
+//! # Math
+//!
+//! [`apply`] upcasts the weight and every patch tensor to f32 and folds the entries, in order, into
+//! an accumulator `w` (initially the weight). For each entry:
+//!
+//! 1. The target is `w`, or `w.narrow(dim, start, len)` when the entry has an [`Offset`].
+//! 2. When `strength_model != 1`, the target is multiplied by it. With an offset only the narrowed
+//!    region is scaled (as ComfyUI does): the rest of the weight is left as it was.
+//! 3. The patch is added, with `s = strength_patch`:
+//!    - `Diff`: `w += s · diff`. With `pad`, a weight smaller than the diff in some dimension is
+//!      first zero-padded (at the end of each dimension) to the diff's shape; the result then has
+//!      the diff's shape. Padding is not allowed on a narrowed target.
+//!    - `Set`: `w = value`; neither strength has any effect.
+//!    - the adapters add their delta, each documented on its type: [`Lora`] (and LoCon, with a
+//!      Tucker `mid`), [`LoHa`], [`LoKr`] and [`GLora`], whose delta also reads `w`; [`Oft`]
+//!      rotates `w` instead.
+//!
+//!    For the adapters, the delta is reshaped to the target's shape when its natural shape differs
+//!    but the output dimension and the element count agree (a linear LoRA on a 1×1 conv, a conv
+//!    LoHa stored as `[r, in·kh·kw]`).
+//! 4. **DoRA** (a `dora_scale` is present, adapters only): with `Δ` the delta scaled by
+//!    `alpha / rank` but *not* by `s`, `W' = w + Δ`, and the weight is renormalised per output row:
+//!    `W'' = W' · dora_scale / (‖row‖ + ε)`, `ε = f32::EPSILON`. [`DoraNorm::Standard`] (the
+//!    default, the DoRA paper's form) takes the norm of the *patched* row of `W'`;
+//!    [`DoraNorm::ComfyUi`] takes the norm of the *unpatched* row of `w`, which reproduces
+//!    ComfyUI's numbers. The strength then interpolates: `w = w + s · (W'' − w)`, so `s = 1` gives
+//!    `W''` and `s = 0` leaves `w` unchanged. A `dora_scale` shaped `[out, 1, …]` acts on output
+//!    rows; one shaped `[1, in, …]` acts on input columns (norms over every other dimension; both
+//!    modes use the patched weight there, as ComfyUI does).
+//! 5. The result is written back into the narrowed region when there is an offset.
+//!
+//! Entries with `s = 0` are skipped (except `Set`, which ignores strength, and a padding `Diff`,
+//! whose padding still happens).
+//!
+//! # Validation
+//!
+//! [`validate`] checks one entry against a weight shape from the tensors' dimensions alone — no
+//! delta is computed — and rejects a misfit with [`Error::PatchShape`] naming the key and both
+//! shapes, or [`Error::BadPatch`] for a patch that is inconsistent in itself (ranks that do not
+//! chain, an offset outside the weight). ComfyUI logs and skips such patches; we refuse them, so a
+//! caller can add nothing when anything is wrong. [`patched_shape`] validates a whole chain and
+//! returns the final shape (which a padding `Diff` can grow). [`apply`] validates each entry
+//! before computing it.
+//!
+//! # Cost
+//!
+//! A rank-`r` LoRA on an `[out, in]` weight costs one `out·r·in` matmul plus one elementwise pass
+//! (a GLoRA two, `w·a1` then `·a2`, plus `b1·b2`; an OFT one batched `[n, n] × [n, rest]`
+//! matmul per block, `out·n·rest` in all, after a host Cayley transform of `k·n³`);
+//! DoRA adds two elementwise passes and a row reduction. Every entry allocates a new accumulator of
+//! the weight's size (candle tensors are immutable); an offset entry also re-concatenates the
+//! weight along the offset's dimension.
+
+mod diff;
+mod dora;
+mod factor;
+mod glora;
+mod loha;
+mod lokr;
+mod lora;
+mod offset;
+mod oft;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{Error, Result, TensorContext};
+use diff::{Diff, Set};
+
+pub use dora::DoraNorm;
+pub use glora::GLora;
+pub use loha::LoHa;
+pub use lokr::LoKr;
+pub use lora::Lora;
+pub use offset::Offset;
+pub use oft::Oft;
+
+/// One change to one weight. See the [module docs](self) for how entries apply, and each kind's
+/// type for its math.
+#[derive(Debug, Clone)]
+pub enum Patch {
+    /// Adds `strength · diff` to the weight.
+    Diff {
+        /// The difference; same shape as the weight (or larger in some dimensions when `pad`).
+        diff: Tensor,
+        /// Zero-pad the weight to the diff's shape first when the diff is larger.
+        pad: bool,
+    },
+    /// Replaces the weight with this value; strength is ignored.
+    Set(Tensor),
+    /// A LoRA (or LoCon, DoRA) low-rank adapter.
+    Lora(Lora),
+    /// A LoHa (Hadamard product of two low-rank products) adapter.
+    LoHa(LoHa),
+    /// A LoKr (Kronecker product) adapter.
+    LoKr(LoKr),
+    /// A GLoRA (generalised LoRA) adapter, whose delta also depends on the weight.
+    GLora(GLora),
+    /// An OFT (orthogonal fine-tuning) adapter: a block-diagonal rotation of the output rows.
+    Oft(Oft),
+}
+
+impl Patch {
+    /// A short name of the kind, for messages: `diff`, `set`, `lora`, `loha`, `lokr`, `glora`,
+    /// `oft`.
+    pub fn kind(&self) -> &'static str {
+        self.adapter(|a| a.kind())
+    }
+
+    /// Calls `f` with this patch's kind: the one place a variant meets its implementation.
+    fn adapter<R>(&self, f: impl FnOnce(&dyn WeightAdapter) -> R) -> R {
+        match self {
+            Patch::Diff { diff, pad } => f(&Diff { diff, pad: *pad }),
+            Patch::Set(value) => f(&Set(value)),
+            Patch::Lora(l) => f(l),
+            Patch::LoHa(h) => f(h),
+            Patch::LoKr(k) => f(k),
+            Patch::GLora(g) => f(g),
+            Patch::Oft(o) => f(o),
+        }
+    }
+}
+
+/// A patch with its strengths and target region, as a patch set stores it.
+#[derive(Debug, Clone)]
+pub struct PatchEntry {
+    /// Multiplies the patch's delta (ignored by [`Patch::Set`]).
+    pub strength_patch: f32,
+    /// The patch, shared between clones of a patch set.
+    pub patch: Arc<Patch>,
+    /// Multiplies the weight accumulated so far (the narrowed region with an offset), before the
+    /// patch is added.
+    pub strength_model: f32,
+    /// Narrows the target weight.
+    pub offset: Option<Offset>,
+}
+
+impl PatchEntry {
+    /// An entry with both strengths 1 and no offset.
+    pub fn new(patch: impl Into<Arc<Patch>>) -> Self {
+        PatchEntry {
+            strength_patch: 1.0,
+            patch: patch.into(),
+            strength_model: 1.0,
+            offset: None,
+        }
+    }
+
+    /// Sets both strengths.
+    pub fn with_strengths(mut self, strength_patch: f32, strength_model: f32) -> Self {
+        self.strength_patch = strength_patch;
+        self.strength_model = strength_model;
+        self
+    }
+
+    /// Sets the offset.
+    pub fn with_offset(mut self, offset: Offset) -> Self {
+        self.offset = Some(offset);
+        self
+    }
+}
+
+/// Checks that `entry` fits a weight of shape `weight_shape`, from dimensions alone.
+///
+/// Errors: [`Error::PatchShape`] when the patch does not fit, [`Error::BadPatch`] when it is
+/// inconsistent in itself or its offset lies outside the weight.
+pub fn validate(key: &str, weight_shape: &[usize], entry: &PatchEntry) -> Result<()> {
+    entry_output_shape(key, weight_shape, entry).map(|_| ())
+}
+
+/// Validates a chain of entries applied in order and returns the final weight shape (equal to
+/// `weight_shape` unless a padding [`Patch::Diff`] grows it).
+pub fn patched_shape(
+    key: &str,
+    weight_shape: &[usize],
+    entries: &[PatchEntry],
+) -> Result<Vec<usize>> {
+    entries
+        .iter()
+        .try_fold(weight_shape.to_vec(), |shape, entry| {
+            entry_output_shape(key, &shape, entry)
+        })
+}
+
+/// Applies `entries` in order to `weight` and returns the patched weight in f32, on the weight's
+/// device. The weight (of any float dtype) is not modified. Each entry is validated against the
+/// shape accumulated so far before it is computed; on error nothing is returned.
+pub fn apply(key: &str, weight: &Tensor, entries: &[PatchEntry], dora: DoraNorm) -> Result<Tensor> {
+    let mut w = weight
+        .to_dtype(DType::F32)
+        .ctx(|| format!("`{key}`: upcasting the weight to f32"))?;
+    for entry in entries {
+        entry_output_shape(key, w.dims(), entry)?;
+        w = apply_entry(key, &w, entry, dora)?;
+    }
+    Ok(w)
+}
+
+fn apply_entry(key: &str, w: &Tensor, entry: &PatchEntry, dora: DoraNorm) -> Result<Tensor> {
+    match entry.offset {
+        None => patch_region(key, w, entry, dora),
+        Some(o) => offset::apply(key, w, o, |region| patch_region(key, region, entry, dora)),
+    }
+}
+
+/// Applies one entry to its (already narrowed) target.
+fn patch_region(key: &str, target: &Tensor, entry: &PatchEntry, dora: DoraNorm) -> Result<Tensor> {
+    let w = if entry.strength_model != 1.0 {
+        target
+            .affine(f64::from(entry.strength_model), 0.0)
+            .ctx(|| format!("`{key}`: scaling by strength_model"))?
+    } else {
+        target.clone()
+    };
+    entry
+        .patch
+        .adapter(|a| a.apply(key, &w, entry.strength_patch, dora))
+}
+
+/// The shape `entry` turns a weight of `weight_shape` into, or why it cannot apply.
+fn entry_output_shape(key: &str, weight_shape: &[usize], entry: &PatchEntry) -> Result<Vec<usize>> {
+    let patch_shape = |target: &[usize]| entry.patch.adapter(|a| a.output_shape(key, target));
+    match entry.offset {
+        None => patch_shape(weight_shape),
+        Some(o) => offset::output_shape(key, weight_shape, o, patch_shape),
+    }
+}
+
+/// What every patch kind provides, in its own file: its shape rule and how it applies.
+/// [`Patch::adapter`] maps a variant to its implementation.
+trait WeightAdapter {
+    /// A short name of the kind, for messages.
+    fn kind(&self) -> &'static str;
+
+    /// The shape the patch turns `target` into, from dimensions alone, or why it cannot apply.
+    fn output_shape(&self, key: &str, target: &[usize]) -> Result<Vec<usize>>;
+
+    /// The patched target: `w` is the target in f32 (narrowed by the entry's offset and scaled by
+    /// its `strength_model`), `s` the entry's `strength_patch`.
+    fn apply(&self, key: &str, w: &Tensor, s: f32, dora: DoraNorm) -> Result<Tensor>;
+}
+
+/// A kind whose patch adds a delta to the weight, optionally through DoRA: LoRA, LoHa, LoKr,
+/// GLoRA. It provides the delta's natural shape and the delta; the rule that fits the delta to the
+/// weight, DoRA and the strength are shared (the [`WeightAdapter`] of every `DeltaAdapter`).
+trait DeltaAdapter {
+    /// A short name of the kind, for messages.
+    const KIND: &'static str;
+
+    /// The delta's natural shape for a weight of shape `target`, after checking that the adapter
+    /// is consistent in itself.
+    fn delta_shape(&self, key: &str, target: &[usize]) -> Result<Vec<usize>>;
+
+    /// The delta for the target `w`, scaled by `factor` (and by the adapter's `alpha / rank`).
+    fn delta(&self, key: &str, w: &Tensor, factor: f32) -> Result<Tensor>;
+
+    /// The DoRA magnitude, if any.
+    fn dora_scale(&self) -> Option<&Tensor>;
+}
+
+impl<T: DeltaAdapter> WeightAdapter for T {
+    fn kind(&self) -> &'static str {
+        T::KIND
+    }
+
+    fn output_shape(&self, key: &str, target: &[usize]) -> Result<Vec<usize>> {
+        let natural = self.delta_shape(key, target)?;
+        check_fits(key, target, &natural)?;
+        dora::check(key, target, self.dora_scale())?;
+        Ok(target.to_vec())
+    }
+
+    /// Computes the delta (with `s` folded in), reshapes it to `w`'s shape and adds it, through
+    /// DoRA when a magnitude is given.
+    fn apply(&self, key: &str, w: &Tensor, s: f32, dora: DoraNorm) -> Result<Tensor> {
+        if s == 0.0 {
+            return Ok(w.clone());
+        }
+        let ctx = || format!("`{key}`: adding the adapter delta");
+        let Some(magnitude) = self.dora_scale() else {
+            let d = self.delta(key, w, s)?.reshape(w.shape()).ctx(ctx)?;
+            return (w + &d).ctx(ctx);
+        };
+        let d = self.delta(key, w, 1.0)?.reshape(w.shape()).ctx(ctx)?;
+        let patched = (w + &d).ctx(ctx)?;
+        dora::renormalise(key, w, patched, magnitude, s, dora)
+    }
+}
+
+/// The delta fits the target when the shapes agree, or when the output dimension and the element
+/// count agree (the delta is reshaped).
+fn check_fits(key: &str, target: &[usize], natural: &[usize]) -> Result<()> {
+    if natural == target {
+        return Ok(());
+    }
+    if !target.is_empty() && natural.first() == target.first() && numel(natural) == numel(target) {
+        return Ok(());
+    }
+    Err(shape_err(
+        key,
+        target,
+        natural,
+        "the adapter's delta does not match the weight (output dimension or element count differs)",
+    ))
+}
+
+/// `alpha / rank`, or 1 without alpha.
+fn alpha_scale(alpha: Option<f32>, rank: usize) -> f32 {
+    match alpha {
+        Some(a) => a / rank as f32,
+        None => 1.0,
+    }
+}
+
+fn scale(key: &str, t: &Tensor, factor: f32) -> Result<Tensor> {
+    if factor == 1.0 {
+        return Ok(t.clone());
+    }
+    t.affine(f64::from(factor), 0.0)
+        .ctx(|| format!("`{key}`: scaling by {factor}"))
+}
+
+fn f32_on(key: &str, t: &Tensor, dev: &Device, what: &str) -> Result<Tensor> {
+    t.to_device(dev)
+        .and_then(|t| t.to_dtype(DType::F32))
+        .ctx(|| format!("`{key}`: upcasting the {what} to f32"))
+}
+
+fn shape_err(key: &str, weight: &[usize], patch: &[usize], reason: impl Into<String>) -> Error {
+    Error::PatchShape {
+        key: key.to_string(),
+        weight_shape: weight.to_vec(),
+        patch_shape: patch.to_vec(),
+        reason: reason.into(),
+    }
+}
+
+fn bad(key: &str, reason: impl Into<String>) -> Error {
+    Error::BadPatch {
+        key: key.to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn numel(s: &[usize]) -> usize {
+    s.iter().product()
+}

@@ -1,0 +1,672 @@
+//! Unit tests of the patch kinds: each kind's math on small hand-checked weights, strengths,
+//! offsets, DoRA, and the shape rules that reject a misfit naming key and shapes.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::oft::cayley;
+use super::*;
+use crate::error::Error;
+
+/// `err` is a [`Error::PatchShape`] naming `key`, `weight` and `patch`.
+fn assert_patch_shape(err: &Error, key: &str, weight: &[usize], patch: &[usize]) {
+    match err {
+        Error::PatchShape {
+            key: k,
+            weight_shape,
+            patch_shape,
+            ..
+        } => assert_eq!(
+            (k.as_str(), weight_shape.as_slice(), patch_shape.as_slice()),
+            (key, weight, patch)
+        ),
+        other => panic!("expected a PatchShape error, got {other}"),
+    }
+}
+
+fn t2(rows: &[&[f32]]) -> Tensor {
+    let r = rows.len();
+    let c = rows[0].len();
+    let flat: Vec<f32> = rows.iter().flat_map(|r| r.iter().copied()).collect();
+    Tensor::from_vec(flat, (r, c), &Device::Cpu).unwrap()
+}
+
+fn tn(data: &[f32], shape: &[usize]) -> Tensor {
+    Tensor::from_vec(data.to_vec(), shape, &Device::Cpu).unwrap()
+}
+
+fn full(v: f32, shape: &[usize]) -> Tensor {
+    (Tensor::ones(shape, DType::F32, &Device::Cpu).unwrap() * f64::from(v)).unwrap()
+}
+
+fn vals(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+fn assert_close(t: &Tensor, expected: &[f32], tol: f32) {
+    let got = vals(t);
+    assert_eq!(got.len(), expected.len(), "{got:?} vs {expected:?}");
+    for (g, e) in got.iter().zip(expected) {
+        assert!((g - e).abs() <= tol, "{got:?} vs {expected:?}");
+    }
+}
+
+fn run(w: &Tensor, entries: &[PatchEntry]) -> Tensor {
+    apply("k", w, entries, DoraNorm::Standard).unwrap()
+}
+
+fn lora_entry(l: Lora, s: f32) -> PatchEntry {
+    PatchEntry::new(Patch::Lora(l)).with_strengths(s, 1.0)
+}
+
+#[test]
+fn lora_delta_is_scaled_by_strength_times_alpha_over_rank() {
+    let w = full(0.0, &[2, 2]);
+    let mut l = Lora::new(t2(&[&[1.0], &[2.0]]), t2(&[&[3.0, 4.0]]));
+    l.alpha = Some(0.5);
+    let out = run(&w, &[lora_entry(l.clone(), 2.0)]);
+    assert_close(&out, &[3.0, 4.0, 6.0, 8.0], 0.0);
+    l.alpha = None;
+    let out = run(&w, &[lora_entry(l, 2.0)]);
+    assert_close(&out, &[6.0, 8.0, 12.0, 16.0], 0.0);
+}
+
+#[test]
+fn strength_model_scales_weight_accumulated_so_far() {
+    let w = full(1.0, &[1, 1]);
+    let diff = Patch::Diff {
+        diff: full(1.0, &[1, 1]),
+        pad: false,
+    };
+    let out = run(&w, &[PatchEntry::new(diff).with_strengths(1.0, 0.5)]);
+    assert_close(&out, &[1.5], 0.0);
+}
+
+#[test]
+fn model_merge_interpolates_between_two_weights() {
+    // ComfyUI's merge: base w2, entry Diff(w1) with strength_patch r, strength_model 1 - r.
+    let (w1, w2, r) = (2.0, 4.0, 0.25);
+    let diff = Patch::Diff {
+        diff: full(w1, &[3]),
+        pad: false,
+    };
+    let out = run(
+        &full(w2, &[3]),
+        &[PatchEntry::new(diff).with_strengths(r, 1.0 - r)],
+    );
+    assert_close(&out, &[3.5, 3.5, 3.5], 0.0);
+}
+
+#[test]
+fn patches_apply_in_order() {
+    let w = full(1.0, &[2]);
+    let set = PatchEntry::new(Patch::Set(full(5.0, &[2])));
+    let diff = PatchEntry::new(Patch::Diff {
+        diff: full(1.0, &[2]),
+        pad: false,
+    });
+    assert_close(&run(&w, &[diff.clone(), set.clone()]), &[5.0, 5.0], 0.0);
+    assert_close(&run(&w, &[set, diff]), &[6.0, 6.0], 0.0);
+}
+
+#[test]
+fn set_ignores_strength() {
+    let w = full(1.0, &[2, 2]);
+    let e = PatchEntry::new(Patch::Set(full(7.0, &[2, 2]))).with_strengths(0.3, 0.5);
+    assert_close(&run(&w, &[e]), &[7.0; 4], 0.0);
+}
+
+#[test]
+fn offset_diff_changes_only_the_narrowed_rows() {
+    let w = full(0.0, &[4, 2]);
+    let e = PatchEntry::new(Patch::Diff {
+        diff: full(1.0, &[2, 2]),
+        pad: false,
+    })
+    .with_offset(Offset {
+        dim: 0,
+        start: 2,
+        len: 2,
+    });
+    let out = run(&w, &[e]);
+    assert_eq!(out.dims(), &[4, 2]);
+    assert_close(&out, &[0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0], 0.0);
+}
+
+#[test]
+fn strength_model_with_offset_scales_only_the_narrowed_region() {
+    let w = full(1.0, &[2, 4]);
+    let e = PatchEntry::new(Patch::Diff {
+        diff: full(0.0, &[2, 1]),
+        pad: false,
+    })
+    .with_strengths(1.0, 0.5)
+    .with_offset(Offset {
+        dim: 1,
+        start: 1,
+        len: 1,
+    });
+    let out = run(&w, &[e]);
+    assert_close(&out, &[1.0, 0.5, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0], 0.0);
+}
+
+#[test]
+fn offset_outside_weight_is_rejected() {
+    let e = PatchEntry::new(Patch::Diff {
+        diff: full(1.0, &[2, 2]),
+        pad: false,
+    })
+    .with_offset(Offset {
+        dim: 0,
+        start: 3,
+        len: 2,
+    });
+    let err = validate("blk.w", &[4, 2], &e).unwrap_err();
+    assert!(
+        matches!(err, Error::BadPatch { ref key, .. } if key == "blk.w"),
+        "{err}"
+    );
+}
+
+#[test]
+fn loha_is_hadamard_product_of_two_low_rank_products() {
+    let h = LoHa {
+        w1a: t2(&[&[1.0], &[1.0]]),
+        w1b: t2(&[&[2.0, 2.0]]),
+        w2a: t2(&[&[1.0], &[1.0]]),
+        w2b: t2(&[&[3.0, 3.0]]),
+        t1: None,
+        t2: None,
+        alpha: None,
+        dora_scale: None,
+    };
+    let out = run(&full(1.0, &[2, 2]), &[PatchEntry::new(Patch::LoHa(h))]);
+    assert_close(&out, &[7.0; 4], 0.0);
+}
+
+#[test]
+fn loha_alpha_scales_by_w1b_rank() {
+    let h = LoHa {
+        w1a: t2(&[&[1.0, 1.0]]),
+        w1b: t2(&[&[1.0], &[1.0]]),
+        w2a: t2(&[&[1.0]]),
+        w2b: t2(&[&[3.0]]),
+        t1: None,
+        t2: None,
+        alpha: Some(1.0),
+        dora_scale: None,
+    };
+    // (1·1 + 1·1) · 3 · (1 / 2) = 3
+    let out = run(&full(0.0, &[1, 1]), &[PatchEntry::new(Patch::LoHa(h))]);
+    assert_close(&out, &[3.0], 0.0);
+}
+
+/// Reference einsum 'ijkl,jr,ip->prkl' by loops.
+fn tucker_ref(t: &[f32], td: [usize; 4], a: &[f32], p: usize, b: &[f32], q: usize) -> Vec<f32> {
+    let [ni, nj, nk, nl] = td;
+    let mut out = vec![0.0; p * q * nk * nl];
+    for pp in 0..p {
+        for qq in 0..q {
+            for k in 0..nk {
+                for l in 0..nl {
+                    let mut s = 0.0;
+                    for i in 0..ni {
+                        for j in 0..nj {
+                            s +=
+                                t[((i * nj + j) * nk + k) * nl + l] * b[j * q + qq] * a[i * p + pp];
+                        }
+                    }
+                    out[((pp * q + qq) * nk + k) * nl + l] = s;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn loha_tucker_form_matches_reference_contraction() {
+    // t [2, 2, 1, 2], a [2, out=3], b [2, in=2]; both factors the same, so delta = m ⊙ m.
+    let t: Vec<f32> = (1..=8).map(|v| v as f32 * 0.5).collect();
+    let a: Vec<f32> = vec![1.0, -1.0, 2.0, 0.5, 3.0, -2.0];
+    let b: Vec<f32> = vec![1.0, 2.0, -1.0, 0.5];
+    let m = tucker_ref(&t, [2, 2, 1, 2], &a, 3, &b, 2);
+    let h = LoHa {
+        w1a: tn(&a, &[2, 3]),
+        w1b: tn(&b, &[2, 2]),
+        w2a: tn(&a, &[2, 3]),
+        w2b: tn(&b, &[2, 2]),
+        t1: Some(tn(&t, &[2, 2, 1, 2])),
+        t2: Some(tn(&t, &[2, 2, 1, 2])),
+        alpha: None,
+        dora_scale: None,
+    };
+    let out = run(
+        &full(0.0, &[3, 2, 1, 2]),
+        &[PatchEntry::new(Patch::LoHa(h))],
+    );
+    let expected: Vec<f32> = m.iter().map(|v| v * v).collect();
+    assert_close(&out, &expected, 1e-4);
+}
+
+#[test]
+fn lokr_is_kronecker_product() {
+    let k = LoKr {
+        w1: Some(t2(&[&[1.0, 2.0]])),
+        w2: Some(t2(&[&[1.0], &[1.0]])),
+        alpha: Some(8.0), // ignored: no factor is factorised
+        ..LoKr::default()
+    };
+    let out = run(&full(0.0, &[2, 2]), &[PatchEntry::new(Patch::LoKr(k))]);
+    assert_close(&out, &[1.0, 2.0, 1.0, 2.0], 0.0);
+
+    // kron([[1,2],[3,4]], [[0,1],[1,0]])
+    let k = LoKr {
+        w1: Some(t2(&[&[1.0, 2.0], &[3.0, 4.0]])),
+        w2: Some(t2(&[&[0.0, 1.0], &[1.0, 0.0]])),
+        ..LoKr::default()
+    };
+    let out = run(&full(0.0, &[4, 4]), &[PatchEntry::new(Patch::LoKr(k))]);
+    #[rustfmt::skip]
+    let expected = [
+        0.0, 1.0, 0.0, 2.0,
+        1.0, 0.0, 2.0, 0.0,
+        0.0, 3.0, 0.0, 4.0,
+        3.0, 0.0, 4.0, 0.0,
+    ];
+    assert_close(&out, &expected, 0.0);
+}
+
+#[test]
+fn lokr_factorised_form_uses_alpha_over_rank() {
+    // w2 = w2a·w2b = [[1],[1]]·[[1, 1]] (rank 1) = ones(2,2); alpha 0.5 → scale 0.5.
+    let k = LoKr {
+        w1: Some(t2(&[&[2.0]])),
+        w2a: Some(t2(&[&[1.0], &[1.0]])),
+        w2b: Some(t2(&[&[1.0, 1.0]])),
+        alpha: Some(0.5),
+        ..LoKr::default()
+    };
+    let out = run(&full(0.0, &[2, 2]), &[PatchEntry::new(Patch::LoKr(k))]);
+    assert_close(&out, &[1.0; 4], 0.0);
+}
+
+#[test]
+fn conv_lora_reshapes_delta_to_the_kernel() {
+    // weight [out 2, in 1, 2, 2]; up [2, 1, 1, 1], down [1, 1, 2, 2].
+    let up = tn(&[1.0, 2.0], &[2, 1, 1, 1]);
+    let down = tn(&[1.0, 2.0, 3.0, 4.0], &[1, 1, 2, 2]);
+    let out = run(
+        &full(0.0, &[2, 1, 2, 2]),
+        &[PatchEntry::new(Patch::Lora(Lora::new(up, down)))],
+    );
+    assert_eq!(out.dims(), &[2, 1, 2, 2]);
+    assert_close(&out, &[1.0, 2.0, 3.0, 4.0, 2.0, 4.0, 6.0, 8.0], 0.0);
+}
+
+#[test]
+fn conv_lora_with_mid_composes_up_mid_down() {
+    // up [out 2, a 2, 1, 1], mid [a 2, b 3, 1, 2], down [b 3, in 2, 1, 1].
+    let up: Vec<f32> = vec![1.0, 2.0, -1.0, 0.5];
+    let mid: Vec<f32> = (0..12).map(|v| v as f32 - 5.0).collect();
+    let down: Vec<f32> = vec![1.0, 0.0, 2.0, -1.0, 0.5, 3.0];
+    let mut expected = vec![0.0f32; 2 * 2 * 2];
+    for o in 0..2 {
+        for i in 0..2 {
+            for x in 0..2 {
+                let mut s = 0.0;
+                for a in 0..2 {
+                    for b in 0..3 {
+                        s += up[o * 2 + a] * mid[(a * 3 + b) * 2 + x] * down[b * 2 + i];
+                    }
+                }
+                expected[(o * 2 + i) * 2 + x] = s;
+            }
+        }
+    }
+    let mut l = Lora::new(tn(&up, &[2, 2, 1, 1]), tn(&down, &[3, 2, 1, 1]));
+    l.mid = Some(tn(&mid, &[2, 3, 1, 2]));
+    l.alpha = Some(3.0); // rank = down rows = 3 → scale 1
+    let out = run(
+        &full(0.0, &[2, 2, 1, 2]),
+        &[PatchEntry::new(Patch::Lora(l))],
+    );
+    assert_close(&out, &expected, 1e-4);
+}
+
+#[test]
+fn diff_with_pad_grows_the_weight_to_the_diff_shape() {
+    let w = t2(&[&[1.0]]);
+    let e = PatchEntry::new(Patch::Diff {
+        diff: full(1.0, &[2, 3]),
+        pad: true,
+    });
+    assert_eq!(
+        patched_shape("k", &[1, 1], std::slice::from_ref(&e)).unwrap(),
+        vec![2, 3]
+    );
+    let out = run(&w, &[e]);
+    assert_eq!(out.dims(), &[2, 3]);
+    assert_close(&out, &[2.0, 1.0, 1.0, 1.0, 1.0, 1.0], 0.0);
+}
+
+#[test]
+fn diff_of_other_shape_without_pad_is_rejected() {
+    let e = PatchEntry::new(Patch::Diff {
+        diff: full(1.0, &[2, 3]),
+        pad: false,
+    });
+    assert!(matches!(
+        validate("k", &[2, 2], &e),
+        Err(Error::PatchShape { .. })
+    ));
+}
+
+fn dora_lora() -> Lora {
+    let mut l = Lora::new(t2(&[&[1.0]]), t2(&[&[3.0, 0.0]]));
+    l.alpha = Some(1.0);
+    l.dora_scale = Some(t2(&[&[10.0]]));
+    l
+}
+
+#[test]
+fn dora_comfyui_norm_divides_by_unpatched_row_norm() {
+    let w = t2(&[&[3.0, 4.0]]);
+    let out = apply("k", &w, &[lora_entry(dora_lora(), 1.0)], DoraNorm::ComfyUi).unwrap();
+    assert_close(&out, &[12.0, 8.0], 1e-4);
+}
+
+#[test]
+fn dora_standard_norm_divides_by_patched_row_norm() {
+    let w = t2(&[&[3.0, 4.0]]);
+    let out = apply(
+        "k",
+        &w,
+        &[lora_entry(dora_lora(), 1.0)],
+        DoraNorm::default(),
+    )
+    .unwrap();
+    assert_close(&out, &[8.3205, 5.5470], 1e-4);
+    // The renormalised row has the magnitude's norm.
+    let n: f32 = vals(&out).iter().map(|v| v * v).sum::<f32>().sqrt();
+    assert!((n - 10.0).abs() < 1e-4, "{n}");
+}
+
+#[test]
+fn dora_strength_interpolates_from_the_unpatched_weight() {
+    let w = t2(&[&[3.0, 4.0]]);
+    let out = apply("k", &w, &[lora_entry(dora_lora(), 0.5)], DoraNorm::ComfyUi).unwrap();
+    // W + 0.5 · ([12, 8] − [3, 4])
+    assert_close(&out, &[7.5, 6.0], 1e-4);
+}
+
+#[test]
+fn mismatched_lora_is_rejected_naming_key_and_shapes() {
+    let l = Lora::new(full(1.0, &[3, 1]), full(1.0, &[1, 2]));
+    let e = PatchEntry::new(Patch::Lora(l));
+    let err = validate("blocks.0.attn.q.weight", &[2, 2], &e).unwrap_err();
+    assert_patch_shape(&err, "blocks.0.attn.q.weight", &[2, 2], &[3, 2]);
+    let msg = err.to_string();
+    assert!(
+        msg.contains("blocks.0.attn.q.weight") && msg.contains("[3, 2]"),
+        "{msg}"
+    );
+    // apply refuses it too, and validates before computing anything.
+    assert!(apply("k", &full(0.0, &[2, 2]), &[e], DoraNorm::Standard).is_err());
+}
+
+#[test]
+fn lora_whose_ranks_do_not_chain_is_malformed() {
+    let l = Lora::new(full(1.0, &[2, 2]), full(1.0, &[3, 2]));
+    let err = validate("k", &[2, 2], &PatchEntry::new(Patch::Lora(l))).unwrap_err();
+    assert!(matches!(err, Error::BadPatch { .. }), "{err}");
+}
+
+#[test]
+fn dora_scale_of_wrong_length_is_rejected() {
+    let mut l = dora_lora();
+    l.dora_scale = Some(full(1.0, &[3, 1]));
+    let err = validate("k", &[1, 2], &PatchEntry::new(Patch::Lora(l))).unwrap_err();
+    assert!(matches!(err, Error::PatchShape { .. }), "{err}");
+}
+
+#[test]
+fn half_precision_patch_tensors_are_upcast() {
+    let up = t2(&[&[1.0], &[2.0]]).to_dtype(DType::BF16).unwrap();
+    let down = t2(&[&[3.0, 4.0]]).to_dtype(DType::F16).unwrap();
+    let w = full(1.0, &[2, 2]).to_dtype(DType::F16).unwrap();
+    let out = run(&w, &[PatchEntry::new(Patch::Lora(Lora::new(up, down)))]);
+    assert_eq!(out.dtype(), DType::F32);
+    assert_close(&out, &[4.0, 5.0, 7.0, 9.0], 0.0);
+}
+
+#[test]
+fn zero_strength_leaves_weight_unchanged() {
+    let w = t2(&[&[3.0, 4.0]]);
+    let out = run(&w, &[lora_entry(dora_lora(), 0.0)]);
+    assert_close(&out, &[3.0, 4.0], 0.0);
+}
+
+#[test]
+fn glora_new_layout_is_w_a1_a2_plus_b1_b2() {
+    // W [[1,2],[3,4]]; a1 [in 2, r 1] = [[1],[0]], a2 [r 1, in 2] = [[0, 1]] so
+    // A = a1·a2 = [[0,1],[0,0]] and W·A = [[0,1],[0,3]]; b1 [out 2, r 1] = [[1],[2]],
+    // b2 [1, 2] = [[1,-1]] so B = [[1,-1],[2,-2]]. Δ = [[1,0],[2,1]]; alpha 2 / rank 1 at
+    // strength 0.5 scales it by 1. (The old-layout test on these dims also holds, but
+    // a2[0] = 1 is not the output dimension, so this is the new layout.)
+    let mut g = GLora::new(
+        t2(&[&[1.0], &[0.0]]),
+        t2(&[&[0.0, 1.0]]),
+        t2(&[&[1.0], &[2.0]]),
+        t2(&[&[1.0, -1.0]]),
+    );
+    g.alpha = Some(2.0);
+    let w = t2(&[&[1.0, 2.0], &[3.0, 4.0]]);
+    let e = PatchEntry::new(Patch::GLora(g)).with_strengths(0.5, 1.0);
+    assert_close(&run(&w, &[e]), &[2.0, 2.0, 5.0, 5.0], 0.0);
+}
+
+#[test]
+fn glora_old_layout_is_w_a2_a1_plus_b2_b1() {
+    // Old layout: a1 [r 1, in 2] = [[1,1]], a2 [in 2, r 1] = [[1],[0]],
+    // b1 [r 1, in 2] = [[1,0]], b2 [out 2, r 1] = [[2],[0]]. Both layout tests hold and
+    // a2[0] = 2 = out on a square weight, so ComfyUI reads it as old:
+    // W·a2 = [[1],[3]], ·a1 = [[1,1],[3,3]]; b2·b1 = [[2,0],[0,0]]; Δ = [[3,1],[3,3]].
+    let g = GLora::new(
+        t2(&[&[1.0, 1.0]]),
+        t2(&[&[1.0], &[0.0]]),
+        t2(&[&[1.0, 0.0]]),
+        t2(&[&[2.0], &[0.0]]),
+    );
+    let w = t2(&[&[1.0, 2.0], &[3.0, 4.0]]);
+    let out = run(&w, &[PatchEntry::new(Patch::GLora(g))]);
+    assert_close(&out, &[4.0, 3.0, 6.0, 7.0], 0.0);
+}
+
+#[test]
+fn glora_on_a_conv_contracts_the_input_dimension_at_each_kernel_position() {
+    // W [out 1, in 2, 1, 2]: channel 0 = [1, 2], channel 1 = [3, 4].
+    // a1 [2, 1, 1, 1] = [1, 1], a2 [1, 2, 1, 1] = [1, 0]: A = [[1,0],[1,0]], so
+    // (W·A)[j = 0] = channel 0 + channel 1 = [4, 6], (W·A)[j = 1] = [0, 0].
+    // b1 [1, 1, 1, 1] = 2, b2 [1, 2, 1, 2] = [1, 0, 0, 1]: B = [2, 0, 0, 2].
+    // Δ = [6, 6, 0, 2]; W + Δ = [7, 8, 3, 6].
+    let g = GLora::new(
+        tn(&[1.0, 1.0], &[2, 1, 1, 1]),
+        tn(&[1.0, 0.0], &[1, 2, 1, 1]),
+        tn(&[2.0], &[1, 1, 1, 1]),
+        tn(&[1.0, 0.0, 0.0, 1.0], &[1, 2, 1, 2]),
+    );
+    let w = tn(&[1.0, 2.0, 3.0, 4.0], &[1, 2, 1, 2]);
+    let out = run(&w, &[PatchEntry::new(Patch::GLora(g))]);
+    assert_eq!(out.dims(), &[1, 2, 1, 2]);
+    assert_close(&out, &[7.0, 8.0, 3.0, 6.0], 0.0);
+}
+
+#[test]
+fn glora_for_another_input_width_is_rejected_naming_key_and_shapes() {
+    // Built for in = 3 (new layout, rank 1), offered a [2, 2] weight.
+    let g = GLora::new(
+        full(1.0, &[3, 1]),
+        full(1.0, &[1, 3]),
+        full(1.0, &[2, 1]),
+        full(1.0, &[1, 3]),
+    );
+    let e = PatchEntry::new(Patch::GLora(g));
+    let err = validate("blocks.1.mlp.fc.weight", &[2, 2], &e).unwrap_err();
+    assert_patch_shape(&err, "blocks.1.mlp.fc.weight", &[2, 2], &[3, 3]);
+    assert!(err.to_string().contains("blocks.1.mlp.fc.weight"), "{err}");
+    assert!(apply("k", &full(0.0, &[2, 2]), &[e], DoraNorm::Standard).is_err());
+}
+
+#[test]
+fn glora_whose_ranks_chain_in_neither_layout_is_malformed() {
+    // Old needs a1[0] = a2[1] = b1[0] = b2[1] (3, 2, 2, 2); new needs
+    // a1[1] = a2[0] = b1[1] = b2[0] (1, 2, 1, 1).
+    let g = GLora::new(
+        full(1.0, &[3, 1]),
+        full(1.0, &[2, 2]),
+        full(1.0, &[2, 1]),
+        full(1.0, &[1, 2]),
+    );
+    let err = validate("k", &[2, 2], &PatchEntry::new(Patch::GLora(g))).unwrap_err();
+    assert!(matches!(err, Error::BadPatch { .. }), "{err}");
+}
+
+#[test]
+fn glora_at_zero_strength_leaves_the_weight_bit_for_bit() {
+    let w = t2(&[&[0.1, 0.2], &[0.3, 0.7]]);
+    let g = GLora::new(
+        t2(&[&[1.0], &[0.5]]),
+        t2(&[&[0.3, 1.0]]),
+        t2(&[&[1.0], &[2.0]]),
+        t2(&[&[1.0, -1.0]]),
+    );
+    let e = PatchEntry::new(Patch::GLora(g)).with_strengths(0.0, 1.0);
+    assert_eq!(vals(&run(&w, &[e])), vals(&w));
+}
+
+/// One 2×2 block `B = [[0, b], [0, 0]]`, so `Q = [[0, b], [-b, 0]]`.
+fn oft_2x2(b: f32) -> Oft {
+    Oft::new(tn(&[0.0, b, 0.0, 0.0], &[1, 2, 2]))
+}
+
+#[test]
+fn oft_cayley_of_a_2x2_block_is_the_expected_rotation() {
+    // Q = [[0, q], [-q, 0]]: I − Q = [[1, -q], [q, 1]], its inverse [[1, q], [-q, 1]] / (1 + q²),
+    // R = (I + Q)(I − Q)⁻¹ = [[1 − q², 2q], [-2q, 1 − q²]] / (1 + q²). q = 0.5: [[.6, .8], [-.8, .6]].
+    let r = cayley("k", &oft_2x2(0.5)).unwrap();
+    let expected = [0.6, 0.8, -0.8, 0.6];
+    for (g, e) in r.iter().zip(expected) {
+        assert!((g - e).abs() < 1e-12, "{r:?}");
+    }
+}
+
+#[test]
+fn oft_rotations_are_orthogonal() {
+    // Three 4×4 blocks of arbitrary values, unconstrained and constrained.
+    let data: Vec<f32> = (0..48)
+        .map(|v| ((v * 37 % 17) as f32 - 8.0) * 0.13)
+        .collect();
+    for alpha in [None, Some(0.3)] {
+        let o = Oft {
+            blocks: tn(&data, &[3, 4, 4]),
+            alpha,
+        };
+        let r: Vec<f32> = cayley("k", &o).unwrap().iter().map(|&v| v as f32).collect();
+        for b in 0..3 {
+            let m = &r[b * 16..(b + 1) * 16];
+            for i in 0..4 {
+                for j in 0..4 {
+                    let dot: f32 = (0..4).map(|l| m[i * 4 + l] * m[j * 4 + l]).sum();
+                    let want = if i == j { 1.0 } else { 0.0 };
+                    assert!((dot - want).abs() < 1e-5, "block {b} ({i},{j}): {dot}");
+                }
+            }
+            // Not the identity: the blocks really rotate.
+            assert!((m[0] - 1.0).abs() > 1e-3 || m[1].abs() > 1e-3);
+        }
+    }
+}
+
+#[test]
+fn oft_rotates_output_rows_by_r_transposed() {
+    // Rᵀ = [[.6, -.8], [.8, .6]]; W = [[1, 2], [3, 4]]:
+    // Rᵀ·W = [[.6 − 2.4, 1.2 − 3.2], [.8 + 1.8, 1.6 + 2.4]] = [[-1.8, -2], [2.6, 4]].
+    let w = t2(&[&[1.0, 2.0], &[3.0, 4.0]]);
+    let out = run(&w, &[PatchEntry::new(Patch::Oft(oft_2x2(0.5)))]);
+    assert_close(&out, &[-1.8, -2.0, 2.6, 4.0], 1e-6);
+}
+
+#[test]
+fn oft_blocks_are_block_diagonal() {
+    // Block 0 as above, block 1 zero (R = I): rows 0-1 rotate, rows 2-3 stay.
+    // Rᵀ·[1, 2] = [.6 − 1.6, .8 + 1.2] = [-1, 2].
+    let o = Oft::new(tn(&[0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], &[2, 2, 2]));
+    let w = tn(&[1.0, 2.0, 3.0, 4.0], &[4, 1]);
+    let out = run(&w, &[PatchEntry::new(Patch::Oft(o))]);
+    assert_close(&out, &[-1.0, 2.0, 3.0, 4.0], 1e-6);
+}
+
+#[test]
+fn oft_on_a_conv_rotates_whole_output_filters() {
+    // W [2, 1, 1, 2] with filters [1, 2] and [3, 4]: the same numbers as the 2×2 case.
+    let w = tn(&[1.0, 2.0, 3.0, 4.0], &[2, 1, 1, 2]);
+    let out = run(&w, &[PatchEntry::new(Patch::Oft(oft_2x2(0.5)))]);
+    assert_eq!(out.dims(), &[2, 1, 1, 2]);
+    assert_close(&out, &[-1.8, -2.0, 2.6, 4.0], 1e-6);
+}
+
+#[test]
+fn oft_strength_scales_the_rotation_step_by_its_square() {
+    // ComfyUI: W + s·(s·Rᵀ − s·I)·W. s = 0.5: W + 0.25·(Rᵀ·W − W)
+    // = [[1 − .7, 2 − 1], [3 − .1, 4 + 0]] = [[.3, 1], [2.9, 4]].
+    let w = t2(&[&[1.0, 2.0], &[3.0, 4.0]]);
+    let e = PatchEntry::new(Patch::Oft(oft_2x2(0.5))).with_strengths(0.5, 1.0);
+    assert_close(&run(&w, &[e]), &[0.3, 1.0, 2.9, 4.0], 1e-6);
+}
+
+#[test]
+fn oft_alpha_caps_the_norm_of_q() {
+    // b = 2: ‖Q‖ = √8. alpha = √8 / 4 scales Q by 1/4 (the 1e-8 aside) → q = 0.5.
+    let w = t2(&[&[1.0, 2.0], &[3.0, 4.0]]);
+    let mut o = oft_2x2(2.0);
+    o.alpha = Some(8f32.sqrt() / 4.0);
+    let out = run(&w, &[PatchEntry::new(Patch::Oft(o.clone()))]);
+    assert_close(&out, &[-1.8, -2.0, 2.6, 4.0], 1e-5);
+    // A constraint above the norm leaves q = 2: R = [[-3, 4], [-4, -3]] / 5,
+    // Rᵀ = [[-.6, -.8], [.8, -.6]], Rᵀ·W = [[-.6 − 2.4, -1.2 − 3.2], [.8 − 1.8, 1.6 − 2.4]].
+    o.alpha = Some(10.0);
+    let out = run(&w, &[PatchEntry::new(Patch::Oft(o))]);
+    assert_close(&out, &[-3.0, -4.4, -1.0, -0.8], 1e-5);
+}
+
+#[test]
+fn oft_at_zero_strength_leaves_the_weight_bit_for_bit() {
+    let w = t2(&[&[0.1, 0.2], &[0.3, 0.7]]);
+    let e = PatchEntry::new(Patch::Oft(oft_2x2(0.5))).with_strengths(0.0, 1.0);
+    assert_eq!(vals(&run(&w, &[e])), vals(&w));
+}
+
+#[test]
+fn oft_for_another_output_width_is_rejected_naming_key_and_shapes() {
+    let e = PatchEntry::new(Patch::Oft(Oft::new(full(0.1, &[2, 2, 2]))));
+    let err = validate("blocks.2.attn.proj.weight", &[3, 2], &e).unwrap_err();
+    assert_patch_shape(&err, "blocks.2.attn.proj.weight", &[3, 2], &[4, 2]);
+    assert!(apply("k", &full(0.0, &[3, 2]), &[e], DoraNorm::Standard).is_err());
+    // Butterfly (BOFT) blocks and non-square blocks are refused as malformed.
+    for d in [&[1, 2, 2, 2][..], &[2, 2, 1]] {
+        let e = PatchEntry::new(Patch::Oft(Oft::new(full(0.1, d))));
+        let err = validate("k", &[4, 2], &e).unwrap_err();
+        assert!(matches!(err, Error::BadPatch { .. }), "{err}");
+    }
+}
+
+#[test]
+fn linear_lora_fits_a_one_by_one_conv() {
+    let l = Lora::new(t2(&[&[1.0], &[2.0]]), t2(&[&[3.0, 4.0]]));
+    let out = run(
+        &full(0.0, &[2, 2, 1, 1]),
+        &[PatchEntry::new(Patch::Lora(l))],
+    );
+    assert_eq!(out.dims(), &[2, 2, 1, 1]);
+    assert_close(&out, &[3.0, 4.0, 6.0, 8.0], 0.0);
+}

@@ -1,0 +1,234 @@
+//! Reading LoRA-style files and mapping their tensor names onto a model's weight keys.
+//!
+//! [`load`] takes a safetensors file (or tensors already in memory) and the model's weight keys,
+//! and returns one [`Patch`] per matched model weight plus a report of every file tensor it could
+//! not use. It does not check shapes against the model (it only sees key names): the patcher
+//! validates each patch against its weight when the patches are added.
+//!
+//! # Grouping
+//!
+//! File tensors are grouped by base name, the name with one of these suffixes removed:
+//!
+//! | suffix | part |
+//! |---|---|
+//! | `.lora_up.weight`, `.lora_B.weight`, `.lora.up.weight`, `_lora.up.weight`, `.lora_linear_layer.up.weight` | LoRA up |
+//! | `.lora_down.weight`, `.lora_A.weight`, `.lora.down.weight`, `_lora.down.weight`, `.lora_linear_layer.down.weight` | LoRA down |
+//! | `.lora_mid.weight` | LoRA Tucker core |
+//! | `.alpha`, `.dora_scale` | alpha (a scalar), DoRA magnitude (any adapter) |
+//! | `.hada_w1_a`, `.hada_w1_b`, `.hada_w2_a`, `.hada_w2_b`, `.hada_t1`, `.hada_t2` | LoHa |
+//! | `.lokr_w1`, `.lokr_w1_a`, `.lokr_w1_b`, `.lokr_w2`, `.lokr_w2_a`, `.lokr_w2_b`, `.lokr_t2` | LoKr |
+//! | `.a1.weight`, `.a2.weight`, `.b1.weight`, `.b2.weight` | GLoRA (`.bm.weight`, a Tucker GLoRA, is recognised and refused) |
+//! | `.oft_blocks`, `.rescale` | OFT blocks; `.alpha` is then its norm constraint (`.rescale` and 4-D BOFT blocks are recognised and refused) |
+//! | `.diff`, `.diff_b` | full difference of the weight, of the bias |
+//!
+//! A group becomes a [`Patch::Lora`] (up and down present), [`Patch::LoHa`] (all four `hada_w*`),
+//! [`Patch::LoKr`] (`w1` or `w1_a`+`w1_b`, and `w2` or `w2_a`+`w2_b`) or [`Patch::GLora`] (all
+//! four of `a1`, `a2`, `b1`, `b2`, no `bm`) or [`Patch::Oft`] (3-D `oft_blocks`, no `rescale`, no
+//! `dora_scale`) on `<module>.weight`,
+//! or a [`Patch::Diff`] on `<module>.weight`; a `diff_b` gives a second [`Patch::Diff`] on
+//! `<module>.bias`. A group that mixes kinds or lacks a part is malformed: its tensors are
+//! reported as unmatched (and logged), the rest of the file still loads. Old diffusers
+//! attention-processor names (`…attn1.processor.to_q_lora.up.weight`) are rewritten to the module
+//! they patch (`…attn1.to_q`, and `to_out` to `to_out.0`).
+//!
+//! # Matching base names to model keys
+//!
+//! Tried in order; the first rule that finds a model key wins:
+//!
+//! 1. **Direct**: `base + ".weight"` (or `".bias"`) is a model key, with any leading PEFT
+//!    `base_model.model.` dropped from `base`.
+//! 2. **Prefix rewriting.** Both sides are split into a *component* and a *path*:
+//!    - model keys: `model.diffusion_model.` and `diffusion_model.` are the diffusion model;
+//!      `text_encoder.`, `cond_stage_model.`, `clip_l.` are text encoder 1; `text_encoder_2.`,
+//!      `clip_g.` text encoder 2; `text_encoder_3.`, `t5xxl.` text encoder 3 (each optionally after
+//!      `text_encoders.`); `conditioner.embedders.N.` is text encoder `N + 1`; anything else is
+//!      unprefixed;
+//!    - LoRA names: a leading PEFT `base_model.model.` is dropped; kohya `lora_unet_` and
+//!      `lora_transformer_` name the diffusion model, `lora_te_` and `lora_te1_` text encoder 1,
+//!      `lora_te2_` text encoder 2, `lora_te3_` text encoder 3, each followed by the module path
+//!      with `.` written as `_`; diffusers `unet.`, `transformer.`, `diffusion_model.`,
+//!      `model.diffusion_model.` name the diffusion model and `text_encoder.`, `text_encoder_2.`,
+//!      `text_encoder_3.` the text encoders, followed by the dotted path; anything else names no
+//!      component.
+//!
+//!    For text encoders a leading `transformer.` and then `text_model.` are dropped from the path
+//!    on both sides, so `lora_te_text_model_encoder_layers_0_mlp_fc1` finds both
+//!    `text_encoder.encoder.layers.0.mlp.fc1.weight` and
+//!    `cond_stage_model.transformer.text_model.encoder.layers.0.mlp.fc1.weight`. The LoRA path is
+//!    then looked up among model paths of the same component (kohya names compared with every `.`
+//!    of the model path written as `_`), then among unprefixed model keys; a LoRA name without a
+//!    component may match any component. When several model keys fit equally, the first in the
+//!    order given wins.
+//! 3. **Stable Diffusion UNet naming.** The diffusion model's paths (or, when the model has no
+//!    prefixed diffusion model, its unprefixed paths) are read as a UNet:
+//!    [`UnetLayout::detect`](unet::UnetLayout::detect) finds whether they use ldm naming
+//!    (`input_blocks.4.1.…`, original Stability and ComfyUI checkpoints) or diffusers naming
+//!    (`down_blocks.1.attentions.0.…`), and the number of levels, residual blocks and transformer
+//!    depths (SD1.x, SD2.x and SDXL among them). Each of those model paths is then also indexed
+//!    under its name in the other naming
+//!    ([`UnetLayout::module_pairs`](unet::UnetLayout::module_pairs)), dotted and with `_` for `.`,
+//!    and a LoRA name of the diffusion model, or without a component, that rule 2 did not place is
+//!    looked up there: a kohya `lora_unet_down_blocks_1_attentions_0_proj_in` or a PEFT
+//!    `unet.down_blocks.1.attentions.0.proj_in` finds
+//!    `model.diffusion_model.input_blocks.4.1.proj_in.weight`, and a kohya
+//!    `lora_unet_input_blocks_1_1_proj_in` finds an SD1 diffusers model's
+//!    `down_blocks.0.attentions.0.proj_in.weight`. A key set the detector does not understand
+//!    (another architecture, a partial UNet) gets no second naming: matching is rules 1 and 2.
+//!
+//! Not attempted: renaming between other model layouts (Flux `double_blocks` versus diffusers
+//! `transformer_blocks`; UNets whose transformer depth differs between the blocks of one level)
+//! and splitting fused projections; such names are reported unmatched. Callers that know the
+//! layouts can rename keys and pass tensors in memory.
+//!
+//! # Cost
+//!
+//! The file is read whole into CPU tensors (in their stored dtypes; the patch math upcasts).
+//! Matching is O(file tensors + model keys) with hash lookups; the UNet layout is detected and
+//! the second naming indexed once per [`load`], in O(model keys × path length).
+//!
+//! # Files
+//!
+//! `mod.rs` reads the tensors and assembles the result; `groups.rs` groups file tensors by base
+//! name into patches (the suffix table above); `keys.rs` maps base names onto model keys (rules 1
+//! and 2); [`unet`] holds the UNet layouts and their two namings (rule 3).
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::patcher::adapters::Patch;
+
+mod groups;
+mod keys;
+#[cfg(test)]
+mod tests;
+pub mod unet;
+
+use groups::{group_by_base, group_patches, PartKind};
+use keys::ModelIndex;
+
+/// Where LoRA tensors come from.
+#[derive(Debug, Clone)]
+pub enum LoraSource {
+    /// A safetensors file.
+    File(PathBuf),
+    /// Tensors already in memory, by their names in the LoRA's naming scheme.
+    Tensors(HashMap<String, Tensor>),
+}
+
+impl From<PathBuf> for LoraSource {
+    fn from(path: PathBuf) -> Self {
+        LoraSource::File(path)
+    }
+}
+
+impl From<&Path> for LoraSource {
+    fn from(path: &Path) -> Self {
+        LoraSource::File(path.to_path_buf())
+    }
+}
+
+impl From<HashMap<String, Tensor>> for LoraSource {
+    fn from(tensors: HashMap<String, Tensor>) -> Self {
+        LoraSource::Tensors(tensors)
+    }
+}
+
+/// What [`load`] found.
+#[derive(Debug, Clone, Default)]
+pub struct LoraLoad {
+    /// `(model key, patch)`, in the order of the model keys given (then by LoRA base name).
+    pub patches: Vec<(String, Patch)>,
+    /// The distinct model keys that received a patch, in the order of the model keys given.
+    pub matched_model_keys: Vec<String>,
+    /// File tensor names that were not used (unknown suffix, no matching model key, malformed
+    /// group, alpha or DoRA scale without an adapter), sorted.
+    pub unmatched_lora_keys: Vec<String>,
+}
+
+/// Reads LoRA tensors from `source` and maps them onto `model_keys` (see the
+/// [module docs](self) for the naming schemes and matching rules).
+///
+/// Errors: [`Error::File`] naming the file when it cannot be read or parsed. Names that do not
+/// map are reported in [`LoraLoad::unmatched_lora_keys`], not as errors.
+pub fn load<'a>(
+    source: impl Into<LoraSource>,
+    model_keys: impl IntoIterator<Item = &'a str>,
+) -> Result<LoraLoad> {
+    let (origin, tensors) = match source.into() {
+        LoraSource::File(path) => {
+            let tensors =
+                candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| Error::File {
+                    path: path.clone(),
+                    reason: format!("cannot read LoRA safetensors: {e}"),
+                })?;
+            (path.display().to_string(), tensors)
+        }
+        LoraSource::Tensors(t) => ("<memory>".to_string(), t),
+    };
+    let index = ModelIndex::new(model_keys);
+    let result = build(&index, tensors);
+    tracing::debug!(
+        source = %origin,
+        patches = result.patches.len(),
+        matched = result.matched_model_keys.len(),
+        unmatched = result.unmatched_lora_keys.len(),
+        "loaded LoRA"
+    );
+    Ok(result)
+}
+
+fn build(index: &ModelIndex, tensors: HashMap<String, Tensor>) -> LoraLoad {
+    let (groups, mut unmatched) = group_by_base(tensors);
+    let mut found: Vec<(usize, String, String, Patch)> = Vec::new();
+    for (base, mut group) in groups {
+        let all: Vec<(PartKind, String)> = group
+            .parts
+            .iter()
+            .map(|(k, (n, _))| (*k, n.clone()))
+            .collect();
+        let (weight, bias) = match group_patches(&mut group) {
+            Ok(p) => p,
+            Err(reason) => {
+                tracing::warn!(lora_key = %base, %reason, "skipping malformed LoRA group");
+                unmatched.extend(all.into_iter().map(|(_, n)| n));
+                continue;
+            }
+        };
+        for (patch, suffix) in [(weight, ".weight"), (bias, ".bias")] {
+            let Some(patch) = patch else { continue };
+            match index.resolve(&base, suffix) {
+                Some((pos, key)) => found.push((pos, base.clone(), key, patch)),
+                None => {
+                    // Report the tensors this patch was built from.
+                    let for_bias = suffix == ".bias";
+                    unmatched.extend(
+                        all.iter()
+                            .filter(|(k, _)| {
+                                (*k == PartKind::DiffB) == for_bias && !group.parts.contains_key(k)
+                            })
+                            .map(|(_, n)| n.clone()),
+                    );
+                }
+            }
+        }
+        unmatched.extend(group.names().cloned());
+    }
+    found.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+    let mut matched_model_keys: Vec<String> = Vec::new();
+    let mut seen = HashSet::new();
+    for (_, _, key, _) in &found {
+        if seen.insert(key.clone()) {
+            matched_model_keys.push(key.clone());
+        }
+    }
+    unmatched.sort();
+    unmatched.dedup();
+    LoraLoad {
+        patches: found.into_iter().map(|(_, _, k, p)| (k, p)).collect(),
+        matched_model_keys,
+        unmatched_lora_keys: unmatched,
+    }
+}
