@@ -21,12 +21,16 @@ impl Policy {
     }
 
     /// Where a diffusion model of `params` parameters in `dtype` is first materialized: the GPU
-    /// under HighVram/Shared; else the GPU only when it has more free memory than the host and the
-    /// model fits in it; else the CPU.
+    /// under HighVram/Shared; the CPU under `--novram` and `--disable-smart-memory`; else the GPU
+    /// only when it has more free memory than the host and the model fits in it; else the CPU
+    /// (ComfyUI's `unet_inital_load_device`).
     pub fn unet_initial_load_device(&self, params: u64, dtype: Dtype) -> DeviceId {
         let dev = self.compute_device();
         if matches!(self.vram_state(), VramState::HighVram | VramState::Shared) || dev.is_cpu() {
             return dev;
+        }
+        if self.config.disable_smart_memory || self.vram_state() == VramState::NoVram {
+            return DeviceId::Cpu;
         }
         let size = ByteSize((dtype.size_in_bytes() as u64).saturating_mul(params));
         let free_dev = self.probed_free(dev);
@@ -176,6 +180,36 @@ mod tests {
             p(&["--highvram"], (8, 6)).unet_initial_load_device(u64::MAX, Dtype::F32),
             G
         );
+    }
+
+    #[test]
+    fn initial_load_device_table() {
+        // (flags, host available GiB, params, dtype) -> device; the card has 24 GiB free.
+        type Row = (&'static [&'static str], u64, u64, Dtype, DeviceId);
+        let rows: &[Row] = &[
+            (&[], 8, 1_000_000_000, Dtype::BF16, G),
+            (&["--novram"], 8, 1_000_000_000, Dtype::BF16, C),
+            (&["--disable-smart-memory"], 8, 1_000_000_000, Dtype::BF16, C),
+            (&["--lowvram"], 8, 1_000_000_000, Dtype::BF16, G),
+            (&["--highvram", "--disable-smart-memory"], 8, 1_000_000_000, Dtype::BF16, G),
+            (&["--gpu-only"], 64, u64::MAX, Dtype::F32, G),
+            // The model must be smaller than the card's free memory...
+            (&[], 8, 12 * (1 << 30), Dtype::BF16, C),
+            (&[], 8, 12 * (1 << 30) - 1, Dtype::BF16, G),
+            // ... and the card must have more free memory than the host.
+            (&[], 24, 1_000, Dtype::F32, C),
+            (&[], 23, 1_000, Dtype::F32, G),
+        ];
+        for (args, host, params, dtype, want) in rows {
+            let mut hw = Hardware::with_gpu(GpuInfo::nvidia(0, "card", ByteSize::gib(24), (8, 6)));
+            hw.host.available = ByteSize::gib(*host);
+            let pol = Policy::new(Config::from_args(*args).unwrap(), hw).unwrap();
+            assert_eq!(
+                pol.unet_initial_load_device(*params, *dtype),
+                *want,
+                "{args:?} host {host} GiB params {params} {dtype}"
+            );
+        }
     }
 
     #[test]
