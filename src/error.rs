@@ -95,6 +95,18 @@ pub enum Error {
         key: String,
     },
 
+    /// A weight of a model being read or built holds a value it cannot work with (an fp8 weight's
+    /// per-tensor scale that is not one finite, non-zero number). Nothing was built.
+    #[error("model `{model}`, weight `{key}`: {reason}")]
+    BadWeight {
+        /// The model.
+        model: String,
+        /// The weight key.
+        key: String,
+        /// What was wrong.
+        reason: String,
+    },
+
     /// A patch does not fit the weight it targets. Nothing was added.
     #[error("patch for `{key}` does not fit: weight shape {weight_shape:?}, patch shape {patch_shape:?}: {reason}")]
     PatchShape {

@@ -31,15 +31,15 @@ impl ByteSize {
     }
     /// `n` KiB.
     pub const fn kib(n: u64) -> Self {
-        ByteSize(n * KIB)
+        ByteSize(n.saturating_mul(KIB))
     }
     /// `n` MiB.
     pub const fn mib(n: u64) -> Self {
-        ByteSize(n * MIB)
+        ByteSize(n.saturating_mul(MIB))
     }
     /// `n` GiB.
     pub const fn gib(n: u64) -> Self {
-        ByteSize(n * GIB)
+        ByteSize(n.saturating_mul(GIB))
     }
     /// A fractional number of GiB, rounded down to whole bytes (`1.5` → 1610612736).
     pub fn gib_f64(g: f64) -> Self {

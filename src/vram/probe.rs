@@ -220,7 +220,7 @@ pub fn host_from_texts(meminfo: &str, cg_max: Option<&str>, cg_current: Option<&
         meminfo.lines().find_map(|l| {
             let rest = l.strip_prefix(name)?.strip_prefix(':')?;
             let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-            Some(kib * 1024)
+            kib.checked_mul(1024)
         })
     };
     let mut total = field("MemTotal").unwrap_or(0);

@@ -30,7 +30,9 @@ use crate::float::Dtype;
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
-pub(crate) use self::safetensors::{read_raw_tensors, save_safetensors_with_raw};
+pub(crate) use self::safetensors::{
+    read_file_tensors, read_raw_tensors, save_safetensors_with_raw,
+};
 pub use self::safetensors::{save_safetensors, SafetensorsOptions};
 
 /// What the offload layer hangs on a model to stream it (an `offload::Streamer`).
@@ -189,6 +191,45 @@ impl Residency {
     }
 }
 
+/// The suffix of a per-tensor scale stored next to a quantized weight: `<layer>.weight` (fp8) is
+/// scaled by the f32 scalar `<layer>.weight_scale` (see [`crate::ops`]).
+pub const WEIGHT_SCALE_SUFFIX: &str = ".weight_scale";
+
+/// Refuses a model whose fp8 weights have an unusable per-tensor scale: the scale must hold one
+/// value, finite and non-zero (a NaN scale would only fail later, during a load).
+fn check_scales(model: &str, slots: &[Slot], index: &HashMap<String, usize>) -> Result<()> {
+    for s in slots {
+        let Some(prefix) = s.name.strip_suffix(WEIGHT_SCALE_SUFFIX) else {
+            continue;
+        };
+        let scaled = index
+            .get(&format!("{prefix}.weight"))
+            .is_some_and(|&i| slots[i].dtype.is_fp8());
+        if !scaled {
+            continue;
+        }
+        let bad = |reason: String| Error::BadWeight {
+            model: model.to_string(),
+            key: s.name.clone(),
+            reason,
+        };
+        if s.numel() != 1 {
+            return Err(bad(format!(
+                "a per-tensor scale must hold one value, not shape {:?}",
+                s.shape
+            )));
+        }
+        let v = crate::float::to_f32(&s.clean, s.dtype)?
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| Error::tensor(format!("reading `{}`", s.name), e))?[0];
+        if !v.is_finite() || v == 0.0 {
+            return Err(bad(format!("scale {v} is not a finite non-zero number")));
+        }
+    }
+    Ok(())
+}
+
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A shared, named set of weight slots with their residency.
@@ -290,7 +331,7 @@ impl Model {
                 bytes,
             });
         }
-        Ok(Model::assemble(name, slots, index, Vec::new()))
+        Model::assemble(name, slots, index, Vec::new())
     }
 
     fn assemble(
@@ -298,11 +339,12 @@ impl Model {
         slots: Vec<Slot>,
         index: HashMap<String, usize>,
         skipped: Vec<String>,
-    ) -> Model {
+    ) -> Result<Model> {
+        check_scales(&name, &slots, &index)?;
         let total = slots.iter().map(|s| s.bytes).sum();
         let numel = slots.iter().map(|s| s.numel() as u64).sum();
         let n = slots.len();
-        Model {
+        Ok(Model {
             id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
             name,
             slots,
@@ -317,7 +359,7 @@ impl Model {
             }),
             skipped,
             stream_hook: RwLock::new(None),
-        }
+        })
     }
 
     /// The streaming hook attached by the offload layer (an `offload::Streamer`), if any.

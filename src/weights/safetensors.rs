@@ -55,9 +55,94 @@ pub struct SafetensorsOptions {
     pub metadata: Option<HashMap<String, String>>,
 }
 
+/// The tensors of one safetensors file: float tensors in file order (in their candle storage
+/// dtype, see the module docs), and the names of the others.
+pub(crate) struct FileTensors {
+    pub(crate) floats: Vec<(String, Tensor, Dtype)>,
+    /// Integer tensors candle can hold (`U8`, `U32`, `I64`), as read.
+    pub(crate) integers: Vec<(String, Tensor)>,
+    /// Names of tensors of any other dtype.
+    pub(crate) skipped: Vec<String>,
+}
+
+/// Refuses a shape candle cannot index: its element count, and the element count of every
+/// trailing part of it (candle's contiguous strides), must fit in `usize` — a zero-element tensor
+/// of shape `[0, 2³², 2³²]` is valid safetensors but has a stride of 2⁶⁴.
+fn check_shape(path: &Path, key: &str, dims: &[usize]) -> Result<()> {
+    let mut acc: usize = 1;
+    for &d in dims.iter().rev() {
+        acc = acc.checked_mul(d).ok_or_else(|| {
+            file_err(
+                path,
+                format!("tensor `{key}`: shape {dims:?} overflows the address space"),
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Reads every tensor of `path` (see [`FileTensors`]). Errors name the file and the tensor.
+pub(crate) fn read_file_tensors(path: &Path) -> Result<FileTensors> {
+    let file =
+        std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
+    // SAFETY: the map is read-only and lives only inside this function; every tensor is copied
+    // out before it is dropped. A file truncated by another process while mapped would fault, as
+    // with any mmap reader; checkpoints are not modified while loading.
+    let mmap = unsafe { memmap2::Mmap::map(&file) }
+        .map_err(|e| file_err(path, format!("cannot map: {e}")))?;
+    let st = SafeTensors::deserialize(&mmap)
+        .map_err(|e| file_err(path, format!("not a valid safetensors file: {e}")))?;
+    let mut tensors = st.tensors();
+    // File order: by data offset.
+    tensors.sort_by_key(|(_, v)| v.data().as_ptr() as usize);
+    let mut out = FileTensors {
+        floats: Vec::with_capacity(tensors.len()),
+        integers: Vec::new(),
+        skipped: Vec::new(),
+    };
+    for (key, view) in tensors {
+        check_shape(path, &key, view.shape())?;
+        let Some((dtype, cdtype)) = storage_of(view.dtype()) else {
+            let int = match view.dtype() {
+                StDtype::U8 => Some(DType::U8),
+                StDtype::U32 => Some(DType::U32),
+                StDtype::I64 => Some(DType::I64),
+                _ => None,
+            };
+            match int {
+                Some(d) => {
+                    let t = Tensor::from_raw_buffer(view.data(), d, view.shape(), &Device::Cpu)
+                        .map_err(|e| file_err(path, format!("tensor `{key}`: {e}")))?;
+                    out.integers.push((key, t));
+                }
+                None => out.skipped.push(key),
+            }
+            continue;
+        };
+        let t = Tensor::from_raw_buffer(view.data(), cdtype, view.shape(), &Device::Cpu)
+            .map_err(|e| file_err(path, format!("tensor `{key}`: {e}")))?;
+        let (t, dtype) = if dtype == Dtype::F64 {
+            let t = t
+                .to_dtype(DType::F32)
+                .map_err(|e| file_err(path, format!("tensor `{key}`: {e}")))?;
+            (t, Dtype::F32)
+        } else {
+            (t, dtype)
+        };
+        out.floats.push((key, t, dtype));
+    }
+    Ok(out)
+}
+
 impl Model {
     /// Reads a model from one or more safetensors files (a sharded checkpoint). Keys must be
     /// unique across files.
+    ///
+    /// # Errors
+    /// [`Error::File`] naming the file (and the tensor) when it cannot be read, is not valid
+    /// safetensors, has a shape that cannot be indexed, or repeats a key;
+    /// [`Error::BadWeight`] when an fp8 weight's per-tensor scale is not one finite, non-zero
+    /// number.
     pub fn from_safetensors<P: AsRef<Path>>(name: impl Into<String>, paths: &[P]) -> Result<Model> {
         let name = name.into();
         let mut slots: Vec<Slot> = Vec::new();
@@ -65,33 +150,10 @@ impl Model {
         let mut skipped = Vec::new();
         for path in paths {
             let path = path.as_ref();
-            let file = std::fs::File::open(path)
-                .map_err(|e| file_err(path, format!("cannot open: {e}")))?;
-            // SAFETY: the map is read-only and lives only inside this loop iteration; every tensor
-            // is copied out before it is dropped. A file truncated by another process while mapped
-            // would fault, as with any mmap reader; checkpoints are not modified while loading.
-            let mmap = unsafe { memmap2::Mmap::map(&file) }
-                .map_err(|e| file_err(path, format!("cannot map: {e}")))?;
-            let st = SafeTensors::deserialize(&mmap)
-                .map_err(|e| file_err(path, format!("not a valid safetensors file: {e}")))?;
-            let mut tensors = st.tensors();
-            // File order: by data offset.
-            tensors.sort_by_key(|(_, v)| v.data().as_ptr() as usize);
-            for (key, view) in tensors {
-                let Some((dtype, cdtype)) = storage_of(view.dtype()) else {
-                    skipped.push(key);
-                    continue;
-                };
-                let t = Tensor::from_raw_buffer(view.data(), cdtype, view.shape(), &Device::Cpu)
-                    .map_err(|e| file_err(path, format!("tensor `{key}`: {e}")))?;
-                let (t, dtype) = if dtype == Dtype::F64 {
-                    let t = t
-                        .to_dtype(DType::F32)
-                        .map_err(|e| file_err(path, format!("tensor `{key}`: {e}")))?;
-                    (t, Dtype::F32)
-                } else {
-                    (t, dtype)
-                };
+            let file = read_file_tensors(path)?;
+            skipped.extend(file.integers.into_iter().map(|(k, _)| k));
+            skipped.extend(file.skipped);
+            for (key, t, dtype) in file.floats {
                 if index.contains_key(&key) {
                     return Err(file_err(
                         path,
@@ -101,7 +163,7 @@ impl Model {
                 index.insert(key.clone(), slots.len());
                 let bytes = ByteSize((t.elem_count() * dtype.size_in_bytes()) as u64);
                 slots.push(Slot {
-                    shape: view.shape().to_vec(),
+                    shape: t.dims().to_vec(),
                     name: key,
                     dtype,
                     clean: t,
@@ -109,7 +171,7 @@ impl Model {
                 });
             }
         }
-        Ok(Model::assemble(name, slots, index, skipped))
+        Model::assemble(name, slots, index, skipped)
     }
 }
 

@@ -65,6 +65,10 @@ impl WeightAdapter for Diff<'_> {
         let scaled = scale(key, &diff, s)?;
         (&w + &scaled).ctx(|| format!("`{key}`: adding the diff"))
     }
+
+    fn parts(&self) -> super::Parts<'_> {
+        (vec![("diff", self.diff)], None)
+    }
 }
 
 impl WeightAdapter for Set<'_> {
@@ -86,5 +90,9 @@ impl WeightAdapter for Set<'_> {
 
     fn apply(&self, key: &str, w: &Tensor, _s: f32, _dora: DoraNorm) -> Result<Tensor> {
         f32_on(key, self.0, w.device(), "set value")
+    }
+
+    fn parts(&self) -> super::Parts<'_> {
+        (vec![("value", self.0)], None)
     }
 }

@@ -71,6 +71,17 @@ impl DeltaAdapter for GLora {
     fn dora_scale(&self) -> Option<&Tensor> {
         self.dora_scale.as_ref()
     }
+
+    fn parts(&self) -> super::Parts<'_> {
+        let mut t = vec![
+            ("a1", &self.a1),
+            ("a2", &self.a2),
+            ("b1", &self.b1),
+            ("b2", &self.b2),
+        ];
+        t.extend(self.dora_scale.iter().map(|d| ("dora_scale", d)));
+        (t, self.alpha)
+    }
 }
 
 /// The two GLoRA layouts: LyCORIS's current one and the one of its early releases.

@@ -71,6 +71,19 @@ impl DeltaAdapter for LoHa {
     fn dora_scale(&self) -> Option<&Tensor> {
         self.dora_scale.as_ref()
     }
+
+    fn parts(&self) -> super::Parts<'_> {
+        let mut t = vec![
+            ("hada_w1_a", &self.w1a),
+            ("hada_w1_b", &self.w1b),
+            ("hada_w2_a", &self.w2a),
+            ("hada_w2_b", &self.w2b),
+        ];
+        t.extend(self.t1.iter().map(|x| ("hada_t1", x)));
+        t.extend(self.t2.iter().map(|x| ("hada_t2", x)));
+        t.extend(self.dora_scale.iter().map(|d| ("dora_scale", d)));
+        (t, self.alpha)
+    }
 }
 
 fn loha_delta(key: &str, h: &LoHa, dev: &Device, factor: f32) -> Result<Tensor> {

@@ -51,7 +51,12 @@ impl DeltaAdapter for LoKr {
         let s2 = w2.shape(key, "lokr_w2")?;
         let n = s1.len().max(s2.len());
         Ok((0..n)
-            .map(|i| s1.get(i).copied().unwrap_or(1) * s2.get(i).copied().unwrap_or(1))
+            .map(|i| {
+                s1.get(i)
+                    .copied()
+                    .unwrap_or(1)
+                    .saturating_mul(s2.get(i).copied().unwrap_or(1))
+            })
             .collect())
     }
 
@@ -61,6 +66,24 @@ impl DeltaAdapter for LoKr {
 
     fn dora_scale(&self) -> Option<&Tensor> {
         self.dora_scale.as_ref()
+    }
+
+    fn parts(&self) -> super::Parts<'_> {
+        let named = [
+            ("lokr_w1", &self.w1),
+            ("lokr_w1_a", &self.w1a),
+            ("lokr_w1_b", &self.w1b),
+            ("lokr_w2", &self.w2),
+            ("lokr_w2_a", &self.w2a),
+            ("lokr_w2_b", &self.w2b),
+            ("lokr_t2", &self.t2),
+            ("dora_scale", &self.dora_scale),
+        ];
+        let t = named
+            .into_iter()
+            .filter_map(|(n, t)| t.as_ref().map(|t| (n, t)))
+            .collect();
+        (t, self.alpha)
     }
 }
 
@@ -121,7 +144,7 @@ fn kron(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
         a_shape.extend([ad[i], 1]);
         b_shape.extend([1, bd[i]]);
     }
-    let out: Vec<usize> = (0..n).map(|i| ad[i] * bd[i]).collect();
+    let out: Vec<usize> = (0..n).map(|i| ad[i].saturating_mul(bd[i])).collect();
     a.reshape(a_shape)?
         .broadcast_mul(&b.reshape(b_shape)?)?
         .reshape(out)

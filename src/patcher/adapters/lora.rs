@@ -59,6 +59,13 @@ impl DeltaAdapter for Lora {
     fn dora_scale(&self) -> Option<&Tensor> {
         self.dora_scale.as_ref()
     }
+
+    fn parts(&self) -> super::Parts<'_> {
+        let mut t = vec![("up", &self.up), ("down", &self.down)];
+        t.extend(self.mid.iter().map(|m| ("mid", m)));
+        t.extend(self.dora_scale.iter().map(|d| ("dora_scale", d)));
+        (t, self.alpha)
+    }
 }
 
 fn lora_shape(key: &str, l: &Lora) -> Result<Vec<usize>> {

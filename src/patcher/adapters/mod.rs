@@ -205,6 +205,52 @@ pub fn patched_shape(
         })
 }
 
+/// Checks the values of `entry` (one pass over its tensors): finite strengths, a finite alpha, and
+/// no NaN or infinity in any tensor — what [`crate::patcher::ModelPatcher::add_patches`] refuses
+/// before adding anything, so a bad value fails when it is added, never during a load.
+///
+/// Errors: [`Error::BadPatch`] naming the key and the part.
+pub fn check_values(key: &str, entry: &PatchEntry) -> Result<()> {
+    for (name, v) in [
+        ("strength_patch", entry.strength_patch),
+        ("strength_model", entry.strength_model),
+    ] {
+        if !v.is_finite() {
+            return Err(bad(key, format!("{name} {v} is not a finite number")));
+        }
+    }
+    let (tensors, alpha) = entry.patch.adapter(|a| {
+        let (t, alpha) = a.parts();
+        (
+            t.into_iter()
+                .map(|(n, t)| (n, t.clone()))
+                .collect::<Vec<_>>(),
+            alpha,
+        )
+    });
+    if let Some(a) = alpha.filter(|a| !a.is_finite()) {
+        return Err(bad(key, format!("its alpha {a} is not a finite number")));
+    }
+    for (name, t) in tensors {
+        if !all_finite(&t).ctx(|| format!("`{key}`: reading its {name}"))? {
+            return Err(bad(
+                key,
+                format!("its {name} {:?} holds NaN or infinite values", t.dims()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether every value of a float tensor is finite (integer tensors always are).
+fn all_finite(t: &Tensor) -> candle_core::Result<bool> {
+    if t.dtype().is_int() {
+        return Ok(true);
+    }
+    let v = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    Ok(v.iter().all(|x| x.is_finite()))
+}
+
 /// Applies `entries` in order to `weight` and returns the patched weight in f32, on the weight's
 /// device. The weight (of any float dtype) is not modified. Each entry is validated against the
 /// shape accumulated so far before it is computed; on error nothing is returned.
@@ -240,8 +286,48 @@ fn patch_region(key: &str, target: &Tensor, entry: &PatchEntry, dora: DoraNorm) 
         .adapter(|a| a.apply(key, &w, entry.strength_patch, dora))
 }
 
-/// The shape `entry` turns a weight of `weight_shape` into, or why it cannot apply.
+/// The most dimensions a weight or patch tensor may have: candle's own limit for strided
+/// operations.
+pub const MAX_RANK: usize = 8;
+
+/// The shape `entry` turns a weight of `weight_shape` into, or why it cannot apply. Also refuses
+/// strengths that are not finite numbers and tensors of more than [`MAX_RANK`] dimensions.
 fn entry_output_shape(key: &str, weight_shape: &[usize], entry: &PatchEntry) -> Result<Vec<usize>> {
+    for (name, v) in [
+        ("strength_patch", entry.strength_patch),
+        ("strength_model", entry.strength_model),
+    ] {
+        if !v.is_finite() {
+            return Err(bad(key, format!("{name} {v} is not a finite number")));
+        }
+    }
+    if weight_shape.len() > MAX_RANK {
+        return Err(bad(
+            key,
+            format!(
+                "the weight has {} dimensions {weight_shape:?}; patches apply to weights of at most {MAX_RANK}",
+                weight_shape.len()
+            ),
+        ));
+    }
+    let (tensors, _) = entry.patch.adapter(|a| {
+        let (t, alpha) = a.parts();
+        (
+            t.into_iter()
+                .map(|(n, t)| (n, t.dims().to_vec()))
+                .collect::<Vec<_>>(),
+            alpha,
+        )
+    });
+    if let Some((name, dims)) = tensors.iter().find(|(_, d)| d.len() > MAX_RANK) {
+        return Err(bad(
+            key,
+            format!(
+                "its {name} has {} dimensions {dims:?}; at most {MAX_RANK} are supported",
+                dims.len()
+            ),
+        ));
+    }
     let patch_shape = |target: &[usize]| entry.patch.adapter(|a| a.output_shape(key, target));
     match entry.offset {
         None => patch_shape(weight_shape),
@@ -261,7 +347,13 @@ trait WeightAdapter {
     /// The patched target: `w` is the target in f32 (narrowed by the entry's offset and scaled by
     /// its `strength_model`), `s` the entry's `strength_patch`.
     fn apply(&self, key: &str, w: &Tensor, s: f32, dora: DoraNorm) -> Result<Tensor>;
+
+    /// Every tensor of the patch, with the name messages give it, and its alpha.
+    fn parts(&self) -> Parts<'_>;
 }
+
+/// A patch's tensors (named for messages) and its alpha.
+type Parts<'a> = (Vec<(&'static str, &'a Tensor)>, Option<f32>);
 
 /// A kind whose patch adds a delta to the weight, optionally through DoRA: LoRA, LoHa, LoKr,
 /// GLoRA. It provides the delta's natural shape and the delta; the rule that fits the delta to the
@@ -279,11 +371,18 @@ trait DeltaAdapter {
 
     /// The DoRA magnitude, if any.
     fn dora_scale(&self) -> Option<&Tensor>;
+
+    /// Every tensor of the adapter (DoRA magnitude included), named for messages, and its alpha.
+    fn parts(&self) -> Parts<'_>;
 }
 
 impl<T: DeltaAdapter> WeightAdapter for T {
     fn kind(&self) -> &'static str {
         T::KIND
+    }
+
+    fn parts(&self) -> Parts<'_> {
+        DeltaAdapter::parts(self)
     }
 
     fn output_shape(&self, key: &str, target: &[usize]) -> Result<Vec<usize>> {
@@ -365,6 +464,7 @@ fn bad(key: &str, reason: impl Into<String>) -> Error {
     }
 }
 
+/// The element count of a shape, saturating: a count no real tensor can have never matches one.
 fn numel(s: &[usize]) -> usize {
-    s.iter().product()
+    s.iter().fold(1usize, |a, &d| a.saturating_mul(d))
 }

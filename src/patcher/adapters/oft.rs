@@ -56,6 +56,10 @@ impl WeightAdapter for Oft {
     fn apply(&self, key: &str, w: &Tensor, s: f32, _dora: DoraNorm) -> Result<Tensor> {
         oft_apply(key, w, self, s)
     }
+
+    fn parts(&self) -> super::Parts<'_> {
+        (vec![("oft_blocks", &self.blocks)], self.alpha)
+    }
 }
 
 /// OFT's shape rule: `[k, n, n]` blocks (not BOFT's 4-D ones) rotating exactly the weight's

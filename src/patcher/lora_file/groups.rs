@@ -128,6 +128,32 @@ impl Group {
     }
 }
 
+/// Refuses a group whose `.alpha` is not one finite number (a file that carries a vector there
+/// was not written for this adapter; using its first element would silently change the result).
+///
+/// Errors: [`Error::BadPatch`] naming the file tensor.
+pub(super) fn check_alpha(group: &Group) -> crate::error::Result<()> {
+    let Some((name, t)) = group.parts.get(&PartKind::Alpha) else {
+        return Ok(());
+    };
+    let bad = |reason: String| crate::error::Error::BadPatch {
+        key: name.clone(),
+        reason,
+    };
+    if t.elem_count() != 1 {
+        return Err(bad(format!(
+            "alpha has shape {:?} ({} values); it must be a single number",
+            t.dims(),
+            t.elem_count()
+        )));
+    }
+    let v = scalar(t).map_err(bad)?;
+    if !v.is_finite() {
+        return Err(bad(format!("alpha {v} is not a finite number")));
+    }
+    Ok(())
+}
+
 /// Groups file tensors by base name. Returns the groups and the names of the tensors no group
 /// takes (an unknown suffix, or a second name for a part a group already has).
 pub(super) fn group_by_base(
@@ -346,6 +372,13 @@ fn oft(group: &mut Group, alpha: Option<f32>) -> GroupResult<Patch> {
 }
 
 fn scalar(t: &Tensor) -> GroupResult<f32> {
+    if t.elem_count() != 1 {
+        return Err(format!(
+            "alpha has shape {:?} ({} values); it must be a single number",
+            t.dims(),
+            t.elem_count()
+        ));
+    }
     t.to_dtype(DType::F32)
         .and_then(|t| t.flatten_all())
         .and_then(|t| t.to_vec1::<f32>())

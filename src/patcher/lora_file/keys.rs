@@ -58,8 +58,8 @@ fn split_model_prefix(module: &str) -> (Component, &str) {
     }
     if let Some(rest) = module.strip_prefix("conditioner.embedders.") {
         if let Some((n, rest)) = rest.split_once('.') {
-            if let Ok(n) = n.parse::<usize>() {
-                return (Component::TextEncoder(n + 1), rest);
+            if let Some(n) = n.parse::<usize>().ok().and_then(|n| n.checked_add(1)) {
+                return (Component::TextEncoder(n), rest);
             }
         }
     }

@@ -95,9 +95,9 @@
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::patcher::adapters::Patch;
 
 mod groups;
@@ -106,7 +106,7 @@ mod keys;
 mod tests;
 pub mod unet;
 
-use groups::{group_by_base, group_patches, PartKind};
+use groups::{check_alpha, group_by_base, group_patches, PartKind};
 use keys::ModelIndex;
 
 /// Where LoRA tensors come from.
@@ -151,25 +151,21 @@ pub struct LoraLoad {
 /// Reads LoRA tensors from `source` and maps them onto `model_keys` (see the
 /// [module docs](self) for the naming schemes and matching rules).
 ///
-/// Errors: [`Error::File`] naming the file when it cannot be read or parsed. Names that do not
-/// map are reported in [`LoraLoad::unmatched_lora_keys`], not as errors.
+/// Errors: [`Error::File`](crate::Error::File) naming the file when it cannot be read or parsed;
+/// [`Error::BadPatch`](crate::Error::BadPatch) naming the tensor when an `.alpha` is not one
+/// finite number. Names that do not map are reported in [`LoraLoad::unmatched_lora_keys`], not
+/// as errors. Values inside the adapters (NaN, infinities) are checked when the patches are added
+/// ([`crate::patcher::ModelPatcher::add_patches`]).
 pub fn load<'a>(
     source: impl Into<LoraSource>,
     model_keys: impl IntoIterator<Item = &'a str>,
 ) -> Result<LoraLoad> {
     let (origin, tensors) = match source.into() {
-        LoraSource::File(path) => {
-            let tensors =
-                candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| Error::File {
-                    path: path.clone(),
-                    reason: format!("cannot read LoRA safetensors: {e}"),
-                })?;
-            (path.display().to_string(), tensors)
-        }
+        LoraSource::File(path) => (path.display().to_string(), read_lora_file(&path)?),
         LoraSource::Tensors(t) => ("<memory>".to_string(), t),
     };
     let index = ModelIndex::new(model_keys);
-    let result = build(&index, tensors);
+    let result = build(&index, tensors)?;
     tracing::debug!(
         source = %origin,
         patches = result.patches.len(),
@@ -180,9 +176,34 @@ pub fn load<'a>(
     Ok(result)
 }
 
-fn build(index: &ModelIndex, tensors: HashMap<String, Tensor>) -> LoraLoad {
+/// Every tensor of a LoRA file by name, read by the crate's own checked reader (a shape candle
+/// cannot index is an error, not a panic): floats as stored (fp8 E5M2, which candle cannot type,
+/// decoded to f32), integer tensors as read; tensors of other dtypes cannot be patch parts and
+/// are skipped with a warning.
+fn read_lora_file(path: &Path) -> Result<HashMap<String, Tensor>> {
+    let file = crate::weights::read_file_tensors(path)?;
+    let mut out = HashMap::with_capacity(file.floats.len() + file.integers.len());
+    for (key, t, dtype) in file.floats {
+        let t = if dtype == crate::float::Dtype::F8E5M2 {
+            crate::float::to_f32(&t, dtype)?
+        } else {
+            t
+        };
+        out.insert(key, t);
+    }
+    out.extend(file.integers);
+    for key in file.skipped {
+        tracing::warn!(file = %path.display(), tensor = %key, "LoRA tensor of an unsupported dtype skipped");
+    }
+    Ok(out)
+}
+
+fn build(index: &ModelIndex, tensors: HashMap<String, Tensor>) -> Result<LoraLoad> {
     let (groups, mut unmatched) = group_by_base(tensors);
     let mut found: Vec<(usize, String, String, Patch)> = Vec::new();
+    for group in groups.values() {
+        check_alpha(group)?;
+    }
     for (base, mut group) in groups {
         let all: Vec<(PartKind, String)> = group
             .parts
@@ -226,9 +247,9 @@ fn build(index: &ModelIndex, tensors: HashMap<String, Tensor>) -> LoraLoad {
     }
     unmatched.sort();
     unmatched.dedup();
-    LoraLoad {
+    Ok(LoraLoad {
         patches: found.into_iter().map(|(_, _, k, p)| (k, p)).collect(),
         matched_model_keys,
         unmatched_lora_keys: unmatched,
-    }
+    })
 }

@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::unet::{UnetLayout, UnetNaming};
 use super::*;
+use crate::Error;
 
 const SDXL_KEYS: &[&str] = &[
     "diffusion_model.input_blocks.1.1.proj_in.weight",

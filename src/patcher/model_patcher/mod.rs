@@ -111,9 +111,7 @@ pub type MemoryEstimator = Arc<dyn Fn(&[usize]) -> ByteSize + Send + Sync>;
 /// streamed weights alike, so it never changes residency or fingerprints.
 pub type WeightWrapper = Arc<dyn Fn(Tensor) -> Result<Tensor> + Send + Sync>;
 
-/// The suffix of a per-tensor scale stored next to a quantized weight: `<layer>.weight` is
-/// scaled by the f32 scalar `<layer>.weight_scale` (see [`crate::ops`]).
-pub const WEIGHT_SCALE_SUFFIX: &str = ".weight_scale";
+pub use crate::weights::WEIGHT_SCALE_SUFFIX;
 
 /// Per-patcher options.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -343,10 +341,14 @@ impl ModelPatcher {
                 staged.push((key, entry));
             }
         }
-        // Validate each key's full chain (existing + new, in order) before adding anything.
+        // Validate each key's full chain (existing + new, in order) and every new entry's values
+        // before adding anything.
         let mut by_key: HashMap<&str, Vec<PatchEntry>> = HashMap::new();
         for (key, entry) in &staged {
             by_key.entry(key.as_str()).or_default().push(entry.clone());
+        }
+        for (key, entry) in &staged {
+            adapters::check_values(key, entry)?;
         }
         for (key, new) in &by_key {
             let slot = self.model.slot(key)?;
