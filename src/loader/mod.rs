@@ -39,6 +39,8 @@
 
 mod execute;
 mod ledger;
+#[cfg(test)]
+mod model_based;
 pub mod plan;
 mod report;
 

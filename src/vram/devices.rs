@@ -189,9 +189,21 @@ mod tests {
         let rows: &[Row] = &[
             (&[], 8, 1_000_000_000, Dtype::BF16, G),
             (&["--novram"], 8, 1_000_000_000, Dtype::BF16, C),
-            (&["--disable-smart-memory"], 8, 1_000_000_000, Dtype::BF16, C),
+            (
+                &["--disable-smart-memory"],
+                8,
+                1_000_000_000,
+                Dtype::BF16,
+                C,
+            ),
             (&["--lowvram"], 8, 1_000_000_000, Dtype::BF16, G),
-            (&["--highvram", "--disable-smart-memory"], 8, 1_000_000_000, Dtype::BF16, G),
+            (
+                &["--highvram", "--disable-smart-memory"],
+                8,
+                1_000_000_000,
+                Dtype::BF16,
+                G,
+            ),
             (&["--gpu-only"], 64, u64::MAX, Dtype::F32, G),
             // The model must be smaller than the card's free memory...
             (&[], 8, 12 * (1 << 30), Dtype::BF16, C),

@@ -1,0 +1,516 @@
+//! Model-based test of the memory invariants (docs/ARCHITECTURE.md §4).
+//!
+//! A plain reference model — the registry as a list of model ids, most recently used first, and
+//! which handles the test holds — runs beside a real [`MemoryManager`] on a small budgeted CPU
+//! device. Random sequences of operations (clones, valid and invalid patches, pins, loads of 1–3
+//! models with random options, loads on a GPU that does not exist, evictions, unloads, dropped
+//! handles, partial unloads through the patcher, forwards through ops layers with 0–2 lanes and
+//! prefetch, and faults injected into the k-th weight materialization of a load or a forward)
+//! drive both. After every step:
+//!
+//! - **I2**: each device's ledger equals the resident bytes of the registered models, summed slot
+//!   by slot (not from the running totals), plus bytes in flight; it and its peak stay within
+//!   the budget; a model outside the registry holds no resident copy;
+//! - the registry's order and members equal the reference's;
+//! - **I1**: every clean weight is bit-identical to what was read;
+//! - **I3**: a forward equals, bit for bit, the same layers over a fully materialized copy of the
+//!   patched weights;
+//! - **I4**: a call that failed changed nothing — registry, every model's residency (weight,
+//!   fingerprint, device, bytes), pins, patches and the ledger.
+//!
+//! 256 cases of 50–200 steps by default; `RESIDENCY_MODEL_CASES=10000` for a long run.
+
+use std::sync::{Arc, Weak};
+
+use candle_core::{DType, Device, Tensor};
+use proptest::prelude::*;
+
+use super::{LoadOptions, MemoryManager};
+use crate::fault;
+use crate::float::{self, Dtype, Rounding};
+use crate::ops::{OpsBuilder, OpsMode};
+use crate::patcher::{Lora, ModelPatcher, Patch};
+use crate::size::ByteSize;
+use crate::vram::{Config, DeviceId, Hardware};
+use crate::weights::{Model, SlotResidency};
+
+const CPU: DeviceId = DeviceId::Cpu;
+const SLOTS: usize = 4;
+
+/// The two models' layers, `(out, in)`; each chains into the next.
+const LAYERS: [&[(usize, usize)]; 2] = [
+    &[(32, 32), (48, 32), (32, 48), (16, 32)],
+    &[(64, 32), (64, 64), (32, 64)],
+];
+
+fn weight(shape: &[usize], seed: u64) -> Tensor {
+    let t = float::uniform_tensor(shape, seed).unwrap();
+    (t * 0.2).unwrap()
+}
+
+/// Model `m`: bf16 weights, f32 biases.
+fn build_model(m: usize) -> Model {
+    let mut tensors = Vec::new();
+    for (l, &(out, inn)) in LAYERS[m].iter().enumerate() {
+        let w = float::from_f32(&weight(&[out, inn], (m * 10 + l) as u64), Dtype::BF16, Rounding::Nearest)
+            .unwrap();
+        tensors.push((format!("l{l}.weight"), w, Dtype::BF16));
+        tensors.push((format!("l{l}.bias"), weight(&[out], (m * 10 + l + 100) as u64), Dtype::F32));
+    }
+    Model::from_typed_tensors(format!("m{m}"), tensors).unwrap()
+}
+
+fn f32_bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+/// The model's layers over `p`, on an input of ones.
+fn forward(p: &ModelPatcher, m: usize) -> crate::error::Result<Vec<u32>> {
+    let b = OpsBuilder::new(p, OpsMode::ManualCast { compute: Dtype::F32 });
+    let mut x = Tensor::ones((2, LAYERS[m][0].1), DType::F32, &Device::Cpu).unwrap();
+    for l in 0..LAYERS[m].len() {
+        let layer = b.linear(&format!("l{l}"), true)?;
+        x = layer.try_forward(&x)?.tanh().unwrap();
+    }
+    p.model().finish_forward();
+    Ok(f32_bits(&x))
+}
+
+/// The same layers over a model built from `p`'s patched weights, materialized inline.
+fn reference_forward(p: &ModelPatcher, m: usize) -> Vec<u32> {
+    let merged = Model::from_typed_tensors("reference", p.patched_state_dict().unwrap()).unwrap();
+    let q = ModelPatcher::new(Arc::new(merged), CPU, CPU).with_compute_dtype(Some(Dtype::F32));
+    forward(&q, m).unwrap()
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Bad {
+    None,
+    Shape,
+    NanStrength,
+    NanTensor,
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    New { slot: usize, model: usize },
+    Clone { from: usize, to: usize },
+    Patch { slot: usize, layer: usize, rank: usize, seed: u64, strength: f32, bad: Bad },
+    Pin { slot: usize, layer: usize },
+    UnpinAll { slot: usize },
+    Load { slots: Vec<usize>, mem_kib: u64, full: bool, fpw: bool, min_kib: Option<u64>, fault: Option<u64> },
+    LoadOnMissingGpu { slot: usize },
+    Free { kib: u64, keep: Vec<usize> },
+    UnloadAll,
+    Cleanup,
+    Drop { slot: usize },
+    Forward { slot: usize, fault: Option<u64> },
+    PartialUnload { slot: usize, kib: u64 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let slot = 0..SLOTS;
+    prop_oneof![
+        2 => (slot.clone(), 0..2usize).prop_map(|(slot, model)| Op::New { slot, model }),
+        2 => (slot.clone(), slot.clone()).prop_map(|(from, to)| Op::Clone { from, to }),
+        3 => (slot.clone(), 0..4usize, 1..4usize, any::<u64>(), prop_oneof![Just(1.0f32), Just(0.5), Just(0.0)],
+              prop_oneof![6 => Just(Bad::None), 1 => Just(Bad::Shape), 1 => Just(Bad::NanStrength), 1 => Just(Bad::NanTensor)])
+            .prop_map(|(slot, layer, rank, seed, strength, bad)| Op::Patch { slot, layer, rank, seed, strength, bad }),
+        1 => (slot.clone(), 0..4usize).prop_map(|(slot, layer)| Op::Pin { slot, layer }),
+        1 => slot.clone().prop_map(|slot| Op::UnpinAll { slot }),
+        6 => (prop::collection::vec(slot.clone(), 1..4), prop_oneof![Just(0u64), 0..8u64, Just(u64::MAX / 1024)],
+              prop::bool::weighted(0.15), any::<bool>(), prop::option::weighted(0.15, 0..16u64),
+              prop::option::weighted(0.25, 0..6u64))
+            .prop_map(|(slots, mem_kib, full, fpw, min_kib, fault)| Op::Load { slots, mem_kib, full, fpw, min_kib, fault }),
+        1 => slot.clone().prop_map(|slot| Op::LoadOnMissingGpu { slot }),
+        1 => (0..64u64, prop::collection::vec(slot.clone(), 0..2)).prop_map(|(kib, keep)| Op::Free { kib, keep }),
+        1 => Just(Op::UnloadAll),
+        1 => Just(Op::Cleanup),
+        2 => slot.clone().prop_map(|slot| Op::Drop { slot }),
+        5 => (slot.clone(), prop::option::weighted(0.15, 0..4u64)).prop_map(|(slot, fault)| Op::Forward { slot, fault }),
+        1 => (slot.clone(), 0..24u64).prop_map(|(slot, kib)| Op::PartialUnload { slot, kib }),
+    ]
+}
+
+/// Everything a failed call must leave as it was.
+#[derive(Debug, PartialEq)]
+struct Snapshot {
+    registry: Vec<u64>,
+    residency: Vec<Option<Vec<Option<(u64, DeviceId, ByteSize)>>>>,
+    pins: Vec<Option<Vec<bool>>>,
+    patches: Vec<Option<Vec<(String, Vec<u64>)>>>,
+    ledger: ByteSize,
+}
+
+struct World {
+    mm: MemoryManager,
+    budget: ByteSize,
+    /// The two models, weakly (a strong handle would count as an outside handle).
+    models: [Weak<Model>; 2],
+    checksums: [u64; 2],
+    /// Which model each held patcher is on.
+    slots: Vec<Option<(ModelPatcher, usize)>>,
+    /// The reference registry: model ids, most recently used first.
+    registry: Vec<u64>,
+    /// Ids of the two models.
+    ids: [u64; 2],
+}
+
+impl World {
+    fn new(budget_kib: u64, lanes: usize, depth: usize) -> World {
+        let config = Config::from_args([
+            "--vram-budget".to_string(),
+            format!("{budget_kib}KiB"),
+            "--reserve-vram".into(),
+            "0".into(),
+            "--inference-memory".into(),
+            "1KiB".into(),
+        ])
+        .unwrap()
+        .with_transfer_lanes(lanes)
+        .with_prefetch_depth(depth);
+        let mm = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(8))).unwrap();
+        let models = [Arc::new(build_model(0)), Arc::new(build_model(1))];
+        let mut world = World {
+            mm,
+            budget: ByteSize::kib(budget_kib),
+            models: [Arc::downgrade(&models[0]), Arc::downgrade(&models[1])],
+            checksums: [
+                models[0].clean_checksum().unwrap(),
+                models[1].clean_checksum().unwrap(),
+            ],
+            slots: vec![None; SLOTS],
+            registry: Vec::new(),
+            ids: [models[0].id(), models[1].id()],
+        };
+        for (m, model) in models.into_iter().enumerate() {
+            let p = ModelPatcher::new(model, CPU, CPU).with_compute_dtype(Some(Dtype::F32));
+            world.slots[m] = Some((p, m));
+        }
+        world
+    }
+
+    fn held(&self, id: u64) -> bool {
+        self.slots
+            .iter()
+            .flatten()
+            .any(|(p, _)| p.model().id() == id)
+    }
+
+    /// The reference's cleanup: entries nobody holds leave the registry.
+    fn cleanup(&mut self) {
+        let held: Vec<u64> = self.registry.iter().copied().filter(|&id| self.held(id)).collect();
+        self.registry = held;
+    }
+
+    fn live(&self, m: usize) -> Option<Arc<Model>> {
+        self.models[m].upgrade()
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let residency = (0..2)
+            .map(|m| {
+                self.live(m).map(|model| {
+                    (0..model.len())
+                        .map(|i| match model.residency_of(i) {
+                            Some(SlotResidency::Resident { fingerprint, device, bytes, .. }) => {
+                                Some((fingerprint, device, bytes))
+                            }
+                            _ => None,
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        let pins = (0..2)
+            .map(|m| self.live(m).map(|model| model.state().pinned.clone()))
+            .collect();
+        let patches = self
+            .slots
+            .iter()
+            .map(|s| {
+                s.as_ref().map(|(p, _)| {
+                    let mut v: Vec<(String, Vec<u64>)> = p
+                        .patches()
+                        .keys()
+                        .map(|k| (k.to_string(), p.patches().get(k).iter().map(|e| e.id).collect()))
+                        .collect();
+                    v.sort();
+                    v
+                })
+            })
+            .collect();
+        Snapshot {
+            registry: self.mm.loaded_models().iter().map(|m| m.model_id).collect(),
+            residency,
+            pins,
+            patches,
+            ledger: self.mm.ledger(CPU),
+        }
+    }
+
+    /// Waits until the lanes let go of `model` (their jobs hold patcher clones) so that only the
+    /// registry may still hold it.
+    fn settle(&self, m: usize) {
+        let registered = self.registry.contains(&self.ids[m]);
+        let want = usize::from(registered);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while self.models[m].strong_count() > want && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+
+    fn check(&self, step: usize, op: &Op) -> Result<(), TestCaseError> {
+        let ctx = || format!("after step {step}: {op:?}");
+        // I2, counted slot by slot.
+        let mut resident = ByteSize::ZERO;
+        let loaded = self.mm.loaded_models();
+        for m in 0..2 {
+            let Some(model) = self.live(m) else { continue };
+            let bytes: ByteSize = (0..model.len())
+                .map(|i| match model.residency_of(i) {
+                    Some(SlotResidency::Resident { device: CPU, bytes, .. }) => bytes,
+                    _ => ByteSize::ZERO,
+                })
+                .sum();
+            let registered = loaded.iter().any(|e| e.model_id == model.id());
+            if registered {
+                resident = resident.saturating_add(bytes);
+            } else {
+                prop_assert_eq!(bytes, ByteSize::ZERO, "{}: unregistered model m{} holds copies", ctx(), m);
+            }
+            // I1
+            prop_assert_eq!(model.clean_checksum().unwrap(), self.checksums[m], "{}: clean weights changed", ctx());
+        }
+        let ledger = self.mm.ledger(CPU);
+        prop_assert_eq!(ledger, resident.saturating_add(self.mm.ledger.in_flight(CPU)), "{}", ctx());
+        prop_assert!(ledger <= self.budget, "{}: ledger {} over {}", ctx(), ledger, self.budget);
+        prop_assert!(self.mm.peak_ledger(CPU) <= self.budget, "{}: peak {}", ctx(), self.mm.peak_ledger(CPU));
+        let ids: Vec<u64> = loaded.iter().map(|e| e.model_id).collect();
+        prop_assert_eq!(&ids, &self.registry, "{}: registry", ctx());
+        Ok(())
+    }
+
+    fn patcher(&self, slot: usize) -> Option<(ModelPatcher, usize)> {
+        self.slots[slot].clone()
+    }
+
+    fn step(&mut self, step: usize, op: &Op) -> Result<(), TestCaseError> {
+        let ctx = || format!("step {step}: {op:?}");
+        match op {
+            Op::New { slot, model } => {
+                // A new handle on the model, or — once every handle on it is gone — a model read
+                // anew (a new id).
+                let arc = match self.live(*model) {
+                    Some(arc) => arc,
+                    None => {
+                        let arc = Arc::new(build_model(*model));
+                        self.models[*model] = Arc::downgrade(&arc);
+                        self.ids[*model] = arc.id();
+                        self.checksums[*model] = arc.clean_checksum().unwrap();
+                        arc
+                    }
+                };
+                let p = ModelPatcher::new(arc, CPU, CPU).with_compute_dtype(Some(Dtype::F32));
+                self.set_slot(*slot, Some((p, *model)));
+            }
+            Op::Clone { from, to } => {
+                if let Some((p, m)) = self.patcher(*from) {
+                    self.set_slot(*to, Some((p.clone(), m)));
+                }
+            }
+            Op::Patch { slot, layer, rank, seed, strength, bad } => {
+                let Some((mut p, m)) = self.patcher(*slot) else { return Ok(()) };
+                let Some(&(out, inn)) = LAYERS[m].get(*layer) else { return Ok(()) };
+                let down_in = if matches!(bad, Bad::Shape) { inn + 1 } else { inn };
+                let mut up = weight(&[out, *rank], *seed);
+                if matches!(bad, Bad::NanTensor) {
+                    up = (up * f64::NAN).unwrap();
+                }
+                let lora = Lora::new(up, weight(&[*rank, down_in], seed.wrapping_add(1)));
+                let s = if matches!(bad, Bad::NanStrength) { f32::NAN } else { *strength };
+                let before = self.snapshot();
+                let r = p.add_patches([(format!("l{layer}.weight"), Patch::Lora(lora))], s, 1.0);
+                match bad {
+                    Bad::None => {
+                        prop_assert!(r.is_ok(), "{}: {:?}", ctx(), r);
+                        self.slots[*slot] = Some((p, m));
+                    }
+                    _ => {
+                        prop_assert!(r.is_err(), "{}: a bad patch was accepted", ctx());
+                        // The handle in the slot is unchanged; the local copy is dropped.
+                        drop(p);
+                        prop_assert_eq!(self.snapshot(), before, "{}: a refused patch changed something", ctx());
+                    }
+                }
+            }
+            Op::Pin { slot, layer } => {
+                if let Some((p, m)) = self.patcher(*slot) {
+                    if *layer < LAYERS[m].len() {
+                        p.pin_weight_to_device(&format!("l{layer}.weight")).unwrap();
+                    }
+                }
+            }
+            Op::UnpinAll { slot } => {
+                if let Some((p, _)) = self.patcher(*slot) {
+                    p.unpin_all_weights();
+                }
+            }
+            Op::Load { slots, mem_kib, full, fpw, min_kib, fault } => {
+                let req: Vec<ModelPatcher> = slots.iter().filter_map(|&s| self.patcher(s)).map(|(p, _)| p).collect();
+                if req.is_empty() {
+                    return Ok(());
+                }
+                let options = LoadOptions {
+                    memory_required: ByteSize::kib(*mem_kib),
+                    minimum_memory_required: min_kib.map(ByteSize::kib),
+                    force_full_load: *full,
+                    force_patch_weights: *fpw,
+                };
+                // A load first drops entries nobody holds, whatever happens next.
+                self.cleanup();
+                let before = self.snapshot();
+                let plan = self.mm.plan(&req, options);
+                if let Some(k) = fault {
+                    fault::fail_after(*k);
+                }
+                let r = self.mm.load_models_gpu(&req, options);
+                fault::disarm();
+                match r {
+                    Ok(report) => {
+                        let plan = plan.unwrap();
+                        prop_assert!(plan.fits(), "{}: a load succeeded that its plan said does not fit", ctx());
+                        let mut all: Vec<u64> = Vec::new();
+                        for p in &req {
+                            if !all.contains(&p.model().id()) {
+                                all.push(p.model().id());
+                            }
+                        }
+                        for e in &report.evicted {
+                            prop_assert!(!all.contains(&e.model_id), "{}: evicted a model being loaded", ctx());
+                        }
+                        let gone: Vec<u64> = report.evicted.iter().filter(|e| e.fully).map(|e| e.model_id).collect();
+                        self.registry.retain(|id| !all.contains(id) && !gone.contains(id));
+                        for id in all {
+                            self.registry.insert(0, id);
+                        }
+                        if fault.is_none() {
+                            prop_assert_eq!(&report.evicted, &plan.evictions, "{}: plan and load disagree", ctx());
+                        }
+                    }
+                    Err(e) => {
+                        prop_assert!(
+                            fault.is_some() || plan.as_ref().map_or(true, |p| !p.fits()),
+                            "{}: failed without a fault or a plan problem: {}", ctx(), e
+                        );
+                        prop_assert!(
+                            !matches!(e, crate::Error::RollbackIncomplete { .. }),
+                            "{}: rollback incomplete with memory to spare: {}", ctx(), e
+                        );
+                        prop_assert_eq!(self.snapshot(), before, "{}: failed load changed something ({})", ctx(), e);
+                    }
+                }
+            }
+            Op::LoadOnMissingGpu { slot } => {
+                let Some((p, m)) = self.patcher(*slot) else { return Ok(()) };
+                let Some(arc) = self.live(m) else { return Ok(()) };
+                let gpu = ModelPatcher::new(arc, DeviceId::Cuda(7), CPU);
+                self.cleanup();
+                let before = self.snapshot();
+                let r = self.mm.load_models_gpu(&[p, gpu], LoadOptions::default());
+                prop_assert!(matches!(r, Err(crate::Error::Device { .. })), "{}: {:?}", ctx(), r.map(|_| ()));
+                prop_assert_eq!(self.snapshot(), before, "{}", ctx());
+            }
+            Op::Free { kib, keep } => {
+                let keep: Vec<ModelPatcher> = keep.iter().filter_map(|&s| self.patcher(s)).map(|(p, _)| p).collect();
+                let keep_refs: Vec<&ModelPatcher> = keep.iter().collect();
+                self.cleanup();
+                let ev = self.mm.free_memory(ByteSize::kib(*kib), CPU, &keep_refs);
+                for e in &ev {
+                    prop_assert!(!keep.iter().any(|p| p.model().id() == e.model_id), "{}", ctx());
+                    if e.fully {
+                        self.registry.retain(|&id| id != e.model_id);
+                    }
+                }
+            }
+            Op::UnloadAll => {
+                self.mm.unload_all_models();
+                self.registry.clear();
+            }
+            Op::Cleanup => {
+                self.mm.cleanup_models();
+                self.cleanup();
+            }
+            Op::Drop { slot } => {
+                if let Some((_, m)) = self.slots[*slot].take() {
+                    self.settle(m);
+                }
+            }
+            Op::Forward { slot, fault } => {
+                let Some((p, m)) = self.patcher(*slot) else { return Ok(()) };
+                let expected = reference_forward(&p, m);
+                let before = self.snapshot();
+                if let Some(k) = fault {
+                    fault::fail_after(*k);
+                }
+                let got = forward(&p, m);
+                fault::disarm();
+                match got {
+                    Ok(bits) => prop_assert!(bits == expected, "{}: streamed != resident", ctx()),
+                    Err(e) => {
+                        prop_assert!(fault.is_some(), "{}: {}", ctx(), e);
+                        prop_assert_eq!(self.snapshot().residency, before.residency, "{}", ctx());
+                    }
+                }
+            }
+            Op::PartialUnload { slot, kib } => {
+                if let Some((p, _)) = self.patcher(*slot) {
+                    p.partially_unload(CPU, ByteSize::kib(*kib));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn set_slot(&mut self, slot: usize, value: Option<(ModelPatcher, usize)>) {
+        let old = std::mem::replace(&mut self.slots[slot], value);
+        if let Some((_, m)) = old {
+            if !self.slots.iter().flatten().any(|(_, mm)| *mm == m) {
+                self.settle(m);
+            }
+        }
+    }
+}
+
+fn cases() -> u32 {
+    std::env::var("RESIDENCY_MODEL_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_ledger_never_lies_and_failed_calls_change_nothing(
+        budget_kib in prop_oneof![Just(12u64), Just(24), Just(40), Just(64), Just(128)],
+        lanes in 0..3usize,
+        depth in 0..3usize,
+        ops in prop::collection::vec(op(), 50..200),
+    ) {
+        // Only the slots (and the registry) hold the models.
+        let mut world = World::new(budget_kib, lanes, depth);
+        for (step, op) in ops.iter().enumerate() {
+            world.step(step, op)?;
+            world.check(step, op)?;
+        }
+        fault::disarm();
+    }
+}
