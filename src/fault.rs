@@ -9,17 +9,27 @@ use crate::error::{Error, Result};
 
 thread_local! {
     static COUNTDOWN: Cell<Option<u64>> = const { Cell::new(None) };
+    static STICKY: Cell<bool> = const { Cell::new(false) };
     static SEEN: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Makes the materialization `k` steps from now (0 = the next one) on this thread fail, once.
 pub(crate) fn fail_after(k: u64) {
     COUNTDOWN.with(|c| c.set(Some(k)));
+    STICKY.with(|s| s.set(false));
+}
+
+/// Makes every materialization on this thread fail from the `k`-th from now on (a device that
+/// ran out of memory and stays out), until [`disarm`].
+pub(crate) fn fail_from(k: u64) {
+    COUNTDOWN.with(|c| c.set(Some(k)));
+    STICKY.with(|s| s.set(true));
 }
 
 /// Cancels a pending failure.
 pub(crate) fn disarm() {
     COUNTDOWN.with(|c| c.set(None));
+    STICKY.with(|s| s.set(false));
 }
 
 /// Materializations seen on this thread since the last call (and resets the count).
@@ -32,7 +42,9 @@ pub(crate) fn check(what: &str) -> Result<()> {
     SEEN.with(|s| s.set(s.get() + 1));
     COUNTDOWN.with(|c| match c.get() {
         Some(0) => {
-            c.set(None);
+            if !STICKY.with(|s| s.get()) {
+                c.set(None);
+            }
             Err(Error::Device {
                 device: "injected".into(),
                 reason: format!("injected fault materializing {what}"),

@@ -10,14 +10,14 @@
 //! [`MemoryManager::plan`] ([`plan`]) decides every eviction, each model's weight budget
 //! ([`weight_budget`]) and exactly which weights will be resident, checks the result against
 //! every budget and refuses invalid requests — all before anything moves; execution
-//! ([`execute`]) then carries the plan out in an order that keeps the ledger within budget at
+//! (`loader/execute.rs`) then carries the plan out in an order that keeps the ledger within budget at
 //! every step, and rolls back what it did if the driver fails mid-way. Eviction order: most
 //! offloaded bytes first, then fewest outside handles, then smallest, then most recently used;
 //! smart memory unloads each victim only by what is missing.
 //!
 //! Models being loaded stay in the registry throughout (they take their final places before the
 //! first copy is built), so the ledger counts them at every step. Bytes of prefetched weights are
-//! booked in the [`ledger`] by reservation, and a reservation that would overrun a budget is
+//! booked in the ledger (`loader/ledger.rs`) by reservation, and a reservation that would overrun a budget is
 //! refused, so the bound holds whatever loads on other threads.
 //!
 //! Locks (the crate's lock table, lowest rank first; a lock may only be taken while holding

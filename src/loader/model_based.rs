@@ -52,10 +52,18 @@ fn weight(shape: &[usize], seed: u64) -> Tensor {
 fn build_model(m: usize) -> Model {
     let mut tensors = Vec::new();
     for (l, &(out, inn)) in LAYERS[m].iter().enumerate() {
-        let w = float::from_f32(&weight(&[out, inn], (m * 10 + l) as u64), Dtype::BF16, Rounding::Nearest)
-            .unwrap();
+        let w = float::from_f32(
+            &weight(&[out, inn], (m * 10 + l) as u64),
+            Dtype::BF16,
+            Rounding::Nearest,
+        )
+        .unwrap();
         tensors.push((format!("l{l}.weight"), w, Dtype::BF16));
-        tensors.push((format!("l{l}.bias"), weight(&[out], (m * 10 + l + 100) as u64), Dtype::F32));
+        tensors.push((
+            format!("l{l}.bias"),
+            weight(&[out], (m * 10 + l + 100) as u64),
+            Dtype::F32,
+        ));
     }
     Model::from_typed_tensors(format!("m{m}"), tensors).unwrap()
 }
@@ -72,7 +80,12 @@ fn f32_bits(t: &Tensor) -> Vec<u32> {
 
 /// The model's layers over `p`, on an input of ones.
 fn forward(p: &ModelPatcher, m: usize) -> crate::error::Result<Vec<u32>> {
-    let b = OpsBuilder::new(p, OpsMode::ManualCast { compute: Dtype::F32 });
+    let b = OpsBuilder::new(
+        p,
+        OpsMode::ManualCast {
+            compute: Dtype::F32,
+        },
+    );
     let mut x = Tensor::ones((2, LAYERS[m][0].1), DType::F32, &Device::Cpu).unwrap();
     for l in 0..LAYERS[m].len() {
         let layer = b.linear(&format!("l{l}"), true)?;
@@ -99,19 +112,57 @@ enum Bad {
 
 #[derive(Debug, Clone)]
 enum Op {
-    New { slot: usize, model: usize },
-    Clone { from: usize, to: usize },
-    Patch { slot: usize, layer: usize, rank: usize, seed: u64, strength: f32, bad: Bad },
-    Pin { slot: usize, layer: usize },
-    UnpinAll { slot: usize },
-    Load { slots: Vec<usize>, mem_kib: u64, full: bool, fpw: bool, min_kib: Option<u64>, fault: Option<u64> },
-    LoadOnMissingGpu { slot: usize },
-    Free { kib: u64, keep: Vec<usize> },
+    New {
+        slot: usize,
+        model: usize,
+    },
+    Clone {
+        from: usize,
+        to: usize,
+    },
+    Patch {
+        slot: usize,
+        layer: usize,
+        rank: usize,
+        seed: u64,
+        strength: f32,
+        bad: Bad,
+    },
+    Pin {
+        slot: usize,
+        layer: usize,
+    },
+    UnpinAll {
+        slot: usize,
+    },
+    Load {
+        slots: Vec<usize>,
+        mem_kib: u64,
+        full: bool,
+        fpw: bool,
+        min_kib: Option<u64>,
+        fault: Option<u64>,
+    },
+    LoadOnMissingGpu {
+        slot: usize,
+    },
+    Free {
+        kib: u64,
+        keep: Vec<usize>,
+    },
     UnloadAll,
     Cleanup,
-    Drop { slot: usize },
-    Forward { slot: usize, fault: Option<u64> },
-    PartialUnload { slot: usize, kib: u64 },
+    Drop {
+        slot: usize,
+    },
+    Forward {
+        slot: usize,
+        fault: Option<u64>,
+    },
+    PartialUnload {
+        slot: usize,
+        kib: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -138,13 +189,18 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// One model's residency: per weight, `(fingerprint, device, bytes)` of its resident copy.
+type Residency = Vec<Option<(u64, DeviceId, ByteSize)>>;
+/// One handle's patches: per key, the ids of its entries.
+type Patches = Vec<(String, Vec<u64>)>;
+
 /// Everything a failed call must leave as it was.
 #[derive(Debug, PartialEq)]
 struct Snapshot {
     registry: Vec<u64>,
-    residency: Vec<Option<Vec<Option<(u64, DeviceId, ByteSize)>>>>,
+    residency: Vec<Option<Residency>>,
     pins: Vec<Option<Vec<bool>>>,
-    patches: Vec<Option<Vec<(String, Vec<u64>)>>>,
+    patches: Vec<Option<Patches>>,
     ledger: ByteSize,
 }
 
@@ -205,7 +261,12 @@ impl World {
 
     /// The reference's cleanup: entries nobody holds leave the registry.
     fn cleanup(&mut self) {
-        let held: Vec<u64> = self.registry.iter().copied().filter(|&id| self.held(id)).collect();
+        let held: Vec<u64> = self
+            .registry
+            .iter()
+            .copied()
+            .filter(|&id| self.held(id))
+            .collect();
         self.registry = held;
     }
 
@@ -219,9 +280,12 @@ impl World {
                 self.live(m).map(|model| {
                     (0..model.len())
                         .map(|i| match model.residency_of(i) {
-                            Some(SlotResidency::Resident { fingerprint, device, bytes, .. }) => {
-                                Some((fingerprint, device, bytes))
-                            }
+                            Some(SlotResidency::Resident {
+                                fingerprint,
+                                device,
+                                bytes,
+                                ..
+                            }) => Some((fingerprint, device, bytes)),
                             _ => None,
                         })
                         .collect()
@@ -236,10 +300,15 @@ impl World {
             .iter()
             .map(|s| {
                 s.as_ref().map(|(p, _)| {
-                    let mut v: Vec<(String, Vec<u64>)> = p
+                    let mut v: Patches = p
                         .patches()
                         .keys()
-                        .map(|k| (k.to_string(), p.patches().get(k).iter().map(|e| e.id).collect()))
+                        .map(|k| {
+                            (
+                                k.to_string(),
+                                p.patches().get(k).iter().map(|e| e.id).collect(),
+                            )
+                        })
                         .collect();
                     v.sort();
                     v
@@ -255,11 +324,34 @@ impl World {
         }
     }
 
-    /// Waits until the lanes let go of `model` (their jobs hold patcher clones) so that only the
-    /// registry may still hold it.
-    fn settle(&self, m: usize) {
+    /// The snapshot a manager call that begins with a cleanup must leave on failure: entries no
+    /// handle holds are gone from the registry, and with them the models themselves.
+    fn snapshot_after_cleanup(&self) -> Snapshot {
+        let mut s = self.snapshot();
+        s.registry.retain(|&id| self.held(id));
+        for m in 0..2 {
+            if !self.held(self.ids[m]) {
+                s.residency[m] = None;
+                s.pins[m] = None;
+            }
+        }
+        s.ledger = ByteSize::ZERO;
+        s
+    }
+
+    /// Waits until the lanes let go of every model (their prefetch jobs hold patcher clones), so
+    /// that only the test's handles and the registry hold them and the reference can tell which
+    /// entries a cleanup drops. Called between steps, when no other local handle exists.
+    fn settle(&self) {
+        for m in 0..2 {
+            self.settle_model(m);
+        }
+    }
+
+    fn settle_model(&self, m: usize) {
         let registered = self.registry.contains(&self.ids[m]);
-        let want = usize::from(registered);
+        let handles = self.slots.iter().flatten().filter(|(_, x)| *x == m).count();
+        let want = usize::from(registered) + handles;
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         while self.models[m].strong_count() > want && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_micros(200));
@@ -275,7 +367,9 @@ impl World {
             let Some(model) = self.live(m) else { continue };
             let bytes: ByteSize = (0..model.len())
                 .map(|i| match model.residency_of(i) {
-                    Some(SlotResidency::Resident { device: CPU, bytes, .. }) => bytes,
+                    Some(SlotResidency::Resident {
+                        device: CPU, bytes, ..
+                    }) => bytes,
                     _ => ByteSize::ZERO,
                 })
                 .sum();
@@ -283,15 +377,42 @@ impl World {
             if registered {
                 resident = resident.saturating_add(bytes);
             } else {
-                prop_assert_eq!(bytes, ByteSize::ZERO, "{}: unregistered model m{} holds copies", ctx(), m);
+                prop_assert_eq!(
+                    bytes,
+                    ByteSize::ZERO,
+                    "{}: unregistered model m{} holds copies",
+                    ctx(),
+                    m
+                );
             }
             // I1
-            prop_assert_eq!(model.clean_checksum().unwrap(), self.checksums[m], "{}: clean weights changed", ctx());
+            prop_assert_eq!(
+                model.clean_checksum().unwrap(),
+                self.checksums[m],
+                "{}: clean weights changed",
+                ctx()
+            );
         }
         let ledger = self.mm.ledger(CPU);
-        prop_assert_eq!(ledger, resident.saturating_add(self.mm.ledger.in_flight(CPU)), "{}", ctx());
-        prop_assert!(ledger <= self.budget, "{}: ledger {} over {}", ctx(), ledger, self.budget);
-        prop_assert!(self.mm.peak_ledger(CPU) <= self.budget, "{}: peak {}", ctx(), self.mm.peak_ledger(CPU));
+        prop_assert_eq!(
+            ledger,
+            resident.saturating_add(self.mm.ledger.in_flight(CPU)),
+            "{}",
+            ctx()
+        );
+        prop_assert!(
+            ledger <= self.budget,
+            "{}: ledger {} over {}",
+            ctx(),
+            ledger,
+            self.budget
+        );
+        prop_assert!(
+            self.mm.peak_ledger(CPU) <= self.budget,
+            "{}: peak {}",
+            ctx(),
+            self.mm.peak_ledger(CPU)
+        );
         let ids: Vec<u64> = loaded.iter().map(|e| e.model_id).collect();
         prop_assert_eq!(&ids, &self.registry, "{}: registry", ctx());
         Ok(())
@@ -325,16 +446,35 @@ impl World {
                     self.set_slot(*to, Some((p.clone(), m)));
                 }
             }
-            Op::Patch { slot, layer, rank, seed, strength, bad } => {
-                let Some((mut p, m)) = self.patcher(*slot) else { return Ok(()) };
-                let Some(&(out, inn)) = LAYERS[m].get(*layer) else { return Ok(()) };
-                let down_in = if matches!(bad, Bad::Shape) { inn + 1 } else { inn };
+            Op::Patch {
+                slot,
+                layer,
+                rank,
+                seed,
+                strength,
+                bad,
+            } => {
+                let Some((mut p, m)) = self.patcher(*slot) else {
+                    return Ok(());
+                };
+                let Some(&(out, inn)) = LAYERS[m].get(*layer) else {
+                    return Ok(());
+                };
+                let down_in = if matches!(bad, Bad::Shape) {
+                    inn + 1
+                } else {
+                    inn
+                };
                 let mut up = weight(&[out, *rank], *seed);
                 if matches!(bad, Bad::NanTensor) {
                     up = (up * f64::NAN).unwrap();
                 }
                 let lora = Lora::new(up, weight(&[*rank, down_in], seed.wrapping_add(1)));
-                let s = if matches!(bad, Bad::NanStrength) { f32::NAN } else { *strength };
+                let s = if matches!(bad, Bad::NanStrength) {
+                    f32::NAN
+                } else {
+                    *strength
+                };
                 let before = self.snapshot();
                 let r = p.add_patches([(format!("l{layer}.weight"), Patch::Lora(lora))], s, 1.0);
                 match bad {
@@ -346,7 +486,12 @@ impl World {
                         prop_assert!(r.is_err(), "{}: a bad patch was accepted", ctx());
                         // The handle in the slot is unchanged; the local copy is dropped.
                         drop(p);
-                        prop_assert_eq!(self.snapshot(), before, "{}: a refused patch changed something", ctx());
+                        prop_assert_eq!(
+                            self.snapshot(),
+                            before,
+                            "{}: a refused patch changed something",
+                            ctx()
+                        );
                     }
                 }
             }
@@ -362,8 +507,19 @@ impl World {
                     p.unpin_all_weights();
                 }
             }
-            Op::Load { slots, mem_kib, full, fpw, min_kib, fault } => {
-                let req: Vec<ModelPatcher> = slots.iter().filter_map(|&s| self.patcher(s)).map(|(p, _)| p).collect();
+            Op::Load {
+                slots,
+                mem_kib,
+                full,
+                fpw,
+                min_kib,
+                fault,
+            } => {
+                let req: Vec<ModelPatcher> = slots
+                    .iter()
+                    .filter_map(|&s| self.patcher(s))
+                    .map(|(p, _)| p)
+                    .collect();
                 if req.is_empty() {
                     return Ok(());
                 }
@@ -375,7 +531,7 @@ impl World {
                 };
                 // A load first drops entries nobody holds, whatever happens next.
                 self.cleanup();
-                let before = self.snapshot();
+                let before = self.snapshot_after_cleanup();
                 let plan = self.mm.plan(&req, options);
                 if let Some(k) = fault {
                     fault::fail_after(*k);
@@ -385,7 +541,11 @@ impl World {
                 match r {
                     Ok(report) => {
                         let plan = plan.unwrap();
-                        prop_assert!(plan.fits(), "{}: a load succeeded that its plan said does not fit", ctx());
+                        prop_assert!(
+                            plan.fits(),
+                            "{}: a load succeeded that its plan said does not fit",
+                            ctx()
+                        );
                         let mut all: Vec<u64> = Vec::new();
                         for p in &req {
                             if !all.contains(&p.model().id()) {
@@ -393,47 +553,93 @@ impl World {
                             }
                         }
                         for e in &report.evicted {
-                            prop_assert!(!all.contains(&e.model_id), "{}: evicted a model being loaded", ctx());
+                            prop_assert!(
+                                !all.contains(&e.model_id),
+                                "{}: evicted a model being loaded",
+                                ctx()
+                            );
                         }
-                        let gone: Vec<u64> = report.evicted.iter().filter(|e| e.fully).map(|e| e.model_id).collect();
-                        self.registry.retain(|id| !all.contains(id) && !gone.contains(id));
+                        let gone: Vec<u64> = report
+                            .evicted
+                            .iter()
+                            .filter(|e| e.fully)
+                            .map(|e| e.model_id)
+                            .collect();
+                        self.registry
+                            .retain(|id| !all.contains(id) && !gone.contains(id));
                         for id in all {
                             self.registry.insert(0, id);
                         }
                         if fault.is_none() {
-                            prop_assert_eq!(&report.evicted, &plan.evictions, "{}: plan and load disagree", ctx());
+                            prop_assert_eq!(
+                                &report.evicted,
+                                &plan.evictions,
+                                "{}: plan and load disagree",
+                                ctx()
+                            );
                         }
                     }
                     Err(e) => {
                         prop_assert!(
                             fault.is_some() || plan.as_ref().map_or(true, |p| !p.fits()),
-                            "{}: failed without a fault or a plan problem: {}", ctx(), e
+                            "{}: failed without a fault or a plan problem: {}",
+                            ctx(),
+                            e
                         );
                         prop_assert!(
                             !matches!(e, crate::Error::RollbackIncomplete { .. }),
-                            "{}: rollback incomplete with memory to spare: {}", ctx(), e
+                            "{}: rollback incomplete with memory to spare: {}",
+                            ctx(),
+                            e
                         );
-                        prop_assert_eq!(self.snapshot(), before, "{}: failed load changed something ({})", ctx(), e);
+                        let mut after = self.snapshot();
+                        after.ledger = ByteSize::ZERO;
+                        prop_assert_eq!(
+                            after,
+                            before,
+                            "{}: failed load changed something ({})",
+                            ctx(),
+                            e
+                        );
                     }
                 }
             }
             Op::LoadOnMissingGpu { slot } => {
-                let Some((p, m)) = self.patcher(*slot) else { return Ok(()) };
-                let Some(arc) = self.live(m) else { return Ok(()) };
+                let Some((p, m)) = self.patcher(*slot) else {
+                    return Ok(());
+                };
+                let Some(arc) = self.live(m) else {
+                    return Ok(());
+                };
                 let gpu = ModelPatcher::new(arc, DeviceId::Cuda(7), CPU);
                 self.cleanup();
-                let before = self.snapshot();
+                let before = self.snapshot_after_cleanup();
                 let r = self.mm.load_models_gpu(&[p, gpu], LoadOptions::default());
-                prop_assert!(matches!(r, Err(crate::Error::Device { .. })), "{}: {:?}", ctx(), r.map(|_| ()));
-                prop_assert_eq!(self.snapshot(), before, "{}", ctx());
+                prop_assert!(
+                    matches!(r, Err(crate::Error::Device { .. })),
+                    "{}: {:?}",
+                    ctx(),
+                    r.map(|_| ())
+                );
+                let mut after = self.snapshot();
+                after.ledger = ByteSize::ZERO;
+                prop_assert_eq!(after, before, "{}", ctx());
             }
             Op::Free { kib, keep } => {
-                let keep: Vec<ModelPatcher> = keep.iter().filter_map(|&s| self.patcher(s)).map(|(p, _)| p).collect();
+                let keep: Vec<ModelPatcher> = keep
+                    .iter()
+                    .filter_map(|&s| self.patcher(s))
+                    .map(|(p, _)| p)
+                    .collect();
                 let keep_refs: Vec<&ModelPatcher> = keep.iter().collect();
                 self.cleanup();
                 let ev = self.mm.free_memory(ByteSize::kib(*kib), CPU, &keep_refs);
                 for e in &ev {
-                    prop_assert!(!keep.iter().any(|p| p.model().id() == e.model_id), "{}", ctx());
+                    prop_assert!(
+                        !keep.iter().any(|p| p.model().id() == e.model_id),
+                        "{}",
+                        ctx()
+                    );
                     if e.fully {
                         self.registry.retain(|&id| id != e.model_id);
                     }
@@ -448,12 +654,12 @@ impl World {
                 self.cleanup();
             }
             Op::Drop { slot } => {
-                if let Some((_, m)) = self.slots[*slot].take() {
-                    self.settle(m);
-                }
+                self.slots[*slot] = None;
             }
             Op::Forward { slot, fault } => {
-                let Some((p, m)) = self.patcher(*slot) else { return Ok(()) };
+                let Some((p, m)) = self.patcher(*slot) else {
+                    return Ok(());
+                };
                 let expected = reference_forward(&p, m);
                 let before = self.snapshot();
                 if let Some(k) = fault {
@@ -479,12 +685,7 @@ impl World {
     }
 
     fn set_slot(&mut self, slot: usize, value: Option<(ModelPatcher, usize)>) {
-        let old = std::mem::replace(&mut self.slots[slot], value);
-        if let Some((_, m)) = old {
-            if !self.slots.iter().flatten().any(|(_, mm)| *mm == m) {
-                self.settle(m);
-            }
-        }
+        self.slots[slot] = value;
     }
 }
 
@@ -509,8 +710,155 @@ proptest! {
         let mut world = World::new(budget_kib, lanes, depth);
         for (step, op) in ops.iter().enumerate() {
             world.step(step, op)?;
+            world.settle();
             world.check(step, op)?;
         }
         fault::disarm();
     }
+}
+
+/// A manager on a `budget_kib` KiB CPU device, no lanes.
+fn small_manager(budget_kib: u64) -> MemoryManager {
+    let config = Config::from_args([
+        "--vram-budget".to_string(),
+        format!("{budget_kib}KiB"),
+        "--reserve-vram".into(),
+        "0".into(),
+        "--inference-memory".into(),
+        "1KiB".into(),
+    ])
+    .unwrap();
+    MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(8))).unwrap()
+}
+
+fn residency_of(model: &Model) -> Residency {
+    (0..model.len())
+        .map(|i| match model.residency_of(i) {
+            Some(SlotResidency::Resident {
+                fingerprint,
+                device,
+                bytes,
+                ..
+            }) => Some((fingerprint, device, bytes)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The state a failed call must not change: registry order and every model's residency.
+fn state(mm: &MemoryManager, models: &[&Arc<Model>]) -> (Vec<u64>, Vec<Residency>, ByteSize) {
+    (
+        mm.loaded_models().iter().map(|m| m.model_id).collect(),
+        models.iter().map(|m| residency_of(m)).collect(),
+        mm.ledger(CPU),
+    )
+}
+
+#[test]
+fn a_load_failing_at_every_materialization_is_rolled_back_completely() {
+    // z and y are fully resident. Loading a LoRA clone of x together with a LoRA clone of y (whose
+    // patched copy is stale, dropped and rebuilt) evicts part of z. Every k from 0 until the load
+    // succeeds fails the k-th materialization; each failure must leave registry, residency and
+    // ledger exactly as they were, rebuilding what eviction and the clone switch dropped.
+    let mm = small_manager(64);
+    let x = Arc::new(build_model(0));
+    let y = Arc::new(build_model(1));
+    let z = Arc::new(build_model(0));
+    let px = ModelPatcher::new(Arc::clone(&x), CPU, CPU).with_compute_dtype(Some(Dtype::F32));
+    let py = ModelPatcher::new(Arc::clone(&y), CPU, CPU).with_compute_dtype(Some(Dtype::F32));
+    let pz = ModelPatcher::new(Arc::clone(&z), CPU, CPU).with_compute_dtype(Some(Dtype::F32));
+    mm.load_model_gpu(&pz).unwrap();
+    mm.load_model_gpu(&py).unwrap();
+    let mut x2 = px.clone();
+    x2.add_patches(
+        [(
+            "l1.weight",
+            Patch::Lora(Lora::new(weight(&[48, 2], 1), weight(&[2, 32], 2))),
+        )],
+        1.0,
+        1.0,
+    )
+    .unwrap();
+    let mut y2 = py.clone();
+    y2.add_patches(
+        [(
+            "l0.weight",
+            Patch::Lora(Lora::new(weight(&[64, 2], 3), weight(&[2, 32], 4))),
+        )],
+        1.0,
+        1.0,
+    )
+    .unwrap();
+    let models = [&x, &y, &z];
+    let before = state(&mm, &models);
+    let plan = mm
+        .plan(&[x2.clone(), y2.clone()], LoadOptions::default())
+        .unwrap();
+    assert!(plan.fits());
+    assert!(!plan.evictions.is_empty(), "the load evicts: {plan:?}");
+    let mut failures = 0;
+    for k in 0.. {
+        fault::fail_after(k);
+        let r = mm.load_models_gpu(&[x2.clone(), y2.clone()], LoadOptions::default());
+        fault::disarm();
+        match r {
+            Err(e) => {
+                assert!(
+                    !matches!(e, crate::Error::RollbackIncomplete { .. }),
+                    "k = {k}: {e}"
+                );
+                assert_eq!(state(&mm, &models), before, "k = {k}: {e}");
+                assert!(mm.peak_ledger(CPU) <= ByteSize::kib(64));
+                failures += 1;
+            }
+            Ok(r) => {
+                assert_eq!(r.evicted, plan.evictions);
+                break;
+            }
+        }
+    }
+    assert!(
+        failures >= 3,
+        "the load materializes several weights ({failures} failed)"
+    );
+    // The bits are those of a load that never failed.
+    assert_eq!(forward(&x2, 0).unwrap(), reference_forward(&x2, 0));
+    assert_eq!(forward(&y2, 1).unwrap(), reference_forward(&y2, 1));
+}
+
+#[test]
+fn a_rollback_that_cannot_rebuild_says_what_it_lost_and_keeps_the_ledger_exact() {
+    let mm = small_manager(40);
+    let x = Arc::new(build_model(0));
+    let y = Arc::new(build_model(1));
+    let px = ModelPatcher::new(Arc::clone(&x), CPU, CPU).with_compute_dtype(Some(Dtype::F32));
+    let py = ModelPatcher::new(Arc::clone(&y), CPU, CPU).with_compute_dtype(Some(Dtype::F32));
+    mm.load_model_gpu(&py).unwrap();
+    let y_before = y.resident_bytes(CPU);
+    // The device keeps failing from the second materialization on: x's load fails, and so does
+    // rebuilding what evicting y dropped.
+    fault::fail_from(1);
+    let r = mm.load_model_gpu(&px);
+    fault::disarm();
+    let Err(crate::Error::RollbackIncomplete {
+        source,
+        not_restored,
+    }) = r
+    else {
+        panic!("expected an incomplete rollback, got {r:?}");
+    };
+    assert!(matches!(*source, crate::Error::Device { .. }), "{source}");
+    assert!(!not_restored.is_empty());
+    assert!(
+        not_restored.iter().all(|s| s.contains("`m1`")),
+        "{not_restored:?}"
+    );
+    // x left nothing behind; y is registered with what it kept; the ledger is exact.
+    assert_eq!(x.resident_bytes_total(), ByteSize::ZERO);
+    assert!(y.resident_bytes(CPU) < y_before);
+    let ids: Vec<u64> = mm.loaded_models().iter().map(|m| m.model_id).collect();
+    assert_eq!(ids, [y.id()]);
+    assert_eq!(mm.ledger(CPU), y.resident_bytes(CPU));
+    // What was lost streams, with the same bits.
+    assert_eq!(forward(&py, 1).unwrap(), reference_forward(&py, 1));
 }

@@ -15,7 +15,7 @@
 //!
 //! A plan that cannot be carried out without overrunning a budget has a [`PlanProblem`]; a
 //! request that is invalid (a patch that does not fit, an fp8 scale that is not a finite non-zero
-//! number, an unknown GPU) is an error from `plan` itself. Execution ([`super::execute`]) carries
+//! number, an unknown GPU) is an error from `plan` itself. Execution (`loader/execute.rs`) carries
 //! the plan out step by step, so its only failures are the driver's.
 //!
 //! Complexity: O(weights of the requested models) plus O(weights) of each model actually chosen
