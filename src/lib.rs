@@ -64,6 +64,7 @@ pub(crate) mod fault;
 pub mod float;
 pub mod loader;
 pub mod models;
+pub mod nn;
 pub mod offload;
 pub mod ops;
 pub mod patcher;
