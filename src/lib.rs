@@ -111,6 +111,11 @@ pub fn attention_name(policy: &vram::Policy) -> String {
     }
 }
 
+/// The README's code blocks, compiled and run as doc tests (`cargo test --doc`).
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
 pub use loader::{global, LoadOptions, LoadReport, MemoryManager, MemoryReport};
 pub use patcher::ModelPatcher;
 pub use vram::{Config, DeviceId, Hardware};
