@@ -401,9 +401,15 @@ mod tests {
             DeviceId::Cuda(3)
         );
         let err = DeviceId::of_location(DeviceLocation::Metal { gpu_id: 1 }).unwrap_err();
-        assert!(matches!(&err, Error::Device { device, .. } if device == "metal:1"), "{err}");
+        assert!(
+            matches!(&err, Error::Device { device, .. } if device == "metal:1"),
+            "{err}"
+        );
         assert!(!err.is_retryable());
-        assert_eq!(DeviceId::register_candle(&Device::Cpu).unwrap(), DeviceId::Cpu);
+        assert_eq!(
+            DeviceId::register_candle(&Device::Cpu).unwrap(),
+            DeviceId::Cpu
+        );
     }
 
     #[test]
