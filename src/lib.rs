@@ -42,7 +42,8 @@
 //! (config, hardware probe, VRAM state, device helpers, dtype policy) → [`weights`] (models as
 //! named slots, residency) → [`patcher`] (ModelPatcher; patch kinds in [`patcher::adapters`], one
 //! file per kind; LoRA files in [`patcher::lora_file`]) → [`offload`] (staging pool, transfer
-//! lanes, prefetch) → [`ops`] (layers), [`attention`] (backends, memory plans, dispatcher) →
+//! lanes, prefetch) → [`ops`] (layers) → [`nn`] (candle-nn's constructors on `ops`),
+//! [`attention`] (backends, memory plans, dispatcher) →
 //! [`loader`] (the memory manager, the global API) → [`models`] (BERT), [`tools`] (LoRA merging).
 //!
 //! The design — memory tiers, the invariants and their tests, the load algorithm, the transfer
