@@ -15,7 +15,7 @@
 //!   layer later with [`crate::ops::OpsSource::set_patcher`]).
 //! - Layers: [`Linear`], [`Embedding`], [`LayerNorm`], [`RmsNorm`], [`GroupNorm`], [`Conv1d`],
 //!   [`Conv2d`], [`ConvTranspose1d`], [`ConvTranspose2d`], built by the free functions of the same
-//!   names as candle-nn's ([`linear`], [`conv2d`], [`layer_norm`], ...). Each also has candle-nn's
+//!   names as candle-nn's ([`linear()`], [`conv2d()`], [`layer_norm()`], ...). Each also has candle-nn's
 //!   `new` on owned tensors; a layer made that way holds them as candle-nn does and is not
 //!   managed.
 //! - The rest of candle-nn that model code uses is re-exported unchanged: [`ops`],

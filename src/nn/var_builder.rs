@@ -19,7 +19,7 @@ type Renamer = Arc<dyn Fn(&str) -> String + Send + Sync>;
 
 /// candle-nn's `VarBuilder` on residency-managed weights.
 ///
-/// Layers built from it ([`super::linear`], [`super::conv2d`], ...) hold weight keys, not
+/// Layers built from it ([`super::linear()`], [`super::conv2d()`], ...) hold weight keys, not
 /// tensors, and fetch through the patcher at every forward. [`VarBuilder::get`] reads a raw
 /// parameter the same way (patched, cast, streamed when not resident) and hands the tensor over.
 ///
