@@ -61,9 +61,12 @@ pub enum Error {
 
     /// The device does not have this much free memory right now. Evicting other models, or
     /// waiting for in-flight transfers, may make the same call succeed.
-    #[error("out of memory on {device} loading `{model}`: {required} required, {available} available (free other models or lower the budget and retry)")]
+    ///
+    /// Also what a CUDA out-of-memory reported by candle becomes (see [`Error::tensor`]); the
+    /// sizes are then unknown and both zero, and `model` says what was running.
+    #[error("{}", out_of_memory_message(model, device, *required, *available))]
     OutOfMemory {
-        /// The model being loaded.
+        /// The model being loaded, or what was running when candle ran out of device memory.
         model: String,
         /// The device.
         device: String,
@@ -221,21 +224,47 @@ impl Error {
         }
     }
 
-    /// Wraps a candle error with context.
+    /// Wraps a candle error with context. A CUDA out-of-memory (the driver's
+    /// `CUDA_ERROR_OUT_OF_MEMORY`, or cuBLAS failing to allocate) becomes the retryable
+    /// [`Error::OutOfMemory`], naming `context`; anything else is [`Error::Tensor`].
     pub fn tensor(context: impl Into<String>, source: candle_core::Error) -> Self {
-        Error::Tensor {
-            context: context.into(),
-            source,
+        let context = context.into();
+        if is_cuda_out_of_memory(&source) {
+            return Error::OutOfMemory {
+                model: format!("{context} ({source})"),
+                device: "cuda".into(),
+                required: ByteSize::ZERO,
+                available: ByteSize::ZERO,
+            };
         }
+        Error::Tensor { context, source }
+    }
+}
+
+/// Whether candle's error is a CUDA device running out of memory. candle wraps the driver's and
+/// cuBLAS's errors as text (`Error::Cuda(Box<dyn Error>)`, possibly inside context and backtrace
+/// layers), so this reads the message for the status names cudarc prints.
+fn is_cuda_out_of_memory(e: &candle_core::Error) -> bool {
+    let text = e.to_string();
+    text.contains("CUDA_ERROR_OUT_OF_MEMORY") || text.contains("CUBLAS_STATUS_ALLOC_FAILED")
+}
+
+fn out_of_memory_message(
+    model: &str,
+    device: &str,
+    required: ByteSize,
+    available: ByteSize,
+) -> String {
+    if required == ByteSize::ZERO && available == ByteSize::ZERO {
+        format!("out of memory on {device} in {model} (free other models or lower the budget and retry)")
+    } else {
+        format!("out of memory on {device} loading `{model}`: {required} required, {available} available (free other models or lower the budget and retry)")
     }
 }
 
 impl From<candle_core::Error> for Error {
     fn from(source: candle_core::Error) -> Self {
-        Error::Tensor {
-            context: "tensor operation".into(),
-            source,
-        }
+        Error::tensor("tensor operation", source)
     }
 }
 
@@ -277,5 +306,47 @@ mod tests {
             msg.contains("unet") && msg.contains("8.00 GiB") && msg.contains("4.00 GiB"),
             "{msg}"
         );
+        let msg = oom.to_string();
+        assert!(
+            msg.contains("2.00 GiB required") && msg.contains("loading `unet`"),
+            "{msg}"
+        );
+    }
+
+    /// The text candle gives a failed allocation on CUDA: cudarc's `DriverError` debug form
+    /// inside candle's `Error::Cuda`, under a backtrace layer.
+    #[derive(Debug)]
+    struct DriverText(&'static str);
+    impl std::fmt::Display for DriverText {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+    impl std::error::Error for DriverText {}
+
+    #[test]
+    fn cuda_out_of_memory_from_candle_is_retryable_out_of_memory() {
+        let oom = candle_core::Error::Cuda(Box::new(DriverText(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")",
+        )))
+        .bt();
+        let e = Error::tensor("linear `proj.weight`", oom);
+        assert!(e.is_retryable(), "{e}");
+        assert!(matches!(e, Error::OutOfMemory { .. }), "{e:?}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("proj.weight") && msg.contains("cuda") && !msg.contains("0 B"),
+            "{msg}"
+        );
+        let cublas = candle_core::Error::Cuda(Box::new(DriverText(
+            "cublas error: CUBLAS_STATUS_ALLOC_FAILED",
+        )));
+        assert!(Error::from(cublas).is_retryable());
+        // Other CUDA errors and other candle errors are not.
+        let launch = candle_core::Error::Cuda(Box::new(DriverText(
+            "DriverError(CUDA_ERROR_LAUNCH_FAILED, \"unspecified launch failure\")",
+        )));
+        assert!(!Error::from(launch).is_retryable());
+        assert!(!Error::from(candle_core::Error::Msg("shape".into())).is_retryable());
     }
 }

@@ -42,7 +42,8 @@
 //! (config, hardware probe, VRAM state, device helpers, dtype policy) → [`weights`] (models as
 //! named slots, residency) → [`patcher`] (ModelPatcher; patch kinds in [`patcher::adapters`], one
 //! file per kind; LoRA files in [`patcher::lora_file`]) → [`offload`] (staging pool, transfer
-//! lanes, prefetch) → [`ops`] (layers), [`attention`] (backends, memory plans, dispatcher) →
+//! lanes, prefetch) → [`ops`] (layers) → [`nn`] (candle-nn's constructors on `ops`),
+//! [`attention`] (backends, memory plans, dispatcher) →
 //! [`loader`] (the memory manager, the global API) → [`models`] (BERT), [`tools`] (LoRA merging).
 //!
 //! The design — memory tiers, the invariants and their tests, the load algorithm, the transfer
@@ -64,6 +65,7 @@ pub(crate) mod fault;
 pub mod float;
 pub mod loader;
 pub mod models;
+pub mod nn;
 pub mod offload;
 pub mod ops;
 pub mod patcher;
@@ -109,6 +111,11 @@ pub fn attention_name(policy: &vram::Policy) -> String {
         None => d.backend.to_string(),
     }
 }
+
+/// The README's code blocks, compiled and run as doc tests (`cargo test --doc`).
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
 
 pub use loader::{global, LoadOptions, LoadReport, MemoryManager, MemoryReport};
 pub use patcher::ModelPatcher;

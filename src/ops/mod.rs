@@ -250,7 +250,7 @@ impl LayerWeights {
 
     /// Casts a float input to the dtype the layer computes in (`ManualCast`, `MixedPrecision`), or
     /// checks that it already is (`DisableWeightInit`).
-    fn prepare_input(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn prepare_input(&self, x: &Tensor) -> Result<Tensor> {
         let patcher = self.source.patcher();
         let want = self.compute_dtype(&patcher).candle_storage_dtype();
         if x.dtype() == want {
@@ -285,6 +285,18 @@ fn prepare_weight(
     device: &Device,
 ) -> Result<Tensor> {
     let t = fetch(patcher, &w.key)?;
+    finish_weight(patcher, w, t, mode, device)
+}
+
+/// Steps 2–4 of [`cast_bias_weight`] on a fetched weight `t`: cast (dequantize first when
+/// quantized), move to `device`, run the weight wrappers.
+fn finish_weight(
+    patcher: &ModelPatcher,
+    w: &WeightRef,
+    t: Tensor,
+    mode: OpsMode,
+    device: &Device,
+) -> Result<Tensor> {
     let resident = patcher.resident_dtype(w.index);
     let t = match mode.compute_dtype() {
         None => {
@@ -345,6 +357,24 @@ pub fn cast_bias_weight(
         None => None,
     };
     Ok((w, b))
+}
+
+/// The weight of `weights` (not its bias) as [`cast_bias_weight`] gives it, without recording a
+/// use in the model's forward order: for raw parameters read while a model is being built
+/// (`nn::VarBuilder::get`), which a forward never fetches again and prefetch must not chase.
+/// The resident copy when current, else materialized now (patched, rounded, cast: the same bits).
+pub(crate) fn weight_outside_forward(weights: &LayerWeights, device: &Device) -> Result<Tensor> {
+    let patcher = weights.source.patcher();
+    let w = &weights.weight;
+    let t = match patcher.resident_tensor(w.index) {
+        Some(t) => t,
+        None => patcher.materialize(
+            w.index,
+            patcher.resident_dtype(w.index),
+            patcher.load_device(),
+        )?,
+    };
+    finish_weight(&patcher, w, t, weights.mode, device)
 }
 
 /// Builds layers from a patcher, walking weight names by prefix like candle-nn's `VarBuilder`:
@@ -460,6 +490,49 @@ impl OpsBuilder {
             Some(b)
         } else {
             None
+        };
+        Ok(LayerWeights {
+            source: self.source.clone(),
+            mode: self.mode,
+            weight,
+            bias,
+        })
+    }
+
+    /// The weights of a layer named by full keys (already prefixed and renamed by the caller):
+    /// `weight_key` must have exactly `weight_shape`, and `bias`, when given as `(key, len)`, must
+    /// be `[len]`. For builders that resolve names themselves (`nn::VarBuilder`'s renaming and
+    /// aliases).
+    ///
+    /// # Errors
+    /// [`Error::UnknownWeight`] for a missing key, [`Error::ShapeMismatch`] naming the key, the
+    /// model and both shapes.
+    pub(crate) fn weights_at(
+        &self,
+        weight_key: String,
+        weight_shape: &[usize],
+        bias: Option<(String, usize)>,
+    ) -> Result<LayerWeights> {
+        let patcher = self.source.patcher();
+        let check = |r: &WeightRef, expected: &[usize]| -> Result<()> {
+            if r.shape != expected {
+                return Err(Error::ShapeMismatch {
+                    what: format!("`{}` of `{}`", r.key, patcher.model().name()),
+                    expected: expected.to_vec(),
+                    got: r.shape.clone(),
+                });
+            }
+            Ok(())
+        };
+        let weight = self.weight_ref(&patcher, weight_key)?;
+        check(&weight, weight_shape)?;
+        let bias = match bias {
+            Some((key, len)) => {
+                let b = self.weight_ref(&patcher, key)?;
+                check(&b, &[len])?;
+                Some(b)
+            }
+            None => None,
         };
         Ok(LayerWeights {
             source: self.source.clone(),

@@ -1,6 +1,14 @@
-//! Normalisations: [`LayerNorm`], [`GroupNorm`], [`RmsNorm`]. Statistics are computed in f32 for
-//! f16/bf16 inputs (and in the input dtype otherwise); the result is cast back before the affine
-//! weight and bias are applied.
+//! Normalisations: [`LayerNorm`], [`GroupNorm`], [`RmsNorm`].
+//!
+//! Which kernel (`benches/kernels.rs` measures both in one run; 2-core CPU, `[2048, 768]`):
+//! - [`LayerNorm`] and [`RmsNorm`] use candle-nn's fused `ops::layer_norm` / `ops::rms_norm` on
+//!   contiguous f32/f16/bf16 inputs: one pass per row, statistics in f32, 8.1× (layer norm, f32),
+//!   24× (bf16), 6.8× (rms norm, f32) and 2.9× (bf16) faster than ours. The fused layer norm takes
+//!   the variance as `E[x²] − mean²` in f32, less exact than our two passes when a row's mean is
+//!   large against its spread.
+//! - Ours, below, for other layouts and dtypes (f64) and for [`GroupNorm`], which candle-nn has no
+//!   fused kernel for: statistics in f32 for f16/bf16 inputs (in the input dtype otherwise), the
+//!   result cast back before the affine weight and bias are applied.
 
 use candle_core::{DType, Module, Tensor, D};
 
@@ -14,6 +22,11 @@ fn internal(x: &Tensor) -> candle_core::Result<(Tensor, DType)> {
     } else {
         Ok((x.clone(), dt))
     }
+}
+
+/// Whether candle-nn's fused norm kernels take `x`: contiguous, f32/f16/bf16.
+fn fused_applies(x: &Tensor) -> bool {
+    x.is_contiguous() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
 }
 
 /// `(x − mean) / √(var + eps)` over dimension `dim` (biased variance).
@@ -53,6 +66,13 @@ impl LayerNorm {
         let x = self.weights.prepare_input(x)?;
         let (w, b) = cast_bias_weight(&self.weights, x.device(), self.weights.mode())?;
         let ctx = || format!("layer norm `{}`", self.weights.weight_key());
+        if fused_applies(&x) {
+            let b = match b {
+                Some(b) => b,
+                None => w.zeros_like().ctx(ctx)?,
+            };
+            return candle_nn::ops::layer_norm(&x, &w, &b, self.eps as f32).ctx(ctx);
+        }
         let (xi, dt) = internal(&x).ctx(ctx)?;
         let last = xi.rank() - 1;
         let y = standardize(&xi, last, self.eps)
@@ -159,6 +179,9 @@ impl RmsNorm {
         let x = self.weights.prepare_input(x)?;
         let (w, _) = cast_bias_weight(&self.weights, x.device(), self.weights.mode())?;
         let ctx = || format!("rms norm `{}`", self.weights.weight_key());
+        if fused_applies(&x) {
+            return candle_nn::ops::rms_norm(&x, &w, self.eps as f32).ctx(ctx);
+        }
         let (xi, dt) = internal(&x).ctx(ctx)?;
         xi.sqr()
             .and_then(|s| s.mean_keepdim(D::Minus1))

@@ -537,3 +537,27 @@ fn set_patcher_switches_layers_and_rejects_other_models() {
     assert_eq!(max_diff(&lin.forward(&x).unwrap(), &base), 0.0);
     assert!(ops.source().set_patcher(&patcher(Dtype::F32)).is_err());
 }
+
+#[test]
+fn fused_norm_kernels_and_ours_agree_on_contiguous_and_strided_inputs() {
+    let p = patcher(Dtype::F32);
+    let ops = OpsBuilder::new(&p, OpsMode::DisableWeightInit);
+    let ln = ops.layer_norm("ln", 1e-5, true).unwrap();
+    let ln_nb = ops.layer_norm("ln", 1e-5, false).unwrap();
+    let rms = ops.rms_norm("rms", 1e-6).unwrap();
+    // The same values, contiguous (fused kernels) and strided (ours).
+    let strided = rand(&[5, 3, 2], 70).transpose(0, 2).unwrap();
+    assert!(!strided.is_contiguous());
+    let contiguous = strided.contiguous().unwrap();
+    for (name, layer) in [
+        ("layer norm", &ln as &dyn Module),
+        ("layer norm without bias", &ln_nb),
+        ("rms norm", &rms),
+    ] {
+        let fused = layer.forward(&contiguous).unwrap();
+        let ours = layer.forward(&strided).unwrap();
+        assert_eq!(fused.dims(), &[2, 3, 5]);
+        let d = max_diff(&fused, &ours);
+        assert!(d <= 1e-5 && d.is_finite(), "{name}: {d}");
+    }
+}

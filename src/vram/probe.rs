@@ -2,8 +2,9 @@
 //!
 //! [`Hardware::probe`] is the only code that asks the machine anything: the CUDA driver through
 //! cudarc (loaded at run time; a machine without `libcuda` has no GPU, never a panic), and host
-//! memory from `/proc/meminfo` clipped by the cgroup v2 limit. Everything else in the crate takes a
-//! `Hardware` value, so tests build one by hand.
+//! memory: on Linux (and other Unixes) from `/proc/meminfo` clipped by the cgroup v2 limit, on
+//! macOS and Windows from the OS's counters through `sysinfo`. Everything else in the crate takes
+//! a `Hardware` value, so tests build one by hand.
 
 use crate::size::ByteSize;
 
@@ -207,11 +208,32 @@ pub fn driver_free_memory(ordinal: usize) -> Option<ByteSize> {
 }
 
 /// Host RAM from `/proc/meminfo`, clipped by the cgroup v2 limit where one is set.
+#[cfg(not(any(target_os = "macos", target_os = "windows")))]
 fn probe_host() -> HostInfo {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let cg_max = std::fs::read_to_string("/sys/fs/cgroup/memory.max").ok();
     let cg_current = std::fs::read_to_string("/sys/fs/cgroup/memory.current").ok();
     host_from_texts(&meminfo, cg_max.as_deref(), cg_current.as_deref())
+}
+
+/// Host RAM from the OS's own counters on macOS and Windows (through `sysinfo`: `hw.memsize`
+/// and the VM statistics; `GlobalMemoryStatusEx`), so the pinned-pool limit and the
+/// `--novram`/`--lowvram` host rules see the real machine there.
+#[cfg(any(target_os = "macos", target_os = "windows"))]
+fn probe_host() -> HostInfo {
+    host_from_os()
+}
+
+/// Host RAM as `sysinfo` reads it: total, and available capped by total.
+#[cfg(any(target_os = "macos", target_os = "windows", test))]
+fn host_from_os() -> HostInfo {
+    let mut sys = sysinfo::System::new();
+    sys.refresh_memory();
+    let total = sys.total_memory();
+    HostInfo {
+        total: ByteSize(total),
+        available: ByteSize(sys.available_memory().min(total)),
+    }
 }
 
 /// Parses `/proc/meminfo` text and the cgroup v2 `memory.max` / `memory.current` files (pure).
@@ -263,6 +285,29 @@ mod tests {
         // "max" means no limit.
         let h = host_from_texts(MEMINFO, Some("max\n"), Some("2147483648\n"));
         assert_eq!(h.available, ByteSize(20_000_000 * 1024));
+    }
+
+    /// The macOS/Windows path, run here on Linux against `/proc/meminfo`: both read the same
+    /// machine, so their totals agree.
+    #[test]
+    fn os_counters_used_on_macos_and_windows_read_the_same_ram_as_meminfo() {
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        if meminfo.is_empty() {
+            return; // not Linux: nothing to compare with
+        }
+        let proc = host_from_texts(&meminfo, None, None);
+        let os = host_from_os();
+        let (a, b) = (os.total.as_f64(), proc.total.as_f64());
+        assert!(
+            (a - b).abs() <= b * 0.01,
+            "sysinfo {} vs meminfo {}",
+            os.total,
+            proc.total
+        );
+        assert!(
+            os.available > ByteSize::ZERO && os.available <= os.total,
+            "{os:?}"
+        );
     }
 
     #[test]

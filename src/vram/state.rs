@@ -71,22 +71,38 @@ impl DeviceId {
 
     /// Makes `device` the candle device residency uses for its ordinal (call before loading, with
     /// the device the engine computes on). Returns its id.
-    pub fn register_candle(device: &Device) -> DeviceId {
-        let id = DeviceId::of(device);
+    ///
+    /// # Errors
+    /// As [`DeviceId::of`]: a Metal device is refused, and nothing is registered.
+    pub fn register_candle(device: &Device) -> Result<DeviceId> {
+        let id = DeviceId::of(device)?;
         if let DeviceId::Cuda(n) = id {
             CANDLE_DEVICES.lock().insert(n, device.clone());
         }
-        id
+        Ok(id)
     }
 
     /// The id of a candle device.
-    pub fn of(device: &Device) -> DeviceId {
-        match device {
-            Device::Cuda(_) => match device.location() {
-                candle_core::DeviceLocation::Cuda { gpu_id } => DeviceId::Cuda(gpu_id),
-                _ => DeviceId::Cuda(0),
-            },
-            _ => DeviceId::Cpu,
+    ///
+    /// # Errors
+    /// [`Error::Device`] for a Metal device: residency schedules the CPU and CUDA devices only,
+    /// and treating Metal as the CPU would put its tensors in the wrong ledger.
+    pub fn of(device: &Device) -> Result<DeviceId> {
+        DeviceId::of_location(device.location())
+    }
+
+    /// The id of a candle device location (pure; [`DeviceId::of`]).
+    ///
+    /// # Errors
+    /// As [`DeviceId::of`].
+    pub fn of_location(location: candle_core::DeviceLocation) -> Result<DeviceId> {
+        match location {
+            candle_core::DeviceLocation::Cpu => Ok(DeviceId::Cpu),
+            candle_core::DeviceLocation::Cuda { gpu_id } => Ok(DeviceId::Cuda(gpu_id)),
+            candle_core::DeviceLocation::Metal { gpu_id } => Err(Error::Device {
+                device: format!("metal:{gpu_id}"),
+                reason: "residency schedules the CPU and CUDA devices; a Metal device is not supported (use `Device::Cpu` or a CUDA device)".into(),
+            }),
         }
     }
 
@@ -374,6 +390,26 @@ mod tests {
 
     fn policy(args: &[&str], hw: Hardware) -> Policy {
         Policy::new(Config::from_args(args).unwrap(), hw).unwrap()
+    }
+
+    #[test]
+    fn metal_devices_are_refused_never_taken_for_the_cpu() {
+        use candle_core::DeviceLocation;
+        assert_eq!(DeviceId::of(&Device::Cpu).unwrap(), DeviceId::Cpu);
+        assert_eq!(
+            DeviceId::of_location(DeviceLocation::Cuda { gpu_id: 3 }).unwrap(),
+            DeviceId::Cuda(3)
+        );
+        let err = DeviceId::of_location(DeviceLocation::Metal { gpu_id: 1 }).unwrap_err();
+        assert!(
+            matches!(&err, Error::Device { device, .. } if device == "metal:1"),
+            "{err}"
+        );
+        assert!(!err.is_retryable());
+        assert_eq!(
+            DeviceId::register_candle(&Device::Cpu).unwrap(),
+            DeviceId::Cpu
+        );
     }
 
     #[test]

@@ -1,0 +1,84 @@
+//! [`Embedding`] and [`embedding`]: rows of a `[vocab, hidden]` table picked by integer ids,
+//! candle-nn's forward on the fetched table.
+
+use candle_core::{Module, Tensor};
+
+use super::held::{fetch, fetch_on_load_device, Held};
+use super::VarBuilder;
+use crate::ops::LayerWeights;
+
+/// candle-nn's `Embedding` whose table `[vocab, hidden]` is fetched at every forward.
+#[derive(Debug, Clone)]
+pub struct Embedding {
+    held: Held<candle_nn::Embedding>,
+    hidden_size: usize,
+}
+
+impl Embedding {
+    /// An embedding on an owned table, as candle-nn's `Embedding::new`: not managed.
+    pub fn new(embeddings: Tensor, hidden_size: usize) -> Self {
+        Embedding {
+            held: Held::Owned(candle_nn::Embedding::new(embeddings, hidden_size)),
+            hidden_size,
+        }
+    }
+
+    /// The table `[vocab, hidden]`: fetched now (patched and cast) for a managed layer. For a tied
+    /// output head that stays managed, use [`super::Linear::from_embedding`].
+    ///
+    /// # Errors
+    /// Errors of the fetch (patch math, cast, a weight wrapper).
+    pub fn embeddings(&self) -> candle_core::Result<Tensor> {
+        match &self.held {
+            Held::Owned(e) => Ok(e.embeddings().clone()),
+            Held::Fetched(w) => fetch_on_load_device(w).map(|(w, _)| w),
+        }
+    }
+
+    /// The width of a row.
+    pub fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    /// The keys the layer fetches, or `None` for a layer on an owned table.
+    pub fn weights(&self) -> Option<&LayerWeights> {
+        match &self.held {
+            Held::Fetched(w) => Some(w),
+            Held::Owned(_) => None,
+        }
+    }
+
+    pub(crate) fn held(&self) -> &Held<candle_nn::Embedding> {
+        &self.held
+    }
+}
+
+impl Module for Embedding {
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.held {
+            Held::Owned(e) => e.forward(ids),
+            Held::Fetched(w) => {
+                let (table, _) = fetch(w, ids.device())?;
+                candle_nn::Embedding::new(table, self.hidden_size).forward(ids)
+            }
+        }
+    }
+}
+
+/// An [`Embedding`] from `weight` `[in_size, out_size]` under `vb` (`in_size` rows of width
+/// `out_size`).
+///
+/// # Errors
+/// A missing weight or another shape: [`crate::Error::UnknownWeight`] /
+/// [`crate::Error::ShapeMismatch`] inside candle's error.
+pub fn embedding(
+    in_size: usize,
+    out_size: usize,
+    vb: VarBuilder<'_>,
+) -> candle_core::Result<Embedding> {
+    let w = vb.weights("weight", &[in_size, out_size], None)?;
+    Ok(Embedding {
+        held: Held::Fetched(w),
+        hidden_size: out_size,
+    })
+}

@@ -1,0 +1,132 @@
+//! [`Linear`] and its constructors [`linear`], [`linear_no_bias`], [`linear_b`]: `y = x·Wᵀ + b`,
+//! candle-nn's forward on fetched weights.
+
+use candle_core::{Module, Tensor};
+
+use super::held::{fetch, fetch_on_load_device, input, Held};
+use super::{Embedding, VarBuilder};
+use crate::ops::{to_candle, LayerWeights};
+
+/// candle-nn's `Linear` whose weight `[out, in]` and bias `[out]` are fetched at every forward.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    held: Held<candle_nn::Linear>,
+}
+
+impl Linear {
+    /// A linear layer on owned tensors, as candle-nn's `Linear::new`: not managed.
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Linear {
+            held: Held::Owned(candle_nn::Linear::new(weight, bias)),
+        }
+    }
+
+    /// A bias-free linear layer that fetches `embedding`'s table as its weight: the managed form
+    /// of a tied output head (candle-nn: `Linear::new(emb.embeddings().clone(), None)`).
+    pub fn from_embedding(embedding: &Embedding) -> Self {
+        match embedding.held() {
+            Held::Fetched(w) => Linear {
+                held: Held::Fetched(w.clone()),
+            },
+            Held::Owned(e) => Linear::new(e.embeddings().clone(), None),
+        }
+    }
+
+    pub(crate) fn fetched(weights: LayerWeights) -> Self {
+        Linear {
+            held: Held::Fetched(weights),
+        }
+    }
+
+    /// The weight `[out, in]`: fetched now (patched and cast) for a managed layer.
+    ///
+    /// # Errors
+    /// Errors of the fetch (patch math, cast, a weight wrapper).
+    pub fn weight(&self) -> candle_core::Result<Tensor> {
+        match &self.held {
+            Held::Owned(l) => Ok(l.weight().clone()),
+            Held::Fetched(w) => fetch_on_load_device(w).map(|(w, _)| w),
+        }
+    }
+
+    /// The bias `[out]`, if the layer has one: fetched now for a managed layer.
+    ///
+    /// # Errors
+    /// As [`Linear::weight`].
+    pub fn bias(&self) -> candle_core::Result<Option<Tensor>> {
+        match &self.held {
+            Held::Owned(l) => Ok(l.bias().cloned()),
+            Held::Fetched(w) if w.bias_key().is_none() => Ok(None),
+            Held::Fetched(w) => fetch_on_load_device(w).map(|(_, b)| b),
+        }
+    }
+
+    /// The keys the layer fetches, or `None` for a layer on owned tensors.
+    pub fn weights(&self) -> Option<&LayerWeights> {
+        match &self.held {
+            Held::Fetched(w) => Some(w),
+            Held::Owned(_) => None,
+        }
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.held {
+            Held::Owned(l) => l.forward(x),
+            Held::Fetched(w) => {
+                let in_dim = w.weight_shape()[1];
+                if x.dims().last() != Some(&in_dim) {
+                    return Err(to_candle(crate::Error::ShapeMismatch {
+                        what: format!("input of linear `{}` (last dim)", w.weight_key()),
+                        expected: vec![in_dim],
+                        got: x.dims().to_vec(),
+                    }));
+                }
+                let x = input(w, x)?;
+                let (weight, bias) = fetch(w, x.device())?;
+                candle_nn::Linear::new(weight, bias).forward(&x)
+            }
+        }
+    }
+}
+
+/// A [`Linear`] from `weight` `[out_dim, in_dim]` and `bias` `[out_dim]` under `vb`.
+///
+/// # Errors
+/// A missing weight or another shape: [`crate::Error::UnknownWeight`] /
+/// [`crate::Error::ShapeMismatch`] inside candle's error.
+pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder<'_>) -> candle_core::Result<Linear> {
+    let w = vb.weights("weight", &[out_dim, in_dim], Some(("bias", out_dim)))?;
+    Ok(Linear::fetched(w))
+}
+
+/// A [`Linear`] from `weight` `[out_dim, in_dim]` alone.
+///
+/// # Errors
+/// As [`linear`].
+pub fn linear_no_bias(
+    in_dim: usize,
+    out_dim: usize,
+    vb: VarBuilder<'_>,
+) -> candle_core::Result<Linear> {
+    let w = vb.weights("weight", &[out_dim, in_dim], None)?;
+    Ok(Linear::fetched(w))
+}
+
+/// [`linear`] when `bias`, else [`linear_no_bias`].
+///
+/// # Errors
+/// As [`linear`].
+pub fn linear_b(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    vb: VarBuilder<'_>,
+) -> candle_core::Result<Linear> {
+    if bias {
+        linear(in_dim, out_dim, vb)
+    } else {
+        linear_no_bias(in_dim, out_dim, vb)
+    }
+}
