@@ -25,9 +25,9 @@
 //!
 //! | rank | lock | guards |
 //! |---|---|---|
-//! | 1 | `MemoryManager::inner` | registry, staging pool |
-//! | 2 | `Model::state` | residency and pins of one model |
-//! | 3 | `offload::Streamer` queue and gate | one model's prefetched weights |
+//! | 1 | `MemoryManager::inner` | registry, staging pool handle |
+//! | 2 | `offload::Streamer` queue, then its gate | one model's prefetched weights |
+//! | 3 | `Model::state` | residency and pins of one model |
 //! | 4 | `Model::forward_order` | first-forward order (leaf) |
 //! | 5 | the candle device table in `vram` | one candle device per ordinal (leaf) |
 //! | 6 | `ops::OpsSource`'s patcher handle | which patcher layers fetch through (leaf; held only to clone an `Arc`) |

@@ -10,7 +10,7 @@
 //! byte size. Every [`crate::patcher::ModelPatcher`] cloned from the same model shares this
 //! residency; fingerprints tell a clone which resident copies are its own.
 //!
-//! Locks: `Model::state` (rank 2 in the crate's lock table) guards residency and pins; the
+//! Locks: `Model::state` (rank 3 in the crate's lock table) guards residency and pins; the
 //! forward-order recorder (rank 4) is a leaf. Neither is held across a call into user code.
 //!
 //! Complexity: lookups by name are O(1); residency updates are O(number of weights touched).
