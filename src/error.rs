@@ -194,6 +194,11 @@ pub enum Error {
         not_restored: Vec<String>,
     },
 
+    /// The process-wide manager exists already ([`crate::init_global`] after the first
+    /// [`crate::global`] call, or twice); the configuration given was not applied.
+    #[error("the global memory manager was already built; call init_global once, before anything uses residency::global()")]
+    GlobalAlreadyInitialized,
+
     /// An error from a candle tensor operation, with what we were doing.
     #[error("{context}: {source}")]
     Tensor {

@@ -117,7 +117,7 @@ pub fn attention_name(policy: &vram::Policy) -> String {
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
 
-pub use loader::{global, LoadOptions, LoadReport, MemoryManager, MemoryReport};
+pub use loader::{global, init_global, LoadOptions, LoadReport, MemoryManager, MemoryReport};
 pub use patcher::ModelPatcher;
 pub use vram::{Config, DeviceId, Hardware};
 pub use weights::Model;

@@ -12,6 +12,8 @@ use crate::error::Error;
 
 /// A number of bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(transparent))]
 pub struct ByteSize(pub u64);
 
 const KIB: u64 = 1024;

@@ -303,3 +303,82 @@ fn a_dtype_change_between_clones_cannot_grow_past_the_budget() {
     assert!(mm.ledger(CPU) <= budget, "{r}");
     assert!(mm.peak_ledger(CPU) <= budget);
 }
+
+#[test]
+fn reloading_a_fully_loaded_model_moves_nothing_until_something_changes() {
+    let mm = small_manager(ByteSize::kib(128), &[]);
+    let m = kib_model("M", &[8 * KIB; 4]);
+    let other = kib_model("O", &[8 * KIB; 2]);
+    mm.load_model_gpu(&m).unwrap();
+    mm.load_model_gpu(&other).unwrap();
+    // Unchanged: nothing moves, and the model becomes the most recently used.
+    let r = mm.load_model_gpu(&m).unwrap();
+    assert_eq!((r.moved(), r.models[0].full), (ByteSize::ZERO, true));
+    assert_eq!(r.models[0].resident, ByteSize::kib(32));
+    assert_eq!(registered(&mm)[0].0, "M");
+    // A weight dropped behind the manager's back is rebuilt by the next load.
+    m.partially_unload(CPU, ByteSize::ZERO);
+    let r = mm.load_model_gpu(&m).unwrap();
+    assert_eq!(r.moved(), ByteSize::kib(8), "{r}");
+    // A clone with a patch rebuilds exactly the patched weight, then reloads for free.
+    let mut lora = m.clone();
+    lora.add_patches(
+        [(
+            "w1",
+            residency::patcher::Patch::Diff {
+                diff: rand_tensor(&[2048], 3),
+                pad: false,
+            },
+        )],
+        1.0,
+        1.0,
+    )
+    .unwrap();
+    assert_eq!(mm.load_model_gpu(&lora).unwrap().moved(), ByteSize::kib(8));
+    assert_eq!(mm.load_model_gpu(&lora).unwrap().moved(), ByteSize::ZERO);
+    // Back to the base: the patched weight is rebuilt again.
+    assert_eq!(mm.load_model_gpu(&m).unwrap().moved(), ByteSize::kib(8));
+    // A load asking for more activation memory than is free still evicts, as the plan says.
+    let big = LoadOptions::default().with_memory_required(ByteSize::kib(100));
+    let plan = mm.plan(std::slice::from_ref(&m), big).unwrap();
+    let r = mm.load_models_gpu(std::slice::from_ref(&m), big).unwrap();
+    assert_eq!(r.evicted, plan.evictions);
+    assert!(!r.evicted.is_empty(), "{r}");
+}
+
+#[cfg(feature = "serde")]
+#[test]
+fn reports_and_plans_serialize_with_numeric_fields() {
+    let mm = small_manager(ByteSize::kib(40), &[]);
+    let a = kib_model("A", &[8 * KIB; 3]);
+    let b = kib_model("B", &[8 * KIB; 3]);
+    mm.load_model_gpu(&a).unwrap();
+    let plan = mm
+        .plan(std::slice::from_ref(&b), LoadOptions::default())
+        .unwrap();
+    let report = mm.load_model_gpu(&b).unwrap();
+    let json = serde_json::to_value(&report).unwrap();
+    let e = &json["evicted"][0];
+    assert_eq!(e["name"], "A");
+    assert_eq!(e["device"], "cpu");
+    assert!(
+        e["freed"].is_u64() && e["required"].is_u64() && e["free"].is_u64(),
+        "{e}"
+    );
+    assert!(e.get("reason").is_none(), "numbers, not a formatted string");
+    let back: residency::loader::LoadReport = serde_json::from_value(json).unwrap();
+    assert_eq!(back, report);
+    let p = serde_json::to_value(&plan).unwrap();
+    assert_eq!(
+        p["models"][0]["weight_budget"],
+        plan.models[0].weight_budget.unwrap().bytes()
+    );
+    assert!(p.get("steps").is_none());
+    let mem = serde_json::to_value(mm.memory_report()).unwrap();
+    assert_eq!(mem["devices"][0]["device"], "cpu");
+    let back: residency::loader::MemoryReport = serde_json::from_value(mem).unwrap();
+    assert_eq!(back, mm.memory_report());
+    let d: DeviceId = serde_json::from_str("\"cuda:3\"").unwrap();
+    assert_eq!(d, DeviceId::Cuda(3));
+    assert!(serde_json::from_str::<DeviceId>("\"gpu\"").is_err());
+}

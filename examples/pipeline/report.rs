@@ -28,77 +28,67 @@ pub struct PipelineReport {
     pub total_ms: f64,
 }
 
-fn json_escape(s: &str) -> String {
-    s.chars()
-        .flat_map(|c| match c {
-            '"' => vec!['\\', '"'],
-            '\\' => vec!['\\', '\\'],
-            '\n' => vec!['\\', 'n'],
-            c if (c as u32) < 0x20 => format!("\\u{:04x}", c as u32).chars().collect(),
-            c => vec![c],
-        })
-        .collect()
+/// The JSON form of a run: plain numbers, the library's own serde forms for evictions and
+/// transfer counters.
+#[derive(serde::Serialize)]
+struct Json<'a> {
+    budget_bytes: u64,
+    peak_ledger_bytes: u64,
+    total_ms: f64,
+    prompts: Vec<JsonPrompt<'a>>,
+    models: Vec<JsonModel<'a>>,
+    evictions: &'a [Eviction],
+    transfers: &'a residency::offload::TransferSnapshot,
+}
+
+#[derive(serde::Serialize)]
+struct JsonPrompt<'a> {
+    prompt: &'a str,
+    lora: bool,
+    checksum: String,
+    step_ms: f64,
+    denoiser_moved_bytes: u64,
+}
+
+#[derive(serde::Serialize)]
+struct JsonModel<'a> {
+    name: &'a str,
+    resident_bytes: u64,
+    streaming_bytes: u64,
+    moved_bytes: u64,
 }
 
 /// The report as JSON.
 pub fn to_json(r: &PipelineReport) -> String {
-    let prompts: Vec<String> = r
-        .prompts
-        .iter()
-        .map(|p| {
-            format!(
-                "{{\"prompt\":\"{}\",\"lora\":{},\"checksum\":\"{:08x}\",\"step_ms\":{:.3},\"denoiser_moved_bytes\":{}}}",
-                json_escape(&p.prompt),
-                p.lora,
-                p.checksum,
-                p.step_ms,
-                p.denoiser_moved.bytes()
-            )
-        })
-        .collect();
-    let models: Vec<String> = r
-        .models
-        .iter()
-        .map(|(n, res, st, mv)| {
-            format!(
-                "{{\"name\":\"{}\",\"resident_bytes\":{},\"streaming_bytes\":{},\"moved_bytes\":{}}}",
-                json_escape(n),
-                res.bytes(),
-                st.bytes(),
-                mv.bytes()
-            )
-        })
-        .collect();
-    let evictions: Vec<String> = r
-        .evictions
-        .iter()
-        .map(|e| {
-            format!(
-                "{{\"model\":\"{}\",\"device\":\"{}\",\"freed_bytes\":{},\"fully\":{},\"reason\":\"{}\"}}",
-                json_escape(&e.name),
-                e.device,
-                e.freed.bytes(),
-                e.fully,
-                json_escape(&e.reason())
-            )
-        })
-        .collect();
-    let t = &r.transfers;
-    format!(
-        "{{\"budget_bytes\":{},\"peak_ledger_bytes\":{},\"total_ms\":{:.1},\"prompts\":[{}],\"models\":[{}],\"evictions\":[{}],\"transfers\":{{\"bytes\":{},\"staged_bytes\":{},\"fetches\":{},\"prefetch_hits\":{},\"prefetch_misses\":{},\"wait_ms\":{:.3}}}}}",
-        r.budget.bytes(),
-        r.peak.bytes(),
-        r.total_ms,
-        prompts.join(","),
-        models.join(","),
-        evictions.join(","),
-        t.bytes_transferred.bytes(),
-        t.bytes_staged.bytes(),
-        t.fetches,
-        t.prefetch_hits,
-        t.prefetch_misses,
-        t.wait_ns as f64 / 1e6
-    )
+    let json = Json {
+        budget_bytes: r.budget.bytes(),
+        peak_ledger_bytes: r.peak.bytes(),
+        total_ms: r.total_ms,
+        prompts: r
+            .prompts
+            .iter()
+            .map(|p| JsonPrompt {
+                prompt: &p.prompt,
+                lora: p.lora,
+                checksum: format!("{:08x}", p.checksum),
+                step_ms: p.step_ms,
+                denoiser_moved_bytes: p.denoiser_moved.bytes(),
+            })
+            .collect(),
+        models: r
+            .models
+            .iter()
+            .map(|(name, resident, streaming, moved)| JsonModel {
+                name,
+                resident_bytes: resident.bytes(),
+                streaming_bytes: streaming.bytes(),
+                moved_bytes: moved.bytes(),
+            })
+            .collect(),
+        evictions: &r.evictions,
+        transfers: &r.transfers,
+    };
+    serde_json::to_string(&json).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
 }
 
 /// The report as a table for people.

@@ -92,9 +92,9 @@ impl MemoryManager {
         for step in steps {
             let Step::Evict {
                 model_id,
-                device,
                 indices,
                 fully,
+                ..
             } = step
             else {
                 continue;
@@ -121,7 +121,6 @@ impl MemoryManager {
                     drop_copy(&model, i, undo);
                 }
             }
-            tracing::debug!(model = model.name(), %device, fully, "evicted");
         }
         if unloaded > 0 {
             tracing::info!("{unloaded} models unloaded.");
@@ -148,13 +147,15 @@ impl MemoryManager {
             inner.registry.insert(
                 0,
                 Entry {
-                    patcher: m.clone(),
+                    patcher: m.same_handle(),
                     device: m.load_device(),
+                    full_at: None,
                 },
             );
         }
         // 2. Evictions.
         self.execute_evictions(inner, &plan.steps, &mut undo);
+        log_evictions(&plan.evictions);
         // 3. Loads.
         let mut report = LoadReport {
             models: Vec::new(),
@@ -196,6 +197,18 @@ impl MemoryManager {
         for (m, load) in all.iter().zip(&report.models) {
             self.attach_streamer(m, load, options);
             log_load(load);
+            if load.full {
+                if let Some(e) = inner
+                    .registry
+                    .iter_mut()
+                    .find(|e| Arc::ptr_eq(e.model(), m.model()))
+                {
+                    e.full_at = Some(super::FullAt {
+                        generation: m.model().residency_generation(),
+                        signature: m.residency_signature(),
+                    });
+                }
+            }
         }
         Ok(report)
     }
@@ -347,6 +360,22 @@ impl MemoryManager {
                 not_restored,
             }
         }
+    }
+}
+
+/// One event per eviction, with numeric fields.
+pub(super) fn log_evictions(evictions: &[super::Eviction]) {
+    for e in evictions {
+        tracing::info!(
+            model = %e.name,
+            model_id = e.model_id,
+            device = %e.device,
+            freed = e.freed.bytes(),
+            fully = e.fully,
+            required = e.required.bytes(),
+            free = e.free.bytes(),
+            "evicted {}", e.name
+        );
     }
 }
 

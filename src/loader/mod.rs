@@ -113,6 +113,22 @@ pub fn weight_budget(
 struct Entry {
     patcher: ModelPatcher,
     device: DeviceId,
+    /// Set when a load left every weight resident and current: the model's residency generation
+    /// and the patcher's signature then. While both still match, loading the model again is a
+    /// no-op that visits no weight.
+    full_at: Option<FullAt>,
+}
+
+/// A model fully loaded by a patcher, as of one residency generation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct FullAt {
+    generation: u64,
+    signature: (
+        u64,
+        Option<crate::float::Dtype>,
+        crate::patcher::DoraNorm,
+        DeviceId,
+    ),
 }
 
 impl Clone for Entry {
@@ -121,6 +137,7 @@ impl Clone for Entry {
         Entry {
             patcher: self.patcher.same_handle(),
             device: self.device,
+            full_at: self.full_at,
         }
     }
 }
@@ -319,9 +336,21 @@ impl MemoryManager {
         let mut devices: Vec<DeviceId> = all.iter().map(|m| m.load_device()).collect();
         devices.sort();
         devices.dedup();
+        let _span = tracing::info_span!(
+            "load_models_gpu",
+            models = %all.iter().map(|m| m.model().name()).collect::<Vec<_>>().join(","),
+            devices = ?devices,
+            budget = devices.first().map(|&d| self.policy.total_memory(d).bytes()),
+            memory_required = options.memory_required.bytes(),
+        )
+        .entered();
         let mut inner = self.inner.lock();
         let _no_prefetch = self.ledger.loading(&devices);
         cleanup(&mut inner);
+        if let Some(report) = self.reload_noop(&mut inner, &all, &options) {
+            self.refresh_ledger(&inner);
+            return Ok(report);
+        }
         let result =
             self.plan_locked(&inner, &all, &options)
                 .and_then(|plan| match &plan.problem {
@@ -330,6 +359,75 @@ impl MemoryManager {
                 });
         self.refresh_ledger(&inner);
         result
+    }
+
+    /// The load of models that are all fully loaded already, by patchers with the same
+    /// signature, with nothing changed since and nothing to evict: what the plan would decide, in
+    /// O(models) instead of O(weights) — the registry order is all that changes. `None` when
+    /// anything differs; the full plan then runs.
+    fn reload_noop(
+        &self,
+        inner: &mut Inner,
+        all: &[ModelPatcher],
+        options: &LoadOptions,
+    ) -> Option<LoadReport> {
+        if self.policy.vram_state() == VramState::NoVram {
+            return None;
+        }
+        for m in all {
+            let e = inner
+                .registry
+                .iter()
+                .find(|e| Arc::ptr_eq(e.model(), m.model()))?;
+            let full = e.full_at?;
+            if e.device != m.load_device()
+                || full.signature != m.residency_signature()
+                || full.generation != m.model().residency_generation()
+            {
+                return None;
+            }
+        }
+        // With nothing to load, the plan evicts only to keep `extra_mem` (and the minimum) free.
+        let reserve = self.policy.reserve().as_f64();
+        let min_inf = self.policy.minimum_inference_memory_f64();
+        let extra_mem = min_inf.max(options.memory_required.as_f64() + reserve);
+        let min_required = match options.minimum_memory_required {
+            Some(m) => min_inf.max(m.as_f64() + reserve),
+            None => extra_mem,
+        };
+        for m in all {
+            let d = m.load_device();
+            if self.policy.is_scheduled(d) {
+                let free = self.free_in(&inner.registry, d);
+                if free <= ByteSize::from_f64(extra_mem) || free.as_f64() < min_required {
+                    return None;
+                }
+            }
+        }
+        let mut report = LoadReport::default();
+        let mut entries = Vec::with_capacity(all.len());
+        for m in all {
+            let pos = inner
+                .registry
+                .iter()
+                .position(|e| Arc::ptr_eq(e.model(), m.model()))?;
+            let mut e = inner.registry.remove(pos);
+            e.patcher = m.same_handle();
+            entries.push(e);
+            report.models.push(ModelLoad {
+                name: m.model().name().to_string(),
+                device: m.load_device(),
+                resident: m.model().resident_bytes(m.load_device()),
+                streaming: ByteSize::ZERO,
+                moved: ByteSize::ZERO,
+                lazy_patched: 0,
+                full: true,
+            });
+        }
+        for e in entries {
+            inner.registry.insert(0, e);
+        }
+        Some(report)
     }
 
     fn full_load(&self, device: DeviceId, options: &LoadOptions) -> bool {
@@ -382,6 +480,7 @@ impl MemoryManager {
         let (evictions, steps) = planner.into_evictions();
         let mut undo = execute::Undo::new(&inner);
         self.execute_evictions(&mut inner, &steps, &mut undo);
+        execute::log_evictions(&evictions);
         self.refresh_ledger(&inner);
         evictions
     }
@@ -505,27 +604,49 @@ fn cleanup(inner: &mut Inner) {
 
 static GLOBAL: OnceCell<MemoryManager> = OnceCell::new();
 
-/// The process-wide manager, built on first use from [`Config::from_env`] and
-/// [`Hardware::probe`]. A bad `RESIDENCY_*` setting is reported once and the defaults are used.
+/// The process-wide manager, built on first use from the `RESIDENCY_*` environment variables
+/// ([`Config::from_env_vars_lenient`]: a bad variable is reported and left out, the valid ones
+/// still apply) and [`Hardware::probe`] — unless [`init_global`] built it first.
 pub fn global() -> &'static MemoryManager {
     GLOBAL.get_or_init(|| {
-        let config = Config::from_env().unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "ignoring RESIDENCY_* settings");
-            Config::default()
-        });
-        let hardware = Hardware::probe();
-        match Policy::new(config, hardware.clone()) {
-            Ok(policy) => MemoryManager::with_policy(policy),
-            Err(e) => {
-                tracing::warn!(error = %e, "falling back to the default configuration");
-                // The default configuration names no CUDA device, so it always resolves.
-                let policy =
-                    Policy::new(Config::default(), hardware.clone()).unwrap_or_else(|_| {
-                        Policy::new(Config::default(), Hardware::cpu_only(hardware.host.total))
-                            .unwrap_or_else(|_| unreachable!())
-                    });
-                MemoryManager::with_policy(policy)
-            }
+        let (config, errors) = Config::from_env_vars_lenient(std::env::vars());
+        for e in errors {
+            tracing::warn!(error = %e, "ignoring a RESIDENCY_* setting");
         }
+        manager_for(config)
     })
+}
+
+/// Builds the process-wide manager from `config` (an engine that reads its own command line) and
+/// [`Hardware::probe`], and returns it; [`global`] and the free functions use it from then on.
+///
+/// # Errors
+/// [`Error::GlobalAlreadyInitialized`](crate::Error::GlobalAlreadyInitialized) when the global
+/// manager exists already (built by an earlier call of this or of [`global`]); the policy's
+/// errors (a `--cuda-device` the machine does not have) as [`MemoryManager::new`] gives them.
+pub fn init_global(config: Config) -> Result<&'static MemoryManager> {
+    if GLOBAL.get().is_some() {
+        return Err(crate::Error::GlobalAlreadyInitialized);
+    }
+    let manager = MemoryManager::new(config, Hardware::probe())?;
+    GLOBAL
+        .try_insert(manager)
+        .map_err(|_| crate::Error::GlobalAlreadyInitialized)
+}
+
+/// A manager for `config`, or for the default configuration when `config` does not resolve on
+/// this machine (the default names no CUDA device, so it always resolves).
+fn manager_for(config: Config) -> MemoryManager {
+    let hardware = Hardware::probe();
+    match Policy::new(config, hardware.clone()) {
+        Ok(policy) => MemoryManager::with_policy(policy),
+        Err(e) => {
+            tracing::warn!(error = %e, "falling back to the default configuration");
+            let policy = Policy::new(Config::default(), hardware.clone()).unwrap_or_else(|_| {
+                Policy::new(Config::default(), Hardware::cpu_only(hardware.host.total))
+                    .unwrap_or_else(|_| unreachable!())
+            });
+            MemoryManager::with_policy(policy)
+        }
+    }
 }

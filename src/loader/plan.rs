@@ -34,6 +34,7 @@ use crate::weights::Model;
 
 /// What one model's load will do.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct PlannedLoad {
     /// Model name.
     pub name: String,
@@ -62,6 +63,7 @@ pub struct PlannedLoad {
 
 /// One device's ledger before and after a plan.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct PlannedDevice {
     /// The device.
     pub device: DeviceId,
@@ -77,6 +79,7 @@ pub struct PlannedDevice {
 
 /// Why a plan cannot be carried out.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub enum PlanProblem {
     /// Not enough can be freed right now (other models' pinned weights, or models loaded in the
@@ -152,6 +155,7 @@ pub(super) enum Step {
 /// evictions, per-model budgets and residency, bytes to move, the ledger after, and whether it
 /// fits. Plain data; asking for it changes nothing.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct LoadPlan {
     /// Per requested model (additional models included), in load order.
     pub models: Vec<PlannedLoad>,
@@ -161,6 +165,7 @@ pub struct LoadPlan {
     pub devices: Vec<PlannedDevice>,
     /// Why the plan cannot be carried out, if it cannot.
     pub problem: Option<PlanProblem>,
+    #[cfg_attr(feature = "serde", serde(skip))]
     pub(super) steps: Vec<Step>,
 }
 

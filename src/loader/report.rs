@@ -7,6 +7,7 @@ use crate::vram::DeviceId;
 
 /// One model's part of a load.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct ModelLoad {
     /// Model name.
     pub name: String,
@@ -26,6 +27,7 @@ pub struct ModelLoad {
 
 /// A model unloaded (partly or fully) to make room.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Eviction {
     /// Model name.
     pub name: String,
@@ -55,6 +57,7 @@ impl Eviction {
 
 /// What [`crate::loader::MemoryManager::load_models_gpu`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct LoadReport {
     /// Per loaded model.
     pub models: Vec<ModelLoad>,
@@ -103,6 +106,7 @@ impl fmt::Display for LoadReport {
 
 /// A registered model.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct LoadedModelInfo {
     /// Model name.
     pub name: String,
@@ -120,6 +124,7 @@ pub struct LoadedModelInfo {
 
 /// One device's memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct DeviceMemory {
     /// Device.
     pub device: DeviceId,
@@ -137,6 +142,7 @@ pub struct DeviceMemory {
 
 /// Where memory is.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct MemoryReport {
     /// Per device.
     pub devices: Vec<DeviceMemory>,

@@ -52,6 +52,7 @@ pub struct TransferStats {
 
 /// A snapshot of [`TransferStats`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct TransferSnapshot {
     /// Bytes of clean weights read for streamed fetches.
     pub bytes_transferred: ByteSize,
@@ -368,6 +369,14 @@ fn stream_weight(
     lane: Option<&mut Lane>,
 ) -> Result<Arrived> {
     let slot = &patcher.model().slots()[index];
+    let _span = tracing::debug_span!(
+        "transfer",
+        model = patcher.model().name(),
+        weight = slot.name(),
+        bytes = slot.bytes().bytes(),
+        on_lane = lane.is_some()
+    )
+    .entered();
     stats.jobs.fetch_add(1, Ordering::Relaxed);
     stats
         .bytes

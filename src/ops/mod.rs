@@ -350,6 +350,7 @@ pub fn cast_bias_weight(
     device: &Device,
     mode: OpsMode,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    let _span = tracing::trace_span!("layer", weight = %weights.weight.key).entered();
     let patcher = weights.source.patcher();
     let w = prepare_weight(&patcher, &weights.weight, mode, device)?;
     let b = match &weights.bias {

@@ -329,6 +329,36 @@ impl Config {
         Config::from_env_vars(std::env::vars())
     }
 
+    /// [`Config::from_env`], keeping every setting that is valid: a variable that is unknown,
+    /// malformed or conflicts with the ones before it (in name order, `RESIDENCY_ARGS` first) is
+    /// left out and its error returned beside the config, instead of discarding every setting.
+    pub fn from_env_vars_lenient<I, K, V>(vars: I) -> (Config, Vec<Error>)
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let mut vars: Vec<(String, String)> = vars
+            .into_iter()
+            .map(|(k, v)| (k.as_ref().to_string(), v.as_ref().to_string()))
+            .filter(|(k, _)| k.starts_with("RESIDENCY_"))
+            .collect();
+        // RESIDENCY_ARGS first, as in `from_env_vars`.
+        vars.sort_by_key(|(k, _)| (k != "RESIDENCY_ARGS", k.clone()));
+        let mut kept: Vec<(String, String)> = Vec::new();
+        let mut errors = Vec::new();
+        for var in vars {
+            let mut trial = kept.clone();
+            trial.push(var.clone());
+            match Config::from_env_vars(trial) {
+                Ok(_) => kept.push(var),
+                Err(e) => errors.push(e),
+            }
+        }
+        let config = Config::from_env_vars(kept).unwrap_or_default();
+        (config, errors)
+    }
+
     /// [`Config::from_env`] over a given set of variables (pure; for tests and embedding).
     pub fn from_env_vars<I, K, V>(vars: I) -> Result<Config>
     where

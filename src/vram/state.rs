@@ -129,6 +129,40 @@ impl fmt::Display for DeviceId {
     }
 }
 
+impl std::str::FromStr for DeviceId {
+    type Err = crate::error::Error;
+
+    /// `cpu` or `cuda:N` (as [`DeviceId`]'s `Display` writes it).
+    fn from_str(s: &str) -> Result<Self> {
+        if s == "cpu" {
+            return Ok(DeviceId::Cpu);
+        }
+        s.strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(DeviceId::Cuda)
+            .ok_or_else(|| crate::error::Error::Device {
+                device: s.to_string(),
+                reason: "not a device name (expected `cpu` or `cuda:N`)".into(),
+            })
+    }
+}
+
+/// Devices serialize as their names (`"cpu"`, `"cuda:0"`).
+#[cfg(feature = "serde")]
+impl serde::Serialize for DeviceId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+#[cfg(feature = "serde")]
+impl<'de> serde::Deserialize<'de> for DeviceId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// How weights are kept on the compute device (ComfyUI's `VRAMState`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum VramState {

@@ -110,6 +110,8 @@ pub(crate) struct Residency {
     pub(crate) pinned: Vec<bool>,
     /// Resident bytes and weights per device (devices holding none are absent).
     totals: Vec<(DeviceId, u64, usize)>,
+    /// Bumped by every change of a slot: equal generations mean identical residency.
+    generation: u64,
 }
 
 impl Residency {
@@ -118,6 +120,7 @@ impl Residency {
             slots: vec![SlotResidency::Offloaded; len],
             pinned: vec![false; len],
             totals: Vec::new(),
+            generation: 0,
         }
     }
 
@@ -128,6 +131,7 @@ impl Residency {
 
     /// Sets weight `index`'s residency and returns the previous one.
     pub(crate) fn set(&mut self, index: usize, new: SlotResidency) -> SlotResidency {
+        self.generation += 1;
         if let SlotResidency::Resident { device, bytes, .. } = &new {
             let t = self.total_mut(*device);
             t.1 += bytes.bytes();
@@ -167,6 +171,11 @@ impl Residency {
     /// Bytes resident anywhere.
     pub(crate) fn bytes_total(&self) -> ByteSize {
         ByteSize(self.totals.iter().map(|t| t.1).sum())
+    }
+
+    /// Changes whenever any slot changes.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// The copies resident on `device`: `(index, bytes, pinned)` in index order.
@@ -430,6 +439,10 @@ impl Model {
     /// Bytes of resident copies on `device`.
     pub fn resident_bytes(&self, device: DeviceId) -> ByteSize {
         self.state.read().bytes_on(device)
+    }
+    /// A number that changes whenever any of the model's resident copies changes.
+    pub fn residency_generation(&self) -> u64 {
+        self.state.read().generation()
     }
     /// Bytes of resident copies on any device.
     pub fn resident_bytes_total(&self) -> ByteSize {

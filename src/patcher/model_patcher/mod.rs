@@ -82,6 +82,9 @@ pub struct SetEntry {
 #[derive(Debug, Clone, Default)]
 pub struct PatchSet {
     map: HashMap<String, Arc<Vec<SetEntry>>>,
+    /// Changes with every addition (process-unique; 0 for an empty set), so "same patches" is one
+    /// comparison.
+    version: u64,
 }
 
 impl PatchSet {
@@ -362,6 +365,7 @@ impl ModelPatcher {
             adapters::patched_shape(key, slot.shape(), &chain)?;
         }
         let set = Arc::make_mut(&mut self.patches);
+        set.version = NEXT_PATCH_ID.fetch_add(1, Ordering::Relaxed);
         let mut matched = Vec::with_capacity(staged.len());
         for (key, entry) in staged {
             let list = set.map.entry(key.clone()).or_default();
@@ -393,6 +397,18 @@ impl ModelPatcher {
             self.weight_scale(index)?;
         }
         Ok(())
+    }
+
+    /// What a resident copy's fingerprint depends on, for the whole model at once: the patch
+    /// set's version, the compute dtype, the DoRA mode and the load device. Two patchers of one
+    /// model with equal signatures want exactly the same resident copies. O(1).
+    pub(crate) fn residency_signature(&self) -> (u64, Option<Dtype>, DoraNorm, DeviceId) {
+        (
+            self.patches.version,
+            self.options.compute_dtype,
+            self.options.dora,
+            self.load_device,
+        )
     }
 
     /// Removes every patch (the clone then computes the clean model).
