@@ -13,7 +13,8 @@
 //!   provides: [`f32_to_f16`], [`f16_to_f32`], [`f32_to_bf16`], [`bf16_to_f32`], [`f32_to_fp8`],
 //!   [`fp8_to_f32`];
 //! - `tensor.rs`: the tensor-level helpers the patcher uses, [`to_f32`] and [`from_f32`];
-//! - `multiversion.rs`: kernels compiled baseline and with AVX2, picked at run time;
+//! - `multiversion.rs`: kernels compiled baseline, with AVX2 and with AVX-512, picked at run time
+//!   (the attention kernel's row kernels use it too);
 //! - `uniform.rs`: [`uniform_tensor`], deterministic test data for examples, tests and benches.
 //!
 //! # Storage in candle
@@ -61,7 +62,7 @@
 mod cast;
 mod dtype;
 mod fp8;
-mod multiversion;
+pub(crate) mod multiversion;
 mod seed;
 mod stochastic;
 mod tensor;
