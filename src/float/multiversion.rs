@@ -45,38 +45,38 @@ pub(crate) fn has_avx512() -> bool {
 macro_rules! multiversion {
     (
         $(#[$meta:meta])*
-        $vis:vis fn $name:ident $(<$g:ident: $bound:path>)? ($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block
+        $vis:vis fn $name:ident $(<$($g:ident: $bound:path),+>)? ($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block
     ) => {
         $(#[$meta])*
-        $vis fn $name $(<$g: $bound>)? ($($arg: $ty),*) $(-> $ret)? {
+        $vis fn $name $(<$($g: $bound),+>)? ($($arg: $ty),*) $(-> $ret)? {
             #[inline(always)]
-            fn portable $(<$g: $bound>)? ($($arg: $ty),*) $(-> $ret)? $body
+            fn portable $(<$($g: $bound),+>)? ($($arg: $ty),*) $(-> $ret)? $body
 
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma,f16c")]
-            fn avx2 $(<$g: $bound>)? ($($arg: $ty),*) $(-> $ret)? {
-                portable $(::<$g>)? ($($arg),*)
+            fn avx2 $(<$($g: $bound),+>)? ($($arg: $ty),*) $(-> $ret)? {
+                portable $(::<$($g),+>)? ($($arg),*)
             }
 
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-            fn avx512 $(<$g: $bound>)? ($($arg: $ty),*) $(-> $ret)? {
-                portable $(::<$g>)? ($($arg),*)
+            fn avx512 $(<$($g: $bound),+>)? ($($arg: $ty),*) $(-> $ret)? {
+                portable $(::<$($g),+>)? ($($arg),*)
             }
 
             #[cfg(target_arch = "x86_64")]
             if $crate::float::multiversion::has_avx512() {
                 // SAFETY: `avx512` requires only that the CPU supports AVX-512 F/BW/VL, AVX2, FMA
                 // and F16C, which `has_avx512` has just checked.
-                return unsafe { avx512 $(::<$g>)? ($($arg),*) };
+                return unsafe { avx512 $(::<$($g),+>)? ($($arg),*) };
             }
             #[cfg(target_arch = "x86_64")]
             if $crate::float::multiversion::has_avx2() {
                 // SAFETY: `avx2` requires only that the CPU supports AVX2, FMA and F16C, which
                 // `has_avx2` has just checked.
-                return unsafe { avx2 $(::<$g>)? ($($arg),*) };
+                return unsafe { avx2 $(::<$($g),+>)? ($($arg),*) };
             }
-            portable $(::<$g>)? ($($arg),*)
+            portable $(::<$($g),+>)? ($($arg),*)
         }
     };
 }

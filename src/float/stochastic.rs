@@ -14,6 +14,7 @@
 //! The rounding contract itself (neighbours, probability, saturation) is in the
 //! [rounding rules](crate::float#rounding-rules).
 
+use super::cast::Dest;
 use super::fp8::Format;
 use super::multiversion::multiversion;
 use super::weight_seed;
@@ -124,7 +125,7 @@ pub(super) fn element_bits(seed: u64, index: u64) -> u32 {
 
 multiversion! {
     /// Stochastic kernel for a chunk whose first element has global index `base`.
-    pub(super) fn fp8_stochastic_kernel<F: Format>(src: &[f32], dst: &mut [u8], seed: u64, base: u64) {
+    pub(super) fn fp8_stochastic_kernel<F: Format, D: Dest<u8>>(src: &[f32], dst: &mut [D], seed: u64, base: u64) {
         let mut src = src;
         let mut dst = dst;
         let mut index = base;
@@ -142,7 +143,7 @@ multiversion! {
             let (d_run, d_rest) = dst.split_at_mut(take);
             let mut counter = lo;
             for (d, &x) in d_run.iter_mut().zip(s_run) {
-                *d = encode_stochastic::<F>(x, keyed_bits(keys, counter));
+                d.put(encode_stochastic::<F>(x, keyed_bits(keys, counter)));
                 counter = counter.wrapping_add(1);
             }
             src = s_rest;

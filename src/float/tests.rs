@@ -432,13 +432,13 @@ fn stochastic_rounding_does_not_depend_on_chunking_or_threads() {
             }
             let end = (start + len).min(n);
             match f {
-                Fp8Format::E4M3FN => fp8_stochastic_kernel::<E4M3FN>(
+                Fp8Format::E4M3FN => fp8_stochastic_kernel::<E4M3FN, u8>(
                     &src[start..end],
                     &mut pieces[start..end],
                     77,
                     start as u64,
                 ),
-                Fp8Format::E5M2 => fp8_stochastic_kernel::<E5M2>(
+                Fp8Format::E5M2 => fp8_stochastic_kernel::<E5M2, u8>(
                     &src[start..end],
                     &mut pieces[start..end],
                     77,
@@ -452,8 +452,10 @@ fn stochastic_rounding_does_not_depend_on_chunking_or_threads() {
         let base = (1u64 << 32) - 5;
         let mut across = [0u8; 11];
         match f {
-            Fp8Format::E4M3FN => fp8_stochastic_kernel::<E4M3FN>(&src[..11], &mut across, 77, base),
-            Fp8Format::E5M2 => fp8_stochastic_kernel::<E5M2>(&src[..11], &mut across, 77, base),
+            Fp8Format::E4M3FN => {
+                fp8_stochastic_kernel::<E4M3FN, u8>(&src[..11], &mut across, 77, base)
+            }
+            Fp8Format::E5M2 => fp8_stochastic_kernel::<E5M2, u8>(&src[..11], &mut across, 77, base),
         }
         for (j, &c) in across.iter().enumerate() {
             let r = element_bits(77, base + j as u64);
