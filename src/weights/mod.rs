@@ -30,7 +30,11 @@ use crate::float::Dtype;
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
-pub(crate) use self::safetensors::{read_raw_tensors, save_safetensors_with_raw};
+pub(crate) use self::safetensors::{
+    le_bytes, safetensors_dtype, save_safetensors_streaming, FileTensor, LazyTensor, TensorFile,
+};
+#[cfg(test)]
+pub(crate) use self::safetensors::{read_raw_tensors, save_safetensors_with_raw, RawTensor};
 pub use self::safetensors::{save_safetensors, SafetensorsOptions};
 
 /// What the offload layer hangs on a model to stream it (an `offload::Streamer`).
