@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu-check.sh            # log also goes to $OUT/gpu-check.log when OUT is set
 #
-# Needs, on that machine: cargo (Rust ≥ 1.85), the NVIDIA driver, and a CUDA toolkit — the
+# Needs, on that machine: cargo (Rust ≥ 1.89), the NVIDIA driver, and a CUDA toolkit — the
 # system's (`nvcc` on PATH or /usr/local/cuda), else .cache/cuda-venv from scripts/cuda-toolkit.sh
 # carried along. Crates come from .cache/vendor (scripts/vendor.sh, carried along); without it,
 # from whatever ~/.cargo already holds. Carry: .cache/vendor.tar.gz, .cache/vendor-config.toml

@@ -97,7 +97,8 @@ pub fn attention_name(policy: &vram::Policy) -> String {
         } else {
             DeviceKind::Cuda
         },
-        fused_kernel: false,
+        // The CPU has this crate's fused kernel; GPUs have none in this build.
+        fused_kernel: device.is_cpu(),
         free: policy.total_memory(device),
         shape: AttentionShape {
             batch_heads: 8,

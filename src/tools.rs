@@ -16,11 +16,24 @@
 //!
 //! Errors are [`Error`]s naming the flag or the file: [`Error::InvalidFlag`] and
 //! [`Error::UnknownFlag`] for the command line, [`Error::File`] for unreadable or unwritable files
-//! and for LoRA patches that do not fit the base. Nothing is written unless every step succeeded.
+//! and for LoRA patches that do not fit the base. Nothing is written unless every step succeeded:
+//! the output is written under a temporary name and renamed into place at the end.
 //!
-//! Cost: the base, the LoRA files and the merged output are all held in host memory (about twice
-//! the checkpoint plus the LoRAs); each patched weight costs one `[out × r] · [r × in]` matmul and
-//! one add in f32.
+//! # Streaming
+//!
+//! The merge works tensor by tensor. Only the base's header is read up front; the model the
+//! LoRAs are mapped onto and validated against holds one-element stand-ins for the weights
+//! (shapes and dtypes are all the patch rules look at), so every patch is checked before anything
+//! is written. Then, as the output file is written in its final order, each weight is read from
+//! the base with a positioned read, patched through a [`ModelPatcher`] of a model holding just
+//! that weight (and its per-tensor fp8 scale, if it has one), converted, written, and dropped.
+//! Unpatched weights whose dtype does not change are copied byte for byte. The output is byte for
+//! byte what merging the whole model in memory gives (the tests compare the two).
+//!
+//! Cost: memory holds the LoRAs plus about three times the largest weight (its clean value, the
+//! LoRA delta and their sum while it is patched), not the checkpoint; each patched weight costs
+//! one `[out × r] · [r × in]` matmul and one add in f32, every other weight one read and one
+//! write.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -31,9 +44,9 @@ use candle_core::Tensor;
 
 use crate::error::{Error, Result};
 use crate::float::{self, Dtype, Rounding};
-use crate::patcher::{lora_file, ModelPatcher};
+use crate::patcher::{lora_file, ModelPatcher, Patch, WEIGHT_SCALE_SUFFIX};
 use crate::vram::DeviceId;
-use crate::weights::{self, Model, SafetensorsOptions};
+use crate::weights::{self, FileTensor, LazyTensor, Model, SafetensorsOptions, TensorFile};
 
 /// One LoRA file to merge and the strength it is merged at.
 #[derive(Debug, Clone, PartialEq)]
@@ -282,19 +295,22 @@ pub fn merge_files(config: &MergeConfig) -> Result<MergeReport> {
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
-    let model = Arc::new(Model::from_safetensors(name, &[&config.model])?);
+    let base = TensorFile::open(&config.model)?;
+    let model = Arc::new(stand_in_model(&name, &base)?);
     let mut patcher = ModelPatcher::new(Arc::clone(&model), DeviceId::Cpu, DeviceId::Cpu);
 
     let mut loras = Vec::with_capacity(config.loras.len());
+    let mut patch_sets = Vec::with_capacity(config.loras.len());
     for l in &config.loras {
         let strength = l.strength.unwrap_or(config.strength);
         let loaded = lora_file::load(l.path.as_path(), model.keys())?;
         patcher
-            .add_patches(loaded.patches, strength, 1.0)
+            .add_patches(loaded.patches.iter().cloned(), strength, 1.0)
             .map_err(|e| Error::File {
                 path: l.path.clone(),
                 reason: format!("does not fit `{}`: {e}", config.model.display()),
             })?;
+        patch_sets.push((loaded.patches, strength));
         loras.push(LoraMerged {
             path: l.path.clone(),
             strength,
@@ -303,30 +319,41 @@ pub fn merge_files(config: &MergeConfig) -> Result<MergeReport> {
         });
     }
 
-    let merged: Vec<(String, Tensor, Dtype)> = match config.dtype {
-        None => patcher.patched_state_dict()?,
-        Some(target) => model
-            .slots()
-            .iter()
-            .map(|slot| {
-                let key = slot.name();
-                let t = if target == slot.dtype() {
-                    patcher.patched_weight(key)?
-                } else {
-                    let rounding = if target.is_fp8() {
-                        Rounding::stochastic_for(key)
-                    } else {
-                        Rounding::Nearest
-                    };
-                    float::from_f32(&patcher.patched_weight_f32(key)?, target, rounding)?
-                };
-                Ok((key.to_string(), t, target))
-            })
-            .collect::<Result<_>>()?,
+    let merge = StreamingMerge {
+        name: &name,
+        base: &base,
+        patcher: &patcher,
+        patch_sets: &patch_sets,
+        target: config.dtype,
     };
-    let passed_through = model.skipped_tensors().to_vec();
-    let raw = weights::read_raw_tensors(&config.model, &passed_through)?;
-    weights::save_safetensors_with_raw(&config.out, &merged, &raw, &SafetensorsOptions::default())?;
+    let mut tensors = Vec::with_capacity(base.tensors().len());
+    let mut passed_through = Vec::new();
+    for t in base.tensors() {
+        match t.weight_dtype() {
+            Some(stored) => {
+                let dtype = config.dtype.unwrap_or(stored);
+                tensors.push(LazyTensor {
+                    name: t.name.clone(),
+                    dtype: weights::safetensors_dtype(dtype),
+                    shape: t.shape.clone(),
+                    len: t.shape.iter().product::<usize>() * dtype.size_in_bytes(),
+                    bytes: Box::new(move || merge.weight_bytes(t, stored)),
+                });
+            }
+            None => {
+                passed_through.push(t.name.clone());
+                tensors.push(LazyTensor {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    len: t.len,
+                    bytes: Box::new(move || merge.base.read_bytes(t)),
+                });
+            }
+        }
+    }
+    let tensors_written = tensors.len();
+    weights::save_safetensors_streaming(&config.out, tensors, &SafetensorsOptions::default())?;
 
     let patched_keys = model
         .keys()
@@ -336,8 +363,367 @@ pub fn merge_files(config: &MergeConfig) -> Result<MergeReport> {
     Ok(MergeReport {
         loras,
         patched_keys,
-        tensors_written: merged.len() + raw.len(),
+        tensors_written,
         passed_through,
         out: config.out.clone(),
     })
+}
+
+/// The model the LoRAs are mapped onto and validated against: every float weight of `base` with
+/// its name, shape and storage dtype, held as a one-element tensor of ones broadcast to its shape
+/// (the patch rules look at dimensions only; ones, not zeros, so a stand-in per-tensor scale is a
+/// valid one).
+fn stand_in_model(name: &str, base: &TensorFile) -> Result<Model> {
+    let mut weights = Vec::new();
+    for t in base.tensors() {
+        let Some(dtype) = t.weight_dtype() else {
+            continue;
+        };
+        let one = Tensor::ones((), dtype.candle_storage_dtype(), &candle_core::Device::Cpu)
+            .and_then(|z| z.broadcast_as(t.shape.as_slice()))
+            .map_err(|e| Error::tensor(format!("`{}`: a stand-in of its shape", t.name), e))?;
+        weights.push((t.name.clone(), one, dtype));
+    }
+    Model::from_typed_tensors(name, weights)
+}
+
+/// What writing one merged weight needs.
+#[derive(Clone, Copy)]
+struct StreamingMerge<'a> {
+    name: &'a str,
+    base: &'a TensorFile,
+    /// The stand-in model's patcher: which weights are patched.
+    patcher: &'a ModelPatcher,
+    /// Each LoRA's `(model key, patch)` list and strength, in merge order.
+    patch_sets: &'a [(Vec<(String, Patch)>, f32)],
+    target: Option<Dtype>,
+}
+
+impl StreamingMerge<'_> {
+    /// The output bytes of weight `t`, stored as `stored` in the base: read, patched and converted
+    /// exactly as a merge of the whole model in memory does it.
+    fn weight_bytes(&self, t: &FileTensor, stored: Dtype) -> Result<Vec<u8>> {
+        let key = t.name.as_str();
+        let patched = !self.patcher.patches().get(key).is_empty();
+        let target = self.target.unwrap_or(stored);
+        if !patched && target == stored && t.kept_as_stored() {
+            // Unchanged and stored as in the file: the file's bytes are the output.
+            return self.base.read_bytes(t);
+        }
+        let patcher = self.one_weight_patcher(t)?;
+        let merged = if target == stored {
+            patcher.patched_weight(key)?
+        } else {
+            let rounding = if target.is_fp8() {
+                Rounding::stochastic_for(key)
+            } else {
+                Rounding::Nearest
+            };
+            float::from_f32(&patcher.patched_weight_f32(key)?, target, rounding)?
+        };
+        weights::le_bytes(&merged)
+    }
+
+    /// A patcher over a model of weight `t` alone (plus its per-tensor fp8 scale, which patching
+    /// it reads), with `t`'s patches of every LoRA added in merge order.
+    fn one_weight_patcher(&self, t: &FileTensor) -> Result<ModelPatcher> {
+        let mut weights = vec![named(self.base.read_weight(t)?, &t.name)];
+        if let Some(scale) = t
+            .name
+            .strip_suffix(".weight")
+            .map(|prefix| format!("{prefix}{WEIGHT_SCALE_SUFFIX}"))
+            .and_then(|key| self.base.tensors().iter().find(|s| s.name == key))
+        {
+            if scale.weight_dtype().is_some() {
+                weights.push(named(self.base.read_weight(scale)?, &scale.name));
+            }
+        }
+        let model = Model::from_typed_tensors(self.name, weights)?;
+        let mut patcher = ModelPatcher::new(model, DeviceId::Cpu, DeviceId::Cpu);
+        for (patches, strength) in self.patch_sets {
+            let mine = patches.iter().filter(|(k, _)| *k == t.name).cloned();
+            patcher.add_patches(mine, *strength, 1.0)?;
+        }
+        Ok(patcher)
+    }
+}
+
+fn named((tensor, dtype): (Tensor, Dtype), name: &str) -> (String, Tensor, Dtype) {
+    (name.to_string(), tensor, dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    //! Unit tests of the streaming merge: its output against the in-memory merge it replaced (kept
+    //! here as the reference), byte for byte, on MiniLM's real checkpoint and on a file with every
+    //! storage dtype; and its all-or-nothing writing.
+
+    use std::collections::HashMap;
+    use std::path::{Path, PathBuf};
+    use std::sync::Arc;
+
+    use candle_core::{DType, Device, Tensor};
+    use safetensors::tensor::Dtype as StDtype;
+
+    use super::*;
+    use crate::float::uniform_tensor;
+    use crate::weights::{self, RawTensor};
+
+    /// The merge as it was before it streamed: the whole model in memory, every merged weight
+    /// collected, then one write. The reference the streaming merge must match byte for byte.
+    fn merge_in_memory(config: &MergeConfig) -> Result<()> {
+        let model = Arc::new(Model::from_safetensors("reference", &[&config.model])?);
+        let mut patcher = ModelPatcher::new(Arc::clone(&model), DeviceId::Cpu, DeviceId::Cpu);
+        for l in &config.loras {
+            let strength = l.strength.unwrap_or(config.strength);
+            let loaded = lora_file::load(l.path.as_path(), model.keys())?;
+            patcher.add_patches(loaded.patches, strength, 1.0)?;
+        }
+        let merged: Vec<(String, Tensor, Dtype)> = match config.dtype {
+            None => patcher.patched_state_dict()?,
+            Some(target) => model
+                .slots()
+                .iter()
+                .map(|slot| {
+                    let key = slot.name();
+                    let t = if target == slot.dtype() {
+                        patcher.patched_weight(key)?
+                    } else {
+                        let rounding = if target.is_fp8() {
+                            Rounding::stochastic_for(key)
+                        } else {
+                            Rounding::Nearest
+                        };
+                        float::from_f32(&patcher.patched_weight_f32(key)?, target, rounding)?
+                    };
+                    Ok((key.to_string(), t, target))
+                })
+                .collect::<Result<_>>()?,
+        };
+        let raw = weights::read_raw_tensors(&config.model, model.skipped_tensors())?;
+        weights::save_safetensors_with_raw(
+            &config.out,
+            &merged,
+            &raw,
+            &SafetensorsOptions::default(),
+        )
+    }
+
+    /// A kohya-style LoRA file with one rank-`r` adapter per `(module, out, in)`.
+    fn write_lora(path: &Path, modules: &[(&str, usize, usize)], r: usize, seed: u64) {
+        let mut tensors = HashMap::new();
+        for (i, (module, out, inn)) in modules.iter().enumerate() {
+            let s = seed + 10 * i as u64;
+            let up = (uniform_tensor(&[*out, r], s).unwrap() * 0.1).unwrap();
+            let down = (uniform_tensor(&[r, *inn], s + 1).unwrap() * 0.1).unwrap();
+            tensors.insert(format!("{module}.lora_up.weight"), up);
+            tensors.insert(format!("{module}.lora_down.weight"), down);
+            tensors.insert(
+                format!("{module}.alpha"),
+                Tensor::new(r as f32 / 2.0, &Device::Cpu).unwrap(),
+            );
+        }
+        candle_core::safetensors::save(&tensors, path).unwrap();
+    }
+
+    /// Merges `base` with `loras` at every output dtype, streaming and in memory, and checks that the
+    /// files are identical and that `expect_patched` keys were patched.
+    fn assert_streaming_matches_in_memory(
+        dir: &Path,
+        base: &Path,
+        loras: &[(PathBuf, Option<f32>)],
+        expect_patched: &[&str],
+    ) {
+        let targets = [
+            None,
+            Some(Dtype::F32),
+            Some(Dtype::F16),
+            Some(Dtype::BF16),
+            Some(Dtype::F8E4M3FN),
+            Some(Dtype::F8E5M2),
+        ];
+        for target in targets {
+            let config = |out: &str| MergeConfig {
+                model: base.to_path_buf(),
+                loras: loras
+                    .iter()
+                    .map(|(path, strength)| LoraInput {
+                        path: path.clone(),
+                        strength: *strength,
+                    })
+                    .collect(),
+                strength: 0.8,
+                dtype: target,
+                out: dir.join(out),
+            };
+            let report = merge_files(&config("streamed.safetensors")).expect("streaming merge");
+            merge_in_memory(&config("in_memory.safetensors")).expect("in-memory merge");
+            for key in expect_patched {
+                assert!(
+                    report.patched_keys.iter().any(|k| k == key),
+                    "{key} was not patched: {:?}",
+                    report.patched_keys
+                );
+            }
+            let streamed = std::fs::read(dir.join("streamed.safetensors")).unwrap();
+            let in_memory = std::fs::read(dir.join("in_memory.safetensors")).unwrap();
+            assert_eq!(streamed.len(), in_memory.len(), "{target:?}: file sizes");
+            assert!(streamed == in_memory, "{target:?}: the files differ");
+        }
+    }
+
+    #[test]
+    fn streaming_merge_of_minilm_writes_the_bytes_of_the_in_memory_merge() {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join(".cache/minilm/model.safetensors");
+        assert!(
+            base.is_file(),
+            "MiniLM is missing ({}): run `bash scripts/fetch-minilm.sh` first",
+            base.display()
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (
+            dir.path().join("a.safetensors"),
+            dir.path().join("b.safetensors"),
+        );
+        write_lora(
+            &a,
+            &[
+                ("encoder.layer.0.attention.self.query", 384, 384),
+                ("encoder.layer.3.intermediate.dense", 1536, 384),
+            ],
+            8,
+            1,
+        );
+        write_lora(
+            &b,
+            &[("encoder.layer.0.attention.self.query", 384, 384)],
+            4,
+            2,
+        );
+        assert_streaming_matches_in_memory(
+            dir.path(),
+            &base,
+            &[(a, None), (b, Some(-0.5))],
+            &[
+                "encoder.layer.0.attention.self.query.weight",
+                "encoder.layer.3.intermediate.dense.weight",
+            ],
+        );
+    }
+
+    #[test]
+    fn streaming_merge_matches_in_memory_for_every_storage_dtype_and_a_scaled_fp8_weight() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("base.safetensors");
+        let w = |shape: &[usize], seed| uniform_tensor(shape, seed).unwrap();
+        let tensors = vec![
+            (
+                "f64.weight",
+                w(&[24, 16], 1).to_dtype(DType::F64).unwrap(),
+                Dtype::F64,
+            ),
+            (
+                "f16.weight",
+                w(&[24, 16], 2).to_dtype(DType::F16).unwrap(),
+                Dtype::F16,
+            ),
+            (
+                "bf16.weight",
+                w(&[16, 24], 3).to_dtype(DType::BF16).unwrap(),
+                Dtype::BF16,
+            ),
+            (
+                "e4m3.weight",
+                float::from_f32(&w(&[16, 16], 4), Dtype::F8E4M3FN, Rounding::Nearest).unwrap(),
+                Dtype::F8E4M3FN,
+            ),
+            (
+                "e4m3.weight_scale",
+                Tensor::new(0.5f32, &Device::Cpu).unwrap(),
+                Dtype::F32,
+            ),
+            (
+                "e5m2.weight",
+                float::from_f32(&w(&[16, 16], 5), Dtype::F8E5M2, Rounding::Nearest).unwrap(),
+                Dtype::F8E5M2,
+            ),
+            ("untouched.bias", w(&[16], 6), Dtype::F32),
+        ];
+        let ids = RawTensor {
+            name: "position_ids".into(),
+            dtype: StDtype::I64,
+            shape: vec![1, 8],
+            data: (0..8i64).flat_map(|i| i.to_le_bytes()).collect(),
+        };
+        weights::save_safetensors_with_raw(&base, &tensors, &[ids], &SafetensorsOptions::default())
+            .unwrap();
+        let lora = dir.path().join("lora.safetensors");
+        write_lora(
+            &lora,
+            &[
+                ("f64", 24, 16),
+                ("f16", 24, 16),
+                ("bf16", 16, 24),
+                ("e4m3", 16, 16),
+                ("e5m2", 16, 16),
+            ],
+            4,
+            7,
+        );
+        assert_streaming_matches_in_memory(
+            dir.path(),
+            &base,
+            &[(lora, None)],
+            &[
+                "f64.weight",
+                "f16.weight",
+                "bf16.weight",
+                "e4m3.weight",
+                "e5m2.weight",
+            ],
+        );
+    }
+
+    #[test]
+    fn a_tensor_that_fails_while_streaming_leaves_no_file_and_an_existing_one_intact() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out.safetensors");
+        std::fs::write(&out, b"the previous file").unwrap();
+        let tensor = |name: &str, fail: bool| weights::LazyTensor {
+            name: name.into(),
+            dtype: StDtype::U8,
+            shape: vec![4],
+            len: 4,
+            bytes: Box::new(move || {
+                if fail {
+                    Err(Error::Device {
+                        device: "test".into(),
+                        reason: "injected".into(),
+                    })
+                } else {
+                    Ok(vec![1, 2, 3, 4])
+                }
+            }),
+        };
+        let err = weights::save_safetensors_streaming(
+            &out,
+            vec![tensor("a", false), tensor("b", true), tensor("c", false)],
+            &SafetensorsOptions::default(),
+        )
+        .expect_err("a tensor failed");
+        assert!(err.to_string().contains("injected"), "{err}");
+        assert_eq!(std::fs::read(&out).unwrap(), b"the previous file");
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(left.len(), 1, "a temporary file was left behind");
+        // The same tensors, none failing, replace the file.
+        weights::save_safetensors_streaming(
+            &out,
+            vec![tensor("a", false), tensor("c", false)],
+            &SafetensorsOptions::default(),
+        )
+        .expect("written");
+        let written = std::fs::read(&out).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&written).unwrap();
+        assert_eq!(st.tensor("c").unwrap().data(), &[1, 2, 3, 4]);
+    }
 }

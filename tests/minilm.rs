@@ -376,6 +376,7 @@ fn embeddings_agree_whichever_attention_backend_runs() {
         (BackendRequest::Split, ByteSize::kib(64)),
         (BackendRequest::SubQuadratic, ByteSize::kib(16)),
         (BackendRequest::SubQuadratic, ByteSize::gib(1)),
+        (BackendRequest::Sdpa, ByteSize::kib(16)),
     ] {
         let got = run(request, free);
         for (a, b) in got.iter().zip(&naive) {

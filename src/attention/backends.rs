@@ -1,10 +1,11 @@
 //! How the backends compute: prepared inputs ([`Ctx`]), masked scores, a plain softmax over query
 //! rows (`Naive`, and `Split` one slice at a time) and the online softmax over key chunks
 //! (`SubQuadratic`), keeping to at most three score-sized blocks alive, which [`Scratch`]
-//! measures.
+//! measures. The fused CPU kernel (`Sdpa`) has its own file, `fused.rs`.
 
 use candle_core::{DType, Tensor, D};
 
+use super::fused;
 use super::mask::Mask;
 use super::plan::{split_slices, subquad_chunks};
 use super::Backend;
@@ -53,6 +54,7 @@ impl Ctx {
                 }
                 (cat_rows(&outs)?, slices, 1)
             }
+            Backend::Sdpa => fused::run(self, free, scratch)?,
             _ => {
                 let (qc, kc) = subquad_chunks(bh, nq, nk, elem, free);
                 let mut outs = Vec::with_capacity(nq.div_ceil(qc));

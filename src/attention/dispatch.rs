@@ -12,8 +12,9 @@ use parking_lot::Mutex;
 use super::plan::{block_bytes, AttentionShape};
 use crate::size::ByteSize;
 
-/// Largest full score matrix for which the CPU default is [`Backend::Naive`] (it must also be at
-/// most a quarter of free memory).
+/// Largest full score matrix for which the default on a CPU *without* the fused kernel is
+/// [`Backend::Naive`] (it must also be at most a quarter of free memory). The CPU of this build
+/// has the fused kernel ([`fused_kernel_available`]), which the dispatcher prefers at every size.
 pub const NAIVE_CPU_SCORE_LIMIT: ByteSize = ByteSize::mib(64);
 
 /// Whether this build has flash-attention kernels (no `candle-flash-attn` yet).
@@ -31,9 +32,12 @@ pub enum Backend {
     /// Chunked over queries and keys with a running maximum and sum (online softmax), so memory
     /// does not grow quadratically.
     SubQuadratic,
-    /// A fused scaled-dot-product kernel from candle, where the device has one.
+    /// A fused scaled-dot-product kernel: on the CPU this crate's tiled kernel (query tiles
+    /// against key tiles with an online softmax, no score matrix); GPUs have none in this build
+    /// and run it as [`Backend::SubQuadratic`].
     Sdpa,
-    /// Flash attention (CUDA, behind a feature; not in this build).
+    /// Flash attention (CUDA, behind a feature; not in this build). On the CPU it runs the fused
+    /// kernel of [`Backend::Sdpa`], which is flash attention's algorithm.
     Flash,
 }
 
@@ -152,21 +156,25 @@ impl From<&Device> for DeviceKind {
     }
 }
 
-/// Whether a fused attention kernel is reachable on `device`: `false` everywhere in this build
-/// (candle-core 0.11 has none; candle-nn's Metal `sdpa` is not a dependency).
+/// Whether a fused attention kernel is reachable on `device`: on the CPU, this crate's own
+/// ([`Backend::Sdpa`]); on GPUs none in this build (candle-core 0.11 has none; candle-nn's Metal
+/// `sdpa` is not a dependency).
 pub fn fused_kernel_available(device: &Device) -> bool {
-    let _ = device;
-    false
+    DeviceKind::from(device) == DeviceKind::Cpu
 }
 
-/// The backend that [`attention`] actually runs for `backend` on `device` in this build.
+/// The backend that [`attention`](super::attention) actually runs for `backend` on `device` in
+/// this build.
 ///
-/// No fused kernel is built ([`fused_kernel_available`], [`FLASH_BUILT`]), so `Sdpa` and `Flash`
-/// run as `SubQuadratic`, the memory-safe choice.
-pub(super) fn runnable(backend: Backend) -> Backend {
-    match backend {
-        Backend::Sdpa | Backend::Flash => Backend::SubQuadratic,
-        other => other,
+/// On the CPU `Sdpa` and `Flash` run the fused kernel (`Sdpa`), except for `f64` softmax
+/// (`elem_bytes` 8): the kernel computes in `f32`, so `f64` runs as `SubQuadratic` and keeps its
+/// precision. On a GPU no fused kernel is built ([`fused_kernel_available`], [`FLASH_BUILT`]), so
+/// they run as `SubQuadratic`, the memory-safe choice.
+pub(super) fn runnable(backend: Backend, device: DeviceKind, elem_bytes: usize) -> Backend {
+    match (backend, device) {
+        (Backend::Sdpa | Backend::Flash, DeviceKind::Cpu) if elem_bytes <= 4 => Backend::Sdpa,
+        (Backend::Sdpa | Backend::Flash, _) => Backend::SubQuadratic,
+        (other, _) => other,
     }
 }
 
@@ -223,12 +231,11 @@ fn requested_backend(
 
 /// The default choice when nothing (available) was requested; see the module's table.
 fn default_backend(input: &DispatchInput) -> Backend {
+    if input.fused_kernel {
+        return Backend::Sdpa;
+    }
     if input.device.is_gpu() {
-        return if input.fused_kernel {
-            Backend::Sdpa
-        } else {
-            Backend::SubQuadratic
-        };
+        return Backend::SubQuadratic;
     }
     let s = input.shape;
     let scores = block_bytes(s.batch_heads, s.nq, s.nk, s.elem_bytes);

@@ -9,18 +9,26 @@
 //! | [`Backend::Naive`] | `3 · BH·Nq·Nk·e` | `O(BH·Nq·Nk·D)` |
 //! | [`Backend::Split`] | `3 · BH·⌈Nq/s⌉·Nk·e`, `s` = [`split_slices`] ≤ 64 | same |
 //! | [`Backend::SubQuadratic`] | `3 · BH·qc·kc·e`, `(qc, kc)` = [`subquad_chunks`] | same, plus one rescale per key chunk |
-//! | [`Backend::Sdpa`], [`Backend::Flash`] | not built: they run as `SubQuadratic` | — |
+//! | [`Backend::Sdpa`], [`Backend::Flash`] on the CPU: the fused kernel | `w · 4·tq·tk`, `w` = [`fused_plan`] workers ≤ threads, `tq × tk` = [`FUSED_TILE_Q`] × [`FUSED_TILE_K`] | same, in tiles, on every core |
+//! | [`Backend::Sdpa`], [`Backend::Flash`] on a GPU | not built: they run as `SubQuadratic` | — |
 //!
 //! `BH` is batch × heads, `e` the size of the dtype the softmax runs in (4 when upcasting, see
 //! [`Upcast`]). [`peak_temporary_bytes`] returns these figures, and the implementation keeps to
-//! them: it never holds more than three score-sized blocks alive at once, which the tests check
-//! by measuring the blocks it actually creates ([`AttentionStats::peak_temporary`]). Inputs,
-//! outputs and the `[BH, rows, D]` accumulators are not counted.
+//! them: it never holds more than three score-sized blocks alive at once (one score tile per
+//! worker in the fused kernel), which the tests check by measuring the blocks it actually
+//! creates ([`AttentionStats::peak_temporary`]). Inputs, outputs and the `[BH, rows, D]`
+//! accumulators are not counted.
+//!
+//! The fused kernel (`fused.rs`) walks fixed tiles of queries against tiles of keys with an
+//! online softmax; its arithmetic never depends on free memory or threads (free memory only
+//! caps how many tiles are alive at once), so its output bits are the same for every budget.
 //!
 //! # Invariants
 //! - Every backend equals `Naive` within 1e-5 (f32) and 2e-3 (f16; bf16 plus one bf16 rounding
 //!   step of the output, which alone is 2⁻⁸..2⁻⁷ relative) on the same inputs; masked positions
-//!   get zero weight.
+//!   get zero weight. In f32 the fused kernel is as close to an f64 reference as `Naive` (within
+//!   twice its error).
+//! - The fused kernel's output bits do not depend on free memory or the thread count.
 //! - Score blocks are never rounded down for `·V`: probabilities stay in the softmax dtype and
 //!   `V` is cast instead (see [`Upcast`]).
 //! - `Split` slices unevenly when `Nq` is not a multiple of the slice count (ComfyUI silently
@@ -40,16 +48,17 @@
 //! | `Sdpa` (`--use-pytorch-cross-attention`) | fused kernel present | `Sdpa` |
 //! | `Flash` (`--use-flash-attention`) | CUDA, built with flash kernels | `Flash` |
 //! | `Sage` (`--use-sage-attention`), or any of the above unavailable | — | the default below, with one warning |
-//! | none | GPU with a fused kernel | `Sdpa` |
+//! | none | a device with a fused kernel (the CPU) | `Sdpa`, at every size and free memory |
 //! | none | GPU without one | `SubQuadratic` |
-//! | none | CPU, scores `BH·Nq·Nk·e` ≤ 64 MiB and ≤ free/4 | `Naive` |
-//! | none | CPU, larger | `SubQuadratic` |
+//! | none | CPU without one, scores `BH·Nq·Nk·e` ≤ 64 MiB and ≤ free/4 | `Naive` |
+//! | none | CPU without one, larger | `SubQuadratic` |
 //!
-//! In this build no fused kernel is reachable: candle-core 0.11 has no fused scaled-dot-product
-//! attention (candle's `sdpa` lives in candle-nn, Metal only, which this crate does not depend
-//! on), and flash attention needs the `candle-flash-attn` crate, not wired in yet. So
-//! [`fused_kernel_available`] is `false` on every device, and `Sdpa`/`Flash` handed to
-//! [`attention`] run as `SubQuadratic` after one warning.
+//! [`fused_kernel_available`] is `true` on the CPU, whose fused kernel is this crate's own
+//! (`fused.rs`), and `false` on GPUs: candle-core 0.11 has no fused scaled-dot-product attention
+//! (candle's `sdpa` lives in candle-nn, Metal only, which this crate does not depend on), and
+//! flash attention needs the `candle-flash-attn` crate, not wired in yet. `Sdpa`/`Flash` handed
+//! to [`attention`] run the fused kernel on the CPU (`f64` inputs run as `SubQuadratic`, keeping
+//! their precision) and as `SubQuadratic` on a GPU, after one warning.
 //!
 //! # Memory profile
 //! [`Backend::memory_profile`] tells `memory_required` estimators whether attention memory grows
@@ -60,13 +69,18 @@
 //!
 //! `mod.rs` the entry points; `options.rs` the call options, layout and upcast policy;
 //! `dispatch.rs` the backends, requests and the dispatcher; `plan.rs` the memory plans;
-//! `backends.rs` how the backends compute; `mask.rs` masks.
+//! `backends.rs` how the backends compute; `fused.rs` the fused CPU kernel and `rows.rs` its
+//! vectorized row kernels (`exp`, online softmax, masking); `mask.rs` masks.
 
 mod backends;
 mod dispatch;
+mod fused;
+#[cfg(test)]
+mod fused_tests;
 mod mask;
 mod options;
 mod plan;
+mod rows;
 #[cfg(test)]
 mod tests;
 
@@ -84,8 +98,8 @@ pub use dispatch::{
 };
 pub use options::{AttentionOptions, Layout, Upcast};
 pub use plan::{
-    peak_temporary_bytes, split_slices, subquad_chunks, AttentionShape, LIVE_SCORE_BLOCKS,
-    MAX_SPLIT_SLICES,
+    fused_plan, peak_temporary_bytes, split_slices, subquad_chunks, AttentionShape, FusedPlan,
+    FUSED_TILE_K, FUSED_TILE_Q, LIVE_SCORE_BLOCKS, MAX_SPLIT_SLICES,
 };
 
 /// What an [`attention_with_stats`] call did.
@@ -139,7 +153,8 @@ pub fn attention_with_stats(
     options: &AttentionOptions,
 ) -> Result<(Tensor, AttentionStats)> {
     let device = q.device();
-    let backend = runnable(options.backend);
+    let softmax_bytes = options.upcast.softmax_dtype(q.dtype()).size_in_bytes();
+    let backend = runnable(options.backend, DeviceKind::from(device), softmax_bytes);
     if backend != options.backend && latch(format!("run:{:?}", options.backend)) {
         tracing::warn!(
             requested = %options.backend,

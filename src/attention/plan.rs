@@ -1,9 +1,11 @@
 //! The memory plans of the memory-aware backends: how many query slices [`Backend::Split`] uses
 //! ([`split_slices`]), the query and key chunks of [`Backend::SubQuadratic`]
-//! ([`subquad_chunks`]), and the peak temporary bytes of any backend ([`peak_temporary_bytes`]).
-//! Pure functions of the attention sizes and free memory.
+//! ([`subquad_chunks`]), how many tiles the fused CPU kernel keeps alive at once
+//! ([`fused_plan`]), and the peak temporary bytes of any backend ([`peak_temporary_bytes`]).
+//! Pure functions of the attention sizes, free memory and (for the fused kernel) the thread
+//! count.
 
-use super::dispatch::runnable;
+use super::dispatch::{runnable, DeviceKind};
 use super::Backend;
 use crate::error::{Error, Result};
 use crate::size::ByteSize;
@@ -22,6 +24,60 @@ const SUBQUAD_FALLBACK_QUERY_CHUNK: usize = 512;
 
 /// Working-set factor of the sub-quadratic query-chunk rule.
 const SUBQUAD_FACTOR: u128 = 4;
+
+/// Query rows in one tile of the fused CPU kernel. A constant, so the kernel's arithmetic never
+/// depends on free memory (see [`fused_plan`]).
+pub const FUSED_TILE_Q: usize = 256;
+
+/// Keys in one tile of the fused CPU kernel; a constant like [`FUSED_TILE_Q`].
+pub const FUSED_TILE_K: usize = 256;
+
+/// The schedule of the fused CPU kernel ([`Backend::Sdpa`] on the CPU) for one call.
+///
+/// The tiles are fixed ([`FUSED_TILE_Q`] × [`FUSED_TILE_K`], clamped to the sequence), so the
+/// output bits are the same for every plan: free memory only decides how many tiles are worked
+/// on at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FusedPlan {
+    /// Query rows per tile.
+    pub tile_q: usize,
+    /// Keys per tile.
+    pub tile_k: usize,
+    /// Tasks, one per (batch·head, query tile): `batch_heads · ⌈nq / tile_q⌉`.
+    pub tasks: usize,
+    /// Tasks run at once, each holding one score tile.
+    pub workers: usize,
+    /// Bytes of one score tile (`tile_q · tile_k` f32 values).
+    pub tile_bytes: ByteSize,
+}
+
+impl FusedPlan {
+    /// Peak bytes of score tiles alive at once: `workers · tile_bytes`.
+    pub fn peak_bytes(&self) -> ByteSize {
+        ByteSize(self.tile_bytes.bytes().saturating_mul(self.workers as u64))
+    }
+}
+
+/// The fused kernel's schedule: `workers = min(threads, tasks, ⌊free / tile_bytes⌋)`, at least
+/// one (a single tile is the kernel's floor, whatever the free memory).
+pub fn fused_plan(shape: &AttentionShape, free: ByteSize, threads: usize) -> FusedPlan {
+    let tile_q = FUSED_TILE_Q.min(shape.nq.max(1));
+    let tile_k = FUSED_TILE_K.min(shape.nk.max(1));
+    let tasks = shape.batch_heads.saturating_mul(shape.nq.div_ceil(tile_q));
+    let tile_bytes = block_bytes(1, tile_q, tile_k, 4);
+    let fit = free.bytes() as u128 / tile_bytes.max(1);
+    let workers = threads
+        .min(tasks)
+        .min(usize::try_from(fit).unwrap_or(usize::MAX))
+        .max(1);
+    FusedPlan {
+        tile_q,
+        tile_k,
+        tasks,
+        workers,
+        tile_bytes: to_bytesize(tile_bytes),
+    }
+}
 
 /// The sizes attention's memory depends on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,8 +183,10 @@ pub fn subquad_chunks(
 }
 
 /// Peak bytes of score/probability temporaries `backend` allocates for `shape` with `free`
-/// memory: `3 ×` its largest score block (see the module table). Backends not built here
-/// (`Sdpa`, `Flash`) report the `SubQuadratic` figure they run as.
+/// memory on the CPU: `3 ×` its largest score block for `Naive`, `Split` and `SubQuadratic` (see
+/// the module table); for `Sdpa` and `Flash`, which run the fused kernel there, its tiles alive
+/// at once ([`fused_plan`] in rayon's current pool). On a GPU `Sdpa` and `Flash` run as
+/// `SubQuadratic`, whose figure that backend gives.
 ///
 /// # Errors
 /// As [`split_slices`] for `Split`.
@@ -143,13 +201,16 @@ pub fn peak_temporary_bytes(
         nk,
         elem_bytes: e,
     } = *shape;
-    let block = match runnable(backend) {
+    let block = match runnable(backend, DeviceKind::Cpu, shape.elem_bytes) {
         Backend::Naive => block_bytes(bh, nq, nk, e),
         Backend::Split => {
             let slices = split_slices(bh, nq, nk, e, free)?;
             block_bytes(bh, nq.div_ceil(slices), nk, e)
         }
-        _ => {
+        Backend::Sdpa | Backend::Flash => {
+            return Ok(fused_plan(shape, free, rayon::current_num_threads()).peak_bytes());
+        }
+        Backend::SubQuadratic => {
             let (qc, kc) = subquad_chunks(bh, nq, nk, e, free);
             block_bytes(bh, qc.min(nq), kc.min(nk), e)
         }

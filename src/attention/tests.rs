@@ -10,10 +10,10 @@ const B: usize = 2;
 const H: usize = 3;
 const NQ: usize = 77;
 const NK: usize = 131;
-const DIM: usize = 16;
+pub(super) const DIM: usize = 16;
 
 /// Seeded normal samples (splitmix64 + Box–Muller), so tests do not depend on candle's RNG.
-fn normal(n: usize, seed: u64) -> Vec<f32> {
+pub(super) fn normal(n: usize, seed: u64) -> Vec<f32> {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
     let mut next = || {
         state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -31,7 +31,7 @@ fn normal(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn randn(shape: &[usize], seed: u64, scale: f32, dtype: DType) -> Tensor {
+pub(super) fn randn(shape: &[usize], seed: u64, scale: f32, dtype: DType) -> Tensor {
     let n = shape.iter().product();
     let data: Vec<f32> = normal(n, seed).into_iter().map(|x| x * scale).collect();
     Tensor::from_vec(data, shape, &Device::Cpu)
@@ -39,19 +39,19 @@ fn randn(shape: &[usize], seed: u64, scale: f32, dtype: DType) -> Tensor {
         .expect("test tensor")
 }
 
-fn values(t: &Tensor) -> Vec<f32> {
+pub(super) fn values(t: &Tensor) -> Vec<f32> {
     t.to_dtype(DType::F32)
         .and_then(|t| t.flatten_all())
         .and_then(|t| t.to_vec1::<f32>())
         .expect("tensor values")
 }
 
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+pub(super) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     max_excess(a, b, 0.0)
 }
 
 /// Largest `|a - b| - rtol·|b|` over the elements; with `rtol = 0` the largest `|a - b|`.
-fn max_excess(a: &Tensor, b: &Tensor, rtol: f32) -> f32 {
+pub(super) fn max_excess(a: &Tensor, b: &Tensor, rtol: f32) -> f32 {
     assert_eq!(a.dims(), b.dims());
     values(a)
         .iter()
@@ -66,20 +66,58 @@ fn max_excess(a: &Tensor, b: &Tensor, rtol: f32) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// Batch, heads, query and key counts of a test case.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Sizes {
+    pub(super) b: usize,
+    pub(super) h: usize,
+    pub(super) nq: usize,
+    pub(super) nk: usize,
+}
+
+/// The default case: every sequence shorter than one fused tile.
+pub(super) const SMALL: Sizes = Sizes {
+    b: B,
+    h: H,
+    nq: NQ,
+    nk: NK,
+};
+
+/// A case the fused kernel tiles: 2 query tiles (the last of 44 rows) and 3 key tiles (the last
+/// of 8 keys).
+pub(super) const TILED: Sizes = Sizes {
+    b: 2,
+    h: 2,
+    nq: FUSED_TILE_Q + 44,
+    nk: 2 * FUSED_TILE_K + 8,
+};
+
 /// q, k, v in `layout`, `v` drawn at `v_scale`.
 fn qkv(layout: Layout, dtype: DType, v_scale: f32, seed: u64) -> (Tensor, Tensor, Tensor) {
+    qkv_sized(SMALL, layout, dtype, v_scale, seed)
+}
+
+/// q, k, v of `sizes` in `layout`, `v` drawn at `v_scale`.
+pub(super) fn qkv_sized(
+    sizes: Sizes,
+    layout: Layout,
+    dtype: DType,
+    v_scale: f32,
+    seed: u64,
+) -> (Tensor, Tensor, Tensor) {
+    let Sizes { b, h, nq, nk } = sizes;
     let shape = |n: usize| match layout {
-        Layout::Merged => vec![B, n, H * DIM],
-        Layout::PerHead => vec![B, H, n, DIM],
+        Layout::Merged => vec![b, n, h * DIM],
+        Layout::PerHead => vec![b, h, n, DIM],
     };
     (
-        randn(&shape(NQ), seed, 1.0, dtype),
-        randn(&shape(NK), seed + 1, 1.0, dtype),
-        randn(&shape(NK), seed + 2, v_scale, dtype),
+        randn(&shape(nq), seed, 1.0, dtype),
+        randn(&shape(nk), seed + 1, 1.0, dtype),
+        randn(&shape(nk), seed + 2, v_scale, dtype),
     )
 }
 
-fn u8_mask(shape: &[usize], seed: u64, keep: impl Fn(&[usize]) -> bool) -> Tensor {
+pub(super) fn u8_mask(shape: &[usize], seed: u64, keep: impl Fn(&[usize]) -> bool) -> Tensor {
     let noise = normal(shape.iter().product(), seed);
     let mut idx = vec![0usize; shape.len()];
     let mut data = Vec::with_capacity(noise.len());
@@ -98,22 +136,31 @@ fn u8_mask(shape: &[usize], seed: u64, keep: impl Fn(&[usize]) -> bool) -> Tenso
     Tensor::from_vec(data, shape, &Device::Cpu).expect("mask")
 }
 
-/// The masks every backend is compared under.
-fn masks(dtype: DType) -> Vec<(&'static str, Option<Tensor>)> {
+/// The masks every backend is compared under, for `sizes`.
+pub(super) fn masks(sizes: Sizes, dtype: DType) -> Vec<(&'static str, Option<Tensor>)> {
+    let Sizes { b, h, nq, nk } = sizes;
     let key_padding = {
-        // Batch 0 attends to all keys, batch 1 to the first 100.
-        let data: Vec<u8> = (0..B * NK)
-            .map(|i| u8::from(i / NK == 0 || i % NK < 100))
+        // Batch 0 attends to all keys, the others to the first 100 (whole fused key tiles are
+        // masked then).
+        let data: Vec<u8> = (0..b * nk)
+            .map(|i| u8::from(i / nk == 0 || i % nk < 100))
             .collect();
-        Tensor::from_vec(data, (B, 1, 1, NK), &Device::Cpu).expect("mask")
+        Tensor::from_vec(data, (b, 1, 1, nk), &Device::Cpu).expect("mask")
     };
-    let additive = randn(&[NQ, NK], 99, 2.0, dtype);
+    let additive = randn(&[nq, nk], 99, 2.0, dtype);
     let additive_neg_inf = {
-        // The first 20 keys are -inf for every query: a whole key chunk of 11 sees only -inf.
-        let data: Vec<f32> = (0..B * NQ * NK)
-            .map(|i| if i % NK < 20 { f32::NEG_INFINITY } else { 0.0 })
+        // The first half of the keys are -inf for every query: whole key chunks (11 keys for
+        // `SubQuadratic` in `TINY`, the first fused tile of `TILED`) see only -inf.
+        let data: Vec<f32> = (0..b * nq * nk)
+            .map(|i| {
+                if i % nk < nk.div_ceil(2) {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
             .collect();
-        Tensor::from_vec(data, (B, 1, NQ, NK), &Device::Cpu)
+        Tensor::from_vec(data, (b, 1, nq, nk), &Device::Cpu)
             .and_then(|t| t.to_dtype(dtype))
             .expect("mask")
     };
@@ -122,7 +169,7 @@ fn masks(dtype: DType) -> Vec<(&'static str, Option<Tensor>)> {
         ("bool key padding [B,1,1,Nk]", Some(key_padding)),
         (
             "bool full [B,H,Nq,Nk]",
-            Some(u8_mask(&[B, H, NQ, NK], 7, |_| false)),
+            Some(u8_mask(&[b, h, nq, nk], 7, |_| false)),
         ),
         ("additive [Nq,Nk]", Some(additive)),
         ("additive -inf [B,1,Nq,Nk]", Some(additive_neg_inf)),
@@ -149,32 +196,42 @@ fn contenders(layout: Layout) -> Vec<(&'static str, AttentionOptions)> {
             o(Backend::SubQuadratic, ByteSize::MAX),
         ),
         ("sub-quadratic, key chunks", o(Backend::SubQuadratic, TINY)),
-        ("sdpa (falls back)", o(Backend::Sdpa, TINY)),
-        ("flash (falls back)", o(Backend::Flash, TINY)),
+        ("sdpa (fused kernel)", o(Backend::Sdpa, ByteSize::MAX)),
+        (
+            "sdpa (fused kernel), one tile at a time",
+            o(Backend::Sdpa, ByteSize(1)),
+        ),
+        ("flash (runs the fused kernel)", o(Backend::Flash, TINY)),
     ]
 }
 
-/// Every contender is within `atol + rtol·|naive|` of `Naive`, element by element.
+/// Every contender is within `atol + rtol·|naive|` of `Naive`, element by element, at the
+/// `SMALL` and `TILED` sizes.
 fn assert_backends_match_naive(dtype: DType, v_scale: f32, atol: f32, rtol: f32) {
-    for layout in [Layout::Merged, Layout::PerHead] {
-        let (q, k, v) = qkv(layout, dtype, v_scale, 1);
-        for (mask_name, mask) in masks(dtype) {
+    for (sizes, layout) in [
+        (SMALL, Layout::Merged),
+        (SMALL, Layout::PerHead),
+        (TILED, Layout::PerHead),
+    ] {
+        let (q, k, v) = qkv_sized(sizes, layout, dtype, v_scale, 1);
+        let h = sizes.h;
+        for (mask_name, mask) in masks(sizes, dtype) {
             let naive = attention(
                 &q,
                 &k,
                 &v,
-                H,
+                h,
                 mask.as_ref(),
                 &AttentionOptions::new(Backend::Naive).with_layout(layout),
             )
             .expect("naive");
             assert_eq!(naive.dims(), q.dims());
             for (name, options) in contenders(layout) {
-                let out = attention(&q, &k, &v, H, mask.as_ref(), &options).expect(name);
+                let out = attention(&q, &k, &v, h, mask.as_ref(), &options).expect(name);
                 let excess = max_excess(&out, &naive, rtol);
                 assert!(
                     excess <= atol,
-                    "{dtype:?} {layout:?} {name}, mask {mask_name}: |Δ| - {rtol}·|naive| reaches {excess} > {atol}"
+                    "{dtype:?} {sizes:?} {layout:?} {name}, mask {mask_name}: |Δ| - {rtol}·|naive| reaches {excess} > {atol}"
                 );
             }
         }
@@ -262,7 +319,12 @@ fn merged_and_per_head_layouts_give_the_same_numbers() {
             .and_then(|t| t.contiguous())
             .expect("per head")
     };
-    for backend in [Backend::Naive, Backend::Split, Backend::SubQuadratic] {
+    for backend in [
+        Backend::Naive,
+        Backend::Split,
+        Backend::SubQuadratic,
+        Backend::Sdpa,
+    ] {
         let merged = attention(
             &q,
             &k,
@@ -298,16 +360,19 @@ fn value_dim_may_differ_from_query_dim() {
     let v = randn(&[1, 13, 2 * 5], 3, 1.0, DType::F32);
     let naive = attention(&q, &k, &v, 2, None, &AttentionOptions::default()).expect("naive");
     assert_eq!(naive.dims(), &[1, 10, 10]);
-    let sub = attention(
-        &q,
-        &k,
-        &v,
-        2,
-        None,
-        &AttentionOptions::new(Backend::SubQuadratic).with_free_memory(ByteSize(1)),
-    )
-    .expect("sub-quadratic");
-    assert!(max_abs_diff(&naive, &sub) <= 1e-5);
+    for backend in [Backend::SubQuadratic, Backend::Sdpa] {
+        let out = attention(
+            &q,
+            &k,
+            &v,
+            2,
+            None,
+            &AttentionOptions::new(backend).with_free_memory(ByteSize(1)),
+        )
+        .expect("chunked");
+        assert_eq!(out.dims(), &[1, 10, 10]);
+        assert!(max_abs_diff(&naive, &out) <= 1e-5, "{backend}");
+    }
 }
 
 #[test]
@@ -356,14 +421,22 @@ fn force_upcast_survives_f16_score_overflow_that_default_does_not() {
     let k = (randn(&[1, 4, 6, 4], 42, 0.01, DType::F32) + 300.0).expect("k");
     let v = randn(&[1, 4, 6, 4], 43, 1.0, DType::F32);
     let half = |t: &Tensor| t.to_dtype(DType::F16).expect("f16");
-    let run = |upcast: Upcast| {
-        let options = AttentionOptions::new(Backend::Naive)
-            .with_layout(Layout::PerHead)
-            .with_upcast(upcast);
-        values(&attention(&half(&q), &half(&k), &half(&v), 4, None, &options).expect("run"))
-    };
-    assert!(run(Upcast::Default).iter().any(|x| !x.is_finite()));
-    assert!(run(Upcast::Force).iter().all(|x| x.is_finite()));
+    for backend in [Backend::Naive, Backend::Sdpa] {
+        let run = |upcast: Upcast| {
+            let options = AttentionOptions::new(backend)
+                .with_layout(Layout::PerHead)
+                .with_upcast(upcast);
+            values(&attention(&half(&q), &half(&k), &half(&v), 4, None, &options).expect("run"))
+        };
+        assert!(
+            run(Upcast::Default).iter().any(|x| !x.is_finite()),
+            "{backend}"
+        );
+        assert!(
+            run(Upcast::Force).iter().all(|x| x.is_finite()),
+            "{backend}"
+        );
+    }
 }
 
 #[test]
@@ -389,7 +462,12 @@ fn never_upcast_stays_close_to_f32_softmax_in_f16() {
             .with_free_memory(TINY)
     };
     let reference = attention(&q, &k, &v, H, None, &AttentionOptions::default()).expect("ref");
-    for b in [Backend::Naive, Backend::Split, Backend::SubQuadratic] {
+    for b in [
+        Backend::Naive,
+        Backend::Split,
+        Backend::SubQuadratic,
+        Backend::Sdpa,
+    ] {
         let out = attention(&q, &k, &v, H, None, &options(b)).expect("never");
         assert_eq!(out.dtype(), DType::F16);
         let diff = max_abs_diff(&out, &reference);
@@ -539,9 +617,11 @@ fn measured_temporaries_stay_within_the_plan_and_free_memory() {
             nk,
             elem_bytes: upcast.softmax_dtype(dtype).size_in_bytes(),
         };
-        for backend in [Backend::Split, Backend::SubQuadratic] {
+        for backend in [Backend::Split, Backend::SubQuadratic, Backend::Sdpa] {
             let planned = peak_temporary_bytes(backend, &shape, free).expect("plan");
             assert!(planned <= free, "{backend} plans {planned} in {free}");
+            // The fused kernel's tiles are fixed: sequences shorter than a tile are one tile.
+            let one_tile = backend == Backend::Sdpa && nq <= FUSED_TILE_Q && nk <= FUSED_TILE_K;
             for mask in [None, Some(&additive), Some(&padding)] {
                 let options = AttentionOptions::new(backend)
                     .with_layout(Layout::PerHead)
@@ -550,8 +630,12 @@ fn measured_temporaries_stay_within_the_plan_and_free_memory() {
                 let (_, stats) =
                     attention_with_stats(&q, &k, &v, h, mask, &options).expect("attention");
                 assert!(
-                    stats.query_chunks > 1 || stats.key_chunks > 1,
+                    stats.query_chunks > 1 || stats.key_chunks > 1 || one_tile,
                     "{backend} did not chunk"
+                );
+                assert!(
+                    stats.peak_temporary > ByteSize::ZERO,
+                    "{backend} measured nothing"
                 );
                 assert!(
                     stats.peak_temporary <= planned,
@@ -680,6 +764,23 @@ fn dispatcher_follows_its_documented_table() {
     let big = ByteSize::gib(64);
     // 16 × 512² × 4 = 16 MiB of scores; 16 × 4096² × 4 = 1 GiB.
     let table = [
+        // The CPU of this build: the fused kernel at every size and free memory.
+        (None, Cpu, true, big, 512, Bk::Sdpa, false),
+        (None, Cpu, true, ByteSize::mib(1), 4096, Bk::Sdpa, false),
+        (Some(R::Sdpa), Cpu, true, big, 512, Bk::Sdpa, false),
+        (Some(R::Flash), Cpu, true, big, 512, Bk::Sdpa, true),
+        (Some(R::Sage), Cpu, true, big, 4096, Bk::Sdpa, true),
+        (Some(R::Naive), Cpu, true, big, 512, Bk::Naive, false),
+        (
+            Some(R::SubQuadratic),
+            Cpu,
+            true,
+            big,
+            512,
+            Bk::SubQuadratic,
+            false,
+        ),
+        // A CPU without the fused kernel: naive while the scores are small.
         (None, Cpu, false, big, 512, Bk::Naive, false),
         (
             None,
@@ -754,16 +855,23 @@ fn fallback_warning_is_latched_once_per_condition() {
 }
 
 #[test]
-fn no_fused_kernel_is_reachable_in_this_build() {
-    assert!(!fused_kernel_available(&Device::Cpu));
+fn the_cpu_runs_sdpa_and_flash_on_the_fused_kernel_except_in_f64() {
+    assert!(fused_kernel_available(&Device::Cpu));
     const { assert!(!FLASH_BUILT) };
     assert_eq!(DeviceKind::from(&Device::Cpu), DeviceKind::Cpu);
     let (q, k, v) = qkv(Layout::Merged, DType::F32, 1.0, 81);
     for b in [Backend::Sdpa, Backend::Flash] {
         let (_, stats) =
             attention_with_stats(&q, &k, &v, H, None, &AttentionOptions::new(b)).expect("runs");
-        assert_eq!(stats.backend, Backend::SubQuadratic);
+        assert_eq!(stats.backend, Backend::Sdpa);
     }
+    let to64 = |t: &Tensor| t.to_dtype(DType::F64).expect("f64");
+    let (q, k, v) = (to64(&q), to64(&k), to64(&v));
+    let (out, stats) =
+        attention_with_stats(&q, &k, &v, H, None, &AttentionOptions::new(Backend::Sdpa))
+            .expect("f64 runs");
+    assert_eq!(stats.backend, Backend::SubQuadratic);
+    assert_eq!(out.dtype(), DType::F64);
 }
 
 #[test]

@@ -1,9 +1,16 @@
 //! Slice conversions between `f32` and every storage dtype, into buffers the caller provides, in
-//! parallel over [`PAR_CHUNK`]-sized chunks: [`f32_to_f16`] and [`f16_to_f32`] (`half`'s
-//! converters), [`f32_to_bf16`] and [`bf16_to_f32`] (our own branch-free kernels, which
-//! vectorize), [`f32_to_fp8`] and [`fp8_to_f32`] (the kernels of `fp8.rs` and `stochastic.rs`).
+//! parallel over [`PAR_CHUNK`]-sized chunks: [`f32_to_f16`] and [`f32_to_bf16`] (our own
+//! branch-free encoders, which vectorize), [`f16_to_f32`] (`half`'s converter) and
+//! [`bf16_to_f32`], [`f32_to_fp8`] and [`fp8_to_f32`] (the kernels of `fp8.rs` and
+//! `stochastic.rs`).
+//!
+//! The encoders write through [`Dest`], so the same kernel fills a caller's buffer or the
+//! uninitialized buffer of a new tensor (never zeroed first: a new tensor's pages are touched once,
+//! by the conversion, on every thread), and writes `half`'s and `float8`'s element types directly.
 
-use half::slice::HalfFloatSliceExt;
+use std::mem::MaybeUninit;
+
+use float8::F8E4M3;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -15,18 +22,109 @@ use crate::error::{Error, Result};
 /// Number of elements one parallel task converts. Results never depend on it.
 pub const PAR_CHUNK: usize = 64 * 1024;
 
+/// A destination element an encoder writes a `T` (bits or value) into: the element itself, the
+/// 16- or 8-bit float type whose bits `T` are, or uninitialized room for either.
+pub(super) trait Dest<T>: Send {
+    /// Stores `v`.
+    fn put(&mut self, v: T);
+}
+
+impl<T: Send> Dest<T> for T {
+    #[inline(always)]
+    fn put(&mut self, v: T) {
+        *self = v;
+    }
+}
+
+impl<T: Send> Dest<T> for MaybeUninit<T> {
+    #[inline(always)]
+    fn put(&mut self, v: T) {
+        self.write(v);
+    }
+}
+
+/// `Dest<bits>` for a float type stored as those bits, and for room for one.
+macro_rules! bits_dest {
+    ($($t:ty: $bits:ty),*) => {$(
+        impl Dest<$bits> for $t {
+            #[inline(always)]
+            fn put(&mut self, v: $bits) {
+                *self = <$t>::from_bits(v);
+            }
+        }
+        impl Dest<$bits> for MaybeUninit<$t> {
+            #[inline(always)]
+            fn put(&mut self, v: $bits) {
+                self.write(<$t>::from_bits(v));
+            }
+        }
+    )*};
+}
+
+bits_dest!(f16: u16, bf16: u16, F8E4M3: u8);
+
+/// `bf16` bits of `x`: RNE; overflow to ±inf; NaN made quiet.
+#[inline(always)]
+fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    // Wraps only for negative NaNs, which the select below replaces.
+    let rounded = (bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16) as u16;
+    let nan = ((bits >> 16) | 0x0040) as u16;
+    if bits & 0x7FFF_FFFF > 0x7F80_0000 {
+        nan
+    } else {
+        rounded
+    }
+}
+
+/// `f16` bits of `x`: RNE (subnormals included); overflow to ±inf; NaN made quiet keeping the top
+/// of its payload. The same bits as the F16C instruction and `half`'s converter.
+#[inline(always)]
+fn f16_bits(x: f32) -> u16 {
+    const MIN_NORMAL: u32 = 0x3880_0000; // 2⁻¹⁴
+    const OVERFLOW: u32 = 0x4780_0000; // 2¹⁶: from here on, inf
+                                       // 0.5: adding it to a magnitude below 2⁻¹⁴ rounds it (RNE, in the FPU) to a multiple of
+                                       // 2⁻²⁴, the f16 subnormal step, held in the low mantissa bits.
+    const SUB_MAGIC: f32 = 0.5;
+    let bits = x.to_bits();
+    let sign = (bits >> 16) & 0x8000;
+    let abs = bits & 0x7FFF_FFFF;
+    // Normal range: rebias the exponent (127 → 15) and round the 13 dropped bits to nearest even
+    // in the integer domain; a carry moves into the exponent, up to inf past 65504.
+    let normal = (abs
+        .wrapping_add(((15u32.wrapping_sub(127)) << 23).wrapping_add(0xFFF))
+        .wrapping_add((abs >> 13) & 1))
+        >> 13;
+    let sub = (f32::from_bits(abs) + SUB_MAGIC)
+        .to_bits()
+        .wrapping_sub(SUB_MAGIC.to_bits());
+    let special = if abs > 0x7F80_0000 {
+        0x7E00 | ((abs >> 13) & 0x3FF)
+    } else {
+        0x7C00
+    };
+    let code = if abs < MIN_NORMAL {
+        sub
+    } else if abs < OVERFLOW {
+        normal
+    } else {
+        special
+    };
+    (code | sign) as u16
+}
+
 multiversion! {
-    fn bf16_encode_kernel(src: &[f32], dst: &mut [u16]) {
+    fn bf16_encode_kernel<D: Dest<u16>>(src: &[f32], dst: &mut [D]) {
         for (d, &s) in dst.iter_mut().zip(src) {
-            let bits = s.to_bits();
-            // Wraps only for negative NaNs, which the select below replaces.
-            let rounded = (bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16) as u16;
-            let nan = ((bits >> 16) | 0x0040) as u16;
-            *d = if bits & 0x7FFF_FFFF > 0x7F80_0000 {
-                nan
-            } else {
-                rounded
-            };
+            d.put(bf16_bits(s));
+        }
+    }
+}
+
+multiversion! {
+    fn f16_encode_kernel<D: Dest<u16>>(src: &[f32], dst: &mut [D]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            d.put(f16_bits(s));
         }
     }
 }
@@ -69,14 +167,19 @@ pub(super) fn par_convert<A: Sync, B: Send>(
         .for_each(|(i, (d, s))| kernel(s, d, (i * PAR_CHUNK) as u64));
 }
 
-/// Converts `src` to `f16` (RNE; overflow to ±inf) into `dst`, in parallel, with `half`'s
-/// hardware-accelerated converter (F16C where present).
+/// Converts `src` to `f16` (RNE; overflow to ±inf; NaN made quiet) into `dst`, in parallel; the
+/// same bits as `half`'s converter and the F16C instruction.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] when the lengths differ; nothing is written then.
 pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) -> Result<()> {
+    encode_f16(src, dst)
+}
+
+/// [`f32_to_f16`] into any [`Dest`] of `f16` bits.
+pub(super) fn encode_f16<D: Dest<u16>>(src: &[f32], dst: &mut [D]) -> Result<()> {
     check_len("f32 → f16", src.len(), dst.len())?;
-    par_convert(src, dst, |s, d, _| d.convert_from_f32_slice(s));
+    par_convert(src, dst, |s, d, _| f16_encode_kernel(s, d));
     Ok(())
 }
 
@@ -85,6 +188,7 @@ pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) -> Result<()> {
 /// # Errors
 /// [`Error::ShapeMismatch`] when the lengths differ.
 pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) -> Result<()> {
+    use half::slice::HalfFloatSliceExt;
     check_len("f16 → f32", src.len(), dst.len())?;
     par_convert(src, dst, |s, d, _| s.convert_to_f32_slice(d));
     Ok(())
@@ -95,8 +199,12 @@ pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) -> Result<()> {
 /// # Errors
 /// [`Error::ShapeMismatch`] when the lengths differ.
 pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) -> Result<()> {
+    encode_bf16(src, dst)
+}
+
+/// [`f32_to_bf16`] into any [`Dest`] of `bf16` bits.
+pub(super) fn encode_bf16<D: Dest<u16>>(src: &[f32], dst: &mut [D]) -> Result<()> {
     check_len("f32 → bf16", src.len(), dst.len())?;
-    let dst: &mut [u16] = dst.reinterpret_cast_mut();
     par_convert(src, dst, |s, d, _| bf16_encode_kernel(s, d));
     Ok(())
 }
@@ -106,6 +214,7 @@ pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) -> Result<()> {
 /// # Errors
 /// [`Error::ShapeMismatch`] when the lengths differ.
 pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) -> Result<()> {
+    use half::slice::HalfFloatSliceExt;
     check_len("bf16 → f32", src.len(), dst.len())?;
     let src: &[u16] = src.reinterpret_cast();
     par_convert(src, dst, |s, d, _| bf16_decode_kernel(s, d));
@@ -124,21 +233,31 @@ pub fn f32_to_fp8(
     format: Fp8Format,
     rounding: Rounding,
 ) -> Result<()> {
+    encode_fp8(src, dst, format, rounding)
+}
+
+/// [`f32_to_fp8`] into any [`Dest`] of fp8 codes (bytes, `float8::F8E4M3`, or room for them).
+pub(super) fn encode_fp8<D: Dest<u8>>(
+    src: &[f32],
+    dst: &mut [D],
+    format: Fp8Format,
+    rounding: Rounding,
+) -> Result<()> {
     check_len("f32 → fp8", src.len(), dst.len())?;
     match (format, rounding) {
         (Fp8Format::E4M3FN, Rounding::Nearest) => {
-            par_convert(src, dst, |s, d, _| fp8_rne_kernel::<E4M3FN>(s, d))
+            par_convert(src, dst, |s, d, _| fp8_rne_kernel::<E4M3FN, D>(s, d))
         }
         (Fp8Format::E5M2, Rounding::Nearest) => {
-            par_convert(src, dst, |s, d, _| fp8_rne_kernel::<E5M2>(s, d))
+            par_convert(src, dst, |s, d, _| fp8_rne_kernel::<E5M2, D>(s, d))
         }
         (Fp8Format::E4M3FN, Rounding::Stochastic { seed }) => {
             par_convert(src, dst, |s, d, base| {
-                fp8_stochastic_kernel::<E4M3FN>(s, d, seed, base)
+                fp8_stochastic_kernel::<E4M3FN, D>(s, d, seed, base)
             })
         }
         (Fp8Format::E5M2, Rounding::Stochastic { seed }) => par_convert(src, dst, |s, d, base| {
-            fp8_stochastic_kernel::<E5M2>(s, d, seed, base)
+            fp8_stochastic_kernel::<E5M2, D>(s, d, seed, base)
         }),
     }
     Ok(())

@@ -6,6 +6,7 @@
 
 use std::fmt;
 
+use super::cast::Dest;
 use super::multiversion::multiversion;
 use super::Dtype;
 
@@ -182,9 +183,9 @@ fn encode_rne<F: Format>(x: f32) -> u8 {
 }
 
 multiversion! {
-    pub(super) fn fp8_rne_kernel<F: Format>(src: &[f32], dst: &mut [u8]) {
+    pub(super) fn fp8_rne_kernel<F: Format, D: Dest<u8>>(src: &[f32], dst: &mut [D]) {
         for (d, &s) in dst.iter_mut().zip(src) {
-            *d = encode_rne::<F>(s);
+            d.put(encode_rne::<F>(s));
         }
     }
 }

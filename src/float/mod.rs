@@ -10,10 +10,11 @@
 //!   counter-based random bits it draws;
 //! - `seed.rs`: the seed of a weight, [`weight_seed`] (CRC-32 of its key, [`crc32`]);
 //! - `cast.rs`: slice conversions between `f32` and every storage dtype, into buffers the caller
-//!   provides: [`f32_to_f16`], [`f16_to_f32`], [`f32_to_bf16`], [`bf16_to_f32`], [`f32_to_fp8`],
+//!   provides (or, through its `Dest` trait, into a new tensor's uninitialized buffer): [`f32_to_f16`], [`f16_to_f32`], [`f32_to_bf16`], [`bf16_to_f32`], [`f32_to_fp8`],
 //!   [`fp8_to_f32`];
 //! - `tensor.rs`: the tensor-level helpers the patcher uses, [`to_f32`] and [`from_f32`];
-//! - `multiversion.rs`: kernels compiled baseline and with AVX2, picked at run time;
+//! - `multiversion.rs`: kernels compiled baseline, with AVX2 and with AVX-512, picked at run time
+//!   (the attention kernel's row kernels use it too);
 //! - `uniform.rs`: [`uniform_tensor`], deterministic test data for examples, tests and benches.
 //!
 //! # Storage in candle
@@ -27,8 +28,9 @@
 //! # Rounding rules
 //!
 //! - `f16`, `bf16`: round to nearest, ties to even (RNE); overflow goes to ±inf as in IEEE 754;
-//!   NaN stays NaN (bf16 NaNs are made quiet). `f16` goes through `half`'s converters (F16C on
-//!   x86-64 where present); `bf16` uses our own branch-free RNE kernel, which vectorizes.
+//!   NaN stays NaN, made quiet (for `f16` keeping the top of its payload, as the F16C
+//!   instruction and `half` do). Both encoders are our own branch-free kernels, which vectorize;
+//!   they give `half`'s bits exactly.
 //! - fp8, [`Rounding::Nearest`]: RNE, with subnormals rounded correctly. **Saturating**: every
 //!   finite value beyond the largest finite fp8 value, and ±inf, becomes ±max (±448 for E4M3FN,
 //!   ±57344 for E5M2). This is what fp8 weight storage wants: an overflow to inf (or to NaN, for
@@ -55,13 +57,21 @@
 //! Every conversion is one pass, O(n) in time, with no allocation beyond the output
 //! ([`to_f32`]/[`from_f32`] allocate exactly one output buffer; slice functions none). Slices of
 //! more than [`PAR_CHUNK`] elements are split into chunks of that size and converted on rayon's
-//! global pool. On x86-64 the kernels are compiled twice, once baseline and once with AVX2, and
-//! picked at run time. fp8 decoding reads a 256-entry table built at compile time.
+//! global pool. [`from_f32`] encodes straight into the new tensor's uninitialized buffer, so its
+//! pages are touched once, by the parallel encode (no zeroing pass first). On x86-64 the kernels
+//! are compiled three times, baseline, with AVX2 and with AVX-512, and picked at run time; the
+//! variants give the same bits. fp8 decoding reads a 256-entry table built at compile time.
+//!
+//! # Element types
+//!
+//! fp8 E4M3FN tensors hold candle's own element type, `float8::F8E4M3` (the crate depends on the
+//! `float8` version candle-core does), which the encoders write directly: no reinterpretation of
+//! bytes as another type anywhere in this module.
 
 mod cast;
 mod dtype;
 mod fp8;
-mod multiversion;
+pub(crate) mod multiversion;
 mod seed;
 mod stochastic;
 mod tensor;

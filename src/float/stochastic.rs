@@ -14,6 +14,7 @@
 //! The rounding contract itself (neighbours, probability, saturation) is in the
 //! [rounding rules](crate::float#rounding-rules).
 
+use super::cast::Dest;
 use super::fp8::Format;
 use super::multiversion::multiversion;
 use super::weight_seed;
@@ -57,12 +58,17 @@ pub(super) fn encode_stochastic<F: Format>(x: f32, r: u32) -> u8 {
     // of two scaling); its fraction is exact too; round up when a 24-bit uniform is below it.
     let scaled = f32::from_bits(abs) * F::SUB_SCALE;
     // Signed conversions (single instructions on x86): `scaled` < 2^M + 1 and `r >> 8` < 2^24 in
-    // every lane that is selected.
-    let lo = scaled as i32;
+    // every lane that is selected. `as i32` would saturate and map NaN to 0, checks the compiler
+    // emits one lane at a time; clamping to [0, 2^M + 1] first (which changes no selected lane)
+    // and converting unchecked keeps the loop one vector instruction wide.
+    let clamped = scaled.max(0.0).min(((1u32 << F::M) + 1) as f32);
+    // SAFETY: `f32::max`/`min` return the non-NaN operand, so `clamped` is a finite value in
+    // [0, 2^M + 1] ⊂ i32's range, which is all `to_int_unchecked` requires.
+    let lo: i32 = unsafe { clamped.to_int_unchecked() };
     let frac = scaled - lo as f32;
     let uniform = ((r >> 8) as i32) as f32 * (1.0 / 16_777_216.0);
     let lo = lo as u32;
-    // `lo` saturates for lanes outside the subnormal range, which are not selected.
+    // `lo` is meaningless for lanes outside the subnormal range, which are not selected.
     let sub = lo.wrapping_add(u32::from(uniform < frac));
     let code = if abs < F::MIN_NORMAL_BITS {
         sub
@@ -119,7 +125,7 @@ pub(super) fn element_bits(seed: u64, index: u64) -> u32 {
 
 multiversion! {
     /// Stochastic kernel for a chunk whose first element has global index `base`.
-    pub(super) fn fp8_stochastic_kernel<F: Format>(src: &[f32], dst: &mut [u8], seed: u64, base: u64) {
+    pub(super) fn fp8_stochastic_kernel<F: Format, D: Dest<u8>>(src: &[f32], dst: &mut [D], seed: u64, base: u64) {
         let mut src = src;
         let mut dst = dst;
         let mut index = base;
@@ -137,7 +143,7 @@ multiversion! {
             let (d_run, d_rest) = dst.split_at_mut(take);
             let mut counter = lo;
             for (d, &x) in d_run.iter_mut().zip(s_run) {
-                *d = encode_stochastic::<F>(x, keyed_bits(keys, counter));
+                d.put(encode_stochastic::<F>(x, keyed_bits(keys, counter)));
                 counter = counter.wrapping_add(1);
             }
             src = s_rest;

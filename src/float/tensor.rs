@@ -1,12 +1,15 @@
 //! The tensor-level conversions the patcher uses: [`to_f32`] decodes a CPU tensor of any storage
 //! dtype into a new `f32` tensor, [`from_f32`] encodes one back, each with exactly one output
-//! allocation (huge-page backed when large).
+//! allocation (huge-page backed when large; [`from_f32`]'s is never zeroed first).
 
-use candle_core::{CpuStorage, DType, Device, Storage, Tensor, WithDType};
+use std::mem::MaybeUninit;
+
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
+use float8::F8E4M3;
 use half::{bf16, f16};
 
 use super::cast::{
-    bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f32_to_fp8, fp8_to_f32, par_convert,
+    bf16_to_f32, encode_bf16, encode_f16, encode_fp8, f16_to_f32, fp8_to_f32, par_convert, Dest,
 };
 use super::{Dtype, Fp8Format, Rounding};
 use crate::error::{Error, Result, TensorContext};
@@ -14,34 +17,66 @@ use crate::error::{Error, Result, TensorContext};
 /// Buffers at least this large are backed by transparent huge pages where the kernel offers them.
 const HUGE_PAGE_MIN: usize = 4 << 20;
 
-/// A zeroed buffer of `n` elements for a conversion's output.
+/// Asks the kernel to back the first `n` elements of `v`'s allocation with transparent huge pages
+/// and to fault them in at once, before anything touches them.
 ///
 /// A large allocation is fresh memory from the kernel each time (glibc maps anything over 32 MiB
 /// anew and unmaps it on free), so filling it takes one page fault per 4 KiB page — about as
-/// long as the conversion itself for a 4096² weight. Buffers of at least 4 MiB are therefore
-/// advised to use transparent huge pages before their first touch (`madvise(MADV_HUGEPAGE)`;
-/// Linux only, ignored where THP is off): one fault per 2 MiB.
-fn output_buffer<T: Copy + Default>(n: usize) -> Vec<T> {
-    let mut v: Vec<T> = Vec::with_capacity(n);
+/// long as the conversion itself for a 4096² weight, and slower still when two threads fault the
+/// same mapping. Buffers of at least 4 MiB are therefore advised to use transparent huge pages
+/// (`MADV_HUGEPAGE`: one fault per 2 MiB where THP is on) and populated in one call
+/// (`MADV_POPULATE_WRITE`, Linux 5.14+); both are hints, ignored where unsupported.
+fn advise_huge_pages<T>(v: &mut Vec<T>, n: usize) {
     let bytes = n.saturating_mul(std::mem::size_of::<T>());
     #[cfg(target_os = "linux")]
-    if bytes >= HUGE_PAGE_MIN {
+    if bytes >= HUGE_PAGE_MIN && v.capacity() >= n {
         const PAGE: usize = 4096;
         let start = v.as_mut_ptr() as usize;
         let first = start.next_multiple_of(PAGE);
         let end = (start + bytes) / PAGE * PAGE;
         if end > first {
-            // SAFETY: `[first, end)` lies inside `v`'s allocation (page-aligned inward), which
-            // this function owns and has not touched; MADV_HUGEPAGE only changes how the kernel
-            // backs those pages, never their contents, and failure is harmless (ignored).
+            // SAFETY: `[first, end)` lies inside `v`'s allocation (page-aligned inward; the
+            // capacity covers `n` elements), which the caller owns and has not touched;
+            // MADV_HUGEPAGE only changes how the kernel backs those pages and
+            // MADV_POPULATE_WRITE only faults them in (zero-filled, as a first write would),
+            // never changing what the program can observe; failure is harmless (ignored; older
+            // kernels lack MADV_POPULATE_WRITE).
             unsafe {
                 libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
+                libc::madvise(
+                    first as *mut libc::c_void,
+                    end - first,
+                    libc::MADV_POPULATE_WRITE,
+                );
             }
         }
     }
-    let _ = bytes;
+    let _ = (v, bytes);
+}
+
+/// A zeroed buffer of `n` elements for a decode's output.
+fn output_buffer<T: Copy + Default>(n: usize) -> Vec<T> {
+    let mut v: Vec<T> = Vec::with_capacity(n);
+    advise_huge_pages(&mut v, n);
     v.resize(n, T::default());
     v
+}
+
+/// A new buffer of `n` elements filled by `encode`, which must write every one of them through
+/// its [`Dest`] (the encoders of `cast.rs` do: they check that source and destination lengths
+/// are equal and write each destination element once). The buffer is not zeroed first, so its
+/// pages are first touched by the parallel encode itself.
+fn encoded<T: Send>(
+    n: usize,
+    encode: impl FnOnce(&mut [MaybeUninit<T>]) -> Result<()>,
+) -> Result<Vec<T>> {
+    let mut v: Vec<T> = Vec::with_capacity(n);
+    advise_huge_pages(&mut v, n);
+    encode(&mut v.spare_capacity_mut()[..n])?;
+    // SAFETY: the capacity is at least `n`, and `encode` returned Ok, which for every caller in
+    // this file means it wrote all `n` elements (see above), so they are initialized.
+    unsafe { v.set_len(n) };
+    Ok(v)
 }
 
 fn storage_mismatch(t: &Tensor, dtype: Dtype, what: &str) -> Error {
@@ -187,57 +222,31 @@ pub fn from_f32(t: &Tensor, dtype: Dtype, rounding: Rounding) -> Result<Tensor> 
         match dtype {
             Dtype::F32 => Tensor::from_slice(src, shape, &Device::Cpu).ctx(ctx),
             Dtype::F64 => {
-                let mut out = output_buffer::<f64>(n);
-                par_convert(src, &mut out, |s, d, _| {
-                    d.iter_mut().zip(s).for_each(|(d, &s)| *d = f64::from(s))
-                });
+                let out = encoded::<f64>(n, |d| {
+                    par_convert(src, d, |s, d, _| {
+                        d.iter_mut().zip(s).for_each(|(d, &s)| d.put(f64::from(s)))
+                    });
+                    Ok(())
+                })?;
                 Tensor::from_vec(out, shape, &Device::Cpu).ctx(ctx)
             }
             Dtype::F16 => {
-                let mut out = output_buffer::<f16>(n);
-                f32_to_f16(src, &mut out)?;
+                let out = encoded::<f16>(n, |d| encode_f16(src, d))?;
                 Tensor::from_vec(out, shape, &Device::Cpu).ctx(ctx)
             }
             Dtype::BF16 => {
-                let mut out = output_buffer::<bf16>(n);
-                f32_to_bf16(src, &mut out)?;
+                let out = encoded::<bf16>(n, |d| encode_bf16(src, d))?;
                 Tensor::from_vec(out, shape, &Device::Cpu).ctx(ctx)
             }
             Dtype::F8E5M2 => {
-                let mut out = output_buffer::<u8>(n);
-                f32_to_fp8(src, &mut out, Fp8Format::E5M2, rounding)?;
+                let out = encoded::<u8>(n, |d| encode_fp8(src, d, Fp8Format::E5M2, rounding))?;
                 Tensor::from_vec(out, shape, &Device::Cpu).ctx(ctx)
             }
             Dtype::F8E4M3FN => {
-                let mut out = output_buffer::<u8>(n);
-                f32_to_fp8(src, &mut out, Fp8Format::E4M3FN, rounding)?;
-                let out = into_candle_elements(out, CpuStorage::F8E4M3)?;
+                let out =
+                    encoded::<F8E4M3>(n, |d| encode_fp8(src, d, Fp8Format::E4M3FN, rounding))?;
                 Tensor::from_vec(out, shape, &Device::Cpu).ctx(ctx)
             }
         }
     })
-}
-
-/// Reinterprets fp8 codes as the element type candle stores `F8E4M3` tensors in (its own
-/// `float8::F8E4M3`, of a `float8` version we do not depend on; `variant` names it by inference:
-/// pass `CpuStorage::F8E4M3`). No copy.
-fn into_candle_elements<T: WithDType>(
-    bytes: Vec<u8>,
-    _variant: fn(Vec<T>) -> CpuStorage,
-) -> Result<Vec<T>> {
-    if T::DTYPE != DType::F8E4M3 || std::mem::size_of::<T>() != 1 || std::mem::align_of::<T>() != 1
-    {
-        return Err(Error::UnsupportedDtype {
-            dtype: T::DTYPE.as_str().into(),
-            what: "building an fp8 tensor: candle's F8E4M3 element is not a 1-byte type".into(),
-        });
-    }
-    let mut bytes = std::mem::ManuallyDrop::new(bytes);
-    let (ptr, len, cap) = (bytes.as_mut_ptr(), bytes.len(), bytes.capacity());
-    // SAFETY: `T` is the element of `CpuStorage::F8E4M3` with `DTYPE == F8E4M3`, i.e. candle's
-    // `float8::F8E4M3`, a `#[repr(transparent)]` wrapper of a `u8` for which every bit pattern is
-    // a valid value; size and alignment are checked above to be 1, so `ptr` (from a `Vec<u8>`,
-    // not used again: `ManuallyDrop`) was allocated with the layout a `Vec<T>` of capacity `cap`
-    // deallocates with, and its `len` elements are initialized.
-    Ok(unsafe { Vec::from_raw_parts(ptr.cast::<T>(), len, cap) })
 }

@@ -432,13 +432,13 @@ fn stochastic_rounding_does_not_depend_on_chunking_or_threads() {
             }
             let end = (start + len).min(n);
             match f {
-                Fp8Format::E4M3FN => fp8_stochastic_kernel::<E4M3FN>(
+                Fp8Format::E4M3FN => fp8_stochastic_kernel::<E4M3FN, u8>(
                     &src[start..end],
                     &mut pieces[start..end],
                     77,
                     start as u64,
                 ),
-                Fp8Format::E5M2 => fp8_stochastic_kernel::<E5M2>(
+                Fp8Format::E5M2 => fp8_stochastic_kernel::<E5M2, u8>(
                     &src[start..end],
                     &mut pieces[start..end],
                     77,
@@ -452,8 +452,10 @@ fn stochastic_rounding_does_not_depend_on_chunking_or_threads() {
         let base = (1u64 << 32) - 5;
         let mut across = [0u8; 11];
         match f {
-            Fp8Format::E4M3FN => fp8_stochastic_kernel::<E4M3FN>(&src[..11], &mut across, 77, base),
-            Fp8Format::E5M2 => fp8_stochastic_kernel::<E5M2>(&src[..11], &mut across, 77, base),
+            Fp8Format::E4M3FN => {
+                fp8_stochastic_kernel::<E4M3FN, u8>(&src[..11], &mut across, 77, base)
+            }
+            Fp8Format::E5M2 => fp8_stochastic_kernel::<E5M2, u8>(&src[..11], &mut across, 77, base),
         }
         for (j, &c) in across.iter().enumerate() {
             let r = element_bits(77, base + j as u64);
@@ -634,4 +636,62 @@ fn stochastic_tensor_encoding_uses_row_major_indices() -> Result<()> {
         sr(Fp8Format::E5M2, &vals, seed)
     );
     Ok(())
+}
+
+/// CRC-32s of every cast's output on one fixed input spanning the whole f32 range (subnormals,
+/// infinities, NaNs with payloads, ties), pinned from the kernels as they were before they were
+/// rewritten for speed: a changed bit anywhere changes a checksum.
+#[test]
+fn cast_outputs_keep_their_pinned_bits() {
+    let mut rng = Lcg(2024);
+    let mut src: Vec<f32> = (0..(1 << 20) + 77).map(|_| rng.float(-127, 129)).collect();
+    // NaN payloads, and values on and near fp8/f16 rounding ties.
+    src.extend((0..4096u32).map(|i| f32::from_bits(0x7F80_0000 | (i << 11) | 1)));
+    src.extend((0..4096u32).map(|i| f32::from_bits(0x3300_0000 + (i << 12))));
+    let mut h = vec![f16::ZERO; src.len()];
+    f32_to_f16(&src, &mut h).unwrap();
+    let mut b = vec![bf16::ZERO; src.len()];
+    f32_to_bf16(&src, &mut b).unwrap();
+    let le16 = |v: Vec<u16>| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let mut got: Vec<(String, u32)> = vec![
+        (
+            "f16".into(),
+            crc32(&le16(h.iter().map(|x| x.to_bits()).collect())),
+        ),
+        (
+            "bf16".into(),
+            crc32(&le16(b.iter().map(|x| x.to_bits()).collect())),
+        ),
+    ];
+    for f in FORMATS {
+        for rounding in [Rounding::Nearest, Rounding::Stochastic { seed: 0x5EED }] {
+            let mut out = vec![0u8; src.len()];
+            f32_to_fp8(&src, &mut out, f, rounding).unwrap();
+            got.push((format!("{f} {rounding:?}"), crc32(&out)));
+        }
+    }
+    let t = Tensor::from_slice(&src, src.len(), &Device::Cpu).unwrap();
+    for d in [Dtype::F16, Dtype::BF16, Dtype::F8E4M3FN, Dtype::F8E5M2] {
+        let e = from_f32(&t, d, Rounding::Stochastic { seed: 9 }).unwrap();
+        let back = to_f32(&e, d).unwrap().to_vec1::<f32>().unwrap();
+        let bits: Vec<u8> = back
+            .iter()
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect();
+        got.push((format!("tensor {d}"), crc32(&bits)));
+    }
+    let pinned: [(&str, u32); 10] = [
+        ("f16", 104701604),
+        ("bf16", 1625568092),
+        ("fp8_e4m3fn Nearest", 4022563362),
+        ("fp8_e4m3fn Stochastic { seed: 24301 }", 3984005671),
+        ("fp8_e5m2 Nearest", 2248994748),
+        ("fp8_e5m2 Stochastic { seed: 24301 }", 1235840786),
+        ("tensor f16", 1363438160),
+        ("tensor bf16", 309273880),
+        ("tensor fp8_e4m3fn", 866564717),
+        ("tensor fp8_e5m2", 3100929040),
+    ];
+    let got: Vec<(&str, u32)> = got.iter().map(|(n, c)| (n.as_str(), *c)).collect();
+    assert_eq!(got, pinned);
 }

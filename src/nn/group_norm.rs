@@ -19,7 +19,7 @@ pub struct GroupNorm {
 /// candle-nn's refusal (`num_groups` must divide `num_channels`), and zero groups, which
 /// candle-nn accepts for zero channels and then divides by.
 fn check_groups(what: &str, num_channels: usize, num_groups: usize) -> candle_core::Result<()> {
-    if num_groups == 0 || num_channels % num_groups != 0 {
+    if num_groups == 0 || !num_channels.is_multiple_of(num_groups) {
         return Err(bad_shape(
             format!("group norm `{what}`: {num_groups} groups must divide {num_channels} channels"),
             vec![num_groups.max(1) * num_channels.div_ceil(num_groups.max(1))],

@@ -242,7 +242,7 @@ impl OpsBuilder {
 
 fn check_groups(weights: &LayerWeights, groups: usize) -> Result<()> {
     let out = weights.weight.shape[0];
-    if groups == 0 || out % groups != 0 {
+    if groups == 0 || !out.is_multiple_of(groups) {
         return Err(Error::ShapeMismatch {
             what: format!(
                 "`{}`: {out} output channels in {groups} groups",

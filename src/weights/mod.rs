@@ -31,8 +31,11 @@ use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
 pub(crate) use self::safetensors::{
-    read_file_tensors, read_raw_tensors, save_safetensors_with_raw,
+    le_bytes, read_file_tensors, safetensors_dtype, save_safetensors_streaming, FileTensor,
+    LazyTensor, TensorFile,
 };
+#[cfg(test)]
+pub(crate) use self::safetensors::{read_raw_tensors, save_safetensors_with_raw, RawTensor};
 pub use self::safetensors::{save_safetensors, SafetensorsOptions};
 
 /// What the offload layer hangs on a model to stream it (an `offload::Streamer`).

@@ -37,7 +37,8 @@ fn storage_of(st: StDtype) -> Option<(Dtype, DType)> {
     })
 }
 
-fn st_dtype_of(d: Dtype) -> StDtype {
+/// The safetensors dtype a weight of storage dtype `d` is written as.
+pub(crate) fn safetensors_dtype(d: Dtype) -> StDtype {
     match d {
         Dtype::F64 => StDtype::F64,
         Dtype::F32 => StDtype::F32,
@@ -194,7 +195,9 @@ pub(crate) struct RawTensor {
     pub(crate) data: Vec<u8>,
 }
 
-/// Reads the tensors `names` of a safetensors file as [`RawTensor`]s (any dtype).
+/// Reads the tensors `names` of a safetensors file as [`RawTensor`]s (any dtype). (The in-memory
+/// merge the tests compare the streaming one against passes them through with it.)
+#[cfg(test)]
 pub(crate) fn read_raw_tensors(path: &Path, names: &[String]) -> Result<Vec<RawTensor>> {
     if names.is_empty() {
         return Ok(Vec::new());
@@ -246,7 +249,7 @@ pub(crate) fn save_safetensors_with_raw<S: AsRef<str>>(
             key.to_string(),
             tensor_bytes(&t)?,
             t.dims().to_vec(),
-            st_dtype_of(*dtype),
+            safetensors_dtype(*dtype),
         ));
     }
     let mut views = Vec::with_capacity(owned.len());
@@ -262,4 +265,268 @@ pub(crate) fn save_safetensors_with_raw<S: AsRef<str>>(
     }
     safetensors::tensor::serialize_to_file(views, options.metadata.clone(), path)
         .map_err(|e| file_err(path, format!("cannot write: {e}")))
+}
+
+/// One tensor of a safetensors file as its header describes it.
+#[derive(Debug, Clone)]
+pub(crate) struct FileTensor {
+    pub(crate) name: String,
+    pub(crate) dtype: StDtype,
+    pub(crate) shape: Vec<usize>,
+    /// Absolute file offset of its first byte.
+    start: u64,
+    /// Bytes of data.
+    pub(crate) len: usize,
+}
+
+impl FileTensor {
+    /// The storage dtype a [`Model`] keeps this tensor in (`f64` is kept as `f32`), or `None`
+    /// for a tensor that is not a float weight (a [`Model`] skips it).
+    pub(crate) fn weight_dtype(&self) -> Option<Dtype> {
+        storage_of(self.dtype).map(|(d, _)| if d == Dtype::F64 { Dtype::F32 } else { d })
+    }
+
+    /// Whether a [`Model`] keeps this float weight in the file's own dtype and bytes (all but
+    /// `f64`, which it stores as `f32`).
+    pub(crate) fn kept_as_stored(&self) -> bool {
+        matches!(storage_of(self.dtype), Some((d, _)) if d != Dtype::F64)
+    }
+}
+
+/// A safetensors file opened for positioned reads, one tensor at a time: only the header is
+/// parsed up front, and reading a tensor touches only its bytes (no map of the file stays alive,
+/// so memory holds one tensor, not the file).
+pub(crate) struct TensorFile {
+    path: std::path::PathBuf,
+    file: std::fs::File,
+    /// In file order (by data offset).
+    tensors: Vec<FileTensor>,
+}
+
+impl TensorFile {
+    /// Opens `path` and reads its header.
+    pub(crate) fn open(path: &Path) -> Result<TensorFile> {
+        let file =
+            std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
+        // SAFETY: as in `Model::from_safetensors`: the read-only map lives only inside this
+        // function; only the header is read through it (`read_metadata` checks the data offsets
+        // against the map's length without reading the data).
+        let mmap = unsafe { memmap2::Mmap::map(&file) }
+            .map_err(|e| file_err(path, format!("cannot map: {e}")))?;
+        let (n, metadata) = SafeTensors::read_metadata(&mmap)
+            .map_err(|e| file_err(path, format!("not a valid safetensors file: {e}")))?;
+        let data_start = 8 + n as u64;
+        let mut tensors: Vec<FileTensor> = metadata
+            .tensors()
+            .into_iter()
+            .map(|(name, info)| FileTensor {
+                name,
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                start: data_start + info.data_offsets.0 as u64,
+                len: info.data_offsets.1 - info.data_offsets.0,
+            })
+            .collect();
+        tensors.sort_by_key(|t| t.start);
+        for t in &tensors {
+            check_shape(path, &t.name, &t.shape)?;
+        }
+        Ok(TensorFile {
+            path: path.to_path_buf(),
+            file,
+            tensors,
+        })
+    }
+
+    /// The file's tensors in file order.
+    pub(crate) fn tensors(&self) -> &[FileTensor] {
+        &self.tensors
+    }
+
+    /// The data bytes of `t`, read at its offset.
+    pub(crate) fn read_bytes(&self, t: &FileTensor) -> Result<Vec<u8>> {
+        let mut bytes = vec![0u8; t.len];
+        read_exact_at(&self.file, &mut bytes, t.start)
+            .map_err(|e| file_err(&self.path, format!("tensor `{}`: cannot read: {e}", t.name)))?;
+        Ok(bytes)
+    }
+
+    /// Float tensor `t` as [`Model::from_safetensors`] holds it: a CPU tensor in its storage
+    /// dtype (`f64` converted to `f32`), bit for bit the same.
+    ///
+    /// # Errors
+    /// [`Error::File`] naming the file and tensor when it cannot be read or is not a float.
+    pub(crate) fn read_weight(&self, t: &FileTensor) -> Result<(Tensor, Dtype)> {
+        let err = |reason: String| file_err(&self.path, format!("tensor `{}`: {reason}", t.name));
+        let Some((dtype, cdtype)) = storage_of(t.dtype) else {
+            return Err(err(format!("{:?} is not a float weight", t.dtype)));
+        };
+        let bytes = self.read_bytes(t)?;
+        let tensor = Tensor::from_raw_buffer(&bytes, cdtype, &t.shape, &Device::Cpu)
+            .map_err(|e| err(e.to_string()))?;
+        drop(bytes);
+        if dtype == Dtype::F64 {
+            let tensor = tensor
+                .to_dtype(DType::F32)
+                .map_err(|e| err(e.to_string()))?;
+            return Ok((tensor, Dtype::F32));
+        }
+        Ok((tensor, dtype))
+    }
+}
+
+/// Fills `buf` from `file` at `offset` (a positioned read: the file's cursor is not used).
+#[cfg(unix)]
+fn read_exact_at(file: &std::fs::File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
+}
+
+/// Fills `buf` from `file` at `offset`.
+#[cfg(windows)]
+fn read_exact_at(file: &std::fs::File, mut buf: &mut [u8], mut offset: u64) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match std::os::windows::fs::FileExt::seek_read(file, buf, offset)? {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n => {
+                buf = &mut buf[n..];
+                offset += n as u64;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The little-endian bytes of a CPU tensor in its candle dtype, copied once from its storage.
+pub(crate) fn le_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    use candle_core::{CpuStorage, Storage};
+    fn copy<T: Copy, const N: usize>(v: &[T], to_le: impl Fn(T) -> [u8; N]) -> Vec<u8> {
+        let mut out = vec![0u8; v.len() * N];
+        for (o, &x) in out.chunks_exact_mut(N).zip(v) {
+            o.copy_from_slice(&to_le(x));
+        }
+        out
+    }
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let unsupported = |what: &str| Error::UnsupportedDtype {
+        dtype: format!("{:?}", t.dtype()),
+        what: format!("writing tensor bytes ({what})"),
+    };
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| unsupported("strided"))?;
+    Ok(match &*storage {
+        Storage::Cpu(CpuStorage::F32(v)) => copy(&v[start..end], f32::to_le_bytes),
+        Storage::Cpu(CpuStorage::F64(v)) => copy(&v[start..end], f64::to_le_bytes),
+        Storage::Cpu(CpuStorage::F16(v)) => copy(&v[start..end], half::f16::to_le_bytes),
+        Storage::Cpu(CpuStorage::BF16(v)) => copy(&v[start..end], half::bf16::to_le_bytes),
+        Storage::Cpu(CpuStorage::F8E4M3(v)) => v[start..end].iter().map(|x| x.to_bits()).collect(),
+        Storage::Cpu(CpuStorage::U8(v)) => v[start..end].to_vec(),
+        Storage::Cpu(_) => return Err(unsupported("not a storage dtype")),
+        _ => return Err(unsupported("not on the CPU")),
+    })
+}
+
+/// A tensor whose bytes [`save_safetensors_streaming`] asks for when it writes them.
+pub(crate) struct LazyTensor<'a> {
+    pub(crate) name: String,
+    pub(crate) dtype: StDtype,
+    pub(crate) shape: Vec<usize>,
+    /// Bytes `bytes` must return.
+    pub(crate) len: usize,
+    /// Produces the tensor's little-endian bytes.
+    pub(crate) bytes: Box<dyn Fn() -> Result<Vec<u8>> + 'a>,
+}
+
+/// A [`LazyTensor`] as safetensors' serializer sees it; the first error is kept in `failed`.
+struct LazyView<'a, 'f> {
+    tensor: LazyTensor<'a>,
+    path: &'f Path,
+    failed: &'f std::cell::RefCell<Option<Error>>,
+}
+
+impl safetensors::View for LazyView<'_, '_> {
+    fn dtype(&self) -> StDtype {
+        self.tensor.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.tensor.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        if self.failed.borrow().is_some() {
+            // The file is discarded; don't compute the rest.
+            return std::borrow::Cow::Borrowed(&[]);
+        }
+        match (self.tensor.bytes)() {
+            Ok(b) if b.len() == self.tensor.len => std::borrow::Cow::Owned(b),
+            Ok(b) => {
+                *self.failed.borrow_mut() = Some(file_err(
+                    self.path,
+                    format!(
+                        "tensor `{}`: produced {} bytes, its header says {}",
+                        self.tensor.name,
+                        b.len(),
+                        self.tensor.len
+                    ),
+                ));
+                std::borrow::Cow::Borrowed(&[])
+            }
+            Err(e) => {
+                *self.failed.borrow_mut() = Some(e);
+                std::borrow::Cow::Borrowed(&[])
+            }
+        }
+    }
+    fn data_len(&self) -> usize {
+        self.tensor.len
+    }
+}
+
+/// Writes a safetensors file whose tensors' bytes are produced one tensor at a time, as the file
+/// is written: memory holds one tensor's bytes, not the file. The header and the bytes are those
+/// [`save_safetensors`] writes for the same tensors (safetensors' own serializer lays out both).
+///
+/// The file is written under a temporary name next to `path` and renamed to `path` only when
+/// every tensor was produced: on any error nothing is left at `path` (an existing file there is
+/// kept) and the error of the first tensor that failed is returned.
+pub(crate) fn save_safetensors_streaming(
+    path: &Path,
+    tensors: Vec<LazyTensor<'_>>,
+    options: &SafetensorsOptions,
+) -> Result<()> {
+    let failed = std::cell::RefCell::new(None);
+    let views: Vec<(String, LazyView<'_, '_>)> = tensors
+        .into_iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                LazyView {
+                    tensor: t,
+                    path,
+                    failed: &failed,
+                },
+            )
+        })
+        .collect();
+    let file_name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let temp = path.with_file_name(format!(".{file_name}.{}.partial", std::process::id()));
+    let written = safetensors::tensor::serialize_to_file(views, options.metadata.clone(), &temp)
+        .map_err(|e| file_err(path, format!("cannot write: {e}")));
+    let result = match (written, failed.into_inner()) {
+        (Err(e), _) => Err(e),
+        (Ok(()), Some(e)) => Err(e),
+        (Ok(()), None) => std::fs::rename(&temp, path).map_err(|e| {
+            file_err(
+                path,
+                format!("cannot move the written file into place: {e}"),
+            )
+        }),
+    };
+    if result.is_err() {
+        let _ = std::fs::remove_file(&temp);
+    }
+    result
 }
