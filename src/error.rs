@@ -194,6 +194,14 @@ pub enum Error {
         not_restored: Vec<String>,
     },
 
+    /// A managed model's module was asked for while its weights are not all resident and current
+    /// for that patcher: load it first (`load_models_gpu`).
+    #[error("model `{model}` is not loaded: every weight must be resident for its module to be built; load it with load_models_gpu first")]
+    NotLoaded {
+        /// The model.
+        model: String,
+    },
+
     /// The process-wide manager exists already ([`crate::init_global`] after the first
     /// [`crate::global`] call, or twice); the configuration given was not applied.
     #[error("the global memory manager was already built; call init_global once, before anything uses residency::global()")]

@@ -64,6 +64,7 @@ pub mod error;
 pub(crate) mod fault;
 pub mod float;
 pub mod loader;
+pub mod managed;
 pub mod models;
 pub mod nn;
 pub mod offload;

@@ -115,6 +115,7 @@ impl MemoryManager {
                 undo.hooks.push((Arc::clone(&model), model.stream_hook()));
                 model.set_stream_hook(None);
                 inner.registry.remove(pos);
+                inner.unloaded.push(Arc::clone(&model));
                 unloaded += 1;
             } else {
                 for &i in indices {

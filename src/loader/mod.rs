@@ -32,6 +32,7 @@
 //! | 5 | the candle device table in `vram` | one candle device per ordinal (leaf) |
 //! | 6 | `ops::OpsSource`'s patcher handle | which patcher layers fetch through (leaf; held only to clone an `Arc`) |
 //! | 7 | `loader::Ledger` books | bytes in flight, bounds and peaks per device (leaf) |
+//! | 8 | `Model::derived` | a managed model's module built from its resident copies (leaf; the module is dropped outside every lock) |
 //!
 //! The manager lock is held while a load is planned and executed, which serializes loads (that
 //! is what keeps the plan's figures true while it is carried out); it is never held while calling
@@ -155,6 +156,9 @@ impl Entry {
 struct Inner {
     registry: Vec<Entry>,
     pool: Option<PinnedPool>,
+    /// Models that left the registry during the current call; their derived values (managed
+    /// modules) are dropped at its end.
+    unloaded: Vec<Arc<Model>>,
 }
 
 /// The registry of loaded models, the per-device ledger and the policy.
@@ -206,6 +210,7 @@ impl MemoryManager {
             inner: Mutex::new(Inner {
                 registry: Vec::new(),
                 pool,
+                unloaded: Vec::new(),
             }),
         }
     }
@@ -301,6 +306,20 @@ impl MemoryManager {
         }
     }
 
+    /// Takes the derived values (managed modules) that the current call made stale — of the
+    /// registered models and of those that left the registry — for the caller to drop after it
+    /// releases the manager lock, so the copies they hold are freed as the ledger says.
+    fn take_stale(inner: &mut Inner) -> Vec<Arc<dyn std::any::Any + Send + Sync>> {
+        let unloaded = std::mem::take(&mut inner.unloaded);
+        inner
+            .registry
+            .iter()
+            .map(Entry::model)
+            .chain(unloaded.iter())
+            .filter_map(|m| m.take_stale_derived())
+            .collect()
+    }
+
     /// The highest ledger (resident plus in flight) seen on `device` since the manager was built.
     pub fn peak_ledger(&self, device: DeviceId) -> ByteSize {
         self.ledger.peak(device)
@@ -351,6 +370,9 @@ impl MemoryManager {
             self.refresh_ledger(&inner);
             return Ok(report);
         }
+        inner
+            .unloaded
+            .extend(all.iter().map(|m| Arc::clone(m.model())));
         let result =
             self.plan_locked(&inner, &all, &options)
                 .and_then(|plan| match &plan.problem {
@@ -358,6 +380,9 @@ impl MemoryManager {
                     None => self.execute(&mut inner, &plan, &all, &options),
                 });
         self.refresh_ledger(&inner);
+        let stale = Self::take_stale(&mut inner);
+        drop(inner);
+        drop(stale);
         result
     }
 
@@ -482,6 +507,9 @@ impl MemoryManager {
         self.execute_evictions(&mut inner, &steps, &mut undo);
         execute::log_evictions(&evictions);
         self.refresh_ledger(&inner);
+        let stale = Self::take_stale(&mut inner);
+        drop(inner);
+        drop(stale);
         evictions
     }
 
@@ -489,14 +517,19 @@ impl MemoryManager {
     pub fn unload_all_models(&self) -> usize {
         let mut inner = self.inner.lock();
         let n = inner.registry.len();
-        for e in inner.registry.drain(..) {
+        let entries: Vec<Entry> = inner.registry.drain(..).collect();
+        for e in entries {
             e.patcher.detach();
             crate::offload::attach_streamer(&e.patcher, None);
+            inner.unloaded.push(Arc::clone(e.model()));
         }
         if let Some(pool) = &inner.pool {
             pool.trim();
         }
         self.refresh_ledger(&inner);
+        let stale = Self::take_stale(&mut inner);
+        drop(inner);
+        drop(stale);
         tracing::info!("{n} models unloaded.");
         n
     }
@@ -524,6 +557,9 @@ impl MemoryManager {
             pool.trim();
         }
         self.refresh_ledger(&inner);
+        let stale = Self::take_stale(&mut inner);
+        drop(inner);
+        drop(stale);
     }
 
     /// The registered models, most recently used first.
@@ -591,15 +627,18 @@ fn expand(models: &[ModelPatcher]) -> Vec<ModelPatcher> {
 }
 
 fn cleanup(inner: &mut Inner) {
+    let mut dropped = Vec::new();
     inner.registry.retain(|e| {
         let keep = e.outside_handles() > 0;
         if !keep {
             e.patcher.detach();
             crate::offload::attach_streamer(&e.patcher, None);
             tracing::debug!(model = e.model().name(), "dropped: no patcher left");
+            dropped.push(Arc::clone(e.model()));
         }
         keep
     });
+    inner.unloaded.extend(dropped);
 }
 
 static GLOBAL: OnceCell<MemoryManager> = OnceCell::new();

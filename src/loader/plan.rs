@@ -341,7 +341,8 @@ impl<'a> Planner<'a> {
             let e = &registry[pos];
             let v = self.victim(e, device);
             let missing = required.saturating_sub(free);
-            let (indices, freed, fully) = if smart {
+            // A whole model gives up everything or nothing.
+            let (indices, freed, fully) = if smart && !e.model().is_whole() {
                 let dropped = selection::unload(&self.victims[v].remaining, missing);
                 let remaining = &mut self.victims[v].remaining;
                 let mut freed = ByteSize::ZERO;
@@ -477,9 +478,12 @@ impl MemoryManager {
         for (k, m) in all.iter().enumerate() {
             let device = m.load_device();
             let views = &views[k];
-            let novram =
-                self.policy.vram_state() == VramState::NoVram && self.policy.is_scheduled(device);
-            let full = !novram && self.full_load(device, options);
+            // A whole model (a managed module) cannot stream: it loads fully or not at all.
+            let whole = m.model().is_whole();
+            let novram = !whole
+                && self.policy.vram_state() == VramState::NoVram
+                && self.policy.is_scheduled(device);
+            let full = whole || (!novram && self.full_load(device, options));
             let (mut want, budget) = if full {
                 (vec![true; views.len()], None)
             } else if novram {

@@ -256,6 +256,18 @@ pub struct Model {
     forward_order: Mutex<ForwardOrder>,
     skipped: Vec<String>,
     stream_hook: RwLock<Option<StreamHook>>,
+    /// Loaded whole or not at all (a [`crate::managed::Managed`] model).
+    whole: std::sync::atomic::AtomicBool,
+    /// A value built from the resident copies (a managed model's module), valid while the
+    /// residency generation and the builder's key are the ones it was built at.
+    derived: Mutex<Option<Derived>>,
+}
+
+/// A value built from a model's resident copies.
+struct Derived {
+    generation: u64,
+    key: u64,
+    value: Arc<dyn Any + Send + Sync>,
 }
 
 #[derive(Debug, Default)]
@@ -371,7 +383,61 @@ impl Model {
             }),
             skipped,
             stream_hook: RwLock::new(None),
+            whole: std::sync::atomic::AtomicBool::new(false),
+            derived: Mutex::new(None),
         })
+    }
+
+    /// Whether the model is loaded whole or not at all: every load makes every weight resident
+    /// (whatever the state, `--novram` included) and eviction unloads it completely. Set by
+    /// [`crate::managed::Managed`], whose module holds the resident copies themselves.
+    pub fn is_whole(&self) -> bool {
+        self.whole.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_whole(&self, whole: bool) {
+        self.whole.store(whole, Ordering::Relaxed);
+    }
+
+    /// The value built from the resident copies under `key`, if the residency has not changed
+    /// since it was built.
+    pub(crate) fn derived(&self, key: u64) -> Option<Arc<dyn Any + Send + Sync>> {
+        let generation = self.residency_generation();
+        let d = self.derived.lock();
+        d.as_ref()
+            .filter(|d| d.generation == generation && d.key == key)
+            .map(|d| Arc::clone(&d.value))
+    }
+
+    /// Keeps `value`, built from the resident copies of `generation` under `key`, unless the
+    /// residency changed meanwhile. Returns the value it replaced (to drop outside any lock).
+    pub(crate) fn set_derived(
+        &self,
+        generation: u64,
+        key: u64,
+        value: Arc<dyn Any + Send + Sync>,
+    ) -> Option<Arc<dyn Any + Send + Sync>> {
+        if self.residency_generation() != generation {
+            return Some(value);
+        }
+        let old = self.derived.lock().replace(Derived {
+            generation,
+            key,
+            value,
+        });
+        old.map(|d| d.value)
+    }
+
+    /// Takes the derived value out when the residency changed since it was built (an eviction, a
+    /// clone switch): the caller drops it, outside its locks, so the copies it held are freed as
+    /// the ledger already says they are.
+    pub(crate) fn take_stale_derived(&self) -> Option<Arc<dyn Any + Send + Sync>> {
+        let generation = self.residency_generation();
+        let mut d = self.derived.lock();
+        if d.as_ref().is_some_and(|d| d.generation != generation) {
+            return d.take().map(|d| d.value);
+        }
+        None
     }
 
     /// The streaming hook attached by the offload layer (an `offload::Streamer`), if any.

@@ -8,7 +8,7 @@ use super::{f32_on, shape_err};
 use crate::error::{Result, TensorContext};
 
 /// Which norm DoRA divides by. See the [module docs](super), step 4.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum DoraNorm {
     /// The norm of the patched weight `W + Δ` (the DoRA paper's definition).
     #[default]
