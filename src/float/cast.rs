@@ -1,6 +1,7 @@
 //! Slice conversions between `f32` and every storage dtype, into buffers the caller provides, in
-//! parallel over [`PAR_CHUNK`]-sized chunks: [`f32_to_f16`] and [`f32_to_bf16`] (our own
-//! branch-free encoders, which vectorize), [`f16_to_f32`] (`half`'s converter) and
+//! parallel over [`PAR_CHUNK`]-sized chunks: [`f32_to_f16`] (the CPU's conversion instruction,
+//! `f16c.rs`, where it has one; else our own branch-free encoder) and [`f32_to_bf16`] (a
+//! branch-free encoder, which vectorizes), [`f16_to_f32`] (`half`'s converter) and
 //! [`bf16_to_f32`], [`f32_to_fp8`] and [`fp8_to_f32`] (the kernels of `fp8.rs` and
 //! `stochastic.rs`).
 //!
@@ -14,6 +15,7 @@ use float8::F8E4M3;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use super::f16c::encode_f16_hardware;
 use super::fp8::{fp8_decode_kernel, fp8_rne_kernel, Fp8Format, E4M3FN, E5M2};
 use super::multiversion::multiversion;
 use super::stochastic::{fp8_stochastic_kernel, Rounding};
@@ -122,11 +124,24 @@ multiversion! {
 }
 
 multiversion! {
-    fn f16_encode_kernel<D: Dest<u16>>(src: &[f32], dst: &mut [D]) {
+    fn f16_encode_portable<D: Dest<u16>>(src: &[f32], dst: &mut [D]) {
         for (d, &s) in dst.iter_mut().zip(src) {
             d.put(f16_bits(s));
         }
     }
+}
+
+/// f32 → f16 bits: the conversion instruction where the CPU has one (`f16c.rs`), the portable
+/// encoder for the rest; the same bits either way.
+fn f16_encode_kernel<D: Dest<u16>>(src: &[f32], dst: &mut [D]) {
+    let done = encode_f16_hardware(src, dst);
+    f16_encode_portable(&src[done..], &mut dst[done..]);
+}
+
+/// The portable f16 encoder alone, for tests comparing it with the hardware one.
+#[cfg(test)]
+pub(super) fn f16_bits_portable(x: f32) -> u16 {
+    f16_bits(x)
 }
 
 multiversion! {

@@ -10,8 +10,11 @@
 //!   counter-based random bits it draws;
 //! - `seed.rs`: the seed of a weight, [`weight_seed`] (CRC-32 of its key, [`crc32`]);
 //! - `cast.rs`: slice conversions between `f32` and every storage dtype, into buffers the caller
-//!   provides (or, through its `Dest` trait, into a new tensor's uninitialized buffer): [`f32_to_f16`], [`f16_to_f32`], [`f32_to_bf16`], [`bf16_to_f32`], [`f32_to_fp8`],
+//!   provides (or, through its `Dest` trait, into a new tensor's uninitialized buffer):
+//!   [`f32_to_f16`], [`f16_to_f32`], [`f32_to_bf16`], [`bf16_to_f32`], [`f32_to_fp8`],
 //!   [`fp8_to_f32`];
+//! - `f16c.rs`: the f32 → f16 encoder on the CPU's conversion instruction (AVX-512F or F16C),
+//!   picked at run time, with the same bits as the portable one;
 //! - `tensor.rs`: the tensor-level helpers the patcher uses, [`to_f32`] and [`from_f32`];
 //! - `multiversion.rs`: kernels compiled baseline, with AVX2 and with AVX-512, picked at run time
 //!   (the attention kernel's row kernels use it too);
@@ -29,8 +32,9 @@
 //!
 //! - `f16`, `bf16`: round to nearest, ties to even (RNE); overflow goes to ±inf as in IEEE 754;
 //!   NaN stays NaN, made quiet (for `f16` keeping the top of its payload, as the F16C
-//!   instruction and `half` do). Both encoders are our own branch-free kernels, which vectorize;
-//!   they give `half`'s bits exactly.
+//!   instruction and `half` do). `f16` is encoded by the CPU's conversion instruction where it
+//!   has one (AVX-512F or F16C), else by our own branch-free kernel; `bf16` always by ours, which
+//!   vectorizes. All give `half`'s bits exactly.
 //! - fp8, [`Rounding::Nearest`]: RNE, with subnormals rounded correctly. **Saturating**: every
 //!   finite value beyond the largest finite fp8 value, and ±inf, becomes ±max (±448 for E4M3FN,
 //!   ±57344 for E5M2). This is what fp8 weight storage wants: an overflow to inf (or to NaN, for
@@ -70,6 +74,7 @@
 
 mod cast;
 mod dtype;
+mod f16c;
 mod fp8;
 pub(crate) mod multiversion;
 mod seed;

@@ -695,3 +695,54 @@ fn cast_outputs_keep_their_pinned_bits() {
     let got: Vec<(&str, u32)> = got.iter().map(|(n, c)| (n.as_str(), *c)).collect();
     assert_eq!(got, pinned);
 }
+
+/// Inputs covering every sign and exponent, each with mantissas on and beside every rounding
+/// position (ties, one below, one above, both neighbours' parities) and a spread of random ones,
+/// plus a sweep of NaN payloads.
+fn f16_edge_inputs() -> Vec<f32> {
+    let mut rng = Lcg(16);
+    let mut mantissas: Vec<u32> = vec![0, 0x7F_FFFF];
+    for k in 0..23 {
+        let b = 1u32 << k;
+        mantissas.extend([b, b - 1, b + 1, 3 * b, 3 * b - 1, 3 * b + 1]);
+    }
+    mantissas.extend((0..600).map(|_| rng.next_u32()));
+    let mantissas: Vec<u32> = mantissas.into_iter().map(|m| m & 0x7F_FFFF).collect();
+    let mut src = Vec::new();
+    for sign_exp in 0..512u32 {
+        src.extend(mantissas.iter().map(|m| f32::from_bits(sign_exp << 23 | m)));
+    }
+    src.extend((0..1u32 << 16).map(|i| f32::from_bits(0x7F80_0000 | (i * 127 + 1) & 0x7F_FFFF)));
+    src.extend((0..1u32 << 16).map(|i| f32::from_bits(0xFF80_0000 | (i * 131 + 1) & 0x7F_FFFF)));
+    src
+}
+
+#[test]
+fn f16_hardware_encoder_matches_portable_on_every_exponent_and_tie() {
+    let src = f16_edge_inputs();
+    let want: Vec<u16> = src
+        .iter()
+        .map(|&x| super::cast::f16_bits_portable(x))
+        .collect();
+    // The dispatched path (AVX-512 or F16C where present), in parallel chunks.
+    let mut h = vec![f16::ZERO; src.len()];
+    f32_to_f16(&src, &mut h).unwrap();
+    for (i, (y, w)) in h.iter().zip(&want).enumerate() {
+        assert_eq!(y.to_bits(), *w, "{:#010x}", src[i].to_bits());
+    }
+    // The F16C path alone, on CPUs that have it (an AVX-512 CPU would otherwise never run it).
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut bits = vec![0u16; src.len()];
+        let done = super::f16c::encode_f16_f16c_only(&src, &mut bits);
+        for i in 0..done {
+            assert_eq!(bits[i], want[i], "{:#010x}", src[i].to_bits());
+        }
+    }
+    // And `half`, whose converter the portable encoder was written to match.
+    for (x, w) in src.iter().zip(&want) {
+        if !x.is_nan() {
+            assert_eq!(f16::from_f32(*x).to_bits(), *w, "{:#010x}", x.to_bits());
+        }
+    }
+}
