@@ -6,12 +6,14 @@
 //!
 //! One task is one (batch·head, query tile). It keeps a running maximum `m`, a running sum `l`
 //! and an output accumulator `O` per query row, and walks the key tiles in order:
-//! `S = Q·Kᵀ` (one `gemm` call), rounding and masking `S` as the other backends do, then
-//! [`softmax_tile`] turns `S` into `P = exp(S - m')` and gives the factor `alpha = exp(m - m')`,
-//! `O ← alpha·O + P·V` (a second `gemm` call), and finally `O / l` (`rows.rs` holds the row
-//! kernels). Tasks run in parallel on
-//! rayon's pool; each holds one score tile (`FUSED_TILE_Q · FUSED_TILE_K · 4` bytes = 256 KiB),
-//! so the temporaries are `O(threads · tile²)` whatever the sequence length.
+//! `S = Q·Kᵀ`, rounding and masking `S` as the other backends do, then [`softmax_tile`] turns
+//! `S` into `P = exp(S - m')` and gives the factor `alpha = exp(m - m')`, `O ← alpha·O + P·V`,
+//! and finally `O / l` (`rows.rs` holds the row kernels). The two tile products are this
+//! crate's own AVX-512 blocks where the CPU has AVX-512 (`products.rs`: the keys are packed
+//! once per call, a transposed copy the size of `K`, and nothing is packed per tile), and `gemm`
+//! calls elsewhere. Tasks run in parallel on rayon's pool; each holds one score tile
+//! (`FUSED_TILE_Q · FUSED_TILE_K · 4` bytes = 256 KiB), so the temporaries are
+//! `O(threads · tile²)` whatever the sequence length.
 //!
 //! # Determinism
 //!
@@ -20,7 +22,8 @@
 //! count or the schedule. Free memory only caps how many tasks run at once
 //! ([`fused_plan`](super::fused_plan)).
 //! (ComfyUI's attention output changes with free VRAM; this one does not, which extends I3 to
-//! attention.) The bits may differ between CPUs: `gemm` picks its kernels by instruction set.
+//! attention.) The bits may differ between CPUs: the products are AVX-512 blocks or `gemm`
+//! calls, and `gemm` picks its kernels by instruction set.
 //!
 //! # Precision and the upcast rules
 //!
@@ -47,6 +50,7 @@ use rayon::prelude::*;
 use super::backends::{Ctx, Scratch};
 use super::mask::Mask;
 use super::plan::{fused_plan, AttentionShape};
+use super::products::{pack_keys, packed_len, Avx512, PANEL};
 use super::rows::{add_row, mask_bool_row, normalize_rows, scale_rows, softmax_tile, Half};
 use crate::error::{Error, Result, TensorContext};
 use crate::size::ByteSize;
@@ -100,9 +104,25 @@ pub(super) fn run(
         }),
         _ => None,
     };
+    let (q, k) = (q_held.f32()?, k_held.f32()?);
+    let avx512 = Avx512::detect();
+    let head_keys = packed_len(nk, d);
+    let mut packed = Vec::new();
+    if avx512.is_some() && head_keys > 0 {
+        packed = vec![0f32; b * h * head_keys];
+        packed
+            .par_chunks_mut(head_keys)
+            .zip(k.par_chunks(nk * d))
+            .for_each(|(out, keys)| pack_keys(keys, d, out));
+    }
     let kernel = Kernel {
-        q: q_held.f32()?,
-        k: k_held.f32()?,
+        q,
+        k,
+        products: avx512.map(|isa| Products {
+            isa,
+            keys: &packed,
+            head_keys,
+        }),
         v: v_held.f32()?,
         heads: h,
         nq,
@@ -178,6 +198,9 @@ struct Kernel<'a> {
     k: &'a [f32],
     /// `[BH, Nk, Dv]`.
     v: &'a [f32],
+    /// The AVX-512 tile products and the keys packed for them, where the CPU has AVX-512;
+    /// `gemm` otherwise.
+    products: Option<Products<'a>>,
     heads: usize,
     nq: usize,
     nk: usize,
@@ -192,6 +215,15 @@ struct Kernel<'a> {
     /// The running maximum's start, and a boolean mask's fill: the softmax dtype's most negative
     /// finite value.
     floor: f32,
+}
+
+/// The AVX-512 tile products (`products.rs`) and the keys they read.
+#[derive(Clone, Copy)]
+struct Products<'a> {
+    isa: Avx512,
+    /// Every head's keys packed by [`pack_keys`], `head_keys` values each.
+    keys: &'a [f32],
+    head_keys: usize,
 }
 
 /// A mask as the kernel reads it: its values, contiguous in the mask's own (broadcast) shape.
@@ -275,67 +307,27 @@ impl Kernel<'_> {
         for (t, k0) in (0..self.nk).step_by(self.tile_k).enumerate() {
             let cols = self.tile_k.min(self.nk - k0);
             let scores = &mut w.scores[..rows * cols];
-            let keys = &k_head[k0 * d..][..cols * d];
-            // SAFETY: `gemm` reads `rows × d` values of `q` (row stride d, column stride 1),
-            // `d × cols` of the transposed key tile (`keys`, `cols × d` values, read with row
-            // stride 1 and column stride d) and writes `rows × cols` values of `scores` (row
-            // stride `cols`), all in bounds of the slices above, which do not overlap (`scores`
-            // is the worker's own buffer). It reads no destination value (`read_dst` false).
-            unsafe {
-                gemm(
-                    rows,
-                    cols,
-                    d,
-                    scores.as_mut_ptr(),
-                    1,
-                    cols as isize,
-                    false,
-                    q.as_ptr(),
-                    1,
-                    d as isize,
-                    keys.as_ptr(),
-                    d as isize,
-                    1,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    Parallelism::None,
-                );
+            match self.products {
+                Some(f) => {
+                    debug_assert_eq!(k0 % PANEL, 0, "key tiles start on a packed panel");
+                    let panels = &f.keys[task.bh * f.head_keys + k0 * d..];
+                    f.isa.scores(q, d, panels, cols, scores);
+                }
+                None => score_tile(q, &k_head[k0 * d..][..cols * d], d, cols, scores),
             }
             self.prepare_scores(scores, cols, &task, k0);
             softmax_tile(scores, cols, max, sum, alpha);
-            if t > 0 {
-                scale_rows(acc, dv, alpha);
-            }
             let values = &v_head[k0 * dv..][..cols * dv];
-            // SAFETY: `gemm` reads `rows × cols` probabilities of `scores` (row stride `cols`),
-            // `cols × dv` values (row stride dv) and reads and writes `rows × dv` values of
-            // `acc` (row stride dv), all in bounds; `acc` is the worker's own buffer and
-            // overlaps neither input. The first tile does not read `acc` (`read_dst` false).
-            unsafe {
-                gemm(
-                    rows,
-                    dv,
-                    cols,
-                    acc.as_mut_ptr(),
-                    1,
-                    dv as isize,
-                    t > 0,
-                    scores.as_ptr(),
-                    1,
-                    cols as isize,
-                    values.as_ptr(),
-                    1,
-                    dv as isize,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    Parallelism::None,
-                );
+            match self.products {
+                Some(f) => f
+                    .isa
+                    .accumulate(scores, cols, values, dv, alpha, t == 0, acc),
+                None => {
+                    if t > 0 {
+                        scale_rows(acc, dv, alpha);
+                    }
+                    value_tile(scores, cols, values, dv, t == 0, acc);
+                }
             }
         }
         normalize_rows(acc, sum, dv, task.out);
@@ -367,6 +359,76 @@ impl Kernel<'_> {
         if let (Some(half), MaskValues::Additive(_)) = (self.mask_round, &mask.values) {
             half.round(scores);
         }
+    }
+}
+
+/// `S = Q·Kᵀ` for one tile on CPUs without AVX-512: `rows = scores.len() / cols` queries of `q`
+/// against the `cols` keys of `keys` (`cols · d` values, row-major), through `gemm`.
+fn score_tile(q: &[f32], keys: &[f32], d: usize, cols: usize, scores: &mut [f32]) {
+    let rows = scores.len() / cols.max(1);
+    assert!(q.len() >= rows * d && keys.len() >= cols * d);
+    // SAFETY: `gemm` reads `rows × d` values of `q` (row stride d, column stride 1), `d × cols`
+    // of the transposed key tile (`keys`, `cols × d` values, read with row stride 1 and column
+    // stride d) and writes `rows × cols` values of `scores` (row stride `cols`), all in bounds
+    // (checked above); `scores` is the worker's own buffer and overlaps neither input. It reads
+    // no destination value (`read_dst` false).
+    unsafe {
+        gemm(
+            rows,
+            cols,
+            d,
+            scores.as_mut_ptr(),
+            1,
+            cols as isize,
+            false,
+            q.as_ptr(),
+            1,
+            d as isize,
+            keys.as_ptr(),
+            d as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
+}
+
+/// `O ← O + P·V` (or `O = P·V` when `first`) for one tile on CPUs without AVX-512: the
+/// `rows = acc.len() / dv` rows of `acc`, `cols` probabilities per row of `p`, `cols` rows of
+/// `values`, through `gemm`.
+fn value_tile(p: &[f32], cols: usize, values: &[f32], dv: usize, first: bool, acc: &mut [f32]) {
+    let rows = acc.len() / dv.max(1);
+    assert!(p.len() >= rows * cols && values.len() >= cols * dv);
+    // SAFETY: `gemm` reads `rows × cols` probabilities of `p` (row stride `cols`), `cols × dv`
+    // values (row stride dv) and reads and writes `rows × dv` values of `acc` (row stride dv),
+    // all in bounds (checked above); `acc` is the worker's own buffer and overlaps neither
+    // input. The first tile does not read `acc` (`read_dst` false).
+    unsafe {
+        gemm(
+            rows,
+            dv,
+            cols,
+            acc.as_mut_ptr(),
+            1,
+            dv as isize,
+            !first,
+            p.as_ptr(),
+            1,
+            cols as isize,
+            values.as_ptr(),
+            1,
+            dv as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
     }
 }
 

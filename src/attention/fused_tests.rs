@@ -189,3 +189,43 @@ fn fused_output_has_the_input_layout_and_dtype() {
     .expect("empty values");
     assert_eq!(out.dims(), &[1, 300, 0]);
 }
+
+/// Runs `f` with the fused kernel's `gemm` path forced (`true`) or its own choice (`false`, the
+/// AVX-512 tile products where the CPU has them).
+fn with_portable<R>(portable: bool, f: impl FnOnce() -> R) -> R {
+    super::products::FORCE_PORTABLE.with(|p| p.set(portable));
+    let out = f();
+    super::products::FORCE_PORTABLE.with(|p| p.set(false));
+    out
+}
+
+/// Both tile-product paths (AVX-512 and `gemm`) agree with `Naive` on shapes no block divides:
+/// head sizes 40 (queries, keys) and 72 (values), a last query tile of 44 rows (not a multiple
+/// of the 6-row blocks) and a last key tile of 8 keys (a partial panel), under every mask.
+#[test]
+fn both_product_paths_match_naive_on_ragged_shapes() {
+    let sizes = super::tests::Sizes {
+        b: 1,
+        h: 2,
+        nq: FUSED_TILE_Q + 44,
+        nk: 2 * FUSED_TILE_K + 8,
+    };
+    let q = randn(&[sizes.b, sizes.h, sizes.nq, 40], 21, 1.0, DType::F32);
+    let k = randn(&[sizes.b, sizes.h, sizes.nk, 40], 22, 1.0, DType::F32);
+    let v = randn(&[sizes.b, sizes.h, sizes.nk, 72], 23, 1.0, DType::F32);
+    for (mask_name, mask) in masks(sizes, DType::F32) {
+        let run = |backend| {
+            let options = AttentionOptions::new(backend).with_layout(Layout::PerHead);
+            attention(&q, &k, &v, sizes.h, mask.as_ref(), &options).expect("attention")
+        };
+        let naive = run(Backend::Naive);
+        for portable in [false, true] {
+            let fused = with_portable(portable, || run(Backend::Sdpa));
+            let diff = max_abs_diff(&fused, &naive);
+            assert!(
+                diff <= 1e-5,
+                "mask {mask_name}, gemm path {portable}: {diff}"
+            );
+        }
+    }
+}

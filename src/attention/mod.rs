@@ -69,8 +69,9 @@
 //!
 //! `mod.rs` the entry points; `options.rs` the call options, layout and upcast policy;
 //! `dispatch.rs` the backends, requests and the dispatcher; `plan.rs` the memory plans;
-//! `backends.rs` how the backends compute; `fused.rs` the fused CPU kernel and `rows.rs` its
-//! vectorized row kernels (`exp`, online softmax, masking); `mask.rs` masks.
+//! `backends.rs` how the backends compute; `fused.rs` the fused CPU kernel, `products.rs` its
+//! AVX-512 tile products and `rows.rs` its vectorized row kernels (`exp`, online softmax,
+//! masking); `mask.rs` masks.
 
 mod backends;
 mod dispatch;
@@ -80,6 +81,7 @@ mod fused_tests;
 mod mask;
 mod options;
 mod plan;
+mod products;
 mod rows;
 #[cfg(test)]
 mod tests;
