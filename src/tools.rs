@@ -25,15 +25,17 @@
 //! LoRAs are mapped onto and validated against holds one-element stand-ins for the weights
 //! (shapes and dtypes are all the patch rules look at), so every patch is checked before anything
 //! is written. Then, as the output file is written in its final order, each weight is read from
-//! the base with a positioned read, patched through a [`ModelPatcher`] of a model holding just
-//! that weight (and its per-tensor fp8 scale, if it has one), converted, written, and dropped.
-//! Unpatched weights whose dtype does not change are copied byte for byte. The output is byte for
-//! byte what merging the whole model in memory gives (the tests compare the two).
+//! the base with a positioned read, decoded into an `f32` buffer the merge owns, patched by
+//! [`adapters::apply_owned`] (which adds a LoRA's delta into that buffer in place, with the bits of
+//! [`adapters::apply`]), converted, written, and dropped. A weight with a per-tensor fp8 scale
+//! goes through a [`ModelPatcher`] of a model holding just it and its scale instead. Unpatched
+//! weights whose dtype does not change are copied byte for byte. The output is byte for byte what
+//! merging the whole model in memory gives (the tests compare the two).
 //!
-//! Cost: memory holds the LoRAs plus about three times the largest weight (its clean value, the
-//! LoRA delta and their sum while it is patched), not the checkpoint; each patched weight costs
-//! one `[out × r] · [r × in]` matmul and one add in f32, every other weight one read and one
-//! write.
+//! Cost: memory holds the LoRAs plus about two times the largest weight in f32 (its values and the
+//! LoRA delta while it is patched; then its values and its output bytes), not the checkpoint;
+//! each patched weight costs one `[out × r] · [r × in]` matmul and one add in f32, every other
+//! weight one read and one write.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -43,7 +45,10 @@ use std::sync::Arc;
 use candle_core::Tensor;
 
 use crate::error::{Error, Result};
-use crate::float::{self, Dtype, Rounding};
+use half::{bf16, f16};
+
+use crate::float::{self, Dtype, Fp8Format, Rounding};
+use crate::patcher::adapters::{self, PatchEntry};
 use crate::patcher::{lora_file, ModelPatcher, Patch, WEIGHT_SCALE_SUFFIX};
 use crate::vram::DeviceId;
 use crate::weights::{self, FileTensor, LazyTensor, Model, SafetensorsOptions, TensorFile};
@@ -410,18 +415,91 @@ impl StreamingMerge<'_> {
             // Unchanged and stored as in the file: the file's bytes are the output.
             return self.base.read_bytes(t);
         }
+        if self.scale_of(t).is_none() {
+            let values = self.read_f32(t, stored)?;
+            let chain: Vec<PatchEntry> = self
+                .patcher
+                .patches()
+                .get(key)
+                .iter()
+                .map(|e| e.entry.clone())
+                .collect();
+            let dora = self.patcher.options().dora;
+            let merged = adapters::apply_owned(key, values, &t.shape, &chain, dora)?;
+            let merged = float::from_f32(&merged, target, rounding_for(key, target))?;
+            return weights::le_bytes(&merged);
+        }
         let patcher = self.one_weight_patcher(t)?;
         let merged = if target == stored {
             patcher.patched_weight(key)?
         } else {
-            let rounding = if target.is_fp8() {
-                Rounding::stochastic_for(key)
-            } else {
-                Rounding::Nearest
-            };
-            float::from_f32(&patcher.patched_weight_f32(key)?, target, rounding)?
+            float::from_f32(
+                &patcher.patched_weight_f32(key)?,
+                target,
+                rounding_for(key, target),
+            )?
         };
         weights::le_bytes(&merged)
+    }
+
+    /// The per-tensor fp8 scale stored next to weight `t` (`<layer>.weight_scale`), if any.
+    fn scale_of(&self, t: &FileTensor) -> Option<&FileTensor> {
+        let key = format!("{}{WEIGHT_SCALE_SUFFIX}", t.name.strip_suffix(".weight")?);
+        self.base
+            .tensors()
+            .iter()
+            .find(|s| s.name == key && s.weight_dtype().is_some())
+    }
+
+    /// Weight `t`'s values in f32, decoded from its bytes exactly as [`float::to_f32`] decodes the
+    /// tensor [`TensorFile::read_weight`] reads (`f64` narrowed to `f32` first, as a [`Model`]
+    /// stores it), into a buffer the caller owns. At most the bytes, one typed copy of them and
+    /// the `f32` values are alive at once.
+    fn read_f32(&self, t: &FileTensor, stored: Dtype) -> Result<Vec<f32>> {
+        let bytes = self.base.read_bytes(t)?;
+        let n: usize = t.shape.iter().product();
+        let wide = !t.kept_as_stored() || stored == Dtype::F64;
+        let width = if wide { 8 } else { stored.size_in_bytes() };
+        if bytes.len() != n.saturating_mul(width) {
+            return Err(Error::ShapeMismatch {
+                what: format!("tensor `{}`: its bytes ({width} per value)", t.name),
+                expected: vec![n.saturating_mul(width)],
+                got: vec![bytes.len()],
+            });
+        }
+        let mut out = vec![0f32; n];
+        if wide {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(8)) {
+                *o = f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32;
+            }
+            return Ok(out);
+        }
+        let pairs = || {
+            bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        };
+        match stored {
+            Dtype::F32 | Dtype::F64 => {
+                // (`F64` took the wide path above.)
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+                }
+            }
+            Dtype::F16 => {
+                let h: Vec<f16> = pairs().map(f16::from_bits).collect();
+                drop(bytes);
+                float::f16_to_f32(&h, &mut out)?;
+            }
+            Dtype::BF16 => {
+                let h: Vec<bf16> = pairs().map(bf16::from_bits).collect();
+                drop(bytes);
+                float::bf16_to_f32(&h, &mut out)?;
+            }
+            Dtype::F8E4M3FN => float::fp8_to_f32(&bytes, &mut out, Fp8Format::E4M3FN)?,
+            Dtype::F8E5M2 => float::fp8_to_f32(&bytes, &mut out, Fp8Format::E5M2)?,
+        }
+        Ok(out)
     }
 
     /// A patcher over a model of weight `t` alone (plus its per-tensor fp8 scale, which patching
@@ -445,6 +523,16 @@ impl StreamingMerge<'_> {
             patcher.add_patches(mine, *strength, 1.0)?;
         }
         Ok(patcher)
+    }
+}
+
+/// The rounding of a merged weight to `target`: seeded stochastic (the key's seed) for fp8,
+/// nearest-even otherwise — the patcher's rule for fp8 storage.
+fn rounding_for(key: &str, target: Dtype) -> Rounding {
+    if target.is_fp8() {
+        Rounding::stochastic_for(key)
+    } else {
+        Rounding::Nearest
     }
 }
 

@@ -5,7 +5,7 @@
 
 use candle_core::Tensor;
 
-use super::{f32_on, scale, shape_err, DoraNorm, WeightAdapter};
+use super::{f32_on, scale, shape_err, Addition, DoraNorm, WeightAdapter};
 use crate::error::{Result, TensorContext};
 
 /// The parts of a [`Patch::Diff`](super::Patch::Diff).
@@ -68,6 +68,18 @@ impl WeightAdapter for Diff<'_> {
 
     fn parts(&self) -> super::Parts<'_> {
         (vec![("diff", self.diff)], None)
+    }
+
+    /// Without padding, `apply` adds `s · diff`: the same scaled diff, in place.
+    fn addition(&self, key: &str, w: &Tensor, s: f32) -> Result<Addition> {
+        if self.pad && self.diff.dims() != w.dims() {
+            return Ok(Addition::Other);
+        }
+        if s == 0.0 {
+            return Ok(Addition::Unchanged);
+        }
+        let diff = f32_on(key, self.diff, w.device(), "diff")?;
+        Ok(Addition::Delta(scale(key, &diff, s)?))
     }
 }
 

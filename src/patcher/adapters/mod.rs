@@ -69,7 +69,9 @@
 //! matmul per block, `out·n·rest` in all, after a host Cayley transform of `k·n³`);
 //! DoRA adds two elementwise passes and a row reduction. Every entry allocates a new accumulator of
 //! the weight's size (candle tensors are immutable); an offset entry also re-concatenates the
-//! weight along the offset's dimension.
+//! weight along the offset's dimension. [`apply_owned`] (`owned.rs`), for a caller that hands
+//! over the weight's `f32` values, adds plain deltas into them in place instead: the same bits,
+//! two weights' worth of memory instead of three.
 
 mod diff;
 mod dora;
@@ -80,6 +82,7 @@ mod lokr;
 mod lora;
 mod offset;
 mod oft;
+mod owned;
 #[cfg(test)]
 mod tests;
 
@@ -97,6 +100,8 @@ pub use lokr::LoKr;
 pub use lora::Lora;
 pub use offset::Offset;
 pub use oft::Oft;
+pub use owned::apply_owned;
+use owned::Addition;
 
 /// One change to one weight. See the [module docs](self) for how entries apply, and each kind's
 /// type for its math.
@@ -350,6 +355,13 @@ trait WeightAdapter {
 
     /// Every tensor of the patch, with the name messages give it, and its alpha.
     fn parts(&self) -> Parts<'_>;
+
+    /// What [`WeightAdapter::apply`] does to the whole target `w` (no offset, a
+    /// `strength_model` of 1) when it is a plain elementwise addition, so [`apply_owned`] can do
+    /// it in place; the delta must be computed exactly as `apply` computes it.
+    fn addition(&self, _key: &str, _w: &Tensor, _s: f32) -> Result<Addition> {
+        Ok(Addition::Other)
+    }
 }
 
 /// A patch's tensors (named for messages) and its alpha.
@@ -406,6 +418,22 @@ impl<T: DeltaAdapter> WeightAdapter for T {
         let d = self.delta(key, w, 1.0)?.reshape(w.shape()).ctx(ctx)?;
         let patched = (w + &d).ctx(ctx)?;
         dora::renormalise(key, w, patched, magnitude, s, dora)
+    }
+
+    /// `apply` leaves the target alone at strength 0, and without DoRA adds the delta (strength
+    /// folded in): the same delta, in place.
+    fn addition(&self, key: &str, w: &Tensor, s: f32) -> Result<Addition> {
+        if s == 0.0 {
+            return Ok(Addition::Unchanged);
+        }
+        if self.dora_scale().is_some() {
+            return Ok(Addition::Other);
+        }
+        let d = self
+            .delta(key, w, s)?
+            .reshape(w.shape())
+            .ctx(|| format!("`{key}`: adding the adapter delta"))?;
+        Ok(Addition::Delta(d))
     }
 }
 

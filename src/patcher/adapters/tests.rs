@@ -670,3 +670,160 @@ fn linear_lora_fits_a_one_by_one_conv() {
     assert_eq!(out.dims(), &[2, 2, 1, 1]);
     assert_close(&out, &[3.0, 4.0, 6.0, 8.0], 0.0);
 }
+
+/// Deterministic values in [-1, 1), with exact zeros of both signs sprinkled in (`+0 + -0` is
+/// where a careless in-place add would change a bit).
+fn noise(shape: &[usize], seed: u32) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = seed.wrapping_mul(0x9E37_79B9) | 1;
+    let data: Vec<f32> = (0..n)
+        .map(|i| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            match i % 7 {
+                3 => -0.0,
+                5 => 0.0,
+                _ => (s >> 8) as f32 / (1u32 << 23) as f32 - 1.0,
+            }
+        })
+        .collect();
+    tn(&data, shape)
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
+/// `apply_owned` gives `apply`'s bits for chains of every kind: plain deltas (added in place),
+/// strength 0, DoRA, offsets, `strength_model`, padding diffs, OFT, and a `Set` after which the
+/// chain must stop writing in place (its value tensor is shared with the patch, and stays
+/// untouched).
+#[test]
+fn apply_owned_gives_apply_bits_and_never_writes_into_a_patch() {
+    let (out, inn) = (4usize, 6usize);
+    let lora = |seed: u32, alpha: Option<f32>| {
+        Patch::Lora(Lora {
+            alpha,
+            ..Lora::new(noise(&[out, 2], seed), noise(&[2, inn], seed + 1))
+        })
+    };
+    let entry = |p: Patch, s: f32| PatchEntry::new(p).with_strengths(s, 1.0);
+    let set_value = noise(&[out, inn], 40);
+    let set_bits = bits(&set_value);
+    let loha = Patch::LoHa(LoHa {
+        w1a: noise(&[out, 2], 50),
+        w1b: noise(&[2, inn], 51),
+        w2a: noise(&[out, 2], 52),
+        w2b: noise(&[2, inn], 53),
+        t1: None,
+        t2: None,
+        alpha: Some(1.5),
+        dora_scale: None,
+    });
+    let lokr = Patch::LoKr(LoKr {
+        w1: Some(noise(&[2, 2], 60)),
+        w2: Some(noise(&[2, 3], 61)),
+        ..LoKr::default()
+    });
+    let glora = Patch::GLora(GLora {
+        a1: noise(&[inn, 2], 70),
+        a2: noise(&[2, inn], 71),
+        b1: noise(&[out, 2], 72),
+        b2: noise(&[2, inn], 73),
+        alpha: Some(2.0),
+        dora_scale: None,
+    });
+    let dora = Patch::Lora(Lora {
+        dora_scale: Some(noise(&[out, 1], 80).abs().unwrap()),
+        ..Lora::new(noise(&[out, 2], 81), noise(&[2, inn], 82))
+    });
+    let oft = Patch::Oft(Oft::new(noise(&[2, 2, 2], 90)));
+    let chains: Vec<(&str, Vec<PatchEntry>)> = vec![
+        ("lora", vec![entry(lora(1, Some(1.0)), 0.7)]),
+        (
+            "lora, diff, lora at 0",
+            vec![
+                entry(lora(3, None), 1.0),
+                entry(
+                    Patch::Diff {
+                        diff: noise(&[out, inn], 5),
+                        pad: false,
+                    },
+                    -0.25,
+                ),
+                entry(lora(6, None), 0.0),
+            ],
+        ),
+        (
+            "loha, lokr, glora",
+            vec![entry(loha, 0.5), entry(lokr, 1.0), entry(glora, 0.3)],
+        ),
+        (
+            "dora, then lora",
+            vec![entry(dora, 0.8), entry(lora(8, Some(4.0)), 1.0)],
+        ),
+        (
+            "set, then lora",
+            vec![
+                entry(Patch::Set(set_value.clone()), 1.0),
+                entry(lora(10, None), 1.0),
+            ],
+        ),
+        (
+            "offset, strength_model, oft",
+            vec![
+                entry(
+                    Patch::Lora(Lora::new(noise(&[3, 2], 12), noise(&[2, inn], 13))),
+                    1.0,
+                )
+                .with_offset(Offset {
+                    dim: 0,
+                    start: 1,
+                    len: 3,
+                }),
+                PatchEntry::new(lora(14, None)).with_strengths(1.0, 0.5),
+                entry(oft, 1.0),
+                entry(lora(16, None), 1.0),
+            ],
+        ),
+        (
+            "padding diff",
+            vec![
+                entry(lora(18, None), 1.0),
+                entry(
+                    Patch::Diff {
+                        diff: noise(&[out + 1, inn], 20),
+                        pad: true,
+                    },
+                    1.0,
+                ),
+                entry(
+                    Patch::Lora(Lora::new(noise(&[out + 1, 2], 22), noise(&[2, inn], 23))),
+                    1.0,
+                ),
+            ],
+        ),
+    ];
+    let w = noise(&[out, inn], 99);
+    let values = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for (name, chain) in chains {
+        let want = apply("k", &w, &chain, DoraNorm::Standard).unwrap();
+        let got =
+            apply_owned("k", values.clone(), &[out, inn], &chain, DoraNorm::Standard).unwrap();
+        assert_eq!(got.dims(), want.dims(), "{name}");
+        assert_eq!(bits(&got), bits(&want), "{name}");
+    }
+    assert_eq!(
+        bits(&set_value),
+        set_bits,
+        "the Set's value was written into"
+    );
+    assert!(apply_owned("k", vec![0.0; 5], &[out, inn], &[], DoraNorm::Standard).is_err());
+}
