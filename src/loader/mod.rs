@@ -413,13 +413,7 @@ impl MemoryManager {
             }
         }
         // With nothing to load, the plan evicts only to keep `extra_mem` (and the minimum) free.
-        let reserve = self.policy.reserve().as_f64();
-        let min_inf = self.policy.minimum_inference_memory_f64();
-        let extra_mem = min_inf.max(options.memory_required.as_f64() + reserve);
-        let min_required = match options.minimum_memory_required {
-            Some(m) => min_inf.max(m.as_f64() + reserve),
-            None => extra_mem,
-        };
+        let (extra_mem, min_required, _) = self.memory_to_keep_free(options);
         for m in all {
             let d = m.load_device();
             if self.policy.is_scheduled(d) {
@@ -453,6 +447,20 @@ impl MemoryManager {
             inner.registry.insert(0, e);
         }
         Some(report)
+    }
+
+    /// ComfyUI's figures of memory to keep free for a load: `extra_mem = max(minimum inference
+    /// memory, memory_required + reserve)`, the minimum (`max(minimum inference memory, given +
+    /// reserve)` when given, else `extra_mem`), and the minimum inference memory itself.
+    fn memory_to_keep_free(&self, options: &LoadOptions) -> (f64, f64, f64) {
+        let reserve = self.policy.reserve().as_f64();
+        let min_inf = self.policy.minimum_inference_memory_f64();
+        let extra_mem = min_inf.max(options.memory_required.as_f64() + reserve);
+        let min_required = match options.minimum_memory_required {
+            Some(m) => min_inf.max(m.as_f64() + reserve),
+            None => extra_mem,
+        };
+        (extra_mem, min_required, min_inf)
     }
 
     fn full_load(&self, device: DeviceId, options: &LoadOptions) -> bool {

@@ -276,21 +276,7 @@ impl World {
 
     fn snapshot(&self) -> Snapshot {
         let residency = (0..2)
-            .map(|m| {
-                self.live(m).map(|model| {
-                    (0..model.len())
-                        .map(|i| match model.residency_of(i) {
-                            Some(SlotResidency::Resident {
-                                fingerprint,
-                                device,
-                                bytes,
-                                ..
-                            }) => Some((fingerprint, device, bytes)),
-                            _ => None,
-                        })
-                        .collect()
-                })
-            })
+            .map(|m| self.live(m).map(|model| residency_of(&model)))
             .collect();
         let pins = (0..2)
             .map(|m| self.live(m).map(|model| model.state().pinned.clone()))

@@ -428,13 +428,7 @@ impl MemoryManager {
             self.validate_request(m)?;
         }
         let mut p = Planner::new(self, inner);
-        let reserve = self.policy.reserve().as_f64();
-        let min_inf = self.policy.minimum_inference_memory_f64();
-        let extra_mem = min_inf.max(options.memory_required.as_f64() + reserve);
-        let min_required = match options.minimum_memory_required {
-            Some(m) => min_inf.max(m.as_f64() + reserve),
-            None => extra_mem,
-        };
+        let (extra_mem, min_required, min_inf) = self.memory_to_keep_free(options);
         let views: Vec<Vec<WeightView>> = all
             .iter()
             .map(|m| m.weight_views(m.load_device()))

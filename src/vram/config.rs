@@ -233,6 +233,19 @@ fn suggest(flag: &str) -> Option<String> {
         .map(|(_, name)| name.to_string())
 }
 
+/// The `RESIDENCY_*` variables of `vars`, as owned pairs.
+fn residency_vars<I, K, V>(vars: I) -> Vec<(String, String)>
+where
+    I: IntoIterator<Item = (K, V)>,
+    K: AsRef<str>,
+    V: AsRef<str>,
+{
+    vars.into_iter()
+        .map(|(k, v)| (k.as_ref().to_string(), v.as_ref().to_string()))
+        .filter(|(k, _)| k.starts_with("RESIDENCY_"))
+        .collect()
+}
+
 impl Config {
     /// Every flag this crate understands, as ComfyUI spells them.
     pub fn known_flags() -> impl Iterator<Item = &'static str> {
@@ -338,11 +351,7 @@ impl Config {
         K: AsRef<str>,
         V: AsRef<str>,
     {
-        let mut vars: Vec<(String, String)> = vars
-            .into_iter()
-            .map(|(k, v)| (k.as_ref().to_string(), v.as_ref().to_string()))
-            .filter(|(k, _)| k.starts_with("RESIDENCY_"))
-            .collect();
+        let mut vars = residency_vars(vars);
         // RESIDENCY_ARGS first, as in `from_env_vars`.
         vars.sort_by_key(|(k, _)| (k != "RESIDENCY_ARGS", k.clone()));
         let mut kept: Vec<(String, String)> = Vec::new();
@@ -366,11 +375,7 @@ impl Config {
         K: AsRef<str>,
         V: AsRef<str>,
     {
-        let mut vars: Vec<(String, String)> = vars
-            .into_iter()
-            .map(|(k, v)| (k.as_ref().to_string(), v.as_ref().to_string()))
-            .filter(|(k, _)| k.starts_with("RESIDENCY_"))
-            .collect();
+        let mut vars = residency_vars(vars);
         vars.sort();
         let mut args: Vec<String> = Vec::new();
         if let Some((_, v)) = vars.iter().find(|(k, _)| k == "RESIDENCY_ARGS") {

@@ -82,15 +82,19 @@ fn check_shape(path: &Path, key: &str, dims: &[usize]) -> Result<()> {
     Ok(())
 }
 
-/// Reads every tensor of `path` (see [`FileTensors`]). Errors name the file and the tensor.
-pub(crate) fn read_file_tensors(path: &Path) -> Result<FileTensors> {
+/// `path` mapped read-only, for a reader that copies every tensor out before it drops the map.
+fn map_file(path: &Path) -> Result<memmap2::Mmap> {
     let file =
         std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
-    // SAFETY: the map is read-only and lives only inside this function; every tensor is copied
-    // out before it is dropped. A file truncated by another process while mapped would fault, as
-    // with any mmap reader; checkpoints are not modified while loading.
-    let mmap = unsafe { memmap2::Mmap::map(&file) }
-        .map_err(|e| file_err(path, format!("cannot map: {e}")))?;
+    // SAFETY: the map is read-only, and every caller copies what it needs out of it before
+    // dropping it. A file truncated by another process while mapped would fault, as with any
+    // mmap reader; checkpoints are not modified while loading.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| file_err(path, format!("cannot map: {e}")))
+}
+
+/// Reads every tensor of `path` (see [`FileTensors`]). Errors name the file and the tensor.
+pub(crate) fn read_file_tensors(path: &Path) -> Result<FileTensors> {
+    let mmap = map_file(path)?;
     let st = SafeTensors::deserialize(&mmap)
         .map_err(|e| file_err(path, format!("not a valid safetensors file: {e}")))?;
     let mut tensors = st.tensors();
@@ -202,12 +206,7 @@ pub(crate) fn read_raw_tensors(path: &Path, names: &[String]) -> Result<Vec<RawT
     if names.is_empty() {
         return Ok(Vec::new());
     }
-    let file =
-        std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
-    // SAFETY: as in `Model::from_safetensors`: the read-only map lives only inside this function
-    // and every requested tensor is copied out before it is dropped.
-    let mmap = unsafe { memmap2::Mmap::map(&file) }
-        .map_err(|e| file_err(path, format!("cannot map: {e}")))?;
+    let mmap = map_file(path)?;
     let st = SafeTensors::deserialize(&mmap)
         .map_err(|e| file_err(path, format!("not a valid safetensors file: {e}")))?;
     names
