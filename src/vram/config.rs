@@ -70,6 +70,11 @@ pub struct Config {
     pub async_offload: Option<Option<usize>>,
     /// `--disable-async-offload`: synchronous transfers.
     pub disable_async_offload: bool,
+    /// `--ram-budget SIZE` (a residency extension): host RAM the clean weights of models read
+    /// through the manager's host tier may hold ([`crate::weights::HostTier`]); such models are
+    /// read lazily, weight by weight, from their files. `None`: models are read eagerly, as
+    /// before.
+    pub ram_budget: Option<ByteSize>,
     /// `--disable-pinned-memory`.
     pub disable_pinned_memory: bool,
     /// `--pinned-memory-limit SIZE`.
@@ -110,6 +115,7 @@ enum Action {
     Mode(VramMode),
     ReserveVram,
     VramBudget,
+    RamBudget,
     DisableSmartMemory,
     AsyncOffload,
     DisableAsyncOffload,
@@ -141,6 +147,7 @@ const FLAGS: &[(&str, Action)] = &[
     ("--cpu", Action::Mode(VramMode::Cpu)),
     ("--reserve-vram", Action::ReserveVram),
     ("--vram-budget", Action::VramBudget),
+    ("--ram-budget", Action::RamBudget),
     ("--disable-smart-memory", Action::DisableSmartMemory),
     ("--async-offload", Action::AsyncOffload),
     ("--disable-async-offload", Action::DisableAsyncOffload),
@@ -253,6 +260,7 @@ impl Config {
             Some(
                 Action::ReserveVram
                 | Action::VramBudget
+                | Action::RamBudget
                 | Action::PinnedLimit
                 | Action::CudaDevice
                 | Action::InferenceMemory,
@@ -439,6 +447,13 @@ impl Config {
                 }
                 self.vram_budget = Some(b);
             }
+            Action::RamBudget => {
+                let b: ByteSize = value_str.parse()?;
+                if b == ByteSize::ZERO {
+                    return Err(invalid("the budget must be more than 0 bytes".into()));
+                }
+                self.ram_budget = Some(b);
+            }
             Action::DisableSmartMemory => self.disable_smart_memory = true,
             Action::AsyncOffload => {
                 let n = match value {
@@ -533,6 +548,12 @@ impl Config {
     /// Sets `--vram-budget`.
     pub fn with_vram_budget(mut self, budget: ByteSize) -> Self {
         self.vram_budget = Some(budget);
+        self
+    }
+    /// Sets `--ram-budget`: models read through the manager's host tier are read lazily and
+    /// their host copies stay within `budget`.
+    pub fn with_ram_budget(mut self, budget: ByteSize) -> Self {
+        self.ram_budget = Some(budget);
         self
     }
     /// Sets `--reserve-vram` in GB.
@@ -653,8 +674,11 @@ mod tests {
             "1",
             "--pinned-memory-limit",
             "2GiB",
+            "--ram-budget",
+            "6GiB",
         ])
         .unwrap();
+        assert_eq!(cfg.ram_budget, Some(ByteSize::gib(6)));
         assert_eq!(cfg.vram_mode, Some(VramMode::LowVram));
         assert_eq!(cfg.reserve_vram_gb, Some(1.5));
         assert_eq!(cfg.vram_budget, Some(ByteSize::mib(512)));
@@ -747,6 +771,8 @@ mod tests {
             vec!["--cuda-device", "gpu0"],
             vec!["--lowvram=1"],
             vec!["--pinned-memory-limit", "4 parsecs"],
+            vec!["--ram-budget", "0"],
+            vec!["--ram-budget", "some"],
         ] {
             let err = Config::from_args(&args).unwrap_err();
             let msg = err.to_string();
@@ -766,9 +792,11 @@ mod tests {
             ("RESIDENCY_CPU_VAE", "1"),
             ("RESIDENCY_DETERMINISTIC", "0"),
             ("RESIDENCY_FP8_E5M2_UNET", "true"),
+            ("RESIDENCY_RAM_BUDGET", "1.5GiB"),
             ("PATH", "/usr/bin"),
         ])
         .unwrap();
+        assert_eq!(cfg.ram_budget, Some(ByteSize::mib(1536)));
         assert_eq!(cfg.vram_mode, Some(VramMode::NoVram));
         assert_eq!(cfg.transfer_lanes(), 4);
         assert_eq!(cfg.vram_budget, Some(ByteSize::gib(3)));
@@ -789,11 +817,14 @@ mod tests {
         let built = Config::default()
             .with_vram_mode(VramMode::LowVram)
             .with_vram_budget(ByteSize::gib(4))
+            .with_ram_budget(ByteSize::gib(2))
             .with_transfer_lanes(0);
         let parsed = Config::from_args([
             "--lowvram",
             "--vram-budget",
             "4GiB",
+            "--ram-budget",
+            "2GiB",
             "--disable-async-offload",
         ])
         .unwrap();
