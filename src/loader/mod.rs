@@ -54,10 +54,10 @@ use crate::offload::{PinnedPool, PrefetchGate, Streamer, TransferEngine, Transfe
 use crate::patcher::ModelPatcher;
 use crate::size::ByteSize;
 use crate::vram::{Config, DeviceId, Hardware, Policy, VramState};
-use crate::weights::Model;
+use crate::weights::{CudaLocker, HostTier, Model, PageLocker};
 
 use self::ledger::Ledger;
-pub use plan::{LoadPlan, PlanProblem, PlannedDevice, PlannedLoad};
+pub use plan::{LoadPlan, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad};
 pub use report::{Eviction, LoadReport, LoadedModelInfo, MemoryReport, ModelLoad};
 
 /// Options of one [`MemoryManager::load_models_gpu`] call.
@@ -143,6 +143,7 @@ struct Inner {
 /// The registry of loaded models, the per-device ledger and the policy.
 pub struct MemoryManager {
     policy: Policy,
+    host: HostTier,
     engine: Arc<TransferEngine>,
     ledger: Arc<Ledger>,
     inner: Mutex<Inner>,
@@ -178,12 +179,17 @@ impl MemoryManager {
                 None => PinnedPool::aligned(limit),
             })
         };
-        let engine = Arc::new(TransferEngine::new(
-            config.transfer_lanes_for(policy.compute_device()),
-            pool.clone(),
-        ));
+        let host = host_tier(&policy);
+        let engine = Arc::new(
+            TransferEngine::new(
+                config.transfer_lanes_for(policy.compute_device()),
+                pool.clone(),
+            )
+            .with_host_tier(host.clone()),
+        );
         MemoryManager {
             policy,
+            host,
             engine,
             ledger: Arc::new(Ledger::default()),
             inner: Mutex::new(Inner {
@@ -196,6 +202,30 @@ impl MemoryManager {
     /// The transfer engine streamed weights go through.
     pub fn transfer_engine(&self) -> &Arc<TransferEngine> {
         &self.engine
+    }
+
+    /// The host tier: the ledger of host copies of models read lazily through it (bounded by
+    /// `--ram-budget`), and the weights page-locked in place (docs/ARCHITECTURE.md §3).
+    pub fn host_tier(&self) -> &HostTier {
+        &self.host
+    }
+
+    /// Reads a model from safetensors files the way this configuration asks: lazily through the
+    /// manager's host tier when `--ram-budget` is set (weights stay in their files until needed,
+    /// host copies within the budget), eagerly into host memory otherwise (the default).
+    ///
+    /// # Errors
+    /// As [`Model::from_safetensors`] / [`Model::from_safetensors_lazy`].
+    pub fn read_model<P: AsRef<std::path::Path>>(
+        &self,
+        name: impl Into<String>,
+        paths: &[P],
+    ) -> Result<Model> {
+        if self.policy.config().ram_budget.is_some() {
+            Model::from_safetensors_lazy(name, paths, &self.host)
+        } else {
+            Model::from_safetensors(name, paths)
+        }
     }
 
     /// Transfer counters (bytes, prefetch hits and misses, time waiting).
@@ -466,12 +496,34 @@ impl MemoryManager {
         let pool = self.engine.pool().map(|p| p.stats()).unwrap_or_default();
         MemoryReport {
             devices,
+            host: self.host.stats(),
             models,
             pinned: pool.allocated,
             pinned_is_page_locked: pool.pinned,
             transfers: self.engine.stats().snapshot(),
         }
     }
+}
+
+/// The manager's host tier: `--ram-budget` bounds its ledger; on a machine with a CUDA driver
+/// (and without `--disable-pinned-memory`) weights are pinned in place through candle's context,
+/// within the pin budget ([`crate::vram::pin_budget`]) less what the staging pool may pin.
+fn host_tier(policy: &Policy) -> HostTier {
+    let config = policy.config();
+    let hw = policy.hardware();
+    let ctx = if config.disable_pinned_memory {
+        None
+    } else {
+        crate::vram::cuda_context(policy.compute_device())
+    };
+    let staging = config
+        .pinned_memory_limit
+        .unwrap_or_else(|| crate::offload::default_limit(hw.host.available));
+    let budget =
+        crate::vram::pin_budget(&hw.host, hw.os, ctx.is_some(), config.disable_pinned_memory)
+            .saturating_sub(staging);
+    let locker = ctx.map(|c| Arc::new(CudaLocker::new(c)) as Arc<dyn PageLocker>);
+    HostTier::with_page_locker(config.ram_budget, budget, locker)
 }
 
 /// The requested models and their additional models, one patcher per model (the last one given

@@ -140,6 +140,9 @@ pub struct DeviceMemory {
 pub struct MemoryReport {
     /// Per device.
     pub devices: Vec<DeviceMemory>,
+    /// The host tier: host copies of lazily read weights (bounded by `--ram-budget`) and the
+    /// weights pinned in place.
+    pub host: crate::weights::HostStats,
     /// Per registered model, most recently used first.
     pub models: Vec<LoadedModelInfo>,
     /// Host staging memory held by the transfer engine.
@@ -164,6 +167,22 @@ impl fmt::Display for MemoryReport {
                 d.free
             )?;
         }
+        let h = &self.host;
+        writeln!(
+            f,
+            "host: {} {}, {} held in {} weights (peak {}); {} reads ({}), {} hits, {} evictions; {} pinned in place of {}",
+            if h.budget.is_some() { "budget" } else { "no budget" },
+            h.budget.map(|b| b.to_string()).unwrap_or_default(),
+            h.ledger,
+            h.weights_held,
+            h.peak,
+            h.reads,
+            h.bytes_read,
+            h.hits,
+            h.evictions,
+            h.pinned,
+            h.pin_budget
+        )?;
         for m in &self.models {
             writeln!(
                 f,
@@ -177,9 +196,10 @@ impl fmt::Display for MemoryReport {
         let t = &self.transfers;
         writeln!(
             f,
-            "transfers: {} streamed ({} staged), {} fetches, prefetch {} hits / {} misses, {:.1} ms waiting; staging {} ({})",
+            "transfers: {} streamed ({} staged, {} direct from pinned weights), {} fetches, prefetch {} hits / {} misses, {:.1} ms waiting; staging {} ({})",
             t.bytes_transferred,
             t.bytes_staged,
+            t.bytes_direct,
             t.fetches,
             t.prefetch_hits,
             t.prefetch_misses,
