@@ -24,6 +24,7 @@ pub struct PipelineReport {
     pub models: Vec<(String, ByteSize, ByteSize, ByteSize)>,
     pub evictions: Vec<Eviction>,
     pub transfers: residency::offload::TransferSnapshot,
+    pub host: residency::weights::HostStats,
     pub memory: String,
     pub total_ms: f64,
 }
@@ -84,14 +85,27 @@ pub fn to_json(r: &PipelineReport) -> String {
         })
         .collect();
     let t = &r.transfers;
+    let h = &r.host;
+    let host = format!(
+        "{{\"budget_bytes\":{},\"peak_bytes\":{},\"held_bytes\":{},\"reads\":{},\"bytes_read\":{},\"hits\":{},\"evictions\":{},\"pinned_bytes\":{}}}",
+        h.budget.map_or_else(|| "null".to_string(), |b| b.bytes().to_string()),
+        h.peak.bytes(),
+        h.ledger.bytes(),
+        h.reads,
+        h.bytes_read.bytes(),
+        h.hits,
+        h.evictions,
+        h.pinned.bytes()
+    );
     format!(
-        "{{\"budget_bytes\":{},\"peak_ledger_bytes\":{},\"total_ms\":{:.1},\"prompts\":[{}],\"models\":[{}],\"evictions\":[{}],\"transfers\":{{\"bytes\":{},\"staged_bytes\":{},\"fetches\":{},\"prefetch_hits\":{},\"prefetch_misses\":{},\"wait_ms\":{:.3}}}}}",
+        "{{\"budget_bytes\":{},\"peak_ledger_bytes\":{},\"total_ms\":{:.1},\"prompts\":[{}],\"models\":[{}],\"evictions\":[{}],\"host\":{},\"transfers\":{{\"bytes\":{},\"staged_bytes\":{},\"fetches\":{},\"prefetch_hits\":{},\"prefetch_misses\":{},\"wait_ms\":{:.3}}}}}",
         r.budget.bytes(),
         r.peak.bytes(),
         r.total_ms,
         prompts.join(","),
         models.join(","),
         evictions.join(","),
+        host,
         t.bytes_transferred.bytes(),
         t.bytes_staged.bytes(),
         t.fetches,
@@ -118,6 +132,12 @@ pub fn to_table(r: &PipelineReport) -> String {
         ));
     }
     s.push_str(&format!("peak ledger {} of budget {}\n", r.peak, r.budget));
+    if let Some(b) = r.host.budget {
+        s.push_str(&format!(
+            "host: peak {} of budget {}, {} reads ({}), {} hits, {} evictions\n",
+            r.host.peak, b, r.host.reads, r.host.bytes_read, r.host.hits, r.host.evictions
+        ));
+    }
     for p in &r.prompts {
         s.push_str(&format!(
             "prompt {:<38} lora {:<5} checksum {:08x}  {:.1} ms/step  denoiser moved {}\n",

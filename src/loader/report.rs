@@ -170,9 +170,9 @@ impl fmt::Display for MemoryReport {
         let h = &self.host;
         writeln!(
             f,
-            "host: {} {}, {} held in {} weights (peak {}); {} reads ({}), {} hits, {} evictions; {} pinned in place of {}",
-            if h.budget.is_some() { "budget" } else { "no budget" },
-            h.budget.map(|b| b.to_string()).unwrap_or_default(),
+            "host: {}, {} held in {} weights (peak {}); {} reads ({}), {} hits, {} evictions; {} pinned in place of {}",
+            h.budget
+                .map_or_else(|| "no budget".to_string(), |b| format!("budget {b}")),
             h.ledger,
             h.weights_held,
             h.peak,
