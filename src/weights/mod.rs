@@ -697,6 +697,48 @@ mod tests {
         }
     }
 
+    /// A locker that counts what is locked.
+    #[derive(Default)]
+    struct CountingLocker(Mutex<i64>);
+
+    impl PageLocker for CountingLocker {
+        fn lock(&self, _: &[u8]) -> std::result::Result<(), String> {
+            *self.0.lock() += 1;
+            Ok(())
+        }
+        fn unlock(&self, _: &[u8]) {
+            *self.0.lock() -= 1;
+        }
+    }
+
+    #[test]
+    fn an_eager_model_pins_through_one_tier_and_unpins_on_gpu_residency_and_drop() {
+        let locker = Arc::new(CountingLocker::default());
+        let tier = HostTier::with_page_locker(None, ByteSize::mib(8), Some(locker.clone()));
+        let other = HostTier::with_page_locker(None, ByteSize::mib(8), Some(locker.clone()));
+        let mib = |v: f32| Tensor::full(v, 1 << 18, &candle_core::Device::Cpu).unwrap();
+        let model = Model::from_tensors("m", [("a", mib(1.0)), ("b", mib(2.0))]).unwrap();
+        let (a, b) = (model.clean("a").unwrap(), model.clean("b").unwrap());
+        assert!(model.pin_clean(0, &tier, &a).is_some());
+        assert!(model.host_tier().is_some_and(|t| t.same(&tier)));
+        assert!(
+            model.pin_clean(1, &other, &b).is_none(),
+            "one tier per model"
+        );
+        assert_eq!((tier.pinned(), *locker.0.lock()), (ByteSize::mib(1), 1));
+        // A weight resident on a GPU is never pinned, and one that becomes resident is unpinned.
+        model.state_mut().set(1, resident(DeviceId::Cuda(0), 4));
+        assert!(model.pin_clean(1, &tier, &b).is_none());
+        model.state_mut().set(0, resident(DeviceId::Cuda(0), 4));
+        assert_eq!((tier.pinned(), *locker.0.lock()), (ByteSize::ZERO, 0));
+        model.state_mut().set(0, SlotResidency::Offloaded);
+        assert!(model.pin_clean(0, &tier, &a).is_some());
+        // The bits are untouched, and dropping the model unpins.
+        assert_eq!(a.sum_all().unwrap().to_scalar::<f32>().unwrap(), 262144.0);
+        drop(model);
+        assert_eq!((tier.pinned(), *locker.0.lock()), (ByteSize::ZERO, 0));
+    }
+
     proptest! {
         /// The running totals always equal the sum over the slots, whatever the sequence of
         /// loads, replacements and offloads (zero-byte weights included).
