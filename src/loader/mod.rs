@@ -32,10 +32,17 @@
 //! | 5 | the candle device table in `vram` | one candle device per ordinal (leaf) |
 //! | 6 | `ops::OpsSource`'s patcher handle | which patcher layers fetch through (leaf; held only to clone an `Arc`) |
 //! | 7 | `loader::Ledger` books | bytes in flight, bounds and peaks per device (leaf) |
+//! | 8 | `weights::HostTier` books (and its condition variable) | host copies, the host ledger, pins in place |
+//! | 9 | `weights::PinnedWeight::last_copy` | the event of the last copy out of a pinned weight (leaf) |
 //!
 //! The manager lock is held while a load is planned and executed, which serializes loads (that
 //! is what keeps the plan's figures true while it is carried out); it is never held while calling
 //! a model's memory estimator or any other user code.
+//!
+//! The host tier ([`MemoryManager::host_tier`]) has a ledger of its own: host copies of lazily
+//! read weights held plus bytes being read, bounded by `--ram-budget`. Its lock is taken inside
+//! `Model::state` when a weight's residency changes and is never held across a file read, a
+//! driver call or a wait.
 
 mod execute;
 mod ledger;
