@@ -21,15 +21,20 @@
 //! (it is counted in the device's ledger as well).
 //!
 //! **Eviction order** ([`eviction_order`]), the device rule of docs/ARCHITECTURE.md §5 adapted to
-//! the host:
+//! the host. There, the models being loaded are never evicted and the others go most offloaded
+//! first; here the model being read plays the part of the model being loaded:
 //!
 //! 1. copies of weights that have a resident copy on a device first (computing never reads them);
-//! 2. then by model, the model with the most bytes *not* held on the host first ("most
-//!    offloaded": it streams from disk anyway, and a model held whole keeps its benefit), then
-//!    the model used least recently;
-//! 3. within a model, the copy *read* most recently first. A model streamed through a tight
-//!    budget in forward order then keeps a stable prefix of its weights on the host (least
-//!    recently used would evict exactly the weight the next forward needs first, and hit never).
+//! 2. then copies of *other* models: the model with the most bytes not held on the host first
+//!    ("most offloaded": it streams from disk anyway), then the model used least recently;
+//! 3. the model being read gives up its own copies last, the copy *read* most recently first. A
+//!    model streamed through a tight budget in forward order then keeps a stable prefix of its
+//!    weights on the host (least recently used would evict exactly the weight the next forward
+//!    needs first, and hit never).
+//!
+//! So the model in use gets the whole budget: in the pipeline example the denoiser's steps are
+//! not starved by the host copies of the text encoder and decoder, which are read again once per
+//! prompt.
 //!
 //! Evicting a copy is not a change I4 protects: a host copy is a cache of bytes in a file, and
 //! the same bits come back when it is read again (I3). A read that fails (the file was truncated
@@ -121,8 +126,8 @@ impl Books {
         }
     }
 
-    /// The held copies in eviction order (see [`eviction_order`]).
-    fn victims(&self) -> Vec<Key> {
+    /// The held copies in eviction order for a read of model `reading` (see [`eviction_order`]).
+    fn victims(&self, reading: u64) -> Vec<Key> {
         let mut per_model: HashMap<u64, (u64, u64)> = HashMap::new();
         for (k, c) in &self.copies {
             let e = per_model.entry(k.0).or_default();
@@ -137,6 +142,7 @@ impl Books {
                 let (held, used) = per_model[&k.0];
                 CopyView {
                     model: k.0,
+                    reading: k.0 == reading,
                     device_resident: self.resident.contains_key(k),
                     model_on_disk: self
                         .models
@@ -233,6 +239,8 @@ pub struct HeldCopy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct CopyView {
     pub(crate) model: u64,
+    /// Whether this copy's model is the one being read.
+    pub(crate) reading: bool,
     pub(crate) device_resident: bool,
     /// Bytes of the model's weights not held on the host.
     pub(crate) model_on_disk: u64,
@@ -243,15 +251,16 @@ pub(crate) struct CopyView {
 }
 
 /// The order host copies are evicted in (indices into `copies`), pure: copies of
-/// device-resident weights first; then by model, most bytes on disk first, then least recently
-/// used; within a model, most recently read first. Ties keep model id order, so the result is
-/// deterministic.
+/// device-resident weights first; then other models' copies, the model with most bytes on disk
+/// first, then the least recently used; the model being read last; within a model, the most
+/// recently read copy first. Ties keep model id order, so the result is deterministic.
 pub(crate) fn eviction_order(copies: &[CopyView]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..copies.len()).collect();
     order.sort_by_key(|&i| {
         let c = &copies[i];
         (
             !c.device_resident,
+            c.reading,
             std::cmp::Reverse(c.model_on_disk),
             c.model_used_at,
             c.model,
@@ -470,7 +479,7 @@ impl HostTier {
                     });
                 }
                 if b.held + b.reading + need > budget.bytes() {
-                    for victim in b.victims() {
+                    for victim in b.victims(model_id) {
                         if b.held + b.reading + need <= budget.bytes() {
                             break;
                         }
@@ -587,6 +596,7 @@ mod tests {
     fn view(model: u64, resident: bool, on_disk: u64, model_used: u64, read: u64) -> CopyView {
         CopyView {
             model,
+            reading: model == 1,
             device_resident: resident,
             model_on_disk: on_disk,
             model_used_at: model_used,
@@ -596,14 +606,17 @@ mod tests {
 
     #[test]
     fn eviction_order_follows_the_host_rules() {
+        // Model 1 is being read.
         let copies = [
-            view(1, false, 100, 50, 10), // 0: model 1, mostly on disk, read first
+            view(1, false, 100, 50, 10), // 0: model 1, read first
             view(1, false, 100, 50, 20), // 1: model 1, read later
             view(2, false, 10, 60, 30),  // 2: model 2, almost all held
             view(2, true, 10, 60, 40),   // 3: resident on a device
-            view(3, false, 100, 40, 5),  // 4: model 3, as much on disk as 1, used earlier
+            view(3, false, 100, 40, 5),  // 4: model 3, mostly on disk
+            view(4, false, 100, 45, 6),  // 5: model 4, as much on disk as 3, used later
+            view(1, true, 100, 50, 30),  // 6: model 1 but resident on a device
         ];
-        assert_eq!(eviction_order(&copies), vec![3, 4, 1, 0, 2]);
+        assert_eq!(eviction_order(&copies), vec![3, 6, 4, 5, 2, 1, 0]);
     }
 
     #[test]
@@ -801,6 +814,39 @@ mod tests {
         // A pin asked for a copy that is no longer held is not made.
         assert!(tier.try_pin(7, 0, &t, true).is_none());
         assert_eq!(tier.pinned(), ByteSize::ZERO);
+    }
+
+    #[test]
+    fn the_model_being_read_takes_the_budget_from_idle_models() {
+        // Model 2 (idle) holds 30 of a 40-byte budget; model 1 streams 8 weights of 10 bytes.
+        let tier = HostTier::new(Some(ByteSize(40)));
+        tier.register_model(1, ByteSize(80));
+        tier.register_model(2, ByteSize(30));
+        let zeros = || {
+            Ok(Tensor::zeros(
+                10,
+                candle_core::DType::U8,
+                &candle_core::Device::Cpu,
+            )?)
+        };
+        for i in 0..3 {
+            tier.get(2, i, ByteSize(10), ByteSize(10), String::new, zeros)
+                .unwrap();
+        }
+        for _ in 0..2 {
+            for i in 0..8 {
+                tier.get(1, i, ByteSize(10), ByteSize(10), String::new, zeros)
+                    .unwrap();
+            }
+        }
+        let mut held: Vec<(u64, usize)> = tier
+            .held_copies()
+            .iter()
+            .map(|c| (c.model_id, c.index))
+            .collect();
+        held.sort();
+        assert_eq!(held, vec![(1, 0), (1, 1), (1, 2), (1, 7)]);
+        assert_eq!(tier.stats().hits, 3, "the second forward hit its prefix");
     }
 
     #[test]
