@@ -70,6 +70,11 @@ pub struct Config {
     pub async_offload: Option<Option<usize>>,
     /// `--disable-async-offload`: synchronous transfers.
     pub disable_async_offload: bool,
+    /// `--ram-budget SIZE` (a residency extension): host RAM the clean weights of models read
+    /// through the manager's host tier may hold ([`crate::weights::HostTier`]); such models are
+    /// read lazily, weight by weight, from their files. `None`: models are read eagerly, as
+    /// before.
+    pub ram_budget: Option<ByteSize>,
     /// `--disable-pinned-memory`.
     pub disable_pinned_memory: bool,
     /// `--pinned-memory-limit SIZE`.
@@ -110,6 +115,7 @@ enum Action {
     Mode(VramMode),
     ReserveVram,
     VramBudget,
+    RamBudget,
     DisableSmartMemory,
     AsyncOffload,
     DisableAsyncOffload,
@@ -141,6 +147,7 @@ const FLAGS: &[(&str, Action)] = &[
     ("--cpu", Action::Mode(VramMode::Cpu)),
     ("--reserve-vram", Action::ReserveVram),
     ("--vram-budget", Action::VramBudget),
+    ("--ram-budget", Action::RamBudget),
     ("--disable-smart-memory", Action::DisableSmartMemory),
     ("--async-offload", Action::AsyncOffload),
     ("--disable-async-offload", Action::DisableAsyncOffload),
@@ -266,6 +273,7 @@ impl Config {
             Some(
                 Action::ReserveVram
                 | Action::VramBudget
+                | Action::RamBudget
                 | Action::PinnedLimit
                 | Action::CudaDevice
                 | Action::InferenceMemory,
@@ -474,6 +482,13 @@ impl Config {
                 }
                 self.vram_budget = Some(b);
             }
+            Action::RamBudget => {
+                let b: ByteSize = value_str.parse()?;
+                if b == ByteSize::ZERO {
+                    return Err(invalid("the budget must be more than 0 bytes".into()));
+                }
+                self.ram_budget = Some(b);
+            }
             Action::DisableSmartMemory => self.disable_smart_memory = true,
             Action::AsyncOffload => {
                 let n = match value {
@@ -568,6 +583,12 @@ impl Config {
     /// Sets `--vram-budget`.
     pub fn with_vram_budget(mut self, budget: ByteSize) -> Self {
         self.vram_budget = Some(budget);
+        self
+    }
+    /// Sets `--ram-budget`: models read through the manager's host tier are read lazily and
+    /// their host copies stay within `budget`.
+    pub fn with_ram_budget(mut self, budget: ByteSize) -> Self {
+        self.ram_budget = Some(budget);
         self
     }
     /// Sets `--reserve-vram` in GB.

@@ -1,4 +1,5 @@
 //! Unit tests of flag parsing: every flag, spellings, conflicts, values, the environment.
+
 use super::*;
 
 #[test]
@@ -44,8 +45,11 @@ fn values_land_in_their_fields() {
         "1",
         "--pinned-memory-limit",
         "2GiB",
+        "--ram-budget",
+        "6GiB",
     ])
     .unwrap();
+    assert_eq!(cfg.ram_budget, Some(ByteSize::gib(6)));
     assert_eq!(cfg.vram_mode, Some(VramMode::LowVram));
     assert_eq!(cfg.reserve_vram_gb, Some(1.5));
     assert_eq!(cfg.vram_budget, Some(ByteSize::mib(512)));
@@ -138,6 +142,8 @@ fn bad_values_name_the_flag() {
         vec!["--cuda-device", "gpu0"],
         vec!["--lowvram=1"],
         vec!["--pinned-memory-limit", "4 parsecs"],
+        vec!["--ram-budget", "0"],
+        vec!["--ram-budget", "some"],
     ] {
         let err = Config::from_args(&args).unwrap_err();
         let msg = err.to_string();
@@ -157,9 +163,11 @@ fn environment_variables_map_onto_flags() {
         ("RESIDENCY_CPU_VAE", "1"),
         ("RESIDENCY_DETERMINISTIC", "0"),
         ("RESIDENCY_FP8_E5M2_UNET", "true"),
+        ("RESIDENCY_RAM_BUDGET", "1.5GiB"),
         ("PATH", "/usr/bin"),
     ])
     .unwrap();
+    assert_eq!(cfg.ram_budget, Some(ByteSize::mib(1536)));
     assert_eq!(cfg.vram_mode, Some(VramMode::NoVram));
     assert_eq!(cfg.transfer_lanes(), 4);
     assert_eq!(cfg.vram_budget, Some(ByteSize::gib(3)));
@@ -180,11 +188,14 @@ fn builder_setters_match_parsed_flags() {
     let built = Config::default()
         .with_vram_mode(VramMode::LowVram)
         .with_vram_budget(ByteSize::gib(4))
+        .with_ram_budget(ByteSize::gib(2))
         .with_transfer_lanes(0);
     let parsed = Config::from_args([
         "--lowvram",
         "--vram-budget",
         "4GiB",
+        "--ram-budget",
+        "2GiB",
         "--disable-async-offload",
     ])
     .unwrap();
