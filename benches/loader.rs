@@ -87,7 +87,7 @@ fn bench(c: &mut Criterion) {
         .model()
         .slots()
         .iter()
-        .map(|s| s.clean().clone())
+        .map(|s| s.clean().unwrap())
         .collect();
     g.bench_function("clone_500_weight_handles", |b| {
         common::timed(b, "clone_handles", || handles.to_vec())

@@ -70,7 +70,7 @@ fn linear_bench(c: &mut Criterion, summary: &mut Vec<String>) {
     .linear("lin", false)
     .unwrap();
     // The plain way: the same bf16 weight, cast to f32 once.
-    let pre = float::to_f32(p.model().clean("lin.weight").unwrap(), Dtype::BF16).unwrap();
+    let pre = float::to_f32(&p.model().clean("lin.weight").unwrap(), Dtype::BF16).unwrap();
     let pre_t = pre.t().unwrap();
     let mut g = c.benchmark_group("linear_4096_bf16_to_f32");
     g.sample_size(10)

@@ -3,13 +3,17 @@
 //! ```text
 //! bash scripts/fetch-minilm.sh
 //! cargo run --release --example minilm -- [--model-dir DIR] [--storage-dtype f32|f16|bf16|fp8_e4m3fn]
-//!     [--vram-budget SIZE] [--lora FILE:STRENGTH]... [--attention naive|split|subquad|auto]
+//!     [--vram-budget SIZE] [--ram-budget SIZE] [--lora FILE:STRENGTH]...
+//!     [--attention naive|split|subquad|auto]
 //!     [residency flags: --novram, --lowvram, --reserve-vram 0, ...] "sentence" ...
 //! ```
 //!
 //! Prints one JSON object per sentence (`{"sentence", "tokens", "embedding"}`, the embedding
-//! mean-pooled over the attention mask and L2-normalised) on stdout, and the memory report on
-//! stderr. Weights are converted to the storage dtype when the model is built and computed in f32.
+//! mean-pooled over the attention mask and L2-normalised) on stdout, and the memory report and
+//! the process's peak resident memory (Linux) on stderr. Weights are converted to the storage
+//! dtype when the model is built and computed in f32. With `--ram-budget` an f32 checkpoint is
+//! read lazily: weights stay in the file and at most that many bytes of them are held in RAM
+//! (`--novram --ram-budget 48MiB` streams MiniLM, whose largest weight is 45 MiB, from disk).
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -126,7 +130,14 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 
     let mm = MemoryManager::new(Config::from_args(&args.residency_flags)?, Hardware::probe())?;
     let device = mm.compute_device();
-    let model = bert::load_model(&weights, "all-MiniLM-L6-v2", args.storage)?;
+    let before_model = peak_rss();
+    // An f32 checkpoint computed in f32 needs no conversion: read it as the configuration asks
+    // (lazily under --ram-budget). Other storage dtypes are converted from an eager read.
+    let model = if args.storage == Dtype::F32 {
+        mm.read_model("all-MiniLM-L6-v2", &[&weights])?
+    } else {
+        bert::load_model(&weights, "all-MiniLM-L6-v2", args.storage)?
+    };
     let mut patcher = ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu);
     for (file, strength) in &args.loras {
         let keys: Vec<String> = patcher.model().keys().map(str::to_string).collect();
@@ -161,7 +172,24 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     }
     eprintln!("ops mode: {mode:?}, storage {}", args.storage);
     eprintln!("{}", mm.memory_report());
+    if let (Some(before), Some(peak)) = (before_model, peak_rss()) {
+        eprintln!("peak RSS: {peak} ({before} before the model was read)");
+    }
     Ok(())
+}
+
+/// The process's peak resident set size (`VmHWM` in `/proc/self/status`; Linux only).
+fn peak_rss() -> Option<residency::ByteSize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(residency::ByteSize::kib(kib))
 }
 
 fn main() {

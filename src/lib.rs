@@ -1,7 +1,7 @@
 //! # residency — model memory scheduling for candle
 //!
 //! residency decides where every weight of every loaded model lives — GPU memory, host RAM,
-//! page-locked host RAM — moves weights between those tiers on transfer lanes, applies LoRA-style
+//! page-locked host RAM, its file on disk — moves weights between those tiers on transfer lanes, applies LoRA-style
 //! patches without ever touching the base weights, and picks dtypes and attention backends that
 //! fit the hardware. Its behaviour reference is ComfyUI's model management.
 //!
@@ -40,7 +40,7 @@
 //!
 //! `error`, `size` (leaves) → [`float`] (dtypes, casts, fp8, stochastic rounding) → [`vram`]
 //! (config, hardware probe, VRAM state, device helpers, dtype policy) → [`weights`] (models as
-//! named slots, residency) → [`patcher`] (ModelPatcher; patch kinds in [`patcher::adapters`], one
+//! named slots, residency; the disk and host tiers) → [`patcher`] (ModelPatcher; patch kinds in [`patcher::adapters`], one
 //! file per kind; LoRA files in [`patcher::lora_file`]) → [`offload`] (staging pool, transfer
 //! lanes, prefetch) → [`ops`] (layers) → [`nn`] (candle-nn's constructors on `ops`),
 //! [`attention`] (backends, memory plans, dispatcher) →
@@ -51,8 +51,8 @@
 //!
 //! ## Invariants
 //!
-//! - **I1** clean weights are immutable; **I2** each device's ledger is exact and bounded by its
-//!   budget; **I3** a streamed weight gives bit-identical outputs to a resident one; **I4** a
+//! - **I1** clean weights are immutable; **I2** each device's ledger, and the host tier's, is
+//!   exact and bounded by its budget; **I3** a streamed weight gives bit-identical outputs to a resident one; **I4** a
 //!   failed call changes nothing loaded; **I5** handles are `Send + Sync`, and every lock has a
 //!   rank (the table is in [`loader`]). `docs/ARCHITECTURE.md` §4 says how each is kept and tested.
 #![deny(unsafe_op_in_unsafe_fn)]

@@ -226,6 +226,61 @@ fn embeddings_match_reference_and_are_identical_across_budgets_for_every_storage
     }
 }
 
+#[test]
+fn streamed_from_disk_under_a_tight_ram_budget_gives_the_resident_bits() {
+    // MiniLM is 87 MiB in f32 and its largest weight (the word embeddings) 45 MiB: a 48 MiB host
+    // budget holds barely more than that one weight, so every forward reads most weights again.
+    let cases = fixture();
+    let ids: Vec<Vec<u32>> = cases.iter().map(|c| c.ids.clone()).collect();
+    let eager = base_patcher(Dtype::F32);
+    let (reference, _) = embed(&eager, Budget::Full, &ids);
+    let path = model_dir().join("model.safetensors");
+    let size = eager.resident_model_size();
+    let quarter = ByteSize(size.bytes() / 4).bytes().to_string();
+    for flags in [
+        vec!["--novram", "--vram-budget", "2GiB"],
+        vec!["--vram-budget", quarter.as_str(), "--async-offload", "2"],
+    ] {
+        let mut all = vec!["--reserve-vram", "0", "--ram-budget", "48MiB"];
+        all.extend(flags.iter().copied());
+        let mm = MemoryManager::new(
+            residency::vram::Config::from_args(&all).unwrap(),
+            residency::vram::Hardware::cpu_only(ByteSize::gib(64)),
+        )
+        .unwrap();
+        let model = mm.read_model("all-MiniLM-L6-v2", &[&path]).unwrap();
+        assert!(model.is_lazy());
+        let patcher = ModelPatcher::new(
+            Arc::new(model),
+            residency::DeviceId::Cpu,
+            residency::DeviceId::Cpu,
+        );
+        mm.load_models_gpu(std::slice::from_ref(&patcher), LoadOptions::default())
+            .unwrap();
+        let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
+        let bert = Bert::new(
+            &patcher,
+            OpsMode::ManualCast {
+                compute: Dtype::F32,
+            },
+            &config,
+        )
+        .unwrap();
+        let (t, mask) = batch(&ids);
+        for _ in 0..2 {
+            let e = bert
+                .embed(&t, &mask, None)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            assert_eq!(bits(&e), bits(&reference), "{flags:?}");
+        }
+        let host = mm.memory_report().host;
+        assert!(host.peak <= ByteSize::mib(48), "{flags:?}: {host:?}");
+        assert!(host.bytes_read > size, "{flags:?}: read again: {host:?}");
+    }
+}
+
 /// The first run's embeddings are within `min_cos` of the reference, and every other run (another
 /// budget) gives the first run's bits.
 fn check_runs(

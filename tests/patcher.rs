@@ -105,7 +105,7 @@ fn unknown_keys_are_ignored_and_not_returned() {
 fn offset_patch_changes_only_its_rows() {
     let dir = tempfile::tempdir().unwrap();
     let mut p = cpu_patcher(small_model_file(dir.path(), "m", Dtype::F32));
-    let clean = f32s(p.model().clean("blocks.0.mlp.fc1.bias").unwrap());
+    let clean = f32s(&p.model().clean("blocks.0.mlp.fc1.bias").unwrap());
     let off = Offset {
         dim: 0,
         start: 4,
@@ -156,7 +156,7 @@ fn fp8_patched_weights_are_deterministic_and_path_independent() {
     assert_eq!(bits(&a), bits(&c));
     // Stochastic rounding of a patched fp8 weight is not plain nearest rounding everywhere.
     let clean = residency::float::to_f32(
-        p.model().clean("blocks.0.attn.q.weight").unwrap(),
+        &p.model().clean("blocks.0.attn.q.weight").unwrap(),
         Dtype::F8E4M3FN,
     )
     .unwrap();
@@ -287,7 +287,7 @@ fn clone_rematerializes_only_weights_whose_patches_differ() {
     assert!(was_streamed);
     assert_eq!(
         f32s(&streamed),
-        f32s(base.model().clean("blocks.0.attn.q.weight").unwrap())
+        f32s(&base.model().clean("blocks.0.attn.q.weight").unwrap())
     );
     let back = base
         .load(DeviceId::Cpu, ByteSize::MAX, false, true)
@@ -424,7 +424,7 @@ fn patched_weight_f32_is_the_unrounded_value_patched_weight_rounds() {
     let k = "blocks.0.attn.k.weight";
     assert_eq!(
         f32s(&p.patched_weight_f32(k).unwrap()),
-        f32s(p.model().clean(k).unwrap())
+        f32s(&p.model().clean(k).unwrap())
     );
     assert!(matches!(
         p.patched_weight_f32("nope"),

@@ -33,6 +33,16 @@ fn checksums_are_identical_across_budgets_lanes_and_async() {
         &["--vram-budget", "3MiB", "--disable-async-offload"],
         &["--novram", "--vram-budget", "64MiB"],
         &["--disable-smart-memory", "--vram-budget", "12MiB"],
+        // The disk tier: 13 MiB of models through 2 MiB of RAM, all streamed or in part.
+        &["--novram", "--vram-budget", "64MiB", "--ram-budget", "2MiB"],
+        &[
+            "--vram-budget",
+            "3MiB",
+            "--ram-budget",
+            "2MiB",
+            "--async-offload",
+            "2",
+        ],
     ];
     for flags in runs {
         let r = run(dir.path(), flags);
@@ -43,6 +53,17 @@ fn checksums_are_identical_across_budgets_lanes_and_async() {
             r.peak,
             r.budget
         );
+        match r.host.budget {
+            Some(b) => {
+                assert!(
+                    r.host.peak <= b,
+                    "{flags:?}: host peak {} over {b}",
+                    r.host.peak
+                );
+                assert!(r.host.evictions > 0, "{flags:?}: {:?}", r.host);
+            }
+            None => assert_eq!(r.host.reads, 0, "{flags:?}: read eagerly"),
+        }
     }
 }
 
@@ -109,5 +130,7 @@ fn json_report_is_valid_and_complete() {
         .collect();
     assert_eq!(names, ["text_encoder", "denoiser", "decoder"]);
     assert!(json["transfers"]["prefetch_hits"].is_u64());
+    assert!(json["host"]["budget_bytes"].is_null());
+    assert!(json["host"]["peak_bytes"].is_u64());
     assert!(json["evictions"].is_array());
 }

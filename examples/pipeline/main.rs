@@ -4,8 +4,12 @@
 //!
 //! ```sh
 //! cargo run --release --example pipeline -- [--prompts N] [--steps N] [--seed S] [--json FILE]
-//!     [--cache DIR] [any residency flag: --vram-budget 64MiB --novram --async-offload 3 ...]
+//!     [--cache DIR] [any residency flag: --vram-budget 64MiB --ram-budget 4MiB --novram
+//!     --async-offload 3 ...]
 //! ```
+//!
+//! With `--ram-budget` the three models are read lazily: their weights stay in the cache's files
+//! and at most that many bytes of them are held in RAM at once (the report's `host` line).
 //!
 //! The models are built once from deterministic weights and saved as safetensors in the cache
 //! folder. Without `--vram-budget` the budget is a third of the three models' resident size, so
@@ -30,7 +34,7 @@ use residency::float::{self, Dtype};
 use residency::loader::{LoadOptions, MemoryManager};
 use residency::patcher::{lora_file, ModelPatcher};
 use residency::vram::{Config, DeviceId, Hardware};
-use residency::weights::Model;
+use residency::weights::{HostTier, Model};
 use residency::{ByteSize, Result};
 
 use checkpoints::{build_checkpoints, weight};
@@ -55,18 +59,9 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     if !args.cache.join("READY").exists() {
         build_checkpoints(&args.cache)?;
     }
-    let te_model = Arc::new(Model::from_safetensors(
-        "text_encoder",
-        &[args.cache.join("text_encoder.safetensors")],
-    )?);
-    let dn_model = Arc::new(Model::from_safetensors(
-        "denoiser",
-        &[args.cache.join("denoiser.safetensors")],
-    )?);
-    let de_model = Arc::new(Model::from_safetensors(
-        "decoder",
-        &[args.cache.join("decoder.safetensors")],
-    )?);
+    let te_path = args.cache.join("text_encoder.safetensors");
+    let dn_path = args.cache.join("denoiser.safetensors");
+    let de_path = args.cache.join("decoder.safetensors");
 
     let mut config = args.config.clone();
     if config.reserve_vram_gb.is_none() {
@@ -76,15 +71,21 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         config.inference_memory = Some(ByteSize::mib(4));
     }
     let hardware = Hardware::probe();
-    let f32_total = ByteSize(
-        te_model.model_size().bytes()
-            + dn_model.model_size().bytes() * 2
-            + de_model.model_size().bytes(),
-    );
+    // The models' sizes from their headers alone (a lazy read reads nothing else).
+    let headers = HostTier::new(None);
+    let size = |path: &std::path::Path| -> Result<ByteSize> {
+        Ok(Model::from_safetensors_lazy("header", &[path], &headers)?.model_size())
+    };
+    let f32_total =
+        ByteSize(size(&te_path)?.bytes() + size(&dn_path)?.bytes() * 2 + size(&de_path)?.bytes());
     if config.vram_budget.is_none() && hardware.gpus.is_empty() {
         config.vram_budget = Some(ByteSize(f32_total.bytes() / 3));
     }
     let mm = MemoryManager::new(config, hardware)?;
+    // Eagerly into RAM by default; with --ram-budget lazily, host copies within the budget.
+    let te_model = Arc::new(mm.read_model("text_encoder", &[te_path])?);
+    let dn_model = Arc::new(mm.read_model("denoiser", &[dn_path])?);
+    let de_model = Arc::new(mm.read_model("decoder", &[de_path])?);
     let device = mm.compute_device();
     let offload = DeviceId::Cpu;
     let te = ModelPatcher::new(te_model, device, offload);
@@ -203,6 +204,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         models,
         evictions,
         transfers: mm.transfer_stats(),
+        host: mm.host_tier().stats(),
         memory: mm.memory_report().to_string(),
         total_ms: t_start.elapsed().as_secs_f64() * 1e3,
     })

@@ -24,6 +24,7 @@ pub struct PipelineReport {
     pub models: Vec<(String, ByteSize, ByteSize, ByteSize)>,
     pub evictions: Vec<Eviction>,
     pub transfers: residency::offload::TransferSnapshot,
+    pub host: residency::weights::HostStats,
     pub memory: String,
     pub total_ms: f64,
 }
@@ -38,7 +39,21 @@ struct Json<'a> {
     prompts: Vec<JsonPrompt<'a>>,
     models: Vec<JsonModel<'a>>,
     evictions: &'a [Eviction],
+    host: JsonHost,
     transfers: &'a residency::offload::TransferSnapshot,
+}
+
+/// The host tier (`--ram-budget`): `budget_bytes` is null without a budget.
+#[derive(serde::Serialize)]
+struct JsonHost {
+    budget_bytes: Option<u64>,
+    peak_bytes: u64,
+    held_bytes: u64,
+    reads: u64,
+    bytes_read: u64,
+    hits: u64,
+    evictions: u64,
+    pinned_bytes: u64,
 }
 
 #[derive(serde::Serialize)]
@@ -86,6 +101,16 @@ pub fn to_json(r: &PipelineReport) -> String {
             })
             .collect(),
         evictions: &r.evictions,
+        host: JsonHost {
+            budget_bytes: r.host.budget.map(|b| b.bytes()),
+            peak_bytes: r.host.peak.bytes(),
+            held_bytes: r.host.ledger.bytes(),
+            reads: r.host.reads,
+            bytes_read: r.host.bytes_read.bytes(),
+            hits: r.host.hits,
+            evictions: r.host.evictions,
+            pinned_bytes: r.host.pinned.bytes(),
+        },
         transfers: &r.transfers,
     };
     serde_json::to_string(&json).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
@@ -108,6 +133,12 @@ pub fn to_table(r: &PipelineReport) -> String {
         ));
     }
     s.push_str(&format!("peak ledger {} of budget {}\n", r.peak, r.budget));
+    if let Some(b) = r.host.budget {
+        s.push_str(&format!(
+            "host: peak {} of budget {}, {} reads ({}), {} hits, {} evictions\n",
+            r.host.peak, b, r.host.reads, r.host.bytes_read, r.host.hits, r.host.evictions
+        ));
+    }
     for p in &r.prompts {
         s.push_str(&format!(
             "prompt {:<38} lora {:<5} checksum {:08x}  {:.1} ms/step  denoiser moved {}\n",

@@ -245,7 +245,8 @@ impl MemoryManager {
         };
         let mut moved = ByteSize::ZERO;
         for i in to_build {
-            let tensor = m.materialize(i, m.resident_dtype(i), device)?;
+            // The transfer path of a streamed weight: on a GPU through page-locked memory.
+            let tensor = self.engine.load_now(m, i)?;
             let bytes = ByteSize((tensor.elem_count() * tensor.dtype().size_in_bytes()) as u64);
             model.state_mut().set(
                 i,

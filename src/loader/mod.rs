@@ -32,11 +32,18 @@
 //! | 5 | the candle device table in `vram` | one candle device per ordinal (leaf) |
 //! | 6 | `ops::OpsSource`'s patcher handle | which patcher layers fetch through (leaf; held only to clone an `Arc`) |
 //! | 7 | `loader::Ledger` books | bytes in flight, bounds and peaks per device (leaf) |
-//! | 8 | `Model::derived` | a managed model's module built from its resident copies (leaf; the module is dropped outside every lock) |
+//! | 8 | `weights::HostTier` books (and its condition variable) | host copies, the host ledger, pins in place |
+//! | 9 | `weights::PinnedWeight::last_copy` | the event of the last copy out of a pinned weight (leaf) |
+//! | 10 | `Model::derived` | a managed model's module built from its resident copies (leaf; the module is dropped outside every lock) |
 //!
 //! The manager lock is held while a load is planned and executed, which serializes loads (that
 //! is what keeps the plan's figures true while it is carried out); it is never held while calling
 //! a model's memory estimator or any other user code.
+//!
+//! The host tier ([`MemoryManager::host_tier`]) has a ledger of its own: host copies of lazily
+//! read weights held plus bytes being read, bounded by `--ram-budget`. Its lock is taken inside
+//! `Model::state` when a weight's residency changes and is never held across a file read, a
+//! driver call or a wait.
 
 mod execute;
 mod ledger;
@@ -55,10 +62,10 @@ use crate::offload::{PinnedPool, PrefetchGate, Streamer, TransferEngine, Transfe
 use crate::patcher::ModelPatcher;
 use crate::size::ByteSize;
 use crate::vram::{Config, DeviceId, Hardware, Policy, VramState};
-use crate::weights::Model;
+use crate::weights::{CudaLocker, HostTier, Model, PageLocker};
 
 use self::ledger::Ledger;
-pub use plan::{LoadPlan, PlanProblem, PlannedDevice, PlannedLoad};
+pub use plan::{LoadPlan, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad};
 pub use report::{Eviction, LoadReport, LoadedModelInfo, MemoryReport, ModelLoad};
 
 /// Options of one [`MemoryManager::load_models_gpu`] call.
@@ -164,6 +171,7 @@ struct Inner {
 /// The registry of loaded models, the per-device ledger and the policy.
 pub struct MemoryManager {
     policy: Policy,
+    host: HostTier,
     engine: Arc<TransferEngine>,
     ledger: Arc<Ledger>,
     inner: Mutex<Inner>,
@@ -199,12 +207,17 @@ impl MemoryManager {
                 None => PinnedPool::aligned(limit),
             })
         };
-        let engine = Arc::new(TransferEngine::new(
-            config.transfer_lanes_for(policy.compute_device()),
-            pool.clone(),
-        ));
+        let host = host_tier(&policy);
+        let engine = Arc::new(
+            TransferEngine::new(
+                config.transfer_lanes_for(policy.compute_device()),
+                pool.clone(),
+            )
+            .with_host_tier(host.clone()),
+        );
         MemoryManager {
             policy,
+            host,
             engine,
             ledger: Arc::new(Ledger::default()),
             inner: Mutex::new(Inner {
@@ -218,6 +231,30 @@ impl MemoryManager {
     /// The transfer engine streamed weights go through.
     pub fn transfer_engine(&self) -> &Arc<TransferEngine> {
         &self.engine
+    }
+
+    /// The host tier: the ledger of host copies of models read lazily through it (bounded by
+    /// `--ram-budget`), and the weights page-locked in place (docs/ARCHITECTURE.md §3).
+    pub fn host_tier(&self) -> &HostTier {
+        &self.host
+    }
+
+    /// Reads a model from safetensors files the way this configuration asks: lazily through the
+    /// manager's host tier when `--ram-budget` is set (weights stay in their files until needed,
+    /// host copies within the budget), eagerly into host memory otherwise (the default).
+    ///
+    /// # Errors
+    /// As [`Model::from_safetensors`] / [`Model::from_safetensors_lazy`].
+    pub fn read_model<P: AsRef<std::path::Path>>(
+        &self,
+        name: impl Into<String>,
+        paths: &[P],
+    ) -> Result<Model> {
+        if self.policy.config().ram_budget.is_some() {
+            Model::from_safetensors_lazy(name, paths, &self.host)
+        } else {
+            Model::from_safetensors(name, paths)
+        }
     }
 
     /// Transfer counters (bytes, prefetch hits and misses, time waiting).
@@ -413,13 +450,7 @@ impl MemoryManager {
             }
         }
         // With nothing to load, the plan evicts only to keep `extra_mem` (and the minimum) free.
-        let reserve = self.policy.reserve().as_f64();
-        let min_inf = self.policy.minimum_inference_memory_f64();
-        let extra_mem = min_inf.max(options.memory_required.as_f64() + reserve);
-        let min_required = match options.minimum_memory_required {
-            Some(m) => min_inf.max(m.as_f64() + reserve),
-            None => extra_mem,
-        };
+        let (extra_mem, min_required, _) = self.memory_to_keep_free(options);
         for m in all {
             let d = m.load_device();
             if self.policy.is_scheduled(d) {
@@ -453,6 +484,20 @@ impl MemoryManager {
             inner.registry.insert(0, e);
         }
         Some(report)
+    }
+
+    /// ComfyUI's figures of memory to keep free for a load: `extra_mem = max(minimum inference
+    /// memory, memory_required + reserve)`, the minimum (`max(minimum inference memory, given +
+    /// reserve)` when given, else `extra_mem`), and the minimum inference memory itself.
+    fn memory_to_keep_free(&self, options: &LoadOptions) -> (f64, f64, f64) {
+        let reserve = self.policy.reserve().as_f64();
+        let min_inf = self.policy.minimum_inference_memory_f64();
+        let extra_mem = min_inf.max(options.memory_required.as_f64() + reserve);
+        let min_required = match options.minimum_memory_required {
+            Some(m) => min_inf.max(m.as_f64() + reserve),
+            None => extra_mem,
+        };
+        (extra_mem, min_required, min_inf)
     }
 
     fn full_load(&self, device: DeviceId, options: &LoadOptions) -> bool {
@@ -601,12 +646,34 @@ impl MemoryManager {
         let pool = self.engine.pool().map(|p| p.stats()).unwrap_or_default();
         MemoryReport {
             devices,
+            host: self.host.stats(),
             models,
             pinned: pool.allocated,
             pinned_is_page_locked: pool.pinned,
             transfers: self.engine.stats().snapshot(),
         }
     }
+}
+
+/// The manager's host tier: `--ram-budget` bounds its ledger; on a machine with a CUDA driver
+/// (and without `--disable-pinned-memory`) weights are pinned in place through candle's context,
+/// within the pin budget ([`crate::vram::pin_budget`]) less what the staging pool may pin.
+fn host_tier(policy: &Policy) -> HostTier {
+    let config = policy.config();
+    let hw = policy.hardware();
+    let ctx = if config.disable_pinned_memory {
+        None
+    } else {
+        crate::vram::cuda_context(policy.compute_device())
+    };
+    let staging = config
+        .pinned_memory_limit
+        .unwrap_or_else(|| crate::offload::default_limit(hw.host.available));
+    let budget =
+        crate::vram::pin_budget(&hw.host, hw.os, ctx.is_some(), config.disable_pinned_memory)
+            .saturating_sub(staging);
+    let locker = ctx.map(|c| Arc::new(CudaLocker::new(c)) as Arc<dyn PageLocker>);
+    HostTier::with_page_locker(config.ram_budget, budget, locker)
 }
 
 /// The requested models and their additional models, one patcher per model (the last one given

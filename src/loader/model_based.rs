@@ -18,6 +18,10 @@
 //! - **I4**: a call that failed changed nothing — registry, every model's residency (weight,
 //!   fingerprint, device, bytes), pins, patches and the ledger.
 //!
+//! Cases with a host budget read both models lazily from safetensors files through the manager's
+//! host tier (the disk tier): then after every step the host ledger also equals the bytes of the
+//! host copies it holds, summed copy by copy, and it and its peak stay within the host budget.
+//!
 //! 256 cases of 50–200 steps by default; `RESIDENCY_MODEL_CASES=10000` for a long run.
 
 use std::sync::{Arc, Weak};
@@ -50,6 +54,11 @@ fn weight(shape: &[usize], seed: u64) -> Tensor {
 
 /// Model `m`: bf16 weights, f32 biases.
 fn build_model(m: usize) -> Model {
+    Model::from_typed_tensors(format!("m{m}"), model_tensors(m)).unwrap()
+}
+
+/// The tensors of model `m`.
+fn model_tensors(m: usize) -> Vec<(String, Tensor, Dtype)> {
     let mut tensors = Vec::new();
     for (l, &(out, inn)) in LAYERS[m].iter().enumerate() {
         let w = float::from_f32(
@@ -65,7 +74,7 @@ fn build_model(m: usize) -> Model {
             Dtype::F32,
         ));
     }
-    Model::from_typed_tensors(format!("m{m}"), tensors).unwrap()
+    tensors
 }
 
 fn f32_bits(t: &Tensor) -> Vec<u32> {
@@ -216,40 +225,76 @@ struct World {
     registry: Vec<u64>,
     /// Ids of the two models.
     ids: [u64; 2],
+    /// With a host budget: the folder the models' files are in (read lazily from there).
+    files: Option<tempfile::TempDir>,
+    host_budget: Option<ByteSize>,
 }
 
 impl World {
-    fn new(budget_kib: u64, lanes: usize, depth: usize) -> World {
-        let config = Config::from_args([
+    fn new(budget_kib: u64, lanes: usize, depth: usize, host_kib: Option<u64>) -> World {
+        let mut args = vec![
             "--vram-budget".to_string(),
             format!("{budget_kib}KiB"),
             "--reserve-vram".into(),
             "0".into(),
             "--inference-memory".into(),
             "1KiB".into(),
-        ])
-        .unwrap()
-        .with_transfer_lanes(lanes)
-        .with_prefetch_depth(depth);
+        ];
+        if let Some(h) = host_kib {
+            args.extend(["--ram-budget".to_string(), format!("{h}KiB")]);
+        }
+        let config = Config::from_args(args)
+            .unwrap()
+            .with_transfer_lanes(lanes)
+            .with_prefetch_depth(depth);
         let mm = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(8))).unwrap();
-        let models = [Arc::new(build_model(0)), Arc::new(build_model(1))];
+        let files = host_kib.map(|_| {
+            let dir = tempfile::tempdir().unwrap();
+            for m in 0..2 {
+                crate::weights::save_safetensors(
+                    &dir.path().join(format!("m{m}.safetensors")),
+                    &model_tensors(m),
+                    &Default::default(),
+                )
+                .unwrap();
+            }
+            dir
+        });
         let mut world = World {
             mm,
             budget: ByteSize::kib(budget_kib),
-            models: [Arc::downgrade(&models[0]), Arc::downgrade(&models[1])],
-            checksums: [
-                models[0].clean_checksum().unwrap(),
-                models[1].clean_checksum().unwrap(),
-            ],
+            models: [Weak::new(), Weak::new()],
+            checksums: [0; 2],
             slots: vec![None; SLOTS],
             registry: Vec::new(),
-            ids: [models[0].id(), models[1].id()],
+            ids: [0; 2],
+            files,
+            host_budget: host_kib.map(ByteSize::kib),
         };
+        let models = [Arc::new(world.read(0)), Arc::new(world.read(1))];
+        for (m, model) in models.iter().enumerate() {
+            world.models[m] = Arc::downgrade(model);
+            world.ids[m] = model.id();
+            world.checksums[m] = model.clean_checksum().unwrap();
+        }
         for (m, model) in models.into_iter().enumerate() {
             let p = ModelPatcher::new(model, CPU, CPU).with_compute_dtype(Some(Dtype::F32));
             world.slots[m] = Some((p, m));
         }
         world
+    }
+
+    /// Model `m`, read anew: lazily from its file with a host budget, else built in memory.
+    fn read(&self, m: usize) -> Model {
+        match &self.files {
+            Some(dir) => Model::from_safetensors_lazy(
+                format!("m{m}"),
+                &[dir.path().join(format!("m{m}.safetensors"))],
+                self.mm.host_tier(),
+            )
+            .unwrap(),
+            None => build_model(m),
+        }
     }
 
     fn held(&self, id: u64) -> bool {
@@ -276,21 +321,7 @@ impl World {
 
     fn snapshot(&self) -> Snapshot {
         let residency = (0..2)
-            .map(|m| {
-                self.live(m).map(|model| {
-                    (0..model.len())
-                        .map(|i| match model.residency_of(i) {
-                            Some(SlotResidency::Resident {
-                                fingerprint,
-                                device,
-                                bytes,
-                                ..
-                            }) => Some((fingerprint, device, bytes)),
-                            _ => None,
-                        })
-                        .collect()
-                })
-            })
+            .map(|m| self.live(m).map(|model| residency_of(&model)))
             .collect();
         let pins = (0..2)
             .map(|m| self.live(m).map(|model| model.state().pinned.clone()))
@@ -415,6 +446,19 @@ impl World {
         );
         let ids: Vec<u64> = loaded.iter().map(|e| e.model_id).collect();
         prop_assert_eq!(&ids, &self.registry, "{}: registry", ctx());
+        // The host tier: exact, copy by copy, and within its budget at every step.
+        let host = self.mm.host_tier();
+        let held: ByteSize = host.held_copies().iter().map(|c| c.bytes).sum();
+        prop_assert_eq!(host.ledger(), held, "{}: host ledger", ctx());
+        if let Some(b) = self.host_budget {
+            prop_assert!(
+                host.peak() <= b,
+                "{}: host peak {} over {}",
+                ctx(),
+                host.peak(),
+                b
+            );
+        }
         Ok(())
     }
 
@@ -431,7 +475,7 @@ impl World {
                 let arc = match self.live(*model) {
                     Some(arc) => arc,
                     None => {
-                        let arc = Arc::new(build_model(*model));
+                        let arc = Arc::new(self.read(*model));
                         self.models[*model] = Arc::downgrade(&arc);
                         self.ids[*model] = arc.id();
                         self.checksums[*model] = arc.clean_checksum().unwrap();
@@ -704,10 +748,11 @@ proptest! {
         budget_kib in prop_oneof![Just(12u64), Just(24), Just(40), Just(64), Just(128)],
         lanes in 0..3usize,
         depth in 0..3usize,
+        host_kib in prop_oneof![2 => Just(None), 1 => Just(Some(8u64)), 1 => Just(Some(16)), 1 => Just(Some(64))],
         ops in prop::collection::vec(op(), 50..200),
     ) {
         // Only the slots (and the registry) hold the models.
-        let mut world = World::new(budget_kib, lanes, depth);
+        let mut world = World::new(budget_kib, lanes, depth, host_kib);
         for (step, op) in ops.iter().enumerate() {
             world.step(step, op)?;
             world.settle();

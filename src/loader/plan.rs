@@ -77,6 +77,19 @@ pub struct PlannedDevice {
     pub ledger_after: ByteSize,
 }
 
+/// The host tier before a plan: what it holds, and what the load will read from files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct PlannedHost {
+    /// The host budget (`--ram-budget`); `None`: unbounded.
+    pub budget: Option<ByteSize>,
+    /// The host ledger now: host copies held plus bytes being read.
+    pub ledger_before: ByteSize,
+    /// Bytes of clean weights the load reads from their files to build resident copies (lazily
+    /// read weights whose host copy is not held now). Streamed weights are read at use.
+    pub from_disk: ByteSize,
+}
+
 /// Why a plan cannot be carried out.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
@@ -105,6 +118,18 @@ pub enum PlanProblem {
         /// The device's total.
         budget: ByteSize,
     },
+    /// A weight of a lazily read model is larger than the whole host budget: it can never be
+    /// read (raise `--ram-budget`).
+    HostBudgetExceeded {
+        /// The model.
+        model: String,
+        /// The weight.
+        key: String,
+        /// Its bytes.
+        required: ByteSize,
+        /// The host budget.
+        budget: ByteSize,
+    },
 }
 
 impl PlanProblem {
@@ -130,6 +155,17 @@ impl PlanProblem {
             } => Error::BudgetExceeded {
                 model,
                 device: device.to_string(),
+                required,
+                budget,
+            },
+            PlanProblem::HostBudgetExceeded {
+                model,
+                key,
+                required,
+                budget,
+            } => Error::BudgetExceeded {
+                model: format!("`{model}` weight `{key}`"),
+                device: "host (--ram-budget)".into(),
                 required,
                 budget,
             },
@@ -163,6 +199,8 @@ pub struct LoadPlan {
     pub evictions: Vec<Eviction>,
     /// The ledgers of the devices involved.
     pub devices: Vec<PlannedDevice>,
+    /// The host tier: its ledger and the bytes the load reads from files.
+    pub host: PlannedHost,
     /// Why the plan cannot be carried out, if it cannot.
     pub problem: Option<PlanProblem>,
     #[cfg_attr(feature = "serde", serde(skip))]
@@ -427,14 +465,9 @@ impl MemoryManager {
         for m in all {
             self.validate_request(m)?;
         }
+        let mut problem = self.host_problem(all);
         let mut p = Planner::new(self, inner);
-        let reserve = self.policy.reserve().as_f64();
-        let min_inf = self.policy.minimum_inference_memory_f64();
-        let extra_mem = min_inf.max(options.memory_required.as_f64() + reserve);
-        let min_required = match options.minimum_memory_required {
-            Some(m) => min_inf.max(m.as_f64() + reserve),
-            None => extra_mem,
-        };
+        let (extra_mem, min_required, min_inf) = self.memory_to_keep_free(options);
         let views: Vec<Vec<WeightView>> = all
             .iter()
             .map(|m| m.weight_views(m.load_device()))
@@ -474,7 +507,11 @@ impl MemoryManager {
 
         // Budgets and residency, per model in load order.
         let mut models = Vec::with_capacity(all.len());
-        let mut problem = None;
+        let mut host = PlannedHost {
+            budget: self.host.budget(),
+            ledger_before: self.host.ledger(),
+            from_disk: ByteSize::ZERO,
+        };
         for (k, m) in all.iter().enumerate() {
             let device = m.load_device();
             let views = &views[k];
@@ -610,6 +647,7 @@ impl MemoryManager {
                     }
                 }
             }
+            host.from_disk = host.from_disk.saturating_add(from_disk(m, views, &want));
             models.push(planned);
             p.steps.push(Step::Load { k, want });
         }
@@ -628,6 +666,7 @@ impl MemoryManager {
             models,
             evictions: p.evictions,
             devices,
+            host,
             problem,
             steps: p.steps,
         })
@@ -662,6 +701,30 @@ impl MemoryManager {
             .min(ByteSize(free.bytes() / 2))
     }
 
+    /// A weight of a lazily read model that its host tier can never hold.
+    fn host_problem(&self, all: &[ModelPatcher]) -> Option<PlanProblem> {
+        for m in all {
+            let model = m.model();
+            let Some(budget) = model.host_tier().and_then(|t| t.budget()) else {
+                continue;
+            };
+            if let Some(s) = model
+                .slots()
+                .iter()
+                .filter(|s| s.is_lazy())
+                .find(|s| s.bytes() > budget)
+            {
+                return Some(PlanProblem::HostBudgetExceeded {
+                    model: model.name().to_string(),
+                    key: s.name().to_string(),
+                    required: s.bytes(),
+                    budget,
+                });
+            }
+        }
+        None
+    }
+
     /// The checks that can fail for a reason other than memory, made before anything moves.
     fn validate_request(&self, m: &ModelPatcher) -> Result<()> {
         if let DeviceId::Cuda(n) = m.load_device() {
@@ -677,6 +740,24 @@ impl MemoryManager {
         }
         m.validate()
     }
+}
+
+/// Bytes of `m`'s clean weights a load building `want` reads from files: lazily read weights to
+/// build whose host copy is not held now.
+fn from_disk(m: &ModelPatcher, views: &[WeightView], want: &[bool]) -> ByteSize {
+    let model = m.model();
+    let Some(tier) = model.host_tier() else {
+        return ByteSize::ZERO;
+    };
+    model
+        .slots()
+        .iter()
+        .enumerate()
+        .filter(|(i, s)| {
+            want[*i] && !views[*i].current && s.is_lazy() && !tier.holds(model.id(), *i)
+        })
+        .map(|(_, s)| s.bytes())
+        .sum()
 }
 
 /// Drops wanted, unpinned weights smallest first until the wanted bytes are at most `room`.

@@ -146,6 +146,9 @@ pub struct DeviceMemory {
 pub struct MemoryReport {
     /// Per device.
     pub devices: Vec<DeviceMemory>,
+    /// The host tier: host copies of lazily read weights (bounded by `--ram-budget`) and the
+    /// weights pinned in place.
+    pub host: crate::weights::HostStats,
     /// Per registered model, most recently used first.
     pub models: Vec<LoadedModelInfo>,
     /// Host staging memory held by the transfer engine.
@@ -170,6 +173,22 @@ impl fmt::Display for MemoryReport {
                 d.free
             )?;
         }
+        let h = &self.host;
+        writeln!(
+            f,
+            "host: {}, {} held in {} weights (peak {}); {} reads ({}), {} hits, {} evictions; {} pinned in place of {}",
+            h.budget
+                .map_or_else(|| "no budget".to_string(), |b| format!("budget {b}")),
+            h.ledger,
+            h.weights_held,
+            h.peak,
+            h.reads,
+            h.bytes_read,
+            h.hits,
+            h.evictions,
+            h.pinned,
+            h.pin_budget
+        )?;
         for m in &self.models {
             writeln!(
                 f,
@@ -183,9 +202,10 @@ impl fmt::Display for MemoryReport {
         let t = &self.transfers;
         writeln!(
             f,
-            "transfers: {} streamed ({} staged), {} fetches, prefetch {} hits / {} misses, {:.1} ms waiting; staging {} ({})",
+            "transfers: {} streamed ({} staged, {} direct from pinned weights), {} fetches, prefetch {} hits / {} misses, {:.1} ms waiting; staging {} ({})",
             t.bytes_transferred,
             t.bytes_staged,
+            t.bytes_direct,
             t.fetches,
             t.prefetch_hits,
             t.prefetch_misses,

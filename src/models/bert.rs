@@ -133,7 +133,7 @@ pub fn load_model(path: &Path, name: &str, storage: Dtype) -> Result<Model> {
     }
     let mut typed = Vec::with_capacity(model.len());
     for s in model.slots() {
-        let wide = float::to_f32(s.clean(), s.dtype())?;
+        let wide = float::to_f32(&s.clean()?, s.dtype())?;
         let storage = if storage.is_fp8() && s.shape().len() < 2 {
             Dtype::F32
         } else {

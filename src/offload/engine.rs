@@ -31,11 +31,11 @@ use super::pinned::PinnedPool;
 #[cfg(feature = "cuda")]
 use super::upload;
 use crate::error::{Error, Result};
-#[cfg(feature = "cuda")]
 use crate::float::Dtype;
 use crate::patcher::ModelPatcher;
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
+use crate::weights::{HostTier, PinnedWeight};
 
 type Job = Box<dyn FnOnce(&mut Lane) + Send>;
 
@@ -44,6 +44,7 @@ type Job = Box<dyn FnOnce(&mut Lane) + Send>;
 pub struct TransferStats {
     bytes: AtomicU64,
     pub(crate) staged: AtomicU64,
+    pub(crate) direct: AtomicU64,
     jobs: AtomicU64,
     wait_ns: AtomicU64,
     hits: AtomicU64,
@@ -58,6 +59,8 @@ pub struct TransferSnapshot {
     pub bytes_transferred: ByteSize,
     /// Bytes copied to a device through page-locked staging buffers.
     pub bytes_staged: ByteSize,
+    /// Bytes copied to a device straight from host copies page-locked in place.
+    pub bytes_direct: ByteSize,
     /// Weights materialized by lanes or inline.
     pub fetches: u64,
     /// Time compute spent waiting for transfers, in nanoseconds.
@@ -74,6 +77,7 @@ impl TransferStats {
         TransferSnapshot {
             bytes_transferred: ByteSize(self.bytes.load(Ordering::Relaxed)),
             bytes_staged: ByteSize(self.staged.load(Ordering::Relaxed)),
+            bytes_direct: ByteSize(self.direct.load(Ordering::Relaxed)),
             fetches: self.jobs.load(Ordering::Relaxed),
             wait_ns: self.wait_ns.load(Ordering::Relaxed),
             prefetch_hits: self.hits.load(Ordering::Relaxed),
@@ -137,6 +141,7 @@ pub struct TransferEngine {
     queue: Mutex<Option<mpsc::Sender<Job>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
     pool: Option<PinnedPool>,
+    host: Option<HostTier>,
     stats: Arc<TransferStats>,
 }
 
@@ -184,7 +189,29 @@ impl TransferEngine {
             queue: Mutex::new(queue),
             workers: Mutex::new(workers),
             pool,
+            host: None,
             stats,
+        }
+    }
+
+    /// Pins streamed weights in place in `tier` (within its pin budget), so their GPU copies DMA
+    /// straight from their host copies instead of through a staging buffer.
+    pub fn with_host_tier(mut self, tier: HostTier) -> TransferEngine {
+        self.host = Some(tier);
+        self
+    }
+
+    /// The host tier streamed weights are pinned in.
+    pub fn host_tier(&self) -> Option<&HostTier> {
+        self.host.as_ref()
+    }
+
+    fn route(&self, streamed: bool) -> Route<'_> {
+        Route {
+            pool: self.pool.as_ref(),
+            host: self.host.as_ref(),
+            stats: &self.stats,
+            streamed,
         }
     }
 
@@ -207,13 +234,7 @@ impl TransferEngine {
         let queue = self.queue.lock().clone();
         let Some(queue) = queue else {
             return Pending {
-                state: PendingState::Ready(stream_weight(
-                    self.pool.as_ref(),
-                    &self.stats,
-                    patcher,
-                    index,
-                    None,
-                )),
+                state: PendingState::Ready(stream_weight(self.route(true), patcher, index, None)),
                 bytes,
                 stats: Arc::clone(&self.stats),
             };
@@ -221,9 +242,16 @@ impl TransferEngine {
         let (tx, rx) = mpsc::sync_channel(1);
         let patcher = patcher.clone();
         let pool = self.pool.clone();
+        let host = self.host.clone();
         let stats = Arc::clone(&self.stats);
         let job: Job = Box::new(move |lane: &mut Lane| {
-            let r = stream_weight(pool.as_ref(), &stats, &patcher, index, Some(lane));
+            let route = Route {
+                pool: pool.as_ref(),
+                host: host.as_ref(),
+                stats: &stats,
+                streamed: true,
+            };
+            let r = stream_weight(route, &patcher, index, Some(lane));
             let _ = tx.send(r);
         });
         if let Err(mpsc::SendError(job)) = queue.send(job) {
@@ -240,7 +268,15 @@ impl TransferEngine {
     /// Materializes weight `index` on the calling thread through the same path, copying on the
     /// calling thread's own stream.
     pub fn fetch_now(&self, patcher: &ModelPatcher, index: usize) -> Result<Tensor> {
-        stream_weight(self.pool.as_ref(), &self.stats, patcher, index, None)?.into_tensor()
+        stream_weight(self.route(true), patcher, index, None)?.into_tensor()
+    }
+
+    /// Builds weight `index`'s resident copy on the patcher's load device through the same path
+    /// as a streamed fetch — on a GPU, a copy from a page-locked staging buffer instead of
+    /// candle's pageable `to_device` — on the calling thread's own stream. Not counted as a
+    /// fetch, and not pinned in place (a resident weight copies nothing from the host).
+    pub fn load_now(&self, patcher: &ModelPatcher, index: usize) -> Result<Tensor> {
+        stream_weight(self.route(false), patcher, index, None)?.into_tensor()
     }
 }
 
@@ -357,13 +393,25 @@ impl Lane {
     }
 }
 
-/// The streamed-fetch path: patch and cast on the host (the same
+/// What a transfer may use: the staging pool, the host tier weights are pinned in, the counters,
+/// and whether the weight streams (counted as a fetch, and pinned in place) or is being made
+/// resident (neither: a resident weight is unpinned anyway).
+#[derive(Clone, Copy)]
+struct Route<'a> {
+    pool: Option<&'a PinnedPool>,
+    host: Option<&'a HostTier>,
+    stats: &'a TransferStats,
+    streamed: bool,
+}
+
+/// The transfer path of a weight: patch and cast on the host (the same
 /// [`ModelPatcher::materialize_from`] every path uses, so the bits never depend on the path),
-/// then, for a GPU, copy through a staging buffer on `lane`'s stream (or the calling thread's
-/// own stream without a lane). A CPU destination has no copy, so nothing is staged.
+/// then, for a GPU, copy on `lane`'s stream (or the calling thread's own stream without a lane):
+/// straight from the host copy when it is page-locked in place, else through a staging buffer.
+/// A streamed weight whose host part is its clean host copy is pinned in place first, within the
+/// pin budget. A CPU destination has no copy, so nothing is staged or pinned.
 fn stream_weight(
-    pool: Option<&PinnedPool>,
-    stats: &TransferStats,
+    route: Route<'_>,
     patcher: &ModelPatcher,
     index: usize,
     lane: Option<&mut Lane>,
@@ -377,40 +425,109 @@ fn stream_weight(
         on_lane = lane.is_some()
     )
     .entered();
-    stats.jobs.fetch_add(1, Ordering::Relaxed);
-    stats
-        .bytes
-        .fetch_add(slot.bytes().bytes(), Ordering::Relaxed);
+    if route.streamed {
+        route.stats.jobs.fetch_add(1, Ordering::Relaxed);
+        route
+            .stats
+            .bytes
+            .fetch_add(slot.bytes().bytes(), Ordering::Relaxed);
+    }
     let dtype = patcher.resident_dtype(index);
     let device = patcher.load_device();
-    #[cfg(feature = "cuda")]
-    if let DeviceId::Cuda(ordinal) = device {
-        let (host, cast_after_copy) = patcher.host_part(index, slot.clean(), dtype, device)?;
-        let Device::Cuda(dev) = device.to_candle()? else {
-            return Err(Error::Device {
-                device: device.to_string(),
-                reason: "candle did not give a CUDA device".into(),
-            });
-        };
-        let stream = match lane {
-            Some(lane) => lane.stream(ordinal)?,
-            None => dev.cuda_stream(),
-        };
-        let named = |e| match e {
-            Error::Tensor { context, source } => Error::Tensor {
-                context: format!("`{}`: {context}", slot.name()),
-                source,
-            },
-            other => other,
-        };
-        let copied = upload::upload(&host, &dev, &stream, pool, stats).map_err(named)?;
-        return match cast_after_copy {
-            None => Ok(copied),
-            Some(to) => copied.cast_here(&dev, slot.dtype(), to).map_err(named),
-        };
+    let clean = slot.clean()?;
+    if device.is_cpu() || !cfg!(feature = "cuda") {
+        return patcher
+            .materialize_from(index, &clean, dtype, device)
+            .map(Arrived::complete);
     }
-    let _ = (pool, lane);
-    patcher
-        .materialize_from(index, slot.clean(), dtype, device)
-        .map(Arrived::complete)
+    let (host, cast_after_copy) = patcher.host_part(index, &clean, dtype, device)?;
+    // Pinned in place only when what is copied is the clean host copy itself (no patch or cast
+    // made a new tensor) and the weight streams.
+    let pin = match route.host {
+        Some(tier)
+            if route.streamed
+                && crate::weights::host_bytes(&host) == crate::weights::host_bytes(&clean) =>
+        {
+            patcher.model().pin_clean(index, tier, &clean)
+        }
+        _ => None,
+    };
+    let named = |e| match e {
+        Error::Tensor { context, source } => Error::Tensor {
+            context: format!("`{}`: {context}", slot.name()),
+            source,
+        },
+        other => other,
+    };
+    let copy = GpuCopy {
+        host: &host,
+        cast_after_copy,
+        from: slot.dtype(),
+        pin: pin.as_deref(),
+    };
+    gpu_copy(route, copy, device, lane).map_err(named)
+}
+
+/// What a GPU copy moves: the host tensor, the cast left for after the copy, and the pin of the
+/// host copy when it is page-locked in place.
+struct GpuCopy<'a> {
+    host: &'a Tensor,
+    cast_after_copy: Option<Dtype>,
+    from: Dtype,
+    pin: Option<&'a PinnedWeight>,
+}
+
+/// Copies to GPU `device` on `lane`'s stream (the calling thread's without a lane), then casts
+/// there if asked.
+#[cfg(feature = "cuda")]
+fn gpu_copy(
+    route: Route<'_>,
+    copy: GpuCopy<'_>,
+    device: DeviceId,
+    lane: Option<&mut Lane>,
+) -> Result<Arrived> {
+    let Device::Cuda(dev) = device.to_candle()? else {
+        return Err(Error::Device {
+            device: device.to_string(),
+            reason: "candle did not give a CUDA device".into(),
+        });
+    };
+    let DeviceId::Cuda(ordinal) = device else {
+        return Err(Error::Device {
+            device: device.to_string(),
+            reason: "not a GPU".into(),
+        });
+    };
+    let stream = match lane {
+        Some(lane) => lane.stream(ordinal)?,
+        None => dev.cuda_stream(),
+    };
+    let copied = upload::upload(copy.host, &dev, &stream, route.pool, route.stats, copy.pin)?;
+    match copy.cast_after_copy {
+        None => Ok(copied),
+        Some(to) => copied.cast_here(&dev, copy.from, to),
+    }
+}
+
+/// Without the `cuda` feature no GPU tensor can be built (never called: candle has no CUDA).
+#[cfg(not(feature = "cuda"))]
+fn gpu_copy(
+    route: Route<'_>,
+    copy: GpuCopy<'_>,
+    device: DeviceId,
+    lane: Option<&mut Lane>,
+) -> Result<Arrived> {
+    let _ = (
+        route.pool,
+        route.stats,
+        copy.host,
+        copy.cast_after_copy,
+        copy.from,
+        copy.pin,
+        lane,
+    );
+    Err(Error::Device {
+        device: device.to_string(),
+        reason: "residency was built without the `cuda` feature".into(),
+    })
 }

@@ -11,6 +11,11 @@
 //! - [`PinnedPool`]: bounded, size-classed staging buffers for host→device copies (page-locked
 //!   where a CUDA driver is present, touched aligned buffers elsewhere); [`copy_to_device`] copies
 //!   through one on a cudarc stream.
+//! - Weights pinned in place: a streamed weight whose host part is its clean host copy is
+//!   page-locked where it lives through the model's [`crate::weights::HostTier`] (within the pin
+//!   budget) and copied straight from there; beyond the budget, or when pinning fails, it is
+//!   staged as above. Resident copies a load builds go through the same path
+//!   ([`TransferEngine::load_now`]).
 //! - [`TransferEngine`]: `N` lanes (`--async-offload N`; default 2 on a GPU, 0 on the CPU —
 //!   [`crate::vram::Config::transfer_lanes_for`]; `--disable-async-offload` = 0,
 //!   synchronous); a fetched weight is a [`Pending`] handle that must be waited on.

@@ -1,5 +1,6 @@
-//! Host→device copies of streamed weights: through a page-locked staging buffer on a lane's
-//! stream where the pool has one, from pageable memory otherwise.
+//! Host→device copies of weights: straight from a host copy page-locked in place
+//! ([`crate::weights::PinnedWeight`]) where there is one, through a page-locked staging buffer on
+//! a lane's stream where the pool has one, from pageable memory otherwise.
 //!
 //! [`copy_to_device`] is cudarc only and compiles in every build; [`upload`] wraps its result
 //! in candle CUDA storage and needs the `cuda` feature.
@@ -7,11 +8,12 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, DeviceRepr};
 
 use super::engine::TransferStats;
 use super::pinned::PinnedPool;
 use crate::error::{Error, Result};
+use crate::weights::PinnedWeight;
 
 /// Copies `src` into a new device buffer allocated on `stream`, asynchronously on `stream`.
 ///
@@ -26,14 +28,18 @@ pub fn copy_to_device<T: DeviceRepr>(
     stream: &Arc<CudaStream>,
     pool: Option<&PinnedPool>,
 ) -> Result<CudaSlice<T>> {
-    copy_counted(src, stream, pool, None)
+    copy_counted(src, stream, pool, None, None)
 }
 
+/// [`copy_to_device`], counted in `stats`; when `pinned` covers `src` (a host copy page-locked in
+/// place), the copy is a DMA straight from `src`, and `pinned` records its event so that
+/// unlocking waits for it.
 pub(crate) fn copy_counted<T: DeviceRepr>(
     src: &[T],
     stream: &Arc<CudaStream>,
     pool: Option<&PinnedPool>,
     stats: Option<&TransferStats>,
+    pinned: Option<&PinnedWeight>,
 ) -> Result<CudaSlice<T>> {
     let ordinal = stream.context().ordinal();
     let driver = |what: &'static str| move |e| Error::driver(ordinal, what, e);
@@ -42,6 +48,30 @@ pub(crate) fn copy_counted<T: DeviceRepr>(
     let mut dst = unsafe { stream.alloc::<T>(src.len()) }
         .map_err(driver("allocating device memory for a streamed weight"))?;
     let bytes = as_bytes(src);
+    if let Some(p) = pinned.filter(|p| p.covers(bytes)) {
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("binding the context for a pinned copy"))?;
+        {
+            // Orders the copy after earlier uses of `dst` and records its write on drop.
+            let (dptr, _record_write) = dst.device_ptr_mut(stream);
+            // SAFETY: `bytes` lie inside memory page-locked in place by `p`, which stays locked
+            // and allocated until the event recorded below completes (dropping a
+            // `PinnedWeight` waits on it before unlocking); `dptr` addresses `dst`, a live
+            // allocation of exactly `bytes.len()` bytes.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dptr, bytes, stream.cu_stream()) }
+                .map_err(driver("copying a pinned weight to the device"))?;
+        }
+        p.record_copy(stream)
+            .map_err(driver("recording a pinned copy's event"))?;
+        if let Some(stats) = stats {
+            stats
+                .direct
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        }
+        return Ok(dst);
+    }
     if let Some(mut buf) = pool.and_then(|p| p.acquire(bytes.len())) {
         if buf.is_pinned() {
             if let Some(staging) = buf.as_mut_bytes() {
@@ -79,6 +109,7 @@ pub(crate) fn upload(
     stream: &Arc<CudaStream>,
     pool: Option<&PinnedPool>,
     stats: &TransferStats,
+    pinned: Option<&PinnedWeight>,
 ) -> Result<super::engine::Arrived> {
     use candle_core::{CpuStorage, CudaStorage, Storage, Tensor};
 
@@ -101,7 +132,7 @@ pub(crate) fn upload(
     macro_rules! copy {
         ($v:expr) => {
             CudaStorage::wrap_cuda_slice(
-                copy_counted(&$v[start..end], stream, pool, Some(stats))?,
+                copy_counted(&$v[start..end], stream, pool, Some(stats), pinned)?,
                 dev.clone(),
             )
         };

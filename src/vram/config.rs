@@ -70,6 +70,11 @@ pub struct Config {
     pub async_offload: Option<Option<usize>>,
     /// `--disable-async-offload`: synchronous transfers.
     pub disable_async_offload: bool,
+    /// `--ram-budget SIZE` (a residency extension): host RAM the clean weights of models read
+    /// through the manager's host tier may hold ([`crate::weights::HostTier`]); such models are
+    /// read lazily, weight by weight, from their files. `None`: models are read eagerly, as
+    /// before.
+    pub ram_budget: Option<ByteSize>,
     /// `--disable-pinned-memory`.
     pub disable_pinned_memory: bool,
     /// `--pinned-memory-limit SIZE`.
@@ -110,6 +115,7 @@ enum Action {
     Mode(VramMode),
     ReserveVram,
     VramBudget,
+    RamBudget,
     DisableSmartMemory,
     AsyncOffload,
     DisableAsyncOffload,
@@ -141,6 +147,7 @@ const FLAGS: &[(&str, Action)] = &[
     ("--cpu", Action::Mode(VramMode::Cpu)),
     ("--reserve-vram", Action::ReserveVram),
     ("--vram-budget", Action::VramBudget),
+    ("--ram-budget", Action::RamBudget),
     ("--disable-smart-memory", Action::DisableSmartMemory),
     ("--async-offload", Action::AsyncOffload),
     ("--disable-async-offload", Action::DisableAsyncOffload),
@@ -233,6 +240,19 @@ fn suggest(flag: &str) -> Option<String> {
         .map(|(_, name)| name.to_string())
 }
 
+/// The `RESIDENCY_*` variables of `vars`, as owned pairs.
+fn residency_vars<I, K, V>(vars: I) -> Vec<(String, String)>
+where
+    I: IntoIterator<Item = (K, V)>,
+    K: AsRef<str>,
+    V: AsRef<str>,
+{
+    vars.into_iter()
+        .map(|(k, v)| (k.as_ref().to_string(), v.as_ref().to_string()))
+        .filter(|(k, _)| k.starts_with("RESIDENCY_"))
+        .collect()
+}
+
 impl Config {
     /// Every flag this crate understands, as ComfyUI spells them.
     pub fn known_flags() -> impl Iterator<Item = &'static str> {
@@ -253,6 +273,7 @@ impl Config {
             Some(
                 Action::ReserveVram
                 | Action::VramBudget
+                | Action::RamBudget
                 | Action::PinnedLimit
                 | Action::CudaDevice
                 | Action::InferenceMemory,
@@ -338,11 +359,7 @@ impl Config {
         K: AsRef<str>,
         V: AsRef<str>,
     {
-        let mut vars: Vec<(String, String)> = vars
-            .into_iter()
-            .map(|(k, v)| (k.as_ref().to_string(), v.as_ref().to_string()))
-            .filter(|(k, _)| k.starts_with("RESIDENCY_"))
-            .collect();
+        let mut vars = residency_vars(vars);
         // RESIDENCY_ARGS first, as in `from_env_vars`.
         vars.sort_by_key(|(k, _)| (k != "RESIDENCY_ARGS", k.clone()));
         let mut kept: Vec<(String, String)> = Vec::new();
@@ -366,11 +383,7 @@ impl Config {
         K: AsRef<str>,
         V: AsRef<str>,
     {
-        let mut vars: Vec<(String, String)> = vars
-            .into_iter()
-            .map(|(k, v)| (k.as_ref().to_string(), v.as_ref().to_string()))
-            .filter(|(k, _)| k.starts_with("RESIDENCY_"))
-            .collect();
+        let mut vars = residency_vars(vars);
         vars.sort();
         let mut args: Vec<String> = Vec::new();
         if let Some((_, v)) = vars.iter().find(|(k, _)| k == "RESIDENCY_ARGS") {
@@ -469,6 +482,13 @@ impl Config {
                 }
                 self.vram_budget = Some(b);
             }
+            Action::RamBudget => {
+                let b: ByteSize = value_str.parse()?;
+                if b == ByteSize::ZERO {
+                    return Err(invalid("the budget must be more than 0 bytes".into()));
+                }
+                self.ram_budget = Some(b);
+            }
             Action::DisableSmartMemory => self.disable_smart_memory = true,
             Action::AsyncOffload => {
                 let n = match value {
@@ -565,6 +585,12 @@ impl Config {
         self.vram_budget = Some(budget);
         self
     }
+    /// Sets `--ram-budget`: models read through the manager's host tier are read lazily and
+    /// their host copies stay within `budget`.
+    pub fn with_ram_budget(mut self, budget: ByteSize) -> Self {
+        self.ram_budget = Some(budget);
+        self
+    }
     /// Sets `--reserve-vram` in GB.
     pub fn with_reserve_vram_gb(mut self, gb: f64) -> Self {
         self.reserve_vram_gb = Some(gb);
@@ -637,196 +663,5 @@ fn is_truthy(key: &str, v: &str) -> Result<bool> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_flag_parses() {
-        for flag in Config::known_flags() {
-            let args: Vec<String> = match Config::flag_takes_value(flag) {
-                Some(true) => {
-                    let v = match flag {
-                        "--reserve-vram" => "1.5",
-                        "--cuda-device" => "1",
-                        _ => "4GiB",
-                    };
-                    vec![flag.into(), v.into()]
-                }
-                _ => vec![flag.into()],
-            };
-            let r = Config::from_args(&args);
-            if flag == "--fp64-unet" || flag == "--fp8_e8m0fnu-unet" {
-                let msg = r.unwrap_err().to_string();
-                assert!(msg.contains(flag), "{msg}");
-            } else {
-                let cfg = r.unwrap_or_else(|e| panic!("{flag}: {e}"));
-                assert_ne!(cfg, Config::default(), "{flag} changed nothing");
-            }
-        }
-    }
-
-    #[test]
-    fn values_land_in_their_fields() {
-        let cfg = Config::from_args([
-            "--lowvram",
-            "--reserve-vram",
-            "1.5",
-            "--vram-budget=512MiB",
-            "--async-offload",
-            "3",
-            "--fp8-e4m3fn-unet",
-            "--bf16-vae",
-            "--fp16-text-enc",
-            "--use-quad-cross-attention",
-            "--dont-upcast-attention",
-            "--cuda-device",
-            "1",
-            "--pinned-memory-limit",
-            "2GiB",
-        ])
-        .unwrap();
-        assert_eq!(cfg.vram_mode, Some(VramMode::LowVram));
-        assert_eq!(cfg.reserve_vram_gb, Some(1.5));
-        assert_eq!(cfg.vram_budget, Some(ByteSize::mib(512)));
-        assert_eq!(cfg.async_offload, Some(Some(3)));
-        assert_eq!(cfg.transfer_lanes(), 3);
-        assert_eq!(cfg.unet_dtype, Some(Dtype::F8E4M3FN));
-        assert_eq!(cfg.vae_dtype, Some(Dtype::BF16));
-        assert_eq!(cfg.text_encoder_dtype, Some(Dtype::F16));
-        assert_eq!(cfg.attention, Some(AttentionFlag::Quad));
-        assert_eq!(cfg.upcast_attention, UpcastFlag::Never);
-        assert_eq!(cfg.cuda_device, Some(1));
-        assert_eq!(cfg.pinned_memory_limit, Some(ByteSize::gib(2)));
-    }
-
-    #[test]
-    fn async_offload_number_is_optional() {
-        let cfg = Config::from_args(["--async-offload", "--lowvram"]).unwrap();
-        assert_eq!(cfg.async_offload, Some(None));
-        assert_eq!(cfg.transfer_lanes(), 2);
-        assert_eq!(Config::default().transfer_lanes(), 2);
-        let cuda = crate::vram::DeviceId::Cuda(0);
-        let cpu = crate::vram::DeviceId::Cpu;
-        assert_eq!(Config::default().transfer_lanes_for(cuda), 2);
-        assert_eq!(Config::default().transfer_lanes_for(cpu), 0);
-        assert_eq!(
-            cfg.transfer_lanes_for(cpu),
-            2,
-            "a bare --async-offload on the CPU"
-        );
-        let cfg = Config::from_args(["--disable-async-offload"]).unwrap();
-        assert_eq!(cfg.transfer_lanes(), 0);
-        assert!(Config::from_args(["--async-offload=0"]).is_err());
-    }
-
-    #[test]
-    fn conflicting_flags_are_rejected_naming_both() {
-        let pairs = [
-            ("--lowvram", "--highvram"),
-            ("--cpu", "--novram"),
-            ("--force-fp16", "--force-fp32"),
-            ("--fp16-unet", "--bf16-unet"),
-            ("--fp16-vae", "--fp32-vae"),
-            ("--fp16-text-enc", "--bf16-text-enc"),
-            ("--use-split-cross-attention", "--use-flash-attention"),
-            ("--force-upcast-attention", "--dont-upcast-attention"),
-            ("--async-offload", "--disable-async-offload"),
-        ];
-        for (a, b) in pairs {
-            match Config::from_args([a, b]) {
-                Err(Error::ConflictingFlags { first, second }) => {
-                    assert_eq!((first.as_str(), second.as_str()), (a, b))
-                }
-                other => panic!("{a} {b}: {other:?}"),
-            }
-        }
-        // The same flag twice is not a conflict.
-        assert!(Config::from_args(["--lowvram", "--lowvram"]).is_ok());
-    }
-
-    #[test]
-    fn unknown_flags_are_errors_with_a_suggestion() {
-        match Config::from_args(["--lowvarm"]) {
-            Err(Error::UnknownFlag { flag, suggestion }) => {
-                assert_eq!(flag, "--lowvram".replace("vram", "varm"));
-                assert_eq!(suggestion.as_deref(), Some("--lowvram"));
-            }
-            other => panic!("{other:?}"),
-        }
-        assert!(matches!(
-            Config::from_args(["--frobnicate-everything"]),
-            Err(Error::UnknownFlag {
-                suggestion: None,
-                ..
-            })
-        ));
-        assert!(matches!(
-            Config::from_args(["positional"]),
-            Err(Error::UnknownFlag { .. })
-        ));
-    }
-
-    #[test]
-    fn bad_values_name_the_flag() {
-        for args in [
-            vec!["--vram-budget", "lots"],
-            vec!["--vram-budget"],
-            vec!["--vram-budget", "0"],
-            vec!["--reserve-vram", "-1"],
-            vec!["--reserve-vram", "x"],
-            vec!["--cuda-device", "gpu0"],
-            vec!["--lowvram=1"],
-            vec!["--pinned-memory-limit", "4 parsecs"],
-        ] {
-            let err = Config::from_args(&args).unwrap_err();
-            let msg = err.to_string();
-            assert!(
-                msg.contains(args[0].trim_end_matches("=1"))
-                    || msg.contains(args.get(1).unwrap_or(&"")),
-                "{args:?}: {msg}"
-            );
-        }
-    }
-
-    #[test]
-    fn environment_variables_map_onto_flags() {
-        let cfg = Config::from_env_vars([
-            ("RESIDENCY_ARGS", "--novram --async-offload 4"),
-            ("RESIDENCY_VRAM_BUDGET", "3GiB"),
-            ("RESIDENCY_CPU_VAE", "1"),
-            ("RESIDENCY_DETERMINISTIC", "0"),
-            ("RESIDENCY_FP8_E5M2_UNET", "true"),
-            ("PATH", "/usr/bin"),
-        ])
-        .unwrap();
-        assert_eq!(cfg.vram_mode, Some(VramMode::NoVram));
-        assert_eq!(cfg.transfer_lanes(), 4);
-        assert_eq!(cfg.vram_budget, Some(ByteSize::gib(3)));
-        assert!(cfg.cpu_vae);
-        assert!(!cfg.deterministic);
-        assert_eq!(cfg.unet_dtype, Some(Dtype::F8E5M2));
-        let err = Config::from_env_vars([("RESIDENCY_LOWVRAN", "1")]).unwrap_err();
-        assert!(err.to_string().contains("RESIDENCY_LOWVRAM"), "{err}");
-        assert!(Config::from_env_vars([("RESIDENCY_LOWVRAM", "maybe")]).is_err());
-        assert_eq!(
-            Config::from_env_vars(Vec::<(String, String)>::new()).unwrap(),
-            Config::default()
-        );
-    }
-
-    #[test]
-    fn builder_setters_match_parsed_flags() {
-        let built = Config::default()
-            .with_vram_mode(VramMode::LowVram)
-            .with_vram_budget(ByteSize::gib(4))
-            .with_transfer_lanes(0);
-        let parsed = Config::from_args([
-            "--lowvram",
-            "--vram-budget",
-            "4GiB",
-            "--disable-async-offload",
-        ])
-        .unwrap();
-        assert_eq!(built, parsed);
-    }
-}
+#[path = "config_tests.rs"]
+mod tests;

@@ -18,6 +18,7 @@ mod config;
 mod cuda;
 mod devices;
 mod dtype;
+mod pin_budget;
 mod probe;
 mod report;
 mod state;
@@ -25,9 +26,10 @@ mod state;
 pub use config::{AttentionFlag, Config, UpcastFlag, VramMode};
 pub use cuda::cuda_context;
 pub(crate) use cuda::empty_cuda_caches;
+pub use pin_budget::{pin_budget, PIN_HEADROOM};
 pub use probe::{
-    cuda_driver_present, driver_free_memory, host_from_texts, GpuInfo, Hardware, HostInfo, Os,
-    Vendor,
+    cuda_driver_present, driver_free_memory, host_from_texts, swap_within_cgroup, GpuInfo,
+    Hardware, HostInfo, Os, Vendor,
 };
 pub use report::StartupReport;
 pub use state::{CpuState, DeviceId, Policy, VramState};

@@ -86,6 +86,9 @@ pub struct HostInfo {
     pub total: ByteSize,
     /// Available RAM (`MemAvailable`, clipped by the cgroup's remaining allowance).
     pub available: ByteSize,
+    /// Total swap (`SwapTotal`, clipped by the cgroup v2 `memory.swap.max`); the pin budget
+    /// ([`crate::vram::pin_budget`]) counts it as headroom.
+    pub swap_total: ByteSize,
 }
 
 /// A snapshot of the machine. Plain data: build it by hand in tests.
@@ -107,6 +110,7 @@ impl Hardware {
             host: HostInfo {
                 total: ram,
                 available: ram,
+                swap_total: ByteSize::ZERO,
             },
             os: Os::Linux,
         }
@@ -213,7 +217,18 @@ fn probe_host() -> HostInfo {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let cg_max = std::fs::read_to_string("/sys/fs/cgroup/memory.max").ok();
     let cg_current = std::fs::read_to_string("/sys/fs/cgroup/memory.current").ok();
-    host_from_texts(&meminfo, cg_max.as_deref(), cg_current.as_deref())
+    let mut host = host_from_texts(&meminfo, cg_max.as_deref(), cg_current.as_deref());
+    let cg_swap = std::fs::read_to_string("/sys/fs/cgroup/memory.swap.max").ok();
+    host.swap_total = swap_within_cgroup(host.swap_total, cg_swap.as_deref());
+    host
+}
+
+/// Swap capped by the cgroup v2 `memory.swap.max` text (`max`, or absent: no cap). Pure.
+pub fn swap_within_cgroup(swap_total: ByteSize, cg_swap_max: Option<&str>) -> ByteSize {
+    match cg_swap_max.and_then(|s| s.trim().parse::<u64>().ok()) {
+        Some(limit) => swap_total.min(ByteSize(limit)),
+        None => swap_total,
+    }
 }
 
 /// Host RAM from the OS's own counters on macOS and Windows (through `sysinfo`: `hw.memsize`
@@ -233,6 +248,7 @@ fn host_from_os() -> HostInfo {
     HostInfo {
         total: ByteSize(total),
         available: ByteSize(sys.available_memory().min(total)),
+        swap_total: ByteSize(sys.total_swap()),
     }
 }
 
@@ -245,6 +261,7 @@ pub fn host_from_texts(meminfo: &str, cg_max: Option<&str>, cg_current: Option<&
             kib.checked_mul(1024)
         })
     };
+    let swap_total = field("SwapTotal").unwrap_or(0);
     let mut total = field("MemTotal").unwrap_or(0);
     let mut available = field("MemAvailable")
         .or_else(|| field("MemFree"))
@@ -260,6 +277,7 @@ pub fn host_from_texts(meminfo: &str, cg_max: Option<&str>, cg_current: Option<&
     HostInfo {
         total: ByteSize(total),
         available: ByteSize(available),
+        swap_total: ByteSize(swap_total),
     }
 }
 
@@ -268,13 +286,26 @@ mod tests {
     use super::*;
 
     const MEMINFO: &str =
-        "MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n";
+        "MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\nSwapTotal:       8000000 kB\n";
 
     #[test]
     fn reads_mem_available_from_meminfo() {
         let h = host_from_texts(MEMINFO, None, None);
         assert_eq!(h.total, ByteSize(24_000_000 * 1024));
         assert_eq!(h.available, ByteSize(20_000_000 * 1024));
+        assert_eq!(h.swap_total, ByteSize(8_000_000 * 1024));
+    }
+
+    #[test]
+    fn cgroup_swap_limit_caps_swap() {
+        let swap = ByteSize::gib(32);
+        assert_eq!(swap_within_cgroup(swap, None), swap);
+        assert_eq!(swap_within_cgroup(swap, Some("max\n")), swap);
+        assert_eq!(swap_within_cgroup(swap, Some("0\n")), ByteSize::ZERO);
+        assert_eq!(
+            swap_within_cgroup(swap, Some("4294967296\n")),
+            ByteSize::gib(4)
+        );
     }
 
     #[test]

@@ -1,8 +1,12 @@
 //! Models as named weight slots, and where each weight currently lives.
 //!
 //! A [`Model`] is the shared, immutable set of weights of one checkpoint: per slot its name,
-//! shape, storage dtype and the **clean** tensor on the offload device (host RAM). Clean tensors
-//! are never mutated (I1, docs/ARCHITECTURE.md §4.1): patches produce new tensors.
+//! shape, storage dtype and the **clean** tensor. A model read eagerly holds every clean tensor in
+//! host RAM; a model read lazily ([`Model::from_safetensors_lazy`], `lazy.rs`) leaves them in
+//! its files and holds host copies through a [`HostTier`] (`host.rs`) within a RAM budget.
+//! Either way [`Slot::clean`] is the one way to a clean weight: it returns the host tensor,
+//! reading it first when it is not held. Clean tensors are never mutated (I1,
+//! docs/ARCHITECTURE.md §4.1): patches produce new tensors.
 //!
 //! Next to the clean weights a model keeps its *residency*: for each slot either
 //! [`SlotResidency::Offloaded`] or [`SlotResidency::Resident`] — one materialized, patched copy
@@ -12,9 +16,14 @@
 //!
 //! Locks: `Model::state` (rank 3 in the crate's lock table) guards residency and pins; the
 //! forward-order recorder (rank 4) is a leaf. Neither is held across a call into user code.
+//! A change of a weight's residency tells the model's host tier under `Model::state` (the tier's
+//! lock is rank 8).
 //!
 //! Complexity: lookups by name are O(1); residency updates are O(number of weights touched).
 
+mod host;
+mod lazy;
+mod pin;
 mod safetensors;
 
 use std::any::Any;
@@ -23,6 +32,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::Tensor;
+use once_cell::sync::OnceCell;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::error::{Error, Result};
@@ -30,6 +40,9 @@ use crate::float::Dtype;
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
+pub use self::host::{HeldCopy, HostStats, HostTier, MIN_PIN_BYTES};
+pub(crate) use self::pin::host_bytes;
+pub use self::pin::{CudaLocker, PageLocker, PinnedWeight};
 pub(crate) use self::safetensors::{
     le_bytes, read_file_tensors, safetensors_dtype, save_safetensors_streaming, FileTensor,
     LazyTensor, TensorFile,
@@ -44,13 +57,21 @@ pub(crate) type StreamHook = Arc<dyn Any + Send + Sync>;
 /// A fingerprint of the patch list (and resident dtype) a resident copy was built from.
 pub type Fingerprint = u64;
 
+/// Where a clean weight is: in host memory for good (read eagerly), or in its file (read
+/// lazily, with a host copy held by the model's host tier while memory allows).
+#[derive(Debug)]
+enum Clean {
+    Host(Tensor),
+    Disk(Box<lazy::DiskWeight>),
+}
+
 /// One weight: metadata and the clean tensor.
 #[derive(Debug)]
 pub struct Slot {
     name: String,
     shape: Vec<usize>,
     dtype: Dtype,
-    clean: Tensor,
+    clean: Clean,
     bytes: ByteSize,
 }
 
@@ -67,9 +88,26 @@ impl Slot {
     pub fn dtype(&self) -> Dtype {
         self.dtype
     }
-    /// The clean tensor (storage dtype; `U8` bytes for fp8 E5M2). Never mutated.
-    pub fn clean(&self) -> &Tensor {
-        &self.clean
+    /// The clean tensor on the host (storage dtype; `U8` bytes for fp8 E5M2). Never mutated.
+    ///
+    /// For a weight read eagerly this is the tensor read with the model. For one read lazily it
+    /// is the host copy its host tier holds, read from the file first (and booked in the tier's
+    /// ledger, evicting other copies within its budget) when the tier does not hold it; where
+    /// the stored dtype is what the tensor holds, the read fills the tensor's own buffer.
+    ///
+    /// # Errors
+    /// For a lazily read weight: [`Error::File`] naming the file and the tensor when it cannot
+    /// be read (truncated or removed underneath); [`Error::BudgetExceeded`] when the weight alone
+    /// is larger than the host budget. A failed read changes nothing else.
+    pub fn clean(&self) -> Result<Tensor> {
+        match &self.clean {
+            Clean::Host(t) => Ok(t.clone()),
+            Clean::Disk(d) => d.clean(&self.name, self.dtype),
+        }
+    }
+    /// Whether the weight stays in its file until needed (read lazily).
+    pub fn is_lazy(&self) -> bool {
+        matches!(self.clean, Clean::Disk(_))
     }
     /// Bytes in storage dtype.
     pub fn bytes(&self) -> ByteSize {
@@ -115,6 +153,8 @@ pub(crate) struct Residency {
     totals: Vec<(DeviceId, u64, usize)>,
     /// Bumped by every change of a slot: equal generations mean identical residency.
     generation: u64,
+    /// The host tier told when a weight gains or loses its resident copy, and the model's id.
+    host: Option<(HostTier, u64)>,
 }
 
 impl Residency {
@@ -124,6 +164,7 @@ impl Residency {
             pinned: vec![false; len],
             totals: Vec::new(),
             generation: 0,
+            host: None,
         }
     }
 
@@ -140,7 +181,20 @@ impl Residency {
             t.1 += bytes.bytes();
             t.2 += 1;
         }
+        let new_device = match &new {
+            SlotResidency::Resident { device, .. } => Some(*device),
+            SlotResidency::Offloaded => None,
+        };
         let old = std::mem::replace(&mut self.slots[index], new);
+        let old_device = match &old {
+            SlotResidency::Resident { device, .. } => Some(*device),
+            SlotResidency::Offloaded => None,
+        };
+        if old_device != new_device {
+            if let Some((tier, id)) = &self.host {
+                tier.note_resident(*id, index, new_device);
+            }
+        }
         if let SlotResidency::Resident { device, bytes, .. } = &old {
             let t = self.total_mut(*device);
             t.1 = t.1.saturating_sub(bytes.bytes());
@@ -231,7 +285,7 @@ fn check_scales(model: &str, slots: &[Slot], index: &HashMap<String, usize>) -> 
                 s.shape
             )));
         }
-        let v = crate::float::to_f32(&s.clean, s.dtype)?
+        let v = crate::float::to_f32(&s.clean()?, s.dtype)?
             .flatten_all()
             .and_then(|t| t.to_vec1::<f32>())
             .map_err(|e| Error::tensor(format!("reading `{}`", s.name), e))?[0];
@@ -243,6 +297,10 @@ fn check_scales(model: &str, slots: &[Slot], index: &HashMap<String, usize>) -> 
 }
 
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
+
+fn next_model_id() -> u64 {
+    NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed)
+}
 
 /// A shared, named set of weight slots with their residency.
 pub struct Model {
@@ -261,6 +319,17 @@ pub struct Model {
     /// A value built from the resident copies (a managed model's module), valid while the
     /// residency generation and the builder's key are the ones it was built at.
     derived: Mutex<Option<Derived>>,
+    /// The host tier holding this model's host copies (lazy models) or pins (set on the first
+    /// pin of an eager model); told when the model is dropped.
+    host: OnceCell<HostTier>,
+}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        if let Some(tier) = self.host.get() {
+            tier.forget_model(self.id);
+        }
+    }
 }
 
 /// A value built from a model's resident copies.
@@ -351,7 +420,7 @@ impl Model {
                 name: key,
                 shape,
                 dtype,
-                clean: t,
+                clean: Clean::Host(t),
                 bytes,
             });
         }
@@ -364,18 +433,35 @@ impl Model {
         index: HashMap<String, usize>,
         skipped: Vec<String>,
     ) -> Result<Model> {
+        Model::assemble_with_id(next_model_id(), name, slots, index, skipped, None)
+    }
+
+    fn assemble_with_id(
+        id: u64,
+        name: String,
+        slots: Vec<Slot>,
+        index: HashMap<String, usize>,
+        skipped: Vec<String>,
+        tier: Option<HostTier>,
+    ) -> Result<Model> {
         check_scales(&name, &slots, &index)?;
         let total = slots.iter().map(|s| s.bytes).sum();
         let numel = slots.iter().map(|s| s.numel() as u64).sum();
         let n = slots.len();
+        let mut residency = Residency::new(n);
+        let host = OnceCell::new();
+        if let Some(tier) = tier {
+            residency.host = Some((tier.clone(), id));
+            let _ = host.set(tier);
+        }
         Ok(Model {
-            id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
+            id,
             name,
             slots,
             index,
             total,
             numel,
-            state: RwLock::new(Residency::new(n)),
+            state: RwLock::new(residency),
             forward_order: Mutex::new(ForwardOrder {
                 order: Vec::new(),
                 seen: vec![false; n],
@@ -385,7 +471,44 @@ impl Model {
             stream_hook: RwLock::new(None),
             whole: std::sync::atomic::AtomicBool::new(false),
             derived: Mutex::new(None),
+            host,
         })
+    }
+
+    /// The host tier holding this model's host copies (a model read lazily) or pins.
+    pub fn host_tier(&self) -> Option<&HostTier> {
+        self.host.get()
+    }
+
+    /// Whether the model was read lazily (its weights stay in their files until needed).
+    pub fn is_lazy(&self) -> bool {
+        self.slots.iter().any(Slot::is_lazy)
+    }
+
+    /// Page-locks `clean`, the host copy of weight `index`, in place through `tier` when its pin
+    /// budget allows (see [`HostTier`]); `None` when it cannot, and the weight is then staged. A
+    /// model pins through one tier: the one it was read through, else the first it pinned in.
+    pub(crate) fn pin_clean(
+        &self,
+        index: usize,
+        tier: &HostTier,
+        clean: &Tensor,
+    ) -> Option<Arc<PinnedWeight>> {
+        if self.host.get().is_none() {
+            let mut st = self.state.write();
+            if self.host.set(tier.clone()).is_ok() {
+                st.host = Some((tier.clone(), self.id));
+            }
+        }
+        let ours = self.host.get().filter(|t| t.same(tier))?;
+        let lazy = self.slots.get(index)?.is_lazy();
+        // A weight resident on a GPU is not pinned: its uses copy nothing from the host.
+        if let Some(SlotResidency::Resident { device, .. }) = self.state.read().slots.get(index) {
+            if !device.is_cpu() {
+                return None;
+            }
+        }
+        ours.try_pin(self.id, index, clean, lazy)
     }
 
     /// Whether the model is loaded whole or not at all: every load makes every weight resident
@@ -500,9 +623,9 @@ impl Model {
     pub fn skipped_tensors(&self) -> &[String] {
         &self.skipped
     }
-    /// The clean tensor of `key`.
-    pub fn clean(&self, key: &str) -> Result<&Tensor> {
-        self.slot(key).map(|s| &s.clean)
+    /// The clean tensor of `key` on the host (see [`Slot::clean`]).
+    pub fn clean(&self, key: &str) -> Result<Tensor> {
+        self.slot(key)?.clean()
     }
 
     /// Bytes of resident copies on `device`.
@@ -574,7 +697,7 @@ impl Model {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         for s in &self.slots {
             s.name.hash(&mut h);
-            let bytes = tensor_bytes(&s.clean)?;
+            let bytes = tensor_bytes(&s.clean()?)?;
             bytes.hash(&mut h);
         }
         Ok(h.finish())
@@ -654,6 +777,48 @@ mod tests {
             device,
             bytes: ByteSize(bytes),
         }
+    }
+
+    /// A locker that counts what is locked.
+    #[derive(Default)]
+    struct CountingLocker(Mutex<i64>);
+
+    impl PageLocker for CountingLocker {
+        fn lock(&self, _: &[u8]) -> std::result::Result<(), String> {
+            *self.0.lock() += 1;
+            Ok(())
+        }
+        fn unlock(&self, _: &[u8]) {
+            *self.0.lock() -= 1;
+        }
+    }
+
+    #[test]
+    fn an_eager_model_pins_through_one_tier_and_unpins_on_gpu_residency_and_drop() {
+        let locker = Arc::new(CountingLocker::default());
+        let tier = HostTier::with_page_locker(None, ByteSize::mib(8), Some(locker.clone()));
+        let other = HostTier::with_page_locker(None, ByteSize::mib(8), Some(locker.clone()));
+        let mib = |v: f32| Tensor::full(v, 1 << 18, &candle_core::Device::Cpu).unwrap();
+        let model = Model::from_tensors("m", [("a", mib(1.0)), ("b", mib(2.0))]).unwrap();
+        let (a, b) = (model.clean("a").unwrap(), model.clean("b").unwrap());
+        assert!(model.pin_clean(0, &tier, &a).is_some());
+        assert!(model.host_tier().is_some_and(|t| t.same(&tier)));
+        assert!(
+            model.pin_clean(1, &other, &b).is_none(),
+            "one tier per model"
+        );
+        assert_eq!((tier.pinned(), *locker.0.lock()), (ByteSize::mib(1), 1));
+        // A weight resident on a GPU is never pinned, and one that becomes resident is unpinned.
+        model.state_mut().set(1, resident(DeviceId::Cuda(0), 4));
+        assert!(model.pin_clean(1, &tier, &b).is_none());
+        model.state_mut().set(0, resident(DeviceId::Cuda(0), 4));
+        assert_eq!((tier.pinned(), *locker.0.lock()), (ByteSize::ZERO, 0));
+        model.state_mut().set(0, SlotResidency::Offloaded);
+        assert!(model.pin_clean(0, &tier, &a).is_some());
+        // The bits are untouched, and dropping the model unpins.
+        assert_eq!(a.sum_all().unwrap().to_scalar::<f32>().unwrap(), 262144.0);
+        drop(model);
+        assert_eq!((tier.pinned(), *locker.0.lock()), (ByteSize::ZERO, 0));
     }
 
     proptest! {

@@ -13,19 +13,19 @@ use candle_core::{DType, Device, Tensor};
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use safetensors::SafeTensors;
 
-use super::{tensor_bytes, Model, Slot};
+use super::{tensor_bytes, Clean, Model, Slot};
 use crate::error::{Error, Result};
 use crate::float::Dtype;
 use crate::size::ByteSize;
 
-fn file_err(path: &Path, reason: impl Into<String>) -> Error {
+pub(super) fn file_err(path: &Path, reason: impl Into<String>) -> Error {
     Error::File {
         path: path.to_path_buf(),
         reason: reason.into(),
     }
 }
 
-fn storage_of(st: StDtype) -> Option<(Dtype, DType)> {
+pub(super) fn storage_of(st: StDtype) -> Option<(Dtype, DType)> {
     Some(match st {
         StDtype::F32 => (Dtype::F32, DType::F32),
         StDtype::F16 => (Dtype::F16, DType::F16),
@@ -69,7 +69,7 @@ pub(crate) struct FileTensors {
 /// Refuses a shape candle cannot index: its element count, and the element count of every
 /// trailing part of it (candle's contiguous strides), must fit in `usize` — a zero-element tensor
 /// of shape `[0, 2³², 2³²]` is valid safetensors but has a stride of 2⁶⁴.
-fn check_shape(path: &Path, key: &str, dims: &[usize]) -> Result<()> {
+pub(super) fn check_shape(path: &Path, key: &str, dims: &[usize]) -> Result<()> {
     let mut acc: usize = 1;
     for &d in dims.iter().rev() {
         acc = acc.checked_mul(d).ok_or_else(|| {
@@ -82,20 +82,28 @@ fn check_shape(path: &Path, key: &str, dims: &[usize]) -> Result<()> {
     Ok(())
 }
 
-/// Reads every tensor of `path` (see [`FileTensors`]). Errors name the file and the tensor.
-pub(crate) fn read_file_tensors(path: &Path) -> Result<FileTensors> {
+/// `path` mapped read-only, for a reader that copies every tensor out before it drops the map.
+fn map_file(path: &Path) -> Result<memmap2::Mmap> {
     let file =
         std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
-    // SAFETY: the map is read-only and lives only inside this function; every tensor is copied
-    // out before it is dropped. A file truncated by another process while mapped would fault, as
-    // with any mmap reader; checkpoints are not modified while loading.
-    let mmap = unsafe { memmap2::Mmap::map(&file) }
-        .map_err(|e| file_err(path, format!("cannot map: {e}")))?;
+    // SAFETY: the map is read-only, and every caller copies what it needs out of it before
+    // dropping it. A file truncated by another process while mapped would fault, as with any
+    // mmap reader; checkpoints are not modified while loading.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| file_err(path, format!("cannot map: {e}")))
+}
+
+/// Reads every tensor of `path` (see [`FileTensors`]). Errors name the file and the tensor.
+pub(crate) fn read_file_tensors(path: &Path) -> Result<FileTensors> {
+    let mmap = map_file(path)?;
     let st = SafeTensors::deserialize(&mmap)
         .map_err(|e| file_err(path, format!("not a valid safetensors file: {e}")))?;
     let mut tensors = st.tensors();
-    // File order: by data offset.
-    tensors.sort_by_key(|(_, v)| v.data().as_ptr() as usize);
+    // File order: by data offset (then length and name, so zero-sized tensors sharing an offset
+    // come in one order whatever the header's map order).
+    tensors.sort_by(|(ka, a), (kb, b)| {
+        let key = |v: &TensorView<'_>| (v.data().as_ptr() as usize, v.data().len());
+        key(a).cmp(&key(b)).then_with(|| ka.cmp(kb))
+    });
     let mut out = FileTensors {
         floats: Vec::with_capacity(tensors.len()),
         integers: Vec::new(),
@@ -167,7 +175,7 @@ impl Model {
                     shape: t.dims().to_vec(),
                     name: key,
                     dtype,
-                    clean: t,
+                    clean: Clean::Host(t),
                     bytes,
                 });
             }
@@ -202,12 +210,7 @@ pub(crate) fn read_raw_tensors(path: &Path, names: &[String]) -> Result<Vec<RawT
     if names.is_empty() {
         return Ok(Vec::new());
     }
-    let file =
-        std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
-    // SAFETY: as in `Model::from_safetensors`: the read-only map lives only inside this function
-    // and every requested tensor is copied out before it is dropped.
-    let mmap = unsafe { memmap2::Mmap::map(&file) }
-        .map_err(|e| file_err(path, format!("cannot map: {e}")))?;
+    let mmap = map_file(path)?;
     let st = SafeTensors::deserialize(&mmap)
         .map_err(|e| file_err(path, format!("not a valid safetensors file: {e}")))?;
     names

@@ -27,7 +27,7 @@ impl ModelPatcher {
     pub fn patched_weight_f32(&self, key: &str) -> Result<Tensor> {
         let index = self.index_of(key)?;
         let slot = &self.model.slots()[index];
-        let w = float::to_f32(slot.clean(), slot.dtype())?;
+        let w = float::to_f32(&slot.clean()?, slot.dtype())?;
         self.patch_f32(index, &w)
     }
 
@@ -57,7 +57,7 @@ impl ModelPatcher {
     }
 
     fn patched_storage(&self, index: usize) -> Result<Tensor> {
-        self.patched_storage_from(index, self.model.slots()[index].clean())
+        self.patched_storage_from(index, &self.model.slots()[index].clean()?)
     }
 
     /// Patches `clean` (weight `index`'s clean tensor, or a bit-identical copy of it such as a
@@ -106,7 +106,7 @@ impl ModelPatcher {
                 s.shape()
             )));
         }
-        let v = float::to_f32(s.clean(), s.dtype())?
+        let v = float::to_f32(&s.clean()?, s.dtype())?
             .flatten_all()
             .and_then(|t| t.to_vec1::<f32>())
             .map_err(|e| Error::tensor(format!("reading `{key}`"), e))?[0];
@@ -129,7 +129,7 @@ impl ModelPatcher {
     /// Builds weight `index` as it is used: patched storage, cast to `dtype`, on `device`. The one
     /// function behind resident copies and streamed fetches, so both give the same bits.
     pub fn materialize(&self, index: usize, dtype: Dtype, device: DeviceId) -> Result<Tensor> {
-        self.materialize_from(index, self.model.slots()[index].clean(), dtype, device)
+        self.materialize_from(index, &self.model.slots()[index].clean()?, dtype, device)
     }
 
     /// [`ModelPatcher::materialize`] starting from `clean`, which must hold the same bits as weight
