@@ -154,7 +154,21 @@ impl MemoryManager {
                 },
             );
         }
-        // 2. Evictions.
+        // 2. Cached casts give up the room the plan needs (it planned them as free), then
+        // evictions.
+        let (extra_mem, min_required, _) = self.memory_to_keep_free(options);
+        let keep_free = ByteSize::from_f64(extra_mem.max(min_required).ceil());
+        for d in &plan.devices {
+            let cached = self.cached_in(d.device);
+            if cached > ByteSize::ZERO
+                && d.ledger_after
+                    .saturating_add(cached)
+                    .saturating_add(keep_free)
+                    > d.total
+            {
+                Self::drop_casts(inner, d.device);
+            }
+        }
         self.execute_evictions(inner, &plan.steps, &mut undo);
         log_evictions(&plan.evictions);
         // 3. Loads.
@@ -197,6 +211,7 @@ impl MemoryManager {
         }
         for (m, load) in all.iter().zip(&report.models) {
             self.attach_streamer(m, load, options);
+            self.attach_cast_cache(m, options);
             log_load(load);
             if load.full {
                 if let Some(e) = inner

@@ -1,5 +1,5 @@
-//! The live part of each device's ledger: bytes in flight, the bound prefetches are held to, and
-//! the peak.
+//! The live part of each device's ledger: bytes in flight, cached manual casts, the bound both are
+//! held to, and the peak.
 //!
 //! Resident bytes are counted from the registry (each model keeps running per-device totals), so
 //! they are exact by construction. What the registry cannot see is the bytes of prefetched weights
@@ -11,8 +11,9 @@
 //! after every call, under its own lock; between calls resident bytes only shrink, so the figure
 //! is conservative) and `keep_free` is the activation memory the model's last load asked for.
 //! While a load is planned and executed on a device, no reservation is granted there: the plan's
-//! figures cannot be overtaken by prefetches mid-way. So on every device, at every moment,
-//! resident + in flight ≤ total (docs/ARCHITECTURE.md §4.2).
+//! figures cannot be overtaken by prefetches mid-way. Cached manual casts (`ops::CastCache`) are
+//! booked the same way in a column of their own, and only on a device with a bound. So on every
+//! device, at every moment, resident + in flight + cached ≤ total (docs/ARCHITECTURE.md §4.2).
 //!
 //! Lock: `Ledger::books` is a leaf (rank 7 in the crate's lock table); it is taken inside a
 //! streamer's queue lock when a prefetch books or returns bytes, and never held across any call.
@@ -22,6 +23,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::offload::PrefetchGate;
+use crate::ops::CastGate;
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
@@ -32,6 +34,8 @@ struct Book {
     total: Option<ByteSize>,
     resident: ByteSize,
     in_flight: ByteSize,
+    /// Bytes of cached manual casts (`ops::CastCache`).
+    cached: ByteSize,
     /// Loads in progress on the device (planned or executing).
     loading: u32,
     peak: ByteSize,
@@ -39,7 +43,31 @@ struct Book {
 
 impl Book {
     fn note_peak(&mut self) {
-        self.peak = self.peak.max(self.resident.saturating_add(self.in_flight));
+        self.peak = self.peak.max(self.ledger());
+    }
+
+    /// Resident + in flight + cached.
+    fn ledger(&self) -> ByteSize {
+        self.resident
+            .saturating_add(self.in_flight)
+            .saturating_add(self.cached)
+    }
+
+    /// Books `bytes` when the ledger plus `bytes` plus `keep_free` stays within the bound and no
+    /// load runs on the device.
+    fn fits(&self, bytes: ByteSize, keep_free: ByteSize) -> bool {
+        if self.loading > 0 {
+            return false;
+        }
+        match self.total {
+            Some(total) => {
+                self.ledger()
+                    .saturating_add(bytes)
+                    .saturating_add(keep_free)
+                    <= total
+            }
+            None => true,
+        }
     }
 }
 
@@ -60,6 +88,7 @@ impl Ledger {
                     total: None,
                     resident: ByteSize::ZERO,
                     in_flight: ByteSize::ZERO,
+                    cached: ByteSize::ZERO,
                     loading: 0,
                     peak: ByteSize::ZERO,
                 });
@@ -83,7 +112,12 @@ impl Ledger {
         self.with(device, |b| b.in_flight)
     }
 
-    /// The highest resident + in-flight figure seen on `device`.
+    /// Bytes of cached manual casts on `device`.
+    pub(crate) fn cached(&self, device: DeviceId) -> ByteSize {
+        self.with(device, |b| b.cached)
+    }
+
+    /// The highest resident + in-flight + cached figure seen on `device`.
     pub(crate) fn peak(&self, device: DeviceId) -> ByteSize {
         self.with(device, |b| b.peak)
     }
@@ -103,18 +137,8 @@ impl Ledger {
 impl PrefetchGate for Ledger {
     fn try_reserve(&self, device: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool {
         self.with(device, |b| {
-            if b.loading > 0 {
+            if !b.fits(bytes, keep_free) {
                 return false;
-            }
-            if let Some(total) = b.total {
-                let after = b
-                    .resident
-                    .saturating_add(b.in_flight)
-                    .saturating_add(bytes)
-                    .saturating_add(keep_free);
-                if after > total {
-                    return false;
-                }
             }
             b.in_flight = b.in_flight.saturating_add(bytes);
             b.note_peak();
@@ -124,6 +148,25 @@ impl PrefetchGate for Ledger {
 
     fn release(&self, device: DeviceId, bytes: ByteSize) {
         self.with(device, |b| b.in_flight = b.in_flight.saturating_sub(bytes));
+    }
+}
+
+/// Cached manual casts are booked on the same terms as prefetches, in their own column: a load
+/// plans as if they were free and drops them when it needs their room.
+impl CastGate for Ledger {
+    fn try_reserve_cast(&self, device: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool {
+        self.with(device, |b| {
+            if b.total.is_none() || !b.fits(bytes, keep_free) {
+                return false;
+            }
+            b.cached = b.cached.saturating_add(bytes);
+            b.note_peak();
+            true
+        })
+    }
+
+    fn release_cast(&self, device: DeviceId, bytes: ByteSize) {
+        self.with(device, |b| b.cached = b.cached.saturating_sub(bytes));
     }
 }
 
@@ -174,6 +217,28 @@ mod tests {
             assert!(l.try_reserve(DeviceId::Cuda(0), ByteSize(1), ByteSize::ZERO));
         }
         assert!(l.try_reserve(D, ByteSize(1), ByteSize::ZERO));
+    }
+
+    #[test]
+    fn cached_casts_share_the_bound_and_need_one() {
+        let l = Ledger::default();
+        assert!(
+            !l.try_reserve_cast(D, ByteSize(1), ByteSize::ZERO),
+            "no bound known: nothing cached"
+        );
+        l.note(D, ByteSize(50), Some(ByteSize(100)));
+        assert!(l.try_reserve(D, ByteSize(20), ByteSize::ZERO));
+        assert!(l.try_reserve_cast(D, ByteSize(20), ByteSize(10)));
+        assert!(
+            !l.try_reserve_cast(D, ByteSize(1), ByteSize(10)),
+            "50 + 20 + 20 + 1 + 10 > 100"
+        );
+        assert!(!l.try_reserve(D, ByteSize(11), ByteSize::ZERO));
+        assert_eq!(l.cached(D), ByteSize(20));
+        assert_eq!(l.peak(D), ByteSize(90));
+        l.release_cast(D, ByteSize(20));
+        assert_eq!(l.cached(D), ByteSize::ZERO);
+        assert_eq!(l.in_flight(D), ByteSize(20));
     }
 
     #[test]

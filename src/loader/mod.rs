@@ -18,7 +18,9 @@
 //! Models being loaded stay in the registry throughout (they take their final places before the
 //! first copy is built), so the ledger counts them at every step. Bytes of prefetched weights are
 //! booked in the ledger (`loader/ledger.rs`) by reservation, and a reservation that would overrun a budget is
-//! refused, so the bound holds whatever loads on other threads.
+//! refused, so the bound holds whatever loads on other threads. So are the manual casts `ops`
+//! layers cache for resident weights ([`crate::ops::CastCache`]): plans count them as free, and a
+//! load that needs their room (or [`MemoryManager::free_memory`]) drops them before it evicts.
 //!
 //! Locks (the crate's lock table, lowest rank first; a lock may only be taken while holding
 //! locks of lower rank):
@@ -35,6 +37,7 @@
 //! | 8 | `weights::HostTier` books (and its condition variable) | host copies, the host ledger, pins in place |
 //! | 9 | `weights::PinnedWeight::last_copy` | the event of the last copy out of a pinned weight (leaf) |
 //! | 10 | `Model::derived` | a managed model's module built from its resident copies (leaf; the module is dropped outside every lock) |
+//! | 11 | `ops::CastCache` entries | one model's cached manual casts (leaf; entries are dropped, and their bytes returned to the ledger, outside it) |
 //!
 //! The manager lock is held while a load is planned and executed, which serializes loads (that
 //! is what keeps the plan's figures true while it is carried out); it is never held while calling
@@ -297,7 +300,49 @@ impl MemoryManager {
     }
 
     fn ledger_in(&self, registry: &[Entry], device: DeviceId) -> ByteSize {
-        Self::resident_in(registry, device).saturating_add(self.ledger.in_flight(device))
+        Self::resident_in(registry, device)
+            .saturating_add(self.ledger.in_flight(device))
+            .saturating_add(self.ledger.cached(device))
+    }
+
+    /// Bytes of cached manual casts on `device`: counted in its ledger, but the first thing a
+    /// load gives up (plans treat them as free).
+    fn cached_in(&self, device: DeviceId) -> ByteSize {
+        self.ledger.cached(device)
+    }
+
+    /// Drops the cached manual casts of every registered model on `device`.
+    fn drop_casts(inner: &Inner, device: DeviceId) -> ByteSize {
+        inner
+            .registry
+            .iter()
+            .filter_map(|e| crate::ops::cast_cache_of(e.model()))
+            .filter(|c| c.device() == device)
+            .map(|c| c.clear())
+            .sum()
+    }
+
+    /// Gives a loaded model on a scheduled device a manual-cast cache booked in the ledger, which
+    /// keeps free what a repeat of this load would want free (so the repeat stays a no-op).
+    fn attach_cast_cache(&self, m: &ModelPatcher, options: &LoadOptions) {
+        let device = m.load_device();
+        if !self.policy.is_scheduled(device) {
+            return;
+        }
+        let (extra_mem, min_required, _) = self.memory_to_keep_free(options);
+        let keep_free =
+            ByteSize::from_f64(extra_mem.max(min_required).ceil()).saturating_add(ByteSize(1));
+        let gate: Arc<dyn crate::ops::CastGate> = self.ledger.clone();
+        match crate::ops::cast_cache_of(m.model()) {
+            Some(c) if c.uses_gate(&gate) && c.device() == device => c.set_keep_free(keep_free),
+            _ => {
+                let cache = crate::ops::CastCache::new(gate, device, keep_free);
+                drop(crate::ops::attach_cast_cache(
+                    m.model(),
+                    Some(Arc::new(cache)),
+                ));
+            }
+        }
     }
 
     fn free_in(&self, registry: &[Entry], device: DeviceId) -> ByteSize {
@@ -348,13 +393,19 @@ impl MemoryManager {
     /// releases the manager lock, so the copies they hold are freed as the ledger says.
     fn take_stale(inner: &mut Inner) -> Vec<Arc<dyn std::any::Any + Send + Sync>> {
         let unloaded = std::mem::take(&mut inner.unloaded);
-        inner
-            .registry
-            .iter()
-            .map(Entry::model)
-            .chain(unloaded.iter())
-            .filter_map(|m| m.take_stale_derived())
-            .collect()
+        let models = || {
+            inner
+                .registry
+                .iter()
+                .map(Entry::model)
+                .chain(unloaded.iter())
+        };
+        for m in models() {
+            if let Some(c) = crate::ops::cast_cache_of(m) {
+                c.take_stale(m.residency_generation());
+            }
+        }
+        models().filter_map(|m| m.take_stale_derived()).collect()
     }
 
     /// The highest ledger (resident plus in flight) seen on `device` since the manager was built.
@@ -404,6 +455,9 @@ impl MemoryManager {
         let _no_prefetch = self.ledger.loading(&devices);
         cleanup(&mut inner);
         if let Some(report) = self.reload_noop(&mut inner, &all, &options) {
+            for m in &all {
+                self.attach_cast_cache(m, &options);
+            }
             self.refresh_ledger(&inner);
             return Ok(report);
         }
@@ -545,6 +599,8 @@ impl MemoryManager {
         let keep: Vec<u64> = keep_loaded.iter().map(|m| m.model().id()).collect();
         let mut inner = self.inner.lock();
         cleanup(&mut inner);
+        // Cached casts go first, before any model is evicted.
+        Self::drop_casts(&inner, device);
         let mut planner = plan::Planner::new(self, &inner);
         planner.evict(required, device, &keep);
         let (evictions, steps) = planner.into_evictions();
@@ -639,6 +695,7 @@ impl MemoryManager {
                 total: self.policy.total_memory(d),
                 budgeted: self.policy.is_budgeted(d),
                 ledger: self.ledger_in(&inner.registry, d),
+                cached_casts: self.cached_in(d),
                 peak: self.ledger.peak(d),
                 free: self.free_in(&inner.registry, d),
             })

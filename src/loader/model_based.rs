@@ -9,14 +9,16 @@
 //! drive both. After every step:
 //!
 //! - **I2**: each device's ledger equals the resident bytes of the registered models, summed slot
-//!   by slot (not from the running totals), plus bytes in flight; it and its peak stay within
-//!   the budget; a model outside the registry holds no resident copy;
+//!   by slot (not from the running totals), plus bytes in flight, plus cached manual casts (model
+//!   1's bf16 weights cast for its f32 layers); it and its peak stay within the budget; a model
+//!   outside the registry holds no resident copy;
 //! - the registry's order and members equal the reference's;
 //! - **I1**: every clean weight is bit-identical to what was read;
 //! - **I3**: a forward equals, bit for bit, the same layers over a fully materialized copy of the
 //!   patched weights;
 //! - **I4**: a call that failed changed nothing — registry, every model's residency (weight,
-//!   fingerprint, device, bytes), pins, patches and the ledger.
+//!   fingerprint, device, bytes), pins, patches and the ledger (less cached casts, which a load
+//!   may drop for room before it fails).
 //!
 //! Cases with a host budget read both models lazily from safetensors files through the manager's
 //! host tier (the disk tier): then after every step the host ledger also equals the bytes of the
@@ -75,6 +77,14 @@ fn model_tensors(m: usize) -> Vec<(String, Tensor, Dtype)> {
         ));
     }
     tensors
+}
+
+/// A handle on model `m`: model 0 keeps resident copies in f32 (its bf16 weights are widened at
+/// load), model 1 keeps them as stored, so its f32 layers cast its bf16 weights at use — through
+/// the manual-cast cache when the ledger has room.
+fn patcher_for(model: Arc<Model>, m: usize) -> ModelPatcher {
+    let compute = (m == 0).then_some(Dtype::F32);
+    ModelPatcher::new(model, CPU, CPU).with_compute_dtype(compute)
 }
 
 fn f32_bits(t: &Tensor) -> Vec<u32> {
@@ -278,8 +288,7 @@ impl World {
             world.checksums[m] = model.clean_checksum().unwrap();
         }
         for (m, model) in models.into_iter().enumerate() {
-            let p = ModelPatcher::new(model, CPU, CPU).with_compute_dtype(Some(Dtype::F32));
-            world.slots[m] = Some((p, m));
+            world.slots[m] = Some((patcher_for(model, m), m));
         }
         world
     }
@@ -351,7 +360,11 @@ impl World {
             residency,
             pins,
             patches,
-            ledger: self.mm.ledger(CPU),
+            // Cached casts are a cache: a failed load may have dropped them for room.
+            ledger: self
+                .mm
+                .ledger(CPU)
+                .saturating_sub(self.mm.ledger.cached(CPU)),
         }
     }
 
@@ -427,7 +440,9 @@ impl World {
         let ledger = self.mm.ledger(CPU);
         prop_assert_eq!(
             ledger,
-            resident.saturating_add(self.mm.ledger.in_flight(CPU)),
+            resident
+                .saturating_add(self.mm.ledger.in_flight(CPU))
+                .saturating_add(self.mm.ledger.cached(CPU)),
             "{}",
             ctx()
         );
@@ -482,8 +497,7 @@ impl World {
                         arc
                     }
                 };
-                let p = ModelPatcher::new(arc, CPU, CPU).with_compute_dtype(Some(Dtype::F32));
-                self.set_slot(*slot, Some((p, *model)));
+                self.set_slot(*slot, Some((patcher_for(arc, *model), *model)));
             }
             Op::Clone { from, to } => {
                 if let Some((p, m)) = self.patcher(*from) {

@@ -291,11 +291,15 @@ impl<'a> Planner<'a> {
             .filter(|e| !Self::held(e))
             .map(|e| e.model().resident_bytes(device))
             .sum();
-        let start = before.saturating_sub(unheld);
+        // Unheld entries and cached casts are gone before anything else: the plan starts
+        // without them.
+        let cached = self.mm.cached_in(device);
+        let start = before.saturating_sub(unheld).saturating_sub(cached);
         let free_at_start = self
             .mm
             .free_in(self.registry, device)
-            .saturating_add(unheld);
+            .saturating_add(unheld)
+            .saturating_add(cached);
         self.devices.push(DeviceProjection {
             device,
             total: self.mm.policy.total_memory(device),

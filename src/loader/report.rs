@@ -132,8 +132,11 @@ pub struct DeviceMemory {
     pub total: ByteSize,
     /// Whether our ledger bounds it.
     pub budgeted: bool,
-    /// Resident bytes of registered models.
+    /// The ledger: resident bytes of registered models, bytes in flight and cached casts.
     pub ledger: ByteSize,
+    /// The part of the ledger that is cached manual casts (`ops` layers' compute-dtype copies of
+    /// resident weights), the first thing a load gives up.
+    pub cached_casts: ByteSize,
     /// Highest ledger seen.
     pub peak: ByteSize,
     /// Free memory now.

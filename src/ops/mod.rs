@@ -31,7 +31,9 @@
 //! [`OpsMode`] says how weights meet the compute dtype; [`pick_operations`] chooses it.
 //! - [`OpsMode::DisableWeightInit`]: weights are used in their resident dtype; the input must be
 //!   in that dtype. fp8 and quantized weights cannot run in it (an error at build time or at use).
-//! - [`OpsMode::ManualCast`]: weights are cast to `compute` at every call; inputs are cast too.
+//! - [`OpsMode::ManualCast`]: weights are cast to `compute`; inputs are cast too. A resident
+//!   weight's cast is kept in the model's [`CastCache`] when the memory manager's ledger has room
+//!   (same bits; see `cast_cache.rs`), so it is cast once instead of at every call.
 //! - [`OpsMode::MixedPrecision`]: per-layer quantized storage (fp8 E4M3FN or E5M2 codes with a
 //!   per-tensor scale) is dequantized on the fly; other layers behave as in `ManualCast`. There is
 //!   no fp8 matmul on the CPU, so this build always dequantizes.
@@ -54,8 +56,9 @@
 //!
 //! Complexity: a forward of a streamed layer costs one patch application and one cast of its
 //! weights (O(weight size)); a resident, current one costs the cast only (none when the resident
-//! dtype is the compute dtype).
+//! dtype is the compute dtype, or when its cast is cached).
 
+mod cast_cache;
 mod conv;
 mod embedding;
 mod linear;
@@ -74,6 +77,9 @@ use crate::float::{self, Dtype};
 use crate::patcher::{cast_weight, ModelPatcher};
 use crate::vram::DeviceId;
 
+use cast_cache::CastKey;
+pub(crate) use cast_cache::{attach_cast_cache, cast_cache_of};
+pub use cast_cache::{cast_cache_stats, CastCache, CastCacheStats, CastGate};
 pub use conv::{Conv1d, Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig};
 pub use embedding::Embedding;
 pub use linear::Linear;
@@ -271,21 +277,40 @@ impl LayerWeights {
     }
 }
 
-/// Reads a weight: the one fetch call of every layer. [`crate::offload::fetch_weight`] returns
-/// the resident copy when current, else a prefetched or freshly streamed one.
-fn fetch(patcher: &ModelPatcher, key: &str) -> Result<Tensor> {
-    let (tensor, _streamed) = crate::offload::fetch_weight(patcher, key)?;
-    Ok(tensor)
-}
-
 fn prepare_weight(
     patcher: &ModelPatcher,
     w: &WeightRef,
     mode: OpsMode,
     device: &Device,
 ) -> Result<Tensor> {
-    let t = fetch(patcher, &w.key)?;
-    finish_weight(patcher, w, t, mode, device)
+    let (t, streamed) = crate::offload::fetch_weight(patcher, &w.key)?;
+    let cache = if streamed {
+        None
+    } else {
+        cast_cache_of(patcher.model())
+    };
+    let t = match (cache, cast_key(patcher, w, mode)) {
+        // A resident weight cast to another dtype: once, when the ledger has room for the copy.
+        (Some(cache), Some(key)) if cache.device() == patcher.load_device() => {
+            cache.get_or_cast(w.index, key, || cast_step(patcher, w, t, mode))?
+        }
+        _ => cast_step(patcher, w, t, mode)?,
+    };
+    move_and_wrap(patcher, w, t, device)
+}
+
+/// What a cached cast of weight `w` would be made from, when the layer casts it at all.
+fn cast_key(patcher: &ModelPatcher, w: &WeightRef, mode: OpsMode) -> Option<CastKey> {
+    let compute = mode.compute_dtype()?;
+    if w.scale.is_none() && compute == patcher.resident_dtype(w.index) {
+        return None;
+    }
+    Some(CastKey {
+        generation: patcher.model().residency_generation(),
+        fingerprint: patcher.fingerprint(w.index),
+        compute,
+        scale: w.scale.map(f32::to_bits),
+    })
 }
 
 /// Steps 2–4 of [`cast_bias_weight`] on a fetched weight `t`: cast (dequantize first when
@@ -297,8 +322,14 @@ fn finish_weight(
     mode: OpsMode,
     device: &Device,
 ) -> Result<Tensor> {
+    let t = cast_step(patcher, w, t, mode)?;
+    move_and_wrap(patcher, w, t, device)
+}
+
+/// Step 2: the cast to the mode's compute dtype (dequantized first when quantized).
+fn cast_step(patcher: &ModelPatcher, w: &WeightRef, t: Tensor, mode: OpsMode) -> Result<Tensor> {
     let resident = patcher.resident_dtype(w.index);
-    let t = match mode.compute_dtype() {
+    Ok(match mode.compute_dtype() {
         None => {
             if resident.is_fp8() || w.scale.is_some() {
                 return Err(Error::UnsupportedDtype {
@@ -321,7 +352,16 @@ fn finish_weight(
             }
             None => cast_weight(&t, resident, compute)?,
         },
-    };
+    })
+}
+
+/// Steps 3 and 4: move to `device`, run the weight wrappers.
+fn move_and_wrap(
+    patcher: &ModelPatcher,
+    w: &WeightRef,
+    t: Tensor,
+    device: &Device,
+) -> Result<Tensor> {
     let t = if t.device().same_device(device) {
         t
     } else {

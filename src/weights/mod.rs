@@ -314,6 +314,8 @@ pub struct Model {
     forward_order: Mutex<ForwardOrder>,
     skipped: Vec<String>,
     stream_hook: RwLock<Option<StreamHook>>,
+    /// The manual-cast cache attached by the memory manager (an `ops::CastCache`), if any.
+    cast_hook: RwLock<Option<StreamHook>>,
     /// Loaded whole or not at all (a [`crate::managed::Managed`] model).
     whole: std::sync::atomic::AtomicBool,
     /// A value built from the resident copies (a managed model's module), valid while the
@@ -469,6 +471,7 @@ impl Model {
             }),
             skipped,
             stream_hook: RwLock::new(None),
+            cast_hook: RwLock::new(None),
             whole: std::sync::atomic::AtomicBool::new(false),
             derived: Mutex::new(None),
             host,
@@ -571,6 +574,16 @@ impl Model {
     /// Attaches or detaches the streaming hook.
     pub(crate) fn set_stream_hook(&self, hook: Option<StreamHook>) {
         *self.stream_hook.write() = hook;
+    }
+
+    /// The manual-cast cache hook attached by the memory manager (an `ops::CastCache`), if any.
+    pub(crate) fn cast_hook(&self) -> Option<StreamHook> {
+        self.cast_hook.read().clone()
+    }
+
+    /// Attaches or detaches the manual-cast cache hook; returns the one it replaced.
+    pub(crate) fn set_cast_hook(&self, hook: Option<StreamHook>) -> Option<StreamHook> {
+        std::mem::replace(&mut *self.cast_hook.write(), hook)
     }
 
     /// A process-unique id.
