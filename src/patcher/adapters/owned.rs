@@ -42,8 +42,7 @@ const CHUNK: usize = 64 * 1024;
 /// Applies `entries` in order to the weight whose `f32` values are `weight` (row-major, `shape`)
 /// and returns the patched weight on the CPU: bit for bit what [`apply`](super::apply) returns
 /// for the same values, validated the same way, but entries that only add a delta add it into
-/// `weight`'s buffer (see the [module docs](self)), so a LoRA chain peaks at two weights' worth
-/// of memory instead of three.
+/// `weight`'s buffer, so a LoRA chain peaks at two weights' worth of memory instead of three.
 ///
 /// # Errors
 /// As [`apply`](super::apply); [`Error::ShapeMismatch`] when `weight` does not have `shape`'s
