@@ -1,7 +1,8 @@
 //! Ops layers against the work done the plain way, as ratios (STYLE 13):
 //!
-//! - a manual-cast `Linear` (bf16 storage, f32 compute, 4096×4096, batch 1 and 64: the weight is
-//!   cast at every call) against a plain f32 `matmul` with the weight cast once beforehand;
+//! - a manual-cast `Linear` (bf16 storage, f32 compute, 4096×4096, batch 1 and 64), loaded by a
+//!   memory manager with room to spare, so its cast is cached in the ledger after the first call
+//!   (`ops::CastCache`), against a plain f32 `matmul` with the weight cast once beforehand;
 //! - MiniLM's forward with everything resident against a quarter resident and NoVram (every
 //!   weight fetched, cast — and for MiniLM's 47 MB embedding table, copied — per forward).
 //!   Skipped with a message when `.cache/minilm` is absent (`bash scripts/fetch-minilm.sh`).
