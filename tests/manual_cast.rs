@@ -64,13 +64,7 @@ fn forward_source(source: &OpsSource) -> Vec<u32> {
             .forward(&x)
             .unwrap();
     }
-    x.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
+    f32s(&x).into_iter().map(f32::to_bits).collect()
 }
 
 fn forward(p: &ModelPatcher) -> Vec<u32> {

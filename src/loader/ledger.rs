@@ -23,7 +23,6 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::offload::PrefetchGate;
-use crate::ops::CastGate;
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
@@ -134,39 +133,77 @@ impl Ledger {
     }
 }
 
-impl PrefetchGate for Ledger {
-    fn try_reserve(&self, device: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool {
-        self.with(device, |b| {
-            if !b.fits(bytes, keep_free) {
-                return false;
-            }
-            b.in_flight = b.in_flight.saturating_add(bytes);
-            b.note_peak();
-            true
-        })
-    }
+/// Which column of a book a reservation goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Column {
+    /// Prefetched weights.
+    InFlight,
+    /// Cached manual casts: only on a device with a bound.
+    Cached,
+}
 
-    fn release(&self, device: DeviceId, bytes: ByteSize) {
-        self.with(device, |b| b.in_flight = b.in_flight.saturating_sub(bytes));
+impl Book {
+    fn column(&mut self, column: Column) -> &mut ByteSize {
+        match column {
+            Column::InFlight => &mut self.in_flight,
+            Column::Cached => &mut self.cached,
+        }
     }
 }
 
-/// Cached manual casts are booked on the same terms as prefetches, in their own column: a load
-/// plans as if they were free and drops them when it needs their room.
-impl CastGate for Ledger {
-    fn try_reserve_cast(&self, device: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool {
+impl Ledger {
+    fn reserve(
+        &self,
+        column: Column,
+        device: DeviceId,
+        bytes: ByteSize,
+        keep_free: ByteSize,
+    ) -> bool {
         self.with(device, |b| {
-            if b.total.is_none() || !b.fits(bytes, keep_free) {
+            if (column == Column::Cached && b.total.is_none()) || !b.fits(bytes, keep_free) {
                 return false;
             }
-            b.cached = b.cached.saturating_add(bytes);
+            let c = b.column(column);
+            *c = c.saturating_add(bytes);
             b.note_peak();
             true
         })
     }
 
-    fn release_cast(&self, device: DeviceId, bytes: ByteSize) {
-        self.with(device, |b| b.cached = b.cached.saturating_sub(bytes));
+    fn unreserve(&self, column: Column, device: DeviceId, bytes: ByteSize) {
+        self.with(device, |b| {
+            let c = b.column(column);
+            *c = c.saturating_sub(bytes);
+        });
+    }
+
+    /// The gate cached manual casts book on (`ops::CastCache`).
+    pub(crate) fn cast_column(self: &Arc<Self>) -> CastColumn {
+        CastColumn(Arc::clone(self))
+    }
+}
+
+impl PrefetchGate for Ledger {
+    fn try_reserve(&self, device: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool {
+        self.reserve(Column::InFlight, device, bytes, keep_free)
+    }
+
+    fn release(&self, device: DeviceId, bytes: ByteSize) {
+        self.unreserve(Column::InFlight, device, bytes);
+    }
+}
+
+/// The ledger's column for cached manual casts, as a gate: booked on the same terms as
+/// prefetches, but a load plans as if they were free and drops them when it needs their room.
+pub(crate) struct CastColumn(Arc<Ledger>);
+
+impl PrefetchGate for CastColumn {
+    fn try_reserve(&self, device: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool {
+        self.0.reserve(Column::Cached, device, bytes, keep_free)
+    }
+
+    fn release(&self, device: DeviceId, bytes: ByteSize) {
+        self.0.unreserve(Column::Cached, device, bytes);
     }
 }
 
@@ -221,22 +258,23 @@ mod tests {
 
     #[test]
     fn cached_casts_share_the_bound_and_need_one() {
-        let l = Ledger::default();
+        let l = Arc::new(Ledger::default());
+        let casts = l.cast_column();
         assert!(
-            !l.try_reserve_cast(D, ByteSize(1), ByteSize::ZERO),
+            !casts.try_reserve(D, ByteSize(1), ByteSize::ZERO),
             "no bound known: nothing cached"
         );
         l.note(D, ByteSize(50), Some(ByteSize(100)));
         assert!(l.try_reserve(D, ByteSize(20), ByteSize::ZERO));
-        assert!(l.try_reserve_cast(D, ByteSize(20), ByteSize(10)));
+        assert!(casts.try_reserve(D, ByteSize(20), ByteSize(10)));
         assert!(
-            !l.try_reserve_cast(D, ByteSize(1), ByteSize(10)),
+            !casts.try_reserve(D, ByteSize(1), ByteSize(10)),
             "50 + 20 + 20 + 1 + 10 > 100"
         );
         assert!(!l.try_reserve(D, ByteSize(11), ByteSize::ZERO));
         assert_eq!(l.cached(D), ByteSize(20));
         assert_eq!(l.peak(D), ByteSize(90));
-        l.release_cast(D, ByteSize(20));
+        casts.release(D, ByteSize(20));
         assert_eq!(l.cached(D), ByteSize::ZERO);
         assert_eq!(l.in_flight(D), ByteSize(20));
     }

@@ -177,6 +177,8 @@ pub struct MemoryManager {
     host: HostTier,
     engine: Arc<TransferEngine>,
     ledger: Arc<Ledger>,
+    /// The ledger's column for cached manual casts, the gate every model's `CastCache` books on.
+    cast_gate: Arc<dyn PrefetchGate>,
     inner: Mutex<Inner>,
 }
 
@@ -218,11 +220,13 @@ impl MemoryManager {
             )
             .with_host_tier(host.clone()),
         );
+        let ledger = Arc::new(Ledger::default());
         MemoryManager {
             policy,
             host,
             engine,
-            ledger: Arc::new(Ledger::default()),
+            cast_gate: Arc::new(ledger.cast_column()),
+            ledger,
             inner: Mutex::new(Inner {
                 registry: Vec::new(),
                 pool,
@@ -332,11 +336,13 @@ impl MemoryManager {
         let (extra_mem, min_required, _) = self.memory_to_keep_free(options);
         let keep_free =
             ByteSize::from_f64(extra_mem.max(min_required).ceil()).saturating_add(ByteSize(1));
-        let gate: Arc<dyn crate::ops::CastGate> = self.ledger.clone();
         match crate::ops::cast_cache_of(m.model()) {
-            Some(c) if c.uses_gate(&gate) && c.device() == device => c.set_keep_free(keep_free),
+            Some(c) if c.uses_gate(&self.cast_gate) && c.device() == device => {
+                c.set_keep_free(keep_free)
+            }
             _ => {
-                let cache = crate::ops::CastCache::new(gate, device, keep_free);
+                let cache =
+                    crate::ops::CastCache::new(Arc::clone(&self.cast_gate), device, keep_free);
                 drop(crate::ops::attach_cast_cache(
                     m.model(),
                     Some(Arc::new(cache)),

@@ -36,6 +36,7 @@ use candle_core::Tensor;
 
 pub use engine::{Pending, TransferEngine, TransferSnapshot, TransferStats};
 pub use pinned::{default_limit, PinnedPool, PoolStats, StagingBuffer, MIN_CLASS};
+pub(crate) use prefetch::Reservation;
 pub use prefetch::{PrefetchGate, Streamer};
 pub use upload::copy_to_device;
 

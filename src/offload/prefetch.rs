@@ -56,10 +56,32 @@ pub trait PrefetchGate: Send + Sync {
 }
 
 /// Bytes booked on a gate, returned when dropped.
-struct Reservation {
+pub(crate) struct Reservation {
     gate: Arc<dyn PrefetchGate>,
     device: DeviceId,
     bytes: ByteSize,
+}
+
+impl Reservation {
+    /// Books `bytes` on `gate` for `device`, keeping `keep_free` free; `None` when refused.
+    pub(crate) fn take(
+        gate: &Arc<dyn PrefetchGate>,
+        device: DeviceId,
+        bytes: ByteSize,
+        keep_free: ByteSize,
+    ) -> Option<Reservation> {
+        gate.try_reserve(device, bytes, keep_free)
+            .then(|| Reservation {
+                gate: Arc::clone(gate),
+                device,
+                bytes,
+            })
+    }
+
+    /// The bytes booked.
+    pub(crate) fn bytes(&self) -> ByteSize {
+        self.bytes
+    }
 }
 
 impl Drop for Reservation {
@@ -206,16 +228,10 @@ impl Streamer {
                 break;
             }
             let reservation = match &*self.gate.lock() {
-                Some(g) => {
-                    if !g.gate.try_reserve(key.device, bytes, g.keep_free) {
-                        break;
-                    }
-                    Some(Reservation {
-                        gate: Arc::clone(&g.gate),
-                        device: key.device,
-                        bytes,
-                    })
-                }
+                Some(g) => match Reservation::take(&g.gate, key.device, bytes, g.keep_free) {
+                    Some(r) => Some(r),
+                    None => break,
+                },
                 None => None,
             };
             let pending = self.engine.submit(patcher, next);

@@ -5,9 +5,9 @@
 //! A forward that finds a weight resident but stored in another dtype than it computes in (bf16
 //! storage, f32 compute; fp8 codes with a scale) casts it with the one cast step every layer uses
 //! and, when the model has a cache, offers the result to it. The cache keeps it only if the
-//! device's ledger has room: every cached copy holds a reservation on a [`CastGate`] (the memory
-//! manager's ledger), granted only when `resident + in flight + cached + bytes + keep_free ≤
-//! total`, where `keep_free` is the memory the model's last load asked to keep free. A refused
+//! device's ledger has room: every cached copy holds a reservation on a [`PrefetchGate`] (the
+//! memory manager's ledger, through its column for cached casts), granted only when `resident +
+//! in flight + cached + bytes + keep_free ≤ total`, where `keep_free` is the memory the model's last load asked to keep free. A refused
 //! copy is not an error: that weight is cast at every call, as without a cache.
 //!
 //! The cache never changes a bit (I3): a cached copy is the output of the same cast of the same
@@ -33,18 +33,10 @@ use parking_lot::Mutex;
 
 use crate::error::Result;
 use crate::float::Dtype;
+use crate::offload::{PrefetchGate, Reservation};
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
 use crate::weights::Fingerprint;
-
-/// Where cached casts are booked: the memory manager's ledger implements it.
-pub trait CastGate: Send + Sync {
-    /// Books `bytes` of cached casts on `device` when its ledger plus `bytes` plus `keep_free`
-    /// stays within its bound; returns whether it did.
-    fn try_reserve_cast(&self, device: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool;
-    /// Returns bytes booked by [`CastGate::try_reserve_cast`].
-    fn release_cast(&self, device: DeviceId, bytes: ByteSize);
-}
 
 /// What a cached cast was made from: used only when all of it matches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,19 +46,6 @@ pub(crate) struct CastKey {
     pub(crate) compute: Dtype,
     /// The weight's per-tensor scale, as bits.
     pub(crate) scale: Option<u32>,
-}
-
-/// Bytes booked on a gate, returned when dropped.
-struct Reservation {
-    gate: Arc<dyn CastGate>,
-    device: DeviceId,
-    bytes: ByteSize,
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        self.gate.release_cast(self.device, self.bytes);
-    }
 }
 
 struct Cached {
@@ -90,7 +69,7 @@ pub struct CastCacheStats {
 
 /// One model's cached casts on its load device (see the module docs).
 pub struct CastCache {
-    gate: Arc<dyn CastGate>,
+    gate: Arc<dyn PrefetchGate>,
     device: DeviceId,
     keep_free: AtomicU64,
     entries: Mutex<HashMap<usize, Cached>>,
@@ -111,7 +90,7 @@ impl std::fmt::Debug for CastCache {
 
 impl CastCache {
     /// A cache booking its copies on `gate` for `device`, keeping `keep_free` bytes free.
-    pub(crate) fn new(gate: Arc<dyn CastGate>, device: DeviceId, keep_free: ByteSize) -> Self {
+    pub(crate) fn new(gate: Arc<dyn PrefetchGate>, device: DeviceId, keep_free: ByteSize) -> Self {
         CastCache {
             gate,
             device,
@@ -129,7 +108,7 @@ impl CastCache {
     }
 
     /// Whether this cache books on `gate`.
-    pub(crate) fn uses_gate(&self, gate: &Arc<dyn CastGate>) -> bool {
+    pub(crate) fn uses_gate(&self, gate: &Arc<dyn PrefetchGate>) -> bool {
         Arc::ptr_eq(&self.gate, gate)
     }
 
@@ -143,7 +122,7 @@ impl CastCache {
         self.entries
             .lock()
             .values()
-            .map(|c| c.reservation.bytes)
+            .map(|c| c.reservation.bytes())
             .sum()
     }
 
@@ -160,7 +139,7 @@ impl CastCache {
     /// Drops every cached cast, returning its bytes to the ledger; returns how many bytes.
     pub(crate) fn clear(&self) -> ByteSize {
         let taken: Vec<Cached> = self.entries.lock().drain().map(|(_, c)| c).collect();
-        taken.iter().map(|c| c.reservation.bytes).sum()
+        taken.iter().map(|c| c.reservation.bytes()).sum()
     }
 
     /// Takes out the entries made at another residency generation than `generation`.
@@ -202,18 +181,14 @@ impl CastCache {
         let tensor = cast()?;
         let bytes = ByteSize((tensor.elem_count() * tensor.dtype().size_in_bytes()) as u64);
         let keep_free = ByteSize(self.keep_free.load(Ordering::Relaxed));
-        if !self.gate.try_reserve_cast(self.device, bytes, keep_free) {
+        let Some(reservation) = Reservation::take(&self.gate, self.device, bytes, keep_free) else {
             self.refused.fetch_add(1, Ordering::Relaxed);
             return Ok(tensor);
-        }
+        };
         let cached = Cached {
             key,
             tensor: tensor.clone(),
-            reservation: Reservation {
-                gate: Arc::clone(&self.gate),
-                device: self.device,
-                bytes,
-            },
+            reservation,
         };
         self.kept.fetch_add(1, Ordering::Relaxed);
         // Two forwards may race to cache the same weight: the one replaced is dropped here,
@@ -261,8 +236,8 @@ mod tests {
         booked: PlMutex<u64>,
     }
 
-    impl CastGate for Books {
-        fn try_reserve_cast(&self, _: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool {
+    impl PrefetchGate for Books {
+        fn try_reserve(&self, _: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool {
             let mut b = self.booked.lock();
             if *b + bytes.bytes() + keep_free.bytes() > self.total {
                 return false;
@@ -270,7 +245,7 @@ mod tests {
             *b += bytes.bytes();
             true
         }
-        fn release_cast(&self, _: DeviceId, bytes: ByteSize) {
+        fn release(&self, _: DeviceId, bytes: ByteSize) {
             *self.booked.lock() -= bytes.bytes();
         }
     }
@@ -294,7 +269,7 @@ mod tests {
             total: 100,
             ..Default::default()
         });
-        let gate: Arc<dyn CastGate> = books.clone();
+        let gate: Arc<dyn PrefetchGate> = books.clone();
         let c = CastCache::new(gate, DeviceId::Cpu, ByteSize(20));
         let mut casts = 0;
         let mut get = |i, k| {
@@ -343,7 +318,7 @@ mod tests {
             total: 1000,
             ..Default::default()
         });
-        let gate: Arc<dyn CastGate> = books.clone();
+        let gate: Arc<dyn PrefetchGate> = books.clone();
         let c = CastCache::new(gate, DeviceId::Cpu, ByteSize::ZERO);
         for i in 0..5 {
             c.get_or_cast(i, key(1), || Ok(t(8))).unwrap();
@@ -360,7 +335,7 @@ mod tests {
             total: 1000,
             ..Default::default()
         });
-        let gate: Arc<dyn CastGate> = books.clone();
+        let gate: Arc<dyn PrefetchGate> = books.clone();
         let c = CastCache::new(gate, DeviceId::Cpu, ByteSize::ZERO);
         let e = c.get_or_cast(0, key(1), || {
             Err(crate::error::Error::NotLoaded { model: "m".into() })
