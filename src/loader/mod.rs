@@ -28,7 +28,7 @@
 //! | rank | lock | guards |
 //! |---|---|---|
 //! | 1 | `MemoryManager::inner` | registry, staging pool handle |
-//! | 2 | `offload::Streamer` queue, then its gate | one model's prefetched weights |
+//! | 2 | `offload::Streamer` queue, then its gate; or `ops::CastCache` entries, then the ledger (never both) | one model's prefetched weights; its cached manual casts |
 //! | 3 | `Model::state` | residency and pins of one model |
 //! | 4 | `Model::forward_order` | first-forward order (leaf) |
 //! | 5 | the candle device table in `vram` | one candle device per ordinal (leaf) |
@@ -37,7 +37,6 @@
 //! | 8 | `weights::HostTier` books (and its condition variable) | host copies, the host ledger, pins in place |
 //! | 9 | `weights::PinnedWeight::last_copy` | the event of the last copy out of a pinned weight (leaf) |
 //! | 10 | `Model::derived` | a managed model's module built from its resident copies (leaf; the module is dropped outside every lock) |
-//! | 11 | `ops::CastCache` entries | one model's cached manual casts (leaf; entries are dropped, and their bytes returned to the ledger, outside it) |
 //!
 //! The manager lock is held while a load is planned and executed, which serializes loads (that
 //! is what keeps the plan's figures true while it is carried out); it is never held while calling

@@ -21,8 +21,11 @@
 //! [`crate::loader::MemoryManager::free_memory`]) and drops a model's cache when its residency
 //! changes — never a resident weight for a cached cast.
 //!
-//! Lock: `CastCache::entries` is a leaf (rank 11 in the crate's lock table), held only to look
-//! up, insert or take entries out; reservations are released after it is let go.
+//! Lock: `CastCache::entries` is rank 2 in the crate's lock table (like a streamer's queue, and
+//! never held with one): held to look up, insert or take entries out, and while a new entry's
+//! reservation is taken on the ledger (rank 7), so a load clearing the caches cannot miss an
+//! entry whose bytes are already booked. Entries are dropped, and their bytes returned, after it
+//! is let go.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -181,7 +184,12 @@ impl CastCache {
         let tensor = cast()?;
         let bytes = ByteSize((tensor.elem_count() * tensor.dtype().size_in_bytes()) as u64);
         let keep_free = ByteSize(self.keep_free.load(Ordering::Relaxed));
+        // The reservation is taken and the entry inserted under one lock: a load that drops the
+        // caches (it takes this lock to clear them) either finds the entry or came first, and
+        // then the ledger refuses the reservation while it runs.
+        let mut entries = self.entries.lock();
         let Some(reservation) = Reservation::take(&self.gate, self.device, bytes, keep_free) else {
+            drop(entries);
             self.refused.fetch_add(1, Ordering::Relaxed);
             return Ok(tensor);
         };
@@ -190,10 +198,11 @@ impl CastCache {
             tensor: tensor.clone(),
             reservation,
         };
+        // Two forwards may race to cache the same weight: the one replaced is dropped outside
+        // the lock.
+        let replaced = entries.insert(index, cached);
+        drop(entries);
         self.kept.fetch_add(1, Ordering::Relaxed);
-        // Two forwards may race to cache the same weight: the one replaced is dropped here,
-        // outside the lock.
-        let replaced = self.entries.lock().insert(index, cached);
         drop(replaced);
         Ok(tensor)
     }
