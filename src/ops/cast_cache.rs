@@ -321,14 +321,19 @@ mod tests {
         );
     }
 
-    #[test]
-    fn clearing_returns_every_byte() {
+    /// A cache keeping nothing free, on a gate bounded at `total` bytes.
+    fn cache(total: u64) -> (Arc<Books>, CastCache) {
         let books = Arc::new(Books {
-            total: 1000,
+            total,
             ..Default::default()
         });
         let gate: Arc<dyn PrefetchGate> = books.clone();
-        let c = CastCache::new(gate, DeviceId::Cpu, ByteSize::ZERO);
+        (books, CastCache::new(gate, DeviceId::Cpu, ByteSize::ZERO))
+    }
+
+    #[test]
+    fn clearing_returns_every_byte() {
+        let (books, c) = cache(1000);
         for i in 0..5 {
             c.get_or_cast(i, key(1), || Ok(t(8))).unwrap();
         }
@@ -340,12 +345,7 @@ mod tests {
 
     #[test]
     fn a_failed_cast_books_nothing() {
-        let books = Arc::new(Books {
-            total: 1000,
-            ..Default::default()
-        });
-        let gate: Arc<dyn PrefetchGate> = books.clone();
-        let c = CastCache::new(gate, DeviceId::Cpu, ByteSize::ZERO);
+        let (books, c) = cache(1000);
         let e = c.get_or_cast(0, key(1), || {
             Err(crate::error::Error::NotLoaded { model: "m".into() })
         });
