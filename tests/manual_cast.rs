@@ -96,6 +96,11 @@ fn a_resident_weight_is_cast_once_and_gives_the_per_call_bits() {
     assert_eq!(cast_cache_stats(&p).unwrap().hits, 2 * LAYERS as u64);
     assert_eq!(cached(&mm), ByteSize(CASTS));
     assert_eq!(mm.ledger(CPU), ByteSize(MODEL_BF16 + CASTS));
+    let report = mm.memory_report().to_string();
+    assert!(
+        report.contains(&format!("{} of it cached manual casts", ByteSize(CASTS))),
+        "{report}"
+    );
     // The resident copies stay bf16: the cache is beside them, not instead of them.
     assert_eq!(p.loaded_size(), ByteSize(MODEL_BF16));
 }

@@ -165,9 +165,14 @@ pub struct MemoryReport {
 impl fmt::Display for MemoryReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for d in &self.devices {
+            let casts = if d.cached_casts > ByteSize::ZERO {
+                format!(" ({} of it cached manual casts)", d.cached_casts)
+            } else {
+                String::new()
+            };
             writeln!(
                 f,
-                "{}: {} {}, {} used (peak {}), {} free",
+                "{}: {} {}, {} used{casts} (peak {}), {} free",
                 d.device,
                 if d.budgeted { "budget" } else { "total" },
                 d.total,
