@@ -5,6 +5,9 @@
 //! [`bf16_to_f32`], [`f32_to_fp8`] and [`fp8_to_f32`] (the kernels of `fp8.rs` and
 //! `stochastic.rs`).
 //!
+//! Into a caller's buffer of at least 16 MiB, f32 → f16 and f32 → bf16 write with non-temporal
+//! stores (`stream.rs`: same bits, less memory traffic).
+//!
 //! The encoders write through [`Dest`], so the same kernel fills a caller's buffer or the
 //! uninitialized buffer of a new tensor (never zeroed first: a new tensor's pages are touched once,
 //! by the conversion, on every thread), and writes `half`'s and `float8`'s element types directly.
@@ -19,6 +22,7 @@ use super::f16c::encode_f16_hardware;
 use super::fp8::{fp8_decode_kernel, fp8_rne_kernel, Fp8Format, E4M3FN, E5M2};
 use super::multiversion::multiversion;
 use super::stochastic::{fp8_stochastic_kernel, Rounding};
+use super::stream;
 use crate::error::{Error, Result};
 
 /// Number of elements one parallel task converts. Results never depend on it.
@@ -144,6 +148,12 @@ pub(super) fn f16_bits_portable(x: f32) -> u16 {
     f16_bits(x)
 }
 
+/// The portable bf16 encoder, for tests comparing the streaming one with it.
+#[cfg(test)]
+pub(super) fn bf16_bits_portable(x: f32) -> u16 {
+    bf16_bits(x)
+}
+
 multiversion! {
     fn bf16_decode_kernel(src: &[u16], dst: &mut [f32]) {
         for (d, &s) in dst.iter_mut().zip(src) {
@@ -188,6 +198,13 @@ pub(super) fn par_convert<A: Sync, B: Send>(
 /// # Errors
 /// [`Error::ShapeMismatch`] when the lengths differ; nothing is written then.
 pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) -> Result<()> {
+    if dst.len() * 2 >= stream::STREAM_MIN && stream::available() {
+        check_len("f32 → f16", src.len(), dst.len())?;
+        par_convert(src, dst, |s, d, _| {
+            stream::encode_f16(s, d, f16_encode_kernel::<u16>)
+        });
+        return Ok(());
+    }
     encode_f16(src, dst)
 }
 
@@ -214,6 +231,13 @@ pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) -> Result<()> {
 /// # Errors
 /// [`Error::ShapeMismatch`] when the lengths differ.
 pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) -> Result<()> {
+    if dst.len() * 2 >= stream::STREAM_MIN && stream::available() {
+        check_len("f32 → bf16", src.len(), dst.len())?;
+        par_convert(src, dst, |s, d, _| {
+            stream::encode_bf16(s, d, bf16_encode_kernel::<u16>)
+        });
+        return Ok(());
+    }
     encode_bf16(src, dst)
 }
 

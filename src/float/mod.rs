@@ -79,6 +79,7 @@ mod fp8;
 pub(crate) mod multiversion;
 mod seed;
 mod stochastic;
+mod stream;
 mod tensor;
 #[cfg(test)]
 mod tests;
