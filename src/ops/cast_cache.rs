@@ -7,8 +7,9 @@
 //! and, when the model has a cache, offers the result to it. The cache keeps it only if the
 //! device's ledger has room: every cached copy holds a reservation on a [`PrefetchGate`] (the
 //! memory manager's ledger, through its column for cached casts), granted only when `resident +
-//! in flight + cached + bytes + keep_free ≤ total`, where `keep_free` is the memory the model's last load asked to keep free. A refused
-//! copy is not an error: that weight is cast at every call, as without a cache.
+//! in flight + cached + bytes + keep_free ≤ total`, where `keep_free` is the memory the model's
+//! last load asked to keep free. A refused copy is not an error: that weight is cast at every
+//! call, as without a cache.
 //!
 //! The cache never changes a bit (I3): a cached copy is the output of the same cast of the same
 //! resident tensor, and it is used only when everything that tensor depends on is unchanged — the
