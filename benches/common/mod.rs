@@ -12,6 +12,7 @@ use criterion::Bencher;
 static TIMES: Mutex<BTreeMap<String, Vec<f64>>> = Mutex::new(BTreeMap::new());
 
 /// Runs `f` under criterion and records each batch's time per iteration under `name`.
+#[allow(dead_code)]
 pub fn timed<O>(b: &mut Bencher, name: &str, mut f: impl FnMut() -> O) {
     b.iter_custom(|iters| {
         let start = Instant::now();
@@ -19,6 +20,31 @@ pub fn timed<O>(b: &mut Bencher, name: &str, mut f: impl FnMut() -> O) {
             black_box(f());
         }
         let d = start.elapsed();
+        if let Ok(mut t) = TIMES.lock() {
+            t.entry(name.to_string())
+                .or_default()
+                .push(d.as_secs_f64() / iters as f64);
+        }
+        d
+    });
+}
+
+/// As [`timed`], with `setup` run untimed before each call of `f`.
+#[allow(dead_code)]
+pub fn timed_after<O>(
+    b: &mut Bencher,
+    name: &str,
+    mut setup: impl FnMut(),
+    mut f: impl FnMut() -> O,
+) {
+    b.iter_custom(|iters| {
+        let mut d = std::time::Duration::ZERO;
+        for _ in 0..iters {
+            setup();
+            let start = Instant::now();
+            black_box(f());
+            d += start.elapsed();
+        }
         if let Ok(mut t) = TIMES.lock() {
             t.entry(name.to_string())
                 .or_default()

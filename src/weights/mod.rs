@@ -25,6 +25,7 @@ mod host;
 mod lazy;
 mod pin;
 mod safetensors;
+mod writer;
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -44,12 +45,12 @@ pub use self::host::{HeldCopy, HostStats, HostTier, MIN_PIN_BYTES};
 pub(crate) use self::pin::host_bytes;
 pub use self::pin::{CudaLocker, PageLocker, PinnedWeight};
 pub(crate) use self::safetensors::{
-    le_bytes, read_file_tensors, safetensors_dtype, save_safetensors_streaming, FileTensor,
-    LazyTensor, TensorFile,
+    read_file_tensors, safetensors_dtype, write_le_bytes, FileTensor, TensorFile,
 };
 #[cfg(test)]
 pub(crate) use self::safetensors::{read_raw_tensors, save_safetensors_with_raw, RawTensor};
 pub use self::safetensors::{save_safetensors, SafetensorsOptions};
+pub(crate) use self::writer::{save_safetensors_streaming, LazyTensor, Sink, Source};
 
 /// What the offload layer hangs on a model to stream it (an `offload::Streamer`).
 pub(crate) type StreamHook = Arc<dyn Any + Send + Sync>;

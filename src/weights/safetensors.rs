@@ -13,6 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use safetensors::SafeTensors;
 
+use super::writer::Sink;
 use super::{tensor_bytes, Clean, Model, Slot};
 use crate::error::{Error, Result};
 use crate::float::Dtype;
@@ -349,9 +350,34 @@ impl TensorFile {
     /// The data bytes of `t`, read at its offset.
     pub(crate) fn read_bytes(&self, t: &FileTensor) -> Result<Vec<u8>> {
         let mut bytes = vec![0u8; t.len];
-        read_exact_at(&self.file, &mut bytes, t.start)
-            .map_err(|e| file_err(&self.path, format!("tensor `{}`: cannot read: {e}", t.name)))?;
+        self.read_into(t, &mut bytes)?;
         Ok(bytes)
+    }
+
+    /// Fills `buf`, which must be `t.len` bytes, with the data bytes of `t`.
+    pub(crate) fn read_into(&self, t: &FileTensor, buf: &mut [u8]) -> Result<()> {
+        if buf.len() != t.len {
+            return Err(file_err(
+                &self.path,
+                format!(
+                    "tensor `{}`: {} bytes asked for, it has {}",
+                    t.name,
+                    buf.len(),
+                    t.len
+                ),
+            ));
+        }
+        read_exact_at(&self.file, buf, t.start)
+            .map_err(|e| file_err(&self.path, format!("tensor `{}`: cannot read: {e}", t.name)))
+    }
+
+    /// Where `t`'s bytes are: the open file, its path and the offset (for a file-to-file copy).
+    pub(crate) fn source_of(&self, t: &FileTensor) -> super::writer::Source<'_> {
+        super::writer::Source::Copy {
+            file: &self.file,
+            path: &self.path,
+            offset: t.start,
+        }
     }
 
     /// Float tensor `t` as [`Model::from_safetensors`] holds it: a CPU tensor in its storage
@@ -380,13 +406,21 @@ impl TensorFile {
 
 /// Fills `buf` from `file` at `offset` (a positioned read: the file's cursor is not used).
 #[cfg(unix)]
-fn read_exact_at(file: &std::fs::File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+pub(super) fn read_exact_at(
+    file: &std::fs::File,
+    buf: &mut [u8],
+    offset: u64,
+) -> std::io::Result<()> {
     std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
 }
 
 /// Fills `buf` from `file` at `offset`.
 #[cfg(windows)]
-fn read_exact_at(file: &std::fs::File, mut buf: &mut [u8], mut offset: u64) -> std::io::Result<()> {
+pub(super) fn read_exact_at(
+    file: &std::fs::File,
+    mut buf: &mut [u8],
+    mut offset: u64,
+) -> std::io::Result<()> {
     while !buf.is_empty() {
         match std::os::windows::fs::FileExt::seek_read(file, buf, offset)? {
             0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
@@ -399,15 +433,26 @@ fn read_exact_at(file: &std::fs::File, mut buf: &mut [u8], mut offset: u64) -> s
     Ok(())
 }
 
-/// The little-endian bytes of a CPU tensor in its candle dtype, copied once from its storage.
-pub(crate) fn le_bytes(t: &Tensor) -> Result<Vec<u8>> {
+/// Hands the little-endian bytes of a CPU tensor in its candle dtype to `sink`: straight from
+/// its storage where that already is those bytes (every float dtype on a little-endian machine),
+/// else converted through one buffer of at most 1 MiB.
+pub(crate) fn write_le_bytes(t: &Tensor, sink: &mut Sink<'_>) -> Result<()> {
     use candle_core::{CpuStorage, Storage};
-    fn copy<T: Copy, const N: usize>(v: &[T], to_le: impl Fn(T) -> [u8; N]) -> Vec<u8> {
-        let mut out = vec![0u8; v.len() * N];
-        for (o, &x) in out.chunks_exact_mut(N).zip(v) {
-            o.copy_from_slice(&to_le(x));
+    use half::slice::HalfFloatSliceExt;
+    /// Bytes converted per piece on the buffered path.
+    const PIECE: usize = 1 << 20;
+    fn converted<T: Copy, const N: usize>(
+        v: &[T],
+        to_le: impl Fn(T) -> [u8; N],
+        sink: &mut Sink<'_>,
+    ) -> Result<()> {
+        let mut buf = Vec::with_capacity(PIECE.min(v.len() * N));
+        for part in v.chunks(PIECE / N) {
+            buf.clear();
+            part.iter().for_each(|&x| buf.extend_from_slice(&to_le(x)));
+            sink(&buf)?;
         }
-        out
+        Ok(())
     }
     let t = t.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
@@ -418,118 +463,25 @@ pub(crate) fn le_bytes(t: &Tensor) -> Result<Vec<u8>> {
     let (start, end) = layout
         .contiguous_offsets()
         .ok_or_else(|| unsupported("strided"))?;
-    Ok(match &*storage {
-        Storage::Cpu(CpuStorage::F32(v)) => copy(&v[start..end], f32::to_le_bytes),
-        Storage::Cpu(CpuStorage::F64(v)) => copy(&v[start..end], f64::to_le_bytes),
-        Storage::Cpu(CpuStorage::F16(v)) => copy(&v[start..end], half::f16::to_le_bytes),
-        Storage::Cpu(CpuStorage::BF16(v)) => copy(&v[start..end], half::bf16::to_le_bytes),
-        Storage::Cpu(CpuStorage::F8E4M3(v)) => v[start..end].iter().map(|x| x.to_bits()).collect(),
-        Storage::Cpu(CpuStorage::U8(v)) => v[start..end].to_vec(),
-        Storage::Cpu(_) => return Err(unsupported("not a storage dtype")),
-        _ => return Err(unsupported("not on the CPU")),
-    })
-}
-
-/// A tensor whose bytes [`save_safetensors_streaming`] asks for when it writes them.
-pub(crate) struct LazyTensor<'a> {
-    pub(crate) name: String,
-    pub(crate) dtype: StDtype,
-    pub(crate) shape: Vec<usize>,
-    /// Bytes `bytes` must return.
-    pub(crate) len: usize,
-    /// Produces the tensor's little-endian bytes.
-    pub(crate) bytes: Box<dyn Fn() -> Result<Vec<u8>> + 'a>,
-}
-
-/// A [`LazyTensor`] as safetensors' serializer sees it; the first error is kept in `failed`.
-struct LazyView<'a, 'f> {
-    tensor: LazyTensor<'a>,
-    path: &'f Path,
-    failed: &'f std::cell::RefCell<Option<Error>>,
-}
-
-impl safetensors::View for LazyView<'_, '_> {
-    fn dtype(&self) -> StDtype {
-        self.tensor.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.tensor.shape
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        if self.failed.borrow().is_some() {
-            // The file is discarded; don't compute the rest.
-            return std::borrow::Cow::Borrowed(&[]);
+    let little = cfg!(target_endian = "little");
+    match &*storage {
+        Storage::Cpu(CpuStorage::F32(v)) if little => sink(bytemuck::cast_slice(&v[start..end])),
+        Storage::Cpu(CpuStorage::F64(v)) if little => sink(bytemuck::cast_slice(&v[start..end])),
+        Storage::Cpu(CpuStorage::F16(v)) if little => {
+            sink(bytemuck::cast_slice(v[start..end].reinterpret_cast()))
         }
-        match (self.tensor.bytes)() {
-            Ok(b) if b.len() == self.tensor.len => std::borrow::Cow::Owned(b),
-            Ok(b) => {
-                *self.failed.borrow_mut() = Some(file_err(
-                    self.path,
-                    format!(
-                        "tensor `{}`: produced {} bytes, its header says {}",
-                        self.tensor.name,
-                        b.len(),
-                        self.tensor.len
-                    ),
-                ));
-                std::borrow::Cow::Borrowed(&[])
-            }
-            Err(e) => {
-                *self.failed.borrow_mut() = Some(e);
-                std::borrow::Cow::Borrowed(&[])
-            }
+        Storage::Cpu(CpuStorage::BF16(v)) if little => {
+            sink(bytemuck::cast_slice(v[start..end].reinterpret_cast()))
         }
+        Storage::Cpu(CpuStorage::F32(v)) => converted(&v[start..end], f32::to_le_bytes, sink),
+        Storage::Cpu(CpuStorage::F64(v)) => converted(&v[start..end], f64::to_le_bytes, sink),
+        Storage::Cpu(CpuStorage::F16(v)) => converted(&v[start..end], half::f16::to_le_bytes, sink),
+        Storage::Cpu(CpuStorage::BF16(v)) => {
+            converted(&v[start..end], half::bf16::to_le_bytes, sink)
+        }
+        Storage::Cpu(CpuStorage::F8E4M3(v)) => converted(&v[start..end], |x| [x.to_bits()], sink),
+        Storage::Cpu(CpuStorage::U8(v)) => sink(&v[start..end]),
+        Storage::Cpu(_) => Err(unsupported("not a storage dtype")),
+        _ => Err(unsupported("not on the CPU")),
     }
-    fn data_len(&self) -> usize {
-        self.tensor.len
-    }
-}
-
-/// Writes a safetensors file whose tensors' bytes are produced one tensor at a time, as the file
-/// is written: memory holds one tensor's bytes, not the file. The header and the bytes are those
-/// [`save_safetensors`] writes for the same tensors (safetensors' own serializer lays out both).
-///
-/// The file is written under a temporary name next to `path` and renamed to `path` only when
-/// every tensor was produced: on any error nothing is left at `path` (an existing file there is
-/// kept) and the error of the first tensor that failed is returned.
-pub(crate) fn save_safetensors_streaming(
-    path: &Path,
-    tensors: Vec<LazyTensor<'_>>,
-    options: &SafetensorsOptions,
-) -> Result<()> {
-    let failed = std::cell::RefCell::new(None);
-    let views: Vec<(String, LazyView<'_, '_>)> = tensors
-        .into_iter()
-        .map(|t| {
-            (
-                t.name.clone(),
-                LazyView {
-                    tensor: t,
-                    path,
-                    failed: &failed,
-                },
-            )
-        })
-        .collect();
-    let file_name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let temp = path.with_file_name(format!(".{file_name}.{}.partial", std::process::id()));
-    let written = safetensors::tensor::serialize_to_file(views, options.metadata.clone(), &temp)
-        .map_err(|e| file_err(path, format!("cannot write: {e}")));
-    let result = match (written, failed.into_inner()) {
-        (Err(e), _) => Err(e),
-        (Ok(()), Some(e)) => Err(e),
-        (Ok(()), None) => std::fs::rename(&temp, path).map_err(|e| {
-            file_err(
-                path,
-                format!("cannot move the written file into place: {e}"),
-            )
-        }),
-    };
-    if result.is_err() {
-        let _ = std::fs::remove_file(&temp);
-    }
-    result
 }
