@@ -316,7 +316,10 @@ impl Kernel<'_> {
                 None => score_tile(q, &k_head[k0 * d..][..cols * d], d, cols, scores),
             }
             self.prepare_scores(scores, cols, &task, k0);
-            softmax_tile(scores, cols, max, sum, alpha);
+            match self.products {
+                Some(f) => f.isa.softmax_tile(scores, cols, max, sum, alpha),
+                None => softmax_tile(scores, cols, max, sum, alpha),
+            }
             let values = &v_head[k0 * dv..][..cols * dv];
             match self.products {
                 Some(f) => f

@@ -229,3 +229,60 @@ fn both_product_paths_match_naive_on_ragged_shapes() {
         }
     }
 }
+
+/// The AVX-512 online-softmax step gives the portable step's bits on every row: batches of 16
+/// rows and a remainder, row lengths with and without a partial last vector, several steps in a
+/// row (so `alpha` and the running sums carry, with `l·alpha` and the new sum of one size), rows of huge and tiny scores (some `exp`s
+/// underflow to 0), a boolean-masked row at the floor, `-inf` scores and a NaN.
+#[test]
+fn avx512_softmax_step_has_the_portable_bits() {
+    let Some(isa) = super::products::Avx512::detect() else {
+        eprintln!("no AVX-512 on this CPU: nothing to compare");
+        return;
+    };
+    let floor = f32::MIN;
+    for (rows, cols) in [(16, 256), (37, 256), (33, 40), (16, 7), (48, 16), (5, 300)] {
+        let mut seed = 0x9e37_79b9_u32.wrapping_mul(rows as u32 * 1000 + cols as u32);
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        };
+        let init = |v: &mut Vec<f32>, x: f32| v.resize(rows, x);
+        let (mut m_a, mut l_a, mut a_a) = (Vec::new(), Vec::new(), Vec::new());
+        init(&mut m_a, floor);
+        init(&mut l_a, 0.0);
+        init(&mut a_a, 0.0);
+        let (mut m_b, mut l_b, mut a_b) = (m_a.clone(), l_a.clone(), a_a.clone());
+        for step in 0..3 {
+            let mut tile: Vec<f32> = (0..rows * cols)
+                .map(|i| {
+                    let row = i / cols;
+                    let unit = next() as f32 / u32::MAX as f32 - 0.5;
+                    // Rows of different spreads: 1, 4 and 300 (e^-300 underflows), moved up
+                    // a little each step, so the running maximum grows by about as much and
+                    // `alpha` is neither 1 nor negligible.
+                    unit * [2.0, 8.0, 600.0][row % 3] + 0.7 * step as f32
+                })
+                .collect();
+            tile[..cols].fill(floor);
+            if rows > 20 {
+                tile[cols * 17 + cols / 2] = f32::NEG_INFINITY;
+                tile[cols * 18..cols * 19].fill(f32::NEG_INFINITY);
+            }
+            if rows > 30 && step == 1 {
+                tile[cols * 30 + 1] = f32::NAN;
+            }
+            let mut tile_b = tile.clone();
+            super::rows::softmax_tile(&mut tile, cols, &mut m_a, &mut l_a, &mut a_a);
+            isa.softmax_tile(&mut tile_b, cols, &mut m_b, &mut l_b, &mut a_b);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let at = format!("{rows} x {cols}, step {step}");
+            assert_eq!(bits(&tile), bits(&tile_b), "probabilities, {at}");
+            assert_eq!(bits(&m_a), bits(&m_b), "maxima, {at}");
+            assert_eq!(bits(&l_a), bits(&l_b), "sums, {at}");
+            assert_eq!(bits(&a_a), bits(&a_b), "alphas, {at}");
+        }
+    }
+}

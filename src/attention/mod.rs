@@ -83,6 +83,7 @@ mod options;
 mod plan;
 mod products;
 mod rows;
+mod softmax512;
 #[cfg(test)]
 mod tests;
 

@@ -14,40 +14,52 @@ use crate::float::multiversion::multiversion;
 /// Partial sums a row reduction keeps: one AVX-512 vector of `f32`.
 const LANES: usize = 16;
 
+/// `log2(e)`.
+pub(super) const LOG2E: f32 = std::f32::consts::LOG2_E;
+/// `ln 2`'s high part, 355/512 exactly: `n·LN2_HI` is exact for the `n` that occur.
+pub(super) const LN2_HI: f32 = 0.693_359_4;
+/// `ln 2 - LN2_HI`.
+pub(super) const LN2_LO: f32 = -2.121_944_4e-4;
+/// 1.5 · 2²³: adding it rounds to an integer (nearest even), held in the low mantissa bits.
+pub(super) const MAGIC: f32 = 12_582_912.0;
+/// ln(2⁻¹²⁶): the smallest input whose result is normal.
+pub(super) const EXP_MIN: f32 = -87.336_54;
+/// Cephes' polynomial for `eʳ`, highest degree first (after `1 + r`).
+pub(super) const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
 /// `eˣ` for `x ≤ 0` (and NaN, which it returns), branch-free so loops over it vectorize.
 ///
 /// Cody–Waite reduction `x = n·ln 2 + r`, `|r| ≤ ln 2 / 2`, then Cephes' degree-6 polynomial for
 /// `eʳ` and `2ⁿ` from the exponent bits; within 2 ulp of the exact value (the tests measure
 /// it). Fused multiply-adds (`mul_add`, exact by definition) keep the bits the same in every
-/// variant: one instruction with FMA, a libm call on the rare x86-64 CPU without it. Below `ln(2⁻¹²⁶)` it returns 0 (the exact value is a subnormal, below 1.2e-38), so a
+/// variant: one instruction with FMA, a libm call on the rare x86-64 CPU without it (and
+/// `softmax512.rs` repeats the same operations on 16 lanes). Below `ln(2⁻¹²⁶)` it returns 0 (the
+/// exact value is a subnormal, below 1.2e-38), so a
 /// masked `-inf` score weighs exactly nothing; `exp(0)` is exactly 1. Positive `x` is out of its
 /// domain: the online softmax only exponentiates differences to a running maximum.
 #[inline(always)]
 pub(super) fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // 355/512 exactly: `n·LN2_HI` is exact for the n that occur.
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // 1.5 · 2²³: adding it rounds to an integer (nearest even), held in the low mantissa bits.
-    const MAGIC: f32 = 12_582_912.0;
-    // ln(2⁻¹²⁶): the smallest input whose result is normal.
-    const MIN: f32 = -87.336_54;
     let shifted = x.mul_add(LOG2E, MAGIC);
     let n = shifted - MAGIC;
     let r = n.mul_add(-LN2_HI, x);
     let r = n.mul_add(-LN2_LO, r);
-    let mut p = 1.987_569_1e-4_f32;
-    p = p.mul_add(r, 1.398_199_9e-3);
-    p = p.mul_add(r, 8.333_452e-3);
-    p = p.mul_add(r, 4.166_579_6e-2);
-    p = p.mul_add(r, 1.666_666_5e-1);
-    p = p.mul_add(r, 0.5);
+    let mut p = EXP_POLY[0];
+    for &c in &EXP_POLY[1..] {
+        p = p.mul_add(r, c);
+    }
     let y = p.mul_add(r * r, r) + 1.0;
-    // For `x ≥ MIN`, `n` is an integer in [-126, 0] and these are the bits of 2ⁿ; other lanes
+    // For `x ≥ EXP_MIN`, `n` is an integer in [-126, 0] and these are the bits of 2ⁿ; other lanes
     // compute garbage that the select below discards.
     let exponent = (shifted.to_bits().wrapping_sub(MAGIC.to_bits()) as i32).wrapping_add(127);
     let scale = f32::from_bits((exponent as u32) << 23);
-    if x < MIN {
+    if x < EXP_MIN {
         0.0
     } else {
         y * scale
