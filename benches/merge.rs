@@ -8,8 +8,8 @@
 //! On a machine whose disk writeback is slow or shared, writing 1 GiB takes seconds and varies
 //! by as much; `RESIDENCY_BENCH_DIR=/dev/shm` measures the merge's own cost instead.
 //!
-//! After criterion's groups a summary prints both times and their ratio, and then runs the merge
-//! once more in a child process (this binary, re-executed) to report what a user of the tool
+//! After criterion's groups a summary prints both times and their ratio, and then (after a
+//! `sync`, so the earlier runs' writeback is over) runs the merge once more in a child process (this binary, re-executed) to report what a user of the tool
 //! sees: wall time of the whole process, its peak RSS beside the goal of 2 × the largest tensor
 //! + 64 MiB, and its minor page faults beside the bytes written / 4 KiB.
 //!
@@ -195,6 +195,10 @@ fn bench(c: &mut Criterion, dir: &Path) {
         bytes as f64 / merged / 1e9,
         merged / plain
     );
+    // The runs above leave gigabytes of dirty pages behind; a user's one merge starts on a
+    // machine that is not still writing them back.
+    // SAFETY: `sync` takes no arguments and only asks the kernel to flush its caches.
+    unsafe { libc::sync() };
     match child_merge(dir) {
         Some((wall, rss, faults)) => {
             let largest = (SIDE * SIDE * 4) as u64;
