@@ -1,13 +1,14 @@
 //! The logic of the command-line tools, as library functions that the examples call and the
 //! integration tests drive.
 //!
-//! [`merge_files`] (the `lora_merge` example) bakes LoRA-style patches into a checkpoint: it reads
-//! the base model ([`Model::from_safetensors`]), maps each LoRA file onto the model's keys
-//! ([`lora_file::load`]), adds the patches to a [`ModelPatcher`] at their strengths, merges
-//! ([`ModelPatcher::patched_state_dict`]: patch math in f32, one rounding back to each weight's
-//! storage dtype) and writes a safetensors file with exactly the base's tensor names and shapes.
-//! Non-float tensors of the base (position ids and similar buffers, which a [`Model`] does not
-//! load) are copied through byte for byte.
+//! [`merge_files`] (the `lora_merge` example) bakes LoRA-style patches into a checkpoint: it maps
+//! each LoRA file onto the base model's keys ([`lora_file::load`]), adds the patches to a
+//! [`ModelPatcher`] at their strengths, and writes a safetensors file with exactly the base's
+//! tensor names and shapes whose weights are what [`ModelPatcher::patched_state_dict`] gives for
+//! the model [`Model::from_safetensors`] reads (patch math in f32, one rounding back to each
+//! weight's storage dtype), one weight at a time (see [Streaming](#streaming)). Non-float tensors
+//! of the base (position ids and similar buffers, which a [`Model`] does not load) are copied
+//! through byte for byte.
 //!
 //! With a target dtype every weight is rounded **once**, from its patched f32 value
 //! ([`ModelPatcher::patched_weight_f32`]): nearest-even for f16/bf16, seeded stochastic rounding
