@@ -7,8 +7,9 @@
 //! `SubQuadratic` takes its fallback plan, 512 queries × 64 keys, and pays for many small ops);
 //! the fused kernel (`Sdpa`, the CPU default) runs in 64 MiB and with unlimited memory.
 //!
-//! The limit, measured in the same run: candle's plain f32 matmul rate (a 2048³ product on
-//! rayon's pool). After the criterion groups, a summary table prints each backend's mean time,
+//! The limits, measured in the same run: candle's plain f32 matmul rate (a 2048³ product on
+//! rayon's pool) and the CPU's fused-multiply-add peak (every pool thread running independent
+//! AVX-512 FMA chains, nothing loaded: no kernel can beat it). After the criterion groups, a summary table prints each backend's mean time,
 //! its ratio to `Naive` at the same N, its GFLOP/s (4·BH·N²·D flops per call) and their fraction
 //! of the matmul rate, and the peak score bytes it kept alive (measured) next to its plan
 //! ([`peak_temporary_bytes`]).
@@ -112,7 +113,8 @@ fn bench(c: &mut Criterion) {
         group.finish();
     }
     let matmul = matmul_gflops();
-    print_summary(&rows.borrow(), matmul);
+    let peak = fma_peak_gflops();
+    print_summary(&rows.borrow(), matmul, peak);
 }
 
 fn free_label(free: ByteSize) -> String {
@@ -146,12 +148,58 @@ fn matmul_gflops() -> f64 {
     2.0 * (S * S * S) as f64 / times[times.len() / 2] / 1e9
 }
 
-fn print_summary(rows: &[Row], matmul: f64) {
+/// The CPU's arithmetic ceiling in GFLOP/s: every thread of rayon's pool running 12 independent
+/// chains of AVX-512 fused multiply-adds (16 lanes, 2 flops each) for about 0.3 s, nothing
+/// loaded or stored. NaN without AVX-512 (the fused kernel then runs on `gemm`, and the matmul
+/// rate is the limit to read).
+fn fma_peak_gflops() -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm512_fmadd_ps, _mm512_reduce_add_ps, _mm512_set1_ps};
+        #[target_feature(enable = "avx512f")]
+        fn chains(iters: usize) -> f32 {
+            let mut acc = [_mm512_set1_ps(1.0); 12];
+            let (b, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+            for _ in 0..iters {
+                for a in acc.iter_mut() {
+                    *a = _mm512_fmadd_ps(*a, b, c);
+                }
+            }
+            acc.iter().map(|&a| _mm512_reduce_add_ps(a)).sum()
+        }
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return f64::NAN;
+        }
+        const ITERS: usize = 20_000_000;
+        let threads = rayon::current_num_threads();
+        let start = Instant::now();
+        let sum: f32 = rayon::broadcast(|_| {
+            // SAFETY: AVX-512F was detected above.
+            unsafe { chains(ITERS) }
+        })
+        .into_iter()
+        .sum();
+        std::hint::black_box(sum);
+        let flops = (threads * ITERS * 12 * 16 * 2) as f64;
+        flops / start.elapsed().as_secs_f64() / 1e9
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        f64::NAN
+    }
+}
+
+fn print_summary(rows: &[Row], matmul: f64, peak: f64) {
     println!();
     println!("attention summary: B=1, {HEADS} heads x {DIM}, f32");
     println!("limit: candle plain f32 matmul (2048^3) {matmul:.1} GFLOP/s, same run");
     println!(
-        "{:<34} {:>12} {:>6} {:>10} {:>9} {:>8} {:>9} {:>12} {:>12} {:>12}",
+        "limit: the CPU's FMA peak ({} threads, independent AVX-512 chains) {peak:.1} GFLOP/s; \
+         the last column is each backend's share of it",
+        rayon::current_num_threads()
+    );
+    println!(
+        "{:<34} {:>12} {:>6} {:>10} {:>9} {:>8} {:>9} {:>12} {:>12} {:>12} {:>7}",
         "backend",
         "free",
         "N",
@@ -161,7 +209,8 @@ fn print_summary(rows: &[Row], matmul: f64) {
         "/ matmul",
         "q x k chunks",
         "peak temp",
-        "planned"
+        "planned",
+        "/ peak"
     );
     for r in rows {
         let naive = rows
@@ -174,7 +223,7 @@ fn print_summary(rows: &[Row], matmul: f64) {
             .unwrap_or_else(|| "-".into());
         let gflops = 4.0 * (HEADS * r.n * r.n * DIM) as f64 / secs / 1e9;
         println!(
-            "{:<34} {:>12} {:>6} {:>10.1} {:>9} {:>8.1} {:>9.2} {:>12} {:>12} {:>12}",
+            "{:<34} {:>12} {:>6} {:>10.1} {:>9} {:>8.1} {:>9.2} {:>12} {:>12} {:>12} {:>7.2}",
             r.backend.name(),
             free_label(r.free),
             r.n,
@@ -184,7 +233,8 @@ fn print_summary(rows: &[Row], matmul: f64) {
             gflops / matmul,
             format!("{} x {}", r.chunks.0, r.chunks.1),
             r.measured.to_string(),
-            r.planned.to_string()
+            r.planned.to_string(),
+            gflops / peak
         );
     }
 }
