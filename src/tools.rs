@@ -39,9 +39,9 @@
 //!
 //! Cost: memory holds the LoRAs plus about two times the largest patched weight in f32 (its
 //! values and the LoRA delta while it is patched), not the checkpoint; the values' buffer asks
-//! for transparent huge pages, so the page faults are about one per 4 KiB of LoRA delta. Each
-//! patched weight costs one `[out × r] · [r × in]` matmul and one add in f32; every other weight
-//! a kernel copy.
+//! for transparent huge pages (`float::output_buffer`), so the page faults are about one per
+//! 4 KiB of LoRA delta. Each patched weight costs one `[out × r] · [r × in]` matmul and one add
+//! in f32; every other weight a kernel copy.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -476,7 +476,7 @@ impl StreamingMerge<'_> {
                 got: vec![t.len],
             });
         }
-        let mut out = large_buffer::<f32>(n);
+        let mut out = float::output_buffer::<f32>(n);
         let little = cfg!(target_endian = "little");
         match stored {
             _ if wide => {
@@ -496,7 +496,7 @@ impl StreamingMerge<'_> {
                 }
             }
             Dtype::F16 | Dtype::BF16 => {
-                let mut bits = large_buffer::<u16>(n);
+                let mut bits = float::output_buffer::<u16>(n);
                 self.base
                     .read_into(t, bytemuck::cast_slice_mut(&mut bits))?;
                 if !little {
@@ -553,32 +553,6 @@ fn rounding_for(key: &str, target: Dtype) -> Rounding {
     } else {
         Rounding::Nearest
     }
-}
-
-/// A zeroed buffer of `n` values for a weight about to be read into it. Past 2 MiB, on Linux, the
-/// kernel is asked to back it with transparent huge pages where it allows them (`madvise`
-/// mode): filling it then faults 2 MiB at a time instead of 4 KiB (a 64 MiB weight: 32 faults
-/// instead of 16 384). The values are the same either way.
-fn large_buffer<T: bytemuck::Zeroable + Clone>(n: usize) -> Vec<T> {
-    let v = vec![T::zeroed(); n];
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        let bytes = std::mem::size_of_val(v.as_slice());
-        if bytes >= HUGE {
-            let page = 4096;
-            let start = v.as_ptr() as usize;
-            let aligned = start.next_multiple_of(page);
-            let len = (start + bytes).saturating_sub(aligned) / page * page;
-            // SAFETY: `madvise(MADV_HUGEPAGE)` only advises the kernel about how to back pages
-            // of this process's own allocation `v` (the range lies inside it); it changes no
-            // contents. Its result is ignored: without huge pages the buffer is the same.
-            unsafe {
-                libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-            }
-        }
-    }
-    v
 }
 
 fn named((tensor, dtype): (Tensor, Dtype), name: &str) -> (String, Tensor, Dtype) {

@@ -92,5 +92,6 @@ pub use dtype::Dtype;
 pub use fp8::Fp8Format;
 pub use seed::{crc32, weight_seed};
 pub use stochastic::Rounding;
+pub(crate) use tensor::output_buffer;
 pub use tensor::{from_f32, to_f32};
 pub use uniform::uniform_tensor;

@@ -54,8 +54,9 @@ fn advise_huge_pages<T>(v: &mut Vec<T>, n: usize) {
     let _ = (v, bytes);
 }
 
-/// A zeroed buffer of `n` elements for a decode's output.
-fn output_buffer<T: Copy + Default>(n: usize) -> Vec<T> {
+/// A zeroed buffer of `n` elements for a decode's output (or any large buffer about to be
+/// filled: the streaming merge reads weights into them), huge-page backed when large.
+pub(crate) fn output_buffer<T: Copy + Default>(n: usize) -> Vec<T> {
     let mut v: Vec<T> = Vec::with_capacity(n);
     advise_huge_pages(&mut v, n);
     v.resize(n, T::default());
