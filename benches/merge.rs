@@ -9,9 +9,10 @@
 //! by as much; `RESIDENCY_BENCH_DIR=/dev/shm` measures the merge's own cost instead.
 //!
 //! After criterion's groups a summary prints both times and their ratio, and then (after a
-//! `sync`, so the earlier runs' writeback is over) runs the merge once more in a child process (this binary, re-executed) to report what a user of the tool
-//! sees: wall time of the whole process, its peak RSS beside the goal of 2 × the largest tensor
-//! + 64 MiB, and its minor page faults beside the bytes written / 4 KiB.
+//! `sync`, so the earlier runs' writeback is over) runs the merge once more in a child process
+//! (this binary, re-executed) to report what a user of the tool sees: wall time of the whole
+//! process, its peak RSS beside the goal of 2 × the largest tensor + 64 MiB, and its minor page
+//! faults beside the bytes written / 4 KiB.
 //!
 //! `cargo bench --bench merge` (sample size 10; a merge takes seconds).
 

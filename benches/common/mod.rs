@@ -20,11 +20,7 @@ pub fn timed<O>(b: &mut Bencher, name: &str, mut f: impl FnMut() -> O) {
             black_box(f());
         }
         let d = start.elapsed();
-        if let Ok(mut t) = TIMES.lock() {
-            t.entry(name.to_string())
-                .or_default()
-                .push(d.as_secs_f64() / iters as f64);
-        }
+        record(name, d, iters);
         d
     });
 }
@@ -45,13 +41,18 @@ pub fn timed_after<O>(
             black_box(f());
             d += start.elapsed();
         }
-        if let Ok(mut t) = TIMES.lock() {
-            t.entry(name.to_string())
-                .or_default()
-                .push(d.as_secs_f64() / iters as f64);
-        }
+        record(name, d, iters);
         d
     });
+}
+
+/// Records one batch of `iters` calls that took `d` under `name`.
+fn record(name: &str, d: std::time::Duration, iters: u64) {
+    if let Ok(mut t) = TIMES.lock() {
+        t.entry(name.to_string())
+            .or_default()
+            .push(d.as_secs_f64() / iters as f64);
+    }
 }
 
 /// The median recorded seconds per iteration of `name` (NaN when nothing was recorded).

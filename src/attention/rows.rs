@@ -41,9 +41,9 @@ pub(super) const EXP_POLY: [f32; 6] = [
 /// it). Fused multiply-adds (`mul_add`, exact by definition) keep the bits the same in every
 /// variant: one instruction with FMA, a libm call on the rare x86-64 CPU without it (and
 /// `softmax512.rs` repeats the same operations on 16 lanes). Below `ln(2⁻¹²⁶)` it returns 0 (the
-/// exact value is a subnormal, below 1.2e-38), so a
-/// masked `-inf` score weighs exactly nothing; `exp(0)` is exactly 1. Positive `x` is out of its
-/// domain: the online softmax only exponentiates differences to a running maximum.
+/// exact value is a subnormal, below 1.2e-38), so a masked `-inf` score weighs exactly nothing;
+/// `exp(0)` is exactly 1. Positive `x` is out of its domain: the online softmax only
+/// exponentiates differences to a running maximum.
 #[inline(always)]
 pub(super) fn exp_nonpositive(x: f32) -> f32 {
     let shifted = x.mul_add(LOG2E, MAGIC);
