@@ -59,6 +59,7 @@
 #![warn(missing_docs)]
 
 pub mod attention;
+pub mod device;
 pub mod error;
 #[cfg(test)]
 pub(crate) mod fault;

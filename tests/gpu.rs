@@ -1,12 +1,18 @@
-//! GPU tensors end to end, on CUDA device 0. Every test first asks [`Hardware::probe`] for a GPU
-//! and, without one, prints why it skipped and returns; tests that need candle's CUDA backend
-//! additionally need `--features cuda` and, without it, print that instead.
+//! The GPU path end to end, written once against the device interface ([`residency::device`])
+//! and run on every backend this machine has: the simulated GPU always (so these run in every
+//! test run), CUDA device 0 where there is one. CUDA-only checks (the probe, the driver's free
+//! memory) first ask [`Hardware::probe`] for a GPU and, without one, print why they skipped;
+//! candle CUDA tensors additionally need `--features cuda`.
 //!
 //! `bash scripts/gpu-check.sh` runs these on a GPU machine.
 
 mod common;
 
+use std::sync::Arc;
+
+use residency::device::{Gpu, SimGpu, SimSpec};
 use residency::vram::{GpuInfo, Hardware};
+use residency::ByteSize;
 
 /// GPU 0, or `None` after printing why the calling test skips.
 fn gpu0(test: &str) -> Option<GpuInfo> {
@@ -19,9 +25,37 @@ fn gpu0(test: &str) -> Option<GpuInfo> {
             } else {
                 "no CUDA driver library (libcuda) on this machine"
             };
-            eprintln!("skipping {test}: no CUDA GPU ({why})");
+            eprintln!("skipping {test} on CUDA: no CUDA GPU ({why})");
             None
         }
+    }
+}
+
+/// Every backend to run a scenario on: a simulated GPU (with a modelled bus, so copies really
+/// run behind the caller) and, where there is one, CUDA device 0. The sim is returned too, for
+/// its checker.
+fn backends(test: &str) -> Vec<(Gpu, Option<Arc<SimGpu>>)> {
+    let sim = SimGpu::new(
+        0,
+        SimSpec::new(ByteSize::gib(1))
+            .with_bandwidth(25e9)
+            .with_latency(std::time::Duration::from_micros(50))
+            .with_jitter(1),
+    );
+    let mut v = vec![(Gpu::Sim(Arc::clone(&sim)), Some(sim))];
+    if gpu0(test).is_some() {
+        let ctx = residency::vram::cuda_context(residency::vram::DeviceId::Cuda(0))
+            .expect("a context on GPU 0");
+        v.push((Gpu::Cuda(ctx), None));
+    }
+    v
+}
+
+/// The sim's checker is clean and nothing is left allocated.
+fn checked(sim: &Option<Arc<SimGpu>>) {
+    if let Some(sim) = sim {
+        sim.check().expect("the sim's checker found misuse");
+        assert!(sim.leaks().is_empty(), "{:?}", sim.leaks());
     }
 }
 
@@ -45,73 +79,81 @@ fn probe_reports_the_gpu_name_total_and_free() {
 
 #[test]
 fn pinned_pool_buffers_are_page_locked() {
-    let Some(_) = gpu0("pinned_pool_buffers_are_page_locked") else {
-        return;
-    };
     use residency::offload::PinnedPool;
-    use residency::vram::DeviceId;
-    let ctx = residency::vram::cuda_context(DeviceId::Cuda(0)).expect("a context on GPU 0");
-    let pool = PinnedPool::pinned(residency::ByteSize::mib(8), ctx);
-    let mut buf = pool.acquire(3 * 1024 * 1024).expect("fits the limit");
-    assert!(
-        buf.is_pinned(),
-        "a pinned pool hands out page-locked buffers"
-    );
-    let bytes = buf.as_mut_bytes().expect("writable");
-    bytes.fill(0xA5);
-    assert!(bytes.iter().all(|&b| b == 0xA5));
-    drop(buf);
-    let s = pool.stats();
-    assert!(s.pinned, "{s:?}");
-    assert_eq!(s.created, 1, "{s:?}");
+    for (gpu, sim) in backends("pinned_pool_buffers_are_page_locked") {
+        let pool = PinnedPool::pinned(residency::ByteSize::mib(8), gpu.clone());
+        let mut buf = pool.acquire(3 * 1024 * 1024).expect("fits the limit");
+        assert!(
+            buf.is_pinned(),
+            "a pinned pool hands out page-locked buffers ({gpu:?})"
+        );
+        let bytes = buf.as_mut_bytes().expect("writable");
+        assert!(bytes.iter().all(|&b| b == 0), "zeroed when made");
+        bytes.fill(0xA5);
+        assert!(bytes.iter().all(|&b| b == 0xA5));
+        drop(buf);
+        let s = pool.stats();
+        assert!(s.pinned, "{s:?}");
+        assert_eq!(s.created, 1, "{s:?}");
+        drop(pool);
+        checked(&sim);
+    }
 }
 
 #[test]
 fn staged_copies_queued_on_lane_streams_land_intact() {
-    let Some(_) = gpu0("staged_copies_queued_on_lane_streams_land_intact") else {
-        return;
-    };
     use residency::offload::{copy_to_device, PinnedPool};
-    use residency::vram::DeviceId;
-    let ctx = residency::vram::cuda_context(DeviceId::Cuda(0)).expect("a context on GPU 0");
-    // Two 1 MiB buffers for 64 copies of ~1 MiB queued per stream before anything is read back:
-    // buffers are reused while earlier copies from them may still run, so a buffer rewritten
-    // before its copy finished would show up as a wrong pattern below.
-    let pool = PinnedPool::pinned(residency::ByteSize::mib(2), ctx.clone());
-    let n = 250_000usize;
-    let threads: Vec<_> = (0..3u32)
-        .map(|t| {
-            let (ctx, pool) = (ctx.clone(), pool.clone());
-            std::thread::spawn(move || {
-                let stream = ctx.new_stream().expect("a lane stream");
-                let pattern = |round: u32| -> Vec<u32> {
-                    (0..n as u32)
-                        .map(|i| i.wrapping_mul(2_654_435_761) ^ (t << 24 | round))
-                        .collect()
-                };
-                let copies: Vec<_> = (0..64)
-                    .map(|round| copy_to_device(&pattern(round), &stream, Some(&pool)).unwrap())
-                    .collect();
-                for (round, dst) in copies.iter().enumerate() {
-                    let back = stream.clone_dtoh(dst).expect("read back");
-                    assert!(
-                        back == pattern(round as u32),
-                        "thread {t} copy {round} corrupted"
-                    );
-                }
+    for (gpu, sim) in backends("staged_copies_queued_on_lane_streams_land_intact") {
+        // Two 1 MiB buffers for 64 copies of ~1 MiB queued per stream before anything is read
+        // back: buffers are reused while earlier copies from them may still run, so a buffer
+        // rewritten before its copy finished would show up as a wrong pattern below (and, on the
+        // sim, as a checker finding).
+        let pool = PinnedPool::pinned(residency::ByteSize::mib(2), gpu.clone());
+        let n = 250_000usize;
+        let threads: Vec<_> = (0..3u32)
+            .map(|t| {
+                let (gpu, pool) = (gpu.clone(), pool.clone());
+                std::thread::spawn(move || {
+                    let stream = gpu.new_stream().expect("a lane stream");
+                    let pattern = |round: u32| -> Vec<u32> {
+                        (0..n as u32)
+                            .map(|i| i.wrapping_mul(2_654_435_761) ^ (t << 24 | round))
+                            .collect()
+                    };
+                    let copies: Vec<_> = (0..64)
+                        .map(|round| {
+                            copy_to_device(
+                                &pattern(round),
+                                candle_core::DType::U32,
+                                &stream,
+                                Some(&pool),
+                            )
+                            .unwrap()
+                        })
+                        .collect();
+                    for (round, dst) in copies.iter().enumerate() {
+                        let back = stream.read_back(dst).expect("read back");
+                        assert!(
+                            back == bytemuck::cast_slice::<u32, u8>(&pattern(round as u32)),
+                            "thread {t} copy {round} corrupted"
+                        );
+                    }
+                })
             })
-        })
-        .collect();
-    for h in threads {
-        h.join().unwrap();
+            .collect();
+        for h in threads {
+            h.join().unwrap();
+        }
+        let s = pool.stats();
+        assert!(s.pinned, "{s:?}");
+        assert!(
+            s.reused > 100,
+            "buffers were reused while copies ran: {s:?}"
+        );
+        assert!(s.allocated <= residency::ByteSize::mib(2), "{s:?}");
+        drop(pool);
+        checked(&sim);
     }
-    let s = pool.stats();
-    assert!(s.pinned, "{s:?}");
-    assert!(
-        s.reused > 100,
-        "buffers were reused while copies ran: {s:?}"
-    );
-    assert!(s.allocated <= residency::ByteSize::mib(2), "{s:?}");
 }
 
 #[test]
@@ -139,15 +181,6 @@ fn free_memory_of_an_unbudgeted_gpu_is_the_drivers_figure() {
 
 #[cfg(not(feature = "cuda"))]
 #[test]
-fn matmuls_on_gpu_are_bit_identical_for_full_half_and_novram() {
-    eprintln!(
-        "skipping matmuls_on_gpu_are_bit_identical_for_full_half_and_novram: GPU tensors need \
-         `--features cuda` (this build has only the CPU backend of candle)"
-    );
-}
-
-#[cfg(not(feature = "cuda"))]
-#[test]
 fn soft_empty_cache_returns_freed_device_memory() {
     eprintln!(
         "skipping soft_empty_cache_returns_freed_device_memory: GPU tensors need \
@@ -155,8 +188,8 @@ fn soft_empty_cache_returns_freed_device_memory() {
     );
 }
 
-#[cfg(feature = "cuda")]
-mod cuda {
+/// The manager's whole transfer path (loads, lanes, prefetch, pins in place, staging) on a GPU.
+mod scenario {
     use std::sync::Arc;
 
     use candle_core::Tensor;
@@ -182,10 +215,12 @@ mod cuda {
         NoVram,
     }
 
-    /// Loads an 8-layer bf16 MLP (with a LoRA on every other layer) onto GPU 0 under `budget`,
-    /// runs two forwards of matmuls through `fetch_weight`, and returns the second's output bits,
-    /// the bytes resident on the GPU and the bytes streamed through page-locked staging.
-    fn run(budget: Budget, lanes: usize) -> (Vec<f32>, ByteSize, ByteSize) {
+    /// Loads an 8-layer bf16 MLP (with a LoRA on every other layer) onto `device` (`sim:0` or
+    /// `cuda:0`) under `budget`, runs two forwards of matmuls through `fetch_weight`, and returns
+    /// the second's output bits, the bytes resident on the GPU and the bytes streamed through
+    /// page-locked staging or straight from weights pinned in place. On the sim, its checker must
+    /// be clean and nothing left allocated once the model is gone.
+    fn run(device: DeviceId, budget: Budget, lanes: usize) -> (Vec<f32>, ByteSize, ByteSize) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("mlp.safetensors");
         let tensors: Vec<_> = (0..LAYERS)
@@ -206,13 +241,22 @@ mod cuda {
             Budget::Half => args.extend(["--vram-budget".into(), (total / 2 + 1).to_string()]),
             Budget::NoVram => args.push("--novram".into()),
         }
+        if device.is_sim() {
+            // PCIe 4.0 x16's bandwidth, seeded jitter: copies really run behind compute.
+            args.extend(["--sim-gpu".into(), "4GiB@25GB/s".into()]);
+        }
         let config = Config::from_args(&args)
             .unwrap()
             .with_transfer_lanes(lanes)
             .with_prefetch_depth(2);
-        let mm = MemoryManager::new(config, Hardware::probe()).unwrap();
-        assert_eq!(mm.compute_device(), DeviceId::Cuda(0));
-        let mut p = ModelPatcher::new(Arc::new(model), DeviceId::Cuda(0), DeviceId::Cpu)
+        let hw = if device.is_sim() {
+            Hardware::cpu_only(ByteSize::gib(32))
+        } else {
+            Hardware::probe()
+        };
+        let mm = MemoryManager::new(config, hw).unwrap();
+        assert_eq!(mm.compute_device(), device);
+        let mut p = ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu)
             .with_compute_dtype(Some(Dtype::F32));
         for l in (0..LAYERS).step_by(2) {
             let lora = Lora::new(
@@ -228,52 +272,68 @@ mod cuda {
         }
         mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
             .unwrap();
-        let resident = mm.ledger(DeviceId::Cuda(0));
+        let resident = mm.ledger(device);
 
-        let dev = DeviceId::Cuda(0).to_candle().unwrap();
-        assert!(dev.is_cuda());
+        let dev = device.to_candle().unwrap();
+        assert_eq!(dev.is_cuda(), !device.is_sim());
         let mut out = Vec::new();
         for _ in 0..2 {
             let mut x: Tensor = rand_tensor(&[16, WIDTH], 9).to_device(&dev).unwrap();
             for l in 0..LAYERS {
                 let (w, _) = fetch_weight(&p, &format!("layers.{l}.weight")).unwrap();
-                assert!(w.device().is_cuda(), "layer {l} computes on the GPU");
+                assert_eq!(w.device().is_cuda(), dev.is_cuda(), "layer {l}");
                 x = x.matmul(&w.t().unwrap()).unwrap().tanh().unwrap();
             }
             p.model().finish_forward();
             out = f32s(&x);
         }
-        let staged = mm.transfer_stats().bytes_staged;
+        let stats = mm.transfer_stats();
+        let copied = stats.bytes_staged.saturating_add(stats.bytes_direct);
         drop(p);
         mm.unload_all_models();
         mm.soft_empty_cache();
-        (out, resident, staged)
+        for sim in mm.transfer_engine().devices().sims() {
+            sim.check().expect("the sim's checker found misuse");
+            assert!(sim.leaks().is_empty(), "{:?}", sim.leaks());
+        }
+        (out, resident, copied)
+    }
+
+    fn devices(test: &str) -> Vec<DeviceId> {
+        let mut v = vec![DeviceId::Sim(0)];
+        if cfg!(feature = "cuda") && gpu0(test).is_some() {
+            v.push(DeviceId::Cuda(0));
+        }
+        v
     }
 
     #[test]
     fn matmuls_on_gpu_are_bit_identical_for_full_half_and_novram() {
-        let Some(_) = gpu0("matmuls_on_gpu_are_bit_identical_for_full_half_and_novram") else {
-            return;
-        };
+        for device in devices("matmuls_on_gpu_are_bit_identical_for_full_half_and_novram") {
+            bit_identical_for_every_budget(device);
+        }
+    }
+
+    fn bit_identical_for_every_budget(device: DeviceId) {
         let total = ByteSize(LAYER_BYTES * LAYERS as u64);
-        let (full, resident_full, _) = run(Budget::Full, 2);
+        let (full, resident_full, _) = run(device, Budget::Full, 2);
         assert_eq!(
             resident_full, total,
             "a full load keeps every layer on the GPU"
         );
         assert!(full.iter().all(|v| v.is_finite()));
         for lanes in [0, 2] {
-            let (half, resident_half, staged) = run(Budget::Half, lanes);
+            let (half, resident_half, copied) = run(device, Budget::Half, lanes);
             assert!(
-                staged > ByteSize::ZERO,
-                "streamed layers were copied from page-locked staging ({lanes} lanes)"
+                copied > ByteSize::ZERO,
+                "streamed layers were copied from page-locked memory ({lanes} lanes)"
             );
             assert!(
                 resident_half > ByteSize::ZERO && resident_half <= ByteSize(total.bytes() / 2 + 1),
                 "about half resident: {resident_half} of {total}"
             );
             assert_eq!(half, full, "half budget, {lanes} lanes");
-            let (novram, resident_none, _) = run(Budget::NoVram, lanes);
+            let (novram, resident_none, _) = run(device, Budget::NoVram, lanes);
             assert_eq!(
                 resident_none,
                 ByteSize::ZERO,
@@ -282,6 +342,16 @@ mod cuda {
             assert_eq!(novram, full, "--novram, {lanes} lanes");
         }
     }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::Tensor;
+    use residency::loader::MemoryManager;
+    use residency::vram::{Config, DeviceId, Hardware};
+    use residency::ByteSize;
+
+    use super::gpu0;
 
     #[test]
     fn soft_empty_cache_returns_freed_device_memory() {

@@ -64,7 +64,7 @@ use crate::offload::{PinnedPool, PrefetchGate, Streamer, TransferEngine, Transfe
 use crate::patcher::ModelPatcher;
 use crate::size::ByteSize;
 use crate::vram::{Config, DeviceId, Hardware, Policy, VramState};
-use crate::weights::{CudaLocker, HostTier, Model, PageLocker};
+use crate::weights::{HostTier, Model};
 
 use self::ledger::Ledger;
 pub use plan::{LoadPlan, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad};
@@ -199,25 +199,28 @@ impl MemoryManager {
     /// A manager for an already resolved policy.
     pub fn with_policy(policy: Policy) -> MemoryManager {
         let config = policy.config();
+        let devices = crate::device::Devices::simulated(&config.sim_gpus);
+        let compute_gpu = devices.gpu(policy.compute_device());
         let pool = if config.disable_pinned_memory {
             None
         } else {
             let limit = config
                 .pinned_memory_limit
                 .unwrap_or_else(|| crate::offload::default_limit(policy.hardware().host.available));
-            // Pinned in the compute device's (candle's) context where there is one.
-            Some(match crate::vram::cuda_context(policy.compute_device()) {
-                Some(ctx) => PinnedPool::pinned(limit, ctx),
+            // Page-locked for the compute device (in candle's context on CUDA) where there is one.
+            Some(match compute_gpu.clone() {
+                Some(gpu) => PinnedPool::pinned(limit, gpu),
                 None => PinnedPool::aligned(limit),
             })
         };
-        let host = host_tier(&policy);
+        let host = host_tier(&policy, compute_gpu);
         let engine = Arc::new(
             TransferEngine::new(
                 config.transfer_lanes_for(policy.compute_device()),
                 pool.clone(),
             )
-            .with_host_tier(host.clone()),
+            .with_host_tier(host.clone())
+            .with_devices(devices),
         );
         let ledger = Arc::new(Ledger::default());
         MemoryManager {
@@ -364,6 +367,10 @@ impl MemoryManager {
                     .saturating_sub(self.ledger_in(registry, device))
             }),
             DeviceId::Cpu => self.policy.hardware().host.available,
+            DeviceId::Sim(_) => self
+                .policy
+                .probed_free(device)
+                .saturating_sub(self.ledger_in(registry, device)),
         }
     }
 
@@ -717,25 +724,25 @@ impl MemoryManager {
     }
 }
 
-/// The manager's host tier: `--ram-budget` bounds its ledger; on a machine with a CUDA driver
-/// (and without `--disable-pinned-memory`) weights are pinned in place through candle's context,
-/// within the pin budget ([`crate::vram::pin_budget`]) less what the staging pool may pin.
-fn host_tier(policy: &Policy) -> HostTier {
+/// The manager's host tier: `--ram-budget` bounds its ledger; when models compute on a GPU (CUDA,
+/// in candle's context, or simulated) and without `--disable-pinned-memory`, weights are pinned in
+/// place for it, within the pin budget ([`crate::vram::pin_budget`]) less what the staging pool
+/// may pin.
+fn host_tier(policy: &Policy, gpu: Option<crate::device::Gpu>) -> HostTier {
     let config = policy.config();
     let hw = policy.hardware();
-    let ctx = if config.disable_pinned_memory {
+    let gpu = if config.disable_pinned_memory {
         None
     } else {
-        crate::vram::cuda_context(policy.compute_device())
+        gpu
     };
     let staging = config
         .pinned_memory_limit
         .unwrap_or_else(|| crate::offload::default_limit(hw.host.available));
     let budget =
-        crate::vram::pin_budget(&hw.host, hw.os, ctx.is_some(), config.disable_pinned_memory)
+        crate::vram::pin_budget(&hw.host, hw.os, gpu.is_some(), config.disable_pinned_memory)
             .saturating_sub(staging);
-    let locker = ctx.map(|c| Arc::new(CudaLocker::new(c)) as Arc<dyn PageLocker>);
-    HostTier::with_page_locker(config.ram_budget, budget, locker)
+    HostTier::with_pinning(config.ram_budget, budget, gpu)
 }
 
 /// The requested models and their additional models, one patcher per model (the last one given

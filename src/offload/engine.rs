@@ -21,21 +21,18 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-#[cfg(feature = "cuda")]
-use candle_core::Device;
 use candle_core::Tensor;
-use cudarc::driver::{CudaEvent, CudaStream};
 use parking_lot::Mutex;
 
 use super::pinned::PinnedPool;
-#[cfg(feature = "cuda")]
-use super::upload;
+use super::upload::{self, Copied};
+use crate::device::{Devices, Gpu, Stream};
 use crate::error::{Error, Result};
 use crate::float::Dtype;
 use crate::patcher::ModelPatcher;
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
-use crate::weights::{HostTier, PinnedWeight};
+use crate::weights::HostTier;
 
 type Job = Box<dyn FnOnce(&mut Lane) + Send>;
 
@@ -142,6 +139,7 @@ pub struct TransferEngine {
     workers: Mutex<Vec<JoinHandle<()>>>,
     pool: Option<PinnedPool>,
     host: Option<HostTier>,
+    devices: Devices,
     stats: Arc<TransferStats>,
 }
 
@@ -190,8 +188,21 @@ impl TransferEngine {
             workers: Mutex::new(workers),
             pool,
             host: None,
+            devices: Devices::default(),
             stats,
         }
+    }
+
+    /// Copies to the GPUs in `devices` (CUDA devices are always reachable; simulated ones only
+    /// through the [`Devices`] that made them).
+    pub fn with_devices(mut self, devices: Devices) -> TransferEngine {
+        self.devices = devices;
+        self
+    }
+
+    /// The GPUs this engine copies to.
+    pub fn devices(&self) -> &Devices {
+        &self.devices
     }
 
     /// Pins streamed weights in place in `tier` (within its pin budget), so their GPU copies DMA
@@ -210,6 +221,7 @@ impl TransferEngine {
         Route {
             pool: self.pool.as_ref(),
             host: self.host.as_ref(),
+            devices: &self.devices,
             stats: &self.stats,
             streamed,
         }
@@ -243,11 +255,13 @@ impl TransferEngine {
         let patcher = patcher.clone();
         let pool = self.pool.clone();
         let host = self.host.clone();
+        let devices = self.devices.clone();
         let stats = Arc::clone(&self.stats);
         let job: Job = Box::new(move |lane: &mut Lane| {
             let route = Route {
                 pool: pool.as_ref(),
                 host: host.as_ref(),
+                devices: &devices,
                 stats: &stats,
                 streamed: true,
             };
@@ -295,100 +309,51 @@ impl Drop for TransferEngine {
     }
 }
 
-/// A weight a lane or an inline fetch built, and the event its device copy completes on (only
-/// for a copy on a lane's stream; `None` when the weight is complete as built).
-pub(crate) struct Arrived {
-    tensor: Tensor,
-    ready: Option<CudaEvent>,
+/// A weight a lane or an inline fetch built: complete, or copied to a GPU (its copy completing
+/// on an event, and the exact widening cast left for after the copy).
+pub(crate) enum Arrived {
+    Complete(Tensor),
+    OnDevice {
+        copied: Copied,
+        gpu: Gpu,
+        cast: Option<(Dtype, Dtype)>,
+    },
 }
 
 impl Arrived {
-    fn complete(tensor: Tensor) -> Arrived {
-        Arrived {
-            tensor,
-            ready: None,
-        }
-    }
-
-    /// A weight whose device copy completes on `ready`.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn on_event(tensor: Tensor, ready: CudaEvent) -> Arrived {
-        Arrived {
-            tensor,
-            ready: Some(ready),
-        }
-    }
-
-    /// Casts the copied weight `from` → `to` on the calling thread's stream of `dev` (a lane's
-    /// per-thread stream), after the copy: that stream first waits on the copy's event. The
-    /// result completes on a new event recorded after the cast.
-    #[cfg(feature = "cuda")]
-    fn cast_here(self, dev: &candle_core::CudaDevice, from: Dtype, to: Dtype) -> Result<Arrived> {
-        let stream = dev.cuda_stream();
-        let ordinal = stream.context().ordinal();
-        if let Some(copied) = &self.ready {
-            stream
-                .wait(copied)
-                .map_err(|e| Error::driver(ordinal, "ordering a cast after its copy", e))?;
-        }
-        let cast = crate::patcher::cast_weight(&self.tensor, from, to)?;
-        let ready = stream
-            .record_event(None)
-            .map_err(|e| Error::driver(ordinal, "recording a cast event", e))?;
-        Ok(Arrived::on_event(cast, ready))
-    }
-
-    /// The weight, usable by the calling (compute) thread: on a GPU, the calling thread's stream
-    /// is first made to wait on the copy's event — the compute side waits on that copy, never on
-    /// the whole device, and the host does not block.
+    /// The weight, usable by the calling (compute) thread: on a GPU, compute is first made to
+    /// wait on the copy's event (on CUDA the calling thread's stream waits — the compute side
+    /// waits on that copy, never on the whole device, and the host does not block; the sim
+    /// computes on the calling thread, which waits), then the buffer becomes a tensor and is cast.
     fn into_tensor(self) -> Result<Tensor> {
-        let Some(ready) = self.ready else {
-            return Ok(self.tensor);
-        };
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(dev) = self.tensor.device() {
-            let stream = dev.cuda_stream();
-            stream.wait(&ready).map_err(|e| {
-                Error::driver(
-                    stream.context().ordinal(),
-                    "waiting on a lane's copy event",
-                    e,
-                )
-            })?;
-            return Ok(self.tensor);
+        match self {
+            Arrived::Complete(t) => Ok(t),
+            Arrived::OnDevice { copied, gpu, cast } => {
+                gpu.compute_wait(&copied.ready)?;
+                let t = copied.buffer.into_tensor(&copied.shape)?;
+                match cast {
+                    None => Ok(t),
+                    Some((from, to)) => crate::patcher::cast_weight(&t, from, to),
+                }
+            }
         }
-        // Not a GPU tensor (cannot happen: only GPU copies record an event): wait on the host.
-        ready.synchronize().map_err(|e| Error::Device {
-            device: "transfer lane".into(),
-            reason: format!("waiting on a copy event: {e}"),
-        })?;
-        Ok(self.tensor)
     }
 }
 
-/// What a lane keeps between jobs: its own copy stream on each GPU it copied to, made in
-/// residency's context for that GPU (candle's, with the `cuda` feature).
+/// What a lane keeps between jobs: its own copy stream on each GPU it copied to.
 #[derive(Default)]
 pub(crate) struct Lane {
-    streams: HashMap<usize, Arc<CudaStream>>,
+    streams: HashMap<DeviceId, Stream>,
 }
 
 impl Lane {
-    /// This lane's copy stream on GPU `ordinal`.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    fn stream(&mut self, ordinal: usize) -> Result<Arc<CudaStream>> {
-        if let Some(s) = self.streams.get(&ordinal) {
-            return Ok(Arc::clone(s));
+    /// This lane's copy stream on `gpu`.
+    fn stream(&mut self, gpu: &Gpu) -> Result<Stream> {
+        if let Some(s) = self.streams.get(&gpu.id()) {
+            return Ok(s.clone());
         }
-        let ctx =
-            crate::vram::cuda_context(DeviceId::Cuda(ordinal)).ok_or_else(|| Error::Device {
-                device: format!("cuda:{ordinal}"),
-                reason: "no CUDA context for a transfer lane".into(),
-            })?;
-        let s = ctx
-            .new_stream()
-            .map_err(|e| Error::driver(ordinal, "creating a transfer lane's stream", e))?;
-        self.streams.insert(ordinal, Arc::clone(&s));
+        let s = gpu.new_stream()?;
+        self.streams.insert(gpu.id(), s.clone());
         Ok(s)
     }
 }
@@ -400,6 +365,7 @@ impl Lane {
 struct Route<'a> {
     pool: Option<&'a PinnedPool>,
     host: Option<&'a HostTier>,
+    devices: &'a Devices,
     stats: &'a TransferStats,
     streamed: bool,
 }
@@ -435,21 +401,22 @@ fn stream_weight(
     let dtype = patcher.resident_dtype(index);
     let device = patcher.load_device();
     let clean = slot.clean()?;
-    if device.is_cpu() || !cfg!(feature = "cuda") {
+    let gpu = route.devices.gpu(device);
+    let Some(gpu) = gpu.filter(|_| device.is_sim() || cfg!(feature = "cuda")) else {
+        // The CPU (or a CUDA device without the `cuda` feature, which candle then refuses).
         return patcher
             .materialize_from(index, &clean, dtype, device)
-            .map(Arrived::complete);
-    }
+            .map(Arrived::Complete);
+    };
     let (host, cast_after_copy) = patcher.host_part(index, &clean, dtype, device)?;
-    // Pinned in place only when what is copied is the clean host copy itself (no patch or cast
-    // made a new tensor) and the weight streams.
+    // Copied straight from its host copy when what is copied is the clean host copy itself (no
+    // patch or cast made a new tensor): a streamed weight is pinned in place first (within the
+    // pin budget); any copy of a weight already pinned records itself in the pin, so unpinning
+    // waits for it.
+    let own_bytes = crate::weights::host_bytes(&host) == crate::weights::host_bytes(&clean);
     let pin = match route.host {
-        Some(tier)
-            if route.streamed
-                && crate::weights::host_bytes(&host) == crate::weights::host_bytes(&clean) =>
-        {
-            patcher.model().pin_clean(index, tier, &clean)
-        }
+        Some(tier) if own_bytes && route.streamed => patcher.model().pin_clean(index, tier, &clean),
+        _ if own_bytes => patcher.model().existing_pin(index),
         _ => None,
     };
     let named = |e| match e {
@@ -459,75 +426,15 @@ fn stream_weight(
         },
         other => other,
     };
-    let copy = GpuCopy {
-        host: &host,
-        cast_after_copy,
-        from: slot.dtype(),
-        pin: pin.as_deref(),
-    };
-    gpu_copy(route, copy, device, lane).map_err(named)
-}
-
-/// What a GPU copy moves: the host tensor, the cast left for after the copy, and the pin of the
-/// host copy when it is page-locked in place.
-struct GpuCopy<'a> {
-    host: &'a Tensor,
-    cast_after_copy: Option<Dtype>,
-    from: Dtype,
-    pin: Option<&'a PinnedWeight>,
-}
-
-/// Copies to GPU `device` on `lane`'s stream (the calling thread's without a lane), then casts
-/// there if asked.
-#[cfg(feature = "cuda")]
-fn gpu_copy(
-    route: Route<'_>,
-    copy: GpuCopy<'_>,
-    device: DeviceId,
-    lane: Option<&mut Lane>,
-) -> Result<Arrived> {
-    let Device::Cuda(dev) = device.to_candle()? else {
-        return Err(Error::Device {
-            device: device.to_string(),
-            reason: "candle did not give a CUDA device".into(),
-        });
-    };
-    let DeviceId::Cuda(ordinal) = device else {
-        return Err(Error::Device {
-            device: device.to_string(),
-            reason: "not a GPU".into(),
-        });
-    };
     let stream = match lane {
-        Some(lane) => lane.stream(ordinal)?,
-        None => dev.cuda_stream(),
+        Some(lane) => lane.stream(&gpu)?,
+        None => gpu.default_stream()?,
     };
-    let copied = upload::upload(copy.host, &dev, &stream, route.pool, route.stats, copy.pin)?;
-    match copy.cast_after_copy {
-        None => Ok(copied),
-        Some(to) => copied.cast_here(&dev, copy.from, to),
-    }
-}
-
-/// Without the `cuda` feature no GPU tensor can be built (never called: candle has no CUDA).
-#[cfg(not(feature = "cuda"))]
-fn gpu_copy(
-    route: Route<'_>,
-    copy: GpuCopy<'_>,
-    device: DeviceId,
-    lane: Option<&mut Lane>,
-) -> Result<Arrived> {
-    let _ = (
-        route.pool,
-        route.stats,
-        copy.host,
-        copy.cast_after_copy,
-        copy.from,
-        copy.pin,
-        lane,
-    );
-    Err(Error::Device {
-        device: device.to_string(),
-        reason: "residency was built without the `cuda` feature".into(),
+    let copied =
+        upload::upload(&host, &stream, route.pool, route.stats, pin.as_deref()).map_err(named)?;
+    Ok(Arrived::OnDevice {
+        copied,
+        gpu,
+        cast: cast_after_copy.map(|to| (slot.dtype(), to)),
     })
 }

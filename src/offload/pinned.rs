@@ -23,10 +23,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, DriverError};
 use parking_lot::Mutex;
 
-use crate::error::{Error, Result};
+use crate::device::{DeviceBuffer, Fences, Gpu, HostBuffer, Stream};
+use crate::error::Result;
 use crate::size::ByteSize;
 
 /// The smallest size class.
@@ -46,31 +46,25 @@ fn class_of(n: usize) -> usize {
 enum HostMem {
     /// 64-byte aligned, pages touched at creation.
     Aligned(Vec<u64>),
-    /// Page-locked through the CUDA driver.
-    Pinned(PinnedMem),
+    /// Page-locked through a device, with the events of the copies out of it.
+    Locked(LockedMem),
 }
 
-/// Page-locked memory and the event of the last copy out of it.
-struct PinnedMem {
-    mem: cudarc::driver::PinnedHostSlice<u8>,
-    last_copy: Option<CudaEvent>,
+/// Page-locked memory and the events of the copies out of it, one per stream (one event
+/// re-recorded on every stream would only track the latest copy: F2).
+struct LockedMem {
+    /// `None` only after a failed wait in `drop`, when the memory is leaked instead of freed.
+    mem: Option<HostBuffer>,
+    fences: Fences,
 }
 
-impl PinnedMem {
-    /// Blocks until the last copy out of the buffer has completed.
-    fn wait_last_copy(&self) -> std::result::Result<(), DriverError> {
-        match &self.last_copy {
-            Some(e) => e.synchronize(),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Drop for PinnedMem {
+impl Drop for LockedMem {
     fn drop(&mut self) {
-        // The page-locked memory is freed right after this: never under a running copy.
-        if let Err(e) = self.wait_last_copy() {
-            tracing::warn!(error = %e, "waiting for a staging copy before freeing its buffer");
+        // The page-locked memory is freed right after this: never under a running copy. When the
+        // wait fails, a copy may still read it: leak it rather than free it under the copy.
+        if let Err(e) = self.fences.wait_all() {
+            tracing::error!(error = %e, "a staging copy could not be waited for; leaking its buffer");
+            std::mem::forget(self.mem.take());
         }
     }
 }
@@ -81,31 +75,24 @@ impl HostMem {
         // Touch every page once (the zeroed allocation may be untouched copy-on-write pages) so
         // later copies run at memcpy speed instead of paying first-touch faults.
         for i in (0..v.len()).step_by(4096 / 8) {
-            // SAFETY: `i < v.len()`, so the pointer is in bounds and aligned for `u64`.
-            unsafe { std::ptr::write_volatile(v.as_mut_ptr().add(i), 0) };
+            v[i] = std::hint::black_box(0);
         }
         HostMem::Aligned(v)
     }
 
     fn as_mut_bytes(&mut self) -> Option<&mut [u8]> {
         match self {
-            HostMem::Aligned(v) => {
-                let len = v.len() * 8;
-                // SAFETY: a `Vec<u64>` of `len / 8` initialised elements is `len` initialised
-                // bytes; `u8` has no alignment or validity requirements; the borrow of `v` is
-                // carried by the returned slice.
-                Some(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), len) })
-            }
-            // Waits for the buffer's last copy to complete before handing it out.
-            HostMem::Pinned(p) => {
-                p.wait_last_copy().ok()?;
-                p.mem.as_mut_slice().ok()
+            HostMem::Aligned(v) => Some(bytemuck::cast_slice_mut(v.as_mut_slice())),
+            // Waits for every copy out of the buffer before handing it out.
+            HostMem::Locked(p) => {
+                p.fences.wait_all().ok()?;
+                p.mem.as_mut()?.as_mut_slice().ok()
             }
         }
     }
 
     fn is_pinned(&self) -> bool {
-        matches!(self, HostMem::Pinned(_))
+        matches!(self, HostMem::Locked(_))
     }
 }
 
@@ -118,7 +105,7 @@ struct PoolInner {
 struct Shared {
     inner: Mutex<PoolInner>,
     limit: ByteSize,
-    cuda: Option<Arc<cudarc::driver::CudaContext>>,
+    gpu: Option<Gpu>,
     pin_failed: AtomicBool,
     reused: AtomicU64,
     created: AtomicU64,
@@ -136,7 +123,7 @@ impl std::fmt::Debug for PinnedPool {
         f.debug_struct("PinnedPool")
             .field("limit", &self.shared.limit)
             .field("allocated", &self.allocated())
-            .field("pinned", &self.shared.cuda.is_some())
+            .field("pinned", &self.shared.gpu.is_some())
             .finish()
     }
 }
@@ -162,18 +149,18 @@ impl PinnedPool {
         PinnedPool::build(limit, None)
     }
 
-    /// A pool of at most `limit` bytes of page-locked buffers in `ctx`'s context (falls back to
-    /// aligned buffers, with one warning, if pinning fails).
-    pub fn pinned(limit: ByteSize, ctx: Arc<cudarc::driver::CudaContext>) -> PinnedPool {
-        PinnedPool::build(limit, Some(ctx))
+    /// A pool of at most `limit` bytes of buffers page-locked for `gpu` (CUDA or simulated;
+    /// falls back to aligned buffers, with one warning, if pinning fails).
+    pub fn pinned(limit: ByteSize, gpu: Gpu) -> PinnedPool {
+        PinnedPool::build(limit, Some(gpu))
     }
 
-    fn build(limit: ByteSize, cuda: Option<Arc<cudarc::driver::CudaContext>>) -> PinnedPool {
+    fn build(limit: ByteSize, gpu: Option<Gpu>) -> PinnedPool {
         PinnedPool {
             shared: Arc::new(Shared {
                 inner: Mutex::new(PoolInner::default()),
                 limit,
-                cuda,
+                gpu,
                 pin_failed: AtomicBool::new(false),
                 reused: AtomicU64::new(0),
                 created: AtomicU64::new(0),
@@ -199,7 +186,7 @@ impl PinnedPool {
             created: self.shared.created.load(Ordering::Relaxed),
             reused: self.shared.reused.load(Ordering::Relaxed),
             fallbacks: self.shared.fallbacks.load(Ordering::Relaxed),
-            pinned: self.shared.cuda.is_some() && !self.shared.pin_failed.load(Ordering::Relaxed),
+            pinned: self.shared.gpu.is_some() && !self.shared.pin_failed.load(Ordering::Relaxed),
         }
     }
 
@@ -248,16 +235,14 @@ impl PinnedPool {
     }
 
     fn create(&self, class: usize) -> HostMem {
-        if let Some(ctx) = &self.shared.cuda {
+        if let Some(gpu) = &self.shared.gpu {
             if !self.shared.pin_failed.load(Ordering::Relaxed) {
-                // SAFETY: the memory is uninitialised bytes; it is only handed out through
-                // `StagingBuffer::as_mut_bytes`, which callers fill before reading (`u8` has no
-                // invalid values, so reading stale bytes is merely meaningless, never UB).
-                match unsafe { ctx.alloc_pinned::<u8>(class) } {
+                // Zeroed at creation by the device (F7: never-written memory is never handed out).
+                match gpu.alloc_host(class) {
                     Ok(mem) => {
-                        return HostMem::Pinned(PinnedMem {
-                            mem,
-                            last_copy: None,
+                        return HostMem::Locked(LockedMem {
+                            mem: Some(mem),
+                            fences: Fences::new(),
                         })
                     }
                     Err(e) => {
@@ -326,62 +311,28 @@ impl StagingBuffer {
         self.mem.as_mut()?.as_mut_bytes().map(|b| &mut b[..len])
     }
 
-    /// Enqueues a copy of the buffer's first `len` bytes into `dst` on `stream` and records the
-    /// buffer's event after it, so the buffer may return to the pool at once: the next writer
-    /// (or the free) waits for the copy. `dst` must be exactly `len` bytes.
+    /// Enqueues a copy of the buffer's first `len` bytes into `dst` on `stream` and records it
+    /// in the buffer's fences, so the buffer may return to the pool at once: the next writer (or
+    /// the free) waits for this copy and every other one still reading it. `dst` must be
+    /// exactly `len` bytes.
     ///
     /// Only a page-locked buffer copies asynchronously; for an aligned (pageable) buffer this
     /// returns `Ok(false)` and copies nothing (the caller copies from its own memory instead).
-    pub fn copy_to_device<T: DeviceRepr>(
-        &mut self,
-        dst: &mut CudaSlice<T>,
-        stream: &Arc<CudaStream>,
-    ) -> Result<bool> {
+    pub fn copy_to_device(&mut self, dst: &mut DeviceBuffer, stream: &Stream) -> Result<bool> {
         let len = self.len;
-        let Some(HostMem::Pinned(p)) = self.mem.as_mut() else {
+        let Some(HostMem::Locked(p)) = self.mem.as_mut() else {
             return Ok(false);
         };
-        let ordinal = stream.context().ordinal();
-        if dst.num_bytes() != len {
-            return Err(Error::Device {
-                device: format!("cuda:{ordinal}"),
-                reason: format!(
-                    "a staged copy of {len} bytes into a device buffer of {} bytes",
-                    dst.num_bytes()
-                ),
-            });
-        }
-        p.enqueue_copy(dst, len, stream)
-            .map_err(|e| Error::driver(ordinal, "copying a staging buffer to the device", e))?;
+        let Some(mem) = p.mem.as_ref() else {
+            return Ok(false);
+        };
+        let src = &mem.as_slice()?[..len];
+        // SAFETY: `src` is page-locked memory owned by this buffer, which is neither written
+        // (`as_mut_bytes` waits on the fences) nor freed (`LockedMem::drop` waits on them) before
+        // the event recorded below completes.
+        unsafe { stream.copy_htod(src, dst) }?;
+        p.fences.record(stream)?;
         Ok(true)
-    }
-}
-
-impl PinnedMem {
-    /// Enqueues the copy of the first `len` bytes into `dst` and records `last_copy` after it.
-    fn enqueue_copy<T: DeviceRepr>(
-        &mut self,
-        dst: &mut CudaSlice<T>,
-        len: usize,
-        stream: &Arc<CudaStream>,
-    ) -> std::result::Result<(), DriverError> {
-        stream.context().bind_to_thread()?;
-        // The previous copy out of this buffer was waited for when the caller filled it
-        // (`as_mut_bytes`); this one is ordered on `stream`.
-        let src = &self.mem.as_slice()?[..len];
-        {
-            // Orders the copy after earlier uses of `dst` and records its write on drop.
-            let (dptr, _record_write) = dst.device_ptr_mut(stream);
-            // SAFETY: `src` is `len` bytes of page-locked memory that stays allocated and
-            // unwritten until the event recorded below completes (writers and the free wait on
-            // it); `dptr` addresses `dst`, a live allocation of exactly `len` bytes.
-            unsafe { cudarc::driver::result::memcpy_htod_async(dptr, src, stream.cu_stream()) }?;
-        }
-        match &self.last_copy {
-            Some(e) => e.record(stream)?,
-            None => self.last_copy = Some(stream.record_event(None)?),
-        }
-        Ok(())
     }
 }
 
@@ -448,6 +399,49 @@ mod tests {
         drop(held);
         pool.trim();
         assert_eq!(pool.allocated(), ByteSize::ZERO);
+    }
+
+    #[test]
+    fn a_staging_buffer_copied_on_two_streams_is_rewritten_only_after_both() {
+        // F2: the buffer kept one event, re-recorded by each copy; its next writer waited for the
+        // latest copy only and overwrote the buffer under the other.
+        use crate::device::{Gpu, SimGpu, SimSpec, Stream};
+        use candle_core::{DType, Shape};
+        let g = SimGpu::new(0, SimSpec::new(ByteSize::mib(8)));
+        let gpu = Gpu::Sim(Arc::clone(&g));
+        let pool = PinnedPool::pinned(ByteSize::mib(1), gpu.clone());
+        let (a, b) = (gpu.new_stream().unwrap(), gpu.new_stream().unwrap());
+        let Stream::Sim(sa) = &a else { unreachable!() };
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        sa.launch(move || {
+            let _ = rx.recv();
+        });
+        let mut buf = pool.acquire(1000).unwrap();
+        assert!(buf.is_pinned());
+        assert!(
+            buf.as_mut_bytes().unwrap().iter().all(|&x| x == 0),
+            "F7: zeroed"
+        );
+        buf.as_mut_bytes().unwrap().fill(1);
+        let mut on_a = a.alloc(DType::U8, 1000).unwrap();
+        let mut on_b = b.alloc(DType::U8, 1000).unwrap();
+        assert!(buf.copy_to_device(&mut on_a, &a).unwrap());
+        assert!(buf.copy_to_device(&mut on_b, &b).unwrap());
+        b.synchronize().unwrap();
+        drop(buf);
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(30));
+            drop(tx);
+        });
+        let mut again = pool.acquire(1000).unwrap();
+        again.as_mut_bytes().unwrap().fill(2); // waits for the copy on `a`
+        release.join().unwrap();
+        a.synchronize().unwrap();
+        g.check().expect("never written under a queued copy");
+        let t = on_a.into_tensor(&Shape::from(1000)).unwrap();
+        assert_eq!(t.to_vec1::<u8>().unwrap(), vec![1u8; 1000]);
+        drop((again, on_b, pool));
+        assert!(g.leaks().is_empty(), "{:?}", g.leaks());
     }
 
     #[test]

@@ -107,6 +107,10 @@ pub struct Config {
     /// How many streamed weights are prefetched ahead of use (not a ComfyUI flag; set with
     /// [`Config::with_prefetch_depth`]). `None`: 2.
     pub prefetch_depth: Option<usize>,
+    /// `--sim-gpu SPEC` (repeatable) and `--sim-gpus NxSPEC` (residency extensions): simulated
+    /// GPUs ([`crate::device::SimGpu`]), `sim:0`, `sim:1`, ... in order. When given, models
+    /// compute on `sim:0` (unless `--cpu`).
+    pub sim_gpus: Vec<super::SimSpec>,
 }
 
 /// What a flag does to the config. One table drives parsing, the environment and suggestions.
@@ -135,6 +139,8 @@ enum Action {
     CudaDevice,
     Deterministic,
     InferenceMemory,
+    SimGpu,
+    SimGpus,
 }
 
 /// Every flag, as ComfyUI spells it.
@@ -200,6 +206,8 @@ const FLAGS: &[(&str, Action)] = &[
     ("--cuda-device", Action::CudaDevice),
     ("--deterministic", Action::Deterministic),
     ("--inference-memory", Action::InferenceMemory),
+    ("--sim-gpu", Action::SimGpu),
+    ("--sim-gpus", Action::SimGpus),
 ];
 
 /// Flags are matched with `_` and `-` treated alike, so `--fp8-e4m3fn-unet` and
@@ -276,7 +284,9 @@ impl Config {
                 | Action::RamBudget
                 | Action::PinnedLimit
                 | Action::CudaDevice
-                | Action::InferenceMemory,
+                | Action::InferenceMemory
+                | Action::SimGpu
+                | Action::SimGpus,
             ) => Some(true),
             _ => Some(false),
         }
@@ -538,6 +548,20 @@ impl Config {
             }
             Action::Deterministic => self.deterministic = true,
             Action::InferenceMemory => self.inference_memory = Some(value_str.parse()?),
+            Action::SimGpu => self.sim_gpus.push(value_str.parse().map_err(invalid)?),
+            Action::SimGpus => {
+                let (n, spec) = value_str.split_once(['x', 'X']).ok_or_else(|| {
+                    invalid(format!("`{value_str}` is not COUNTxSPEC, e.g. `2x8GiB`"))
+                })?;
+                let n: usize = n
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=16).contains(n))
+                    .ok_or_else(|| invalid(format!("`{n}` GPUs: use 1 to 16")))?;
+                let spec: super::SimSpec = spec.parse().map_err(invalid)?;
+                self.sim_gpus.extend(std::iter::repeat_n(spec, n));
+            }
         }
         Ok(())
     }
@@ -572,6 +596,12 @@ impl Config {
     /// Sets the prefetch depth.
     pub fn with_prefetch_depth(mut self, depth: usize) -> Self {
         self.prefetch_depth = Some(depth);
+        self
+    }
+
+    /// Adds a simulated GPU (`--sim-gpu`).
+    pub fn with_sim_gpu(mut self, spec: super::SimSpec) -> Self {
+        self.sim_gpus.push(spec);
         self
     }
 

@@ -29,7 +29,8 @@ impl Policy {
     fn cc(&self, device: DeviceId) -> Option<(u32, u32)> {
         match device {
             DeviceId::Cuda(n) => self.hardware.gpu(n).map(|g| g.compute_capability),
-            DeviceId::Cpu => None,
+            // A simulated GPU computes on the CPU: the CPU's dtypes, so its outputs are the CPU's.
+            DeviceId::Cpu | DeviceId::Sim(_) => None,
         }
     }
 
@@ -182,7 +183,7 @@ impl Policy {
                 .gpu(n)
                 .map(|g| g.name.to_lowercase())
                 .unwrap_or_default(),
-            DeviceId::Cpu => String::new(),
+            DeviceId::Cpu | DeviceId::Sim(_) => String::new(),
         }
     }
 }

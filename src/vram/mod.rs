@@ -21,6 +21,7 @@ mod dtype;
 mod pin_budget;
 mod probe;
 mod report;
+mod sim_spec;
 mod state;
 
 pub use config::{AttentionFlag, Config, UpcastFlag, VramMode};
@@ -32,4 +33,5 @@ pub use probe::{
     Hardware, HostInfo, Os, Vendor,
 };
 pub use report::StartupReport;
+pub use sim_spec::SimSpec;
 pub use state::{CpuState, DeviceId, Policy, VramState};

@@ -59,6 +59,10 @@ impl Policy {
                     .gpu(n)
                     .map(|g| g.name.clone())
                     .unwrap_or_default(),
+                DeviceId::Sim(n) => match self.config.sim_gpus.get(n) {
+                    Some(spec) => format!("simulated GPU ({spec})"),
+                    None => "simulated GPU".into(),
+                },
             },
             budgeted_cpu: self.cpu_is_budgeted(),
             reserve_mb: mb(self.reserve()),

@@ -25,6 +25,9 @@ pub enum DeviceId {
     Cpu,
     /// CUDA device by ordinal.
     Cuda(usize),
+    /// Simulated GPU by ordinal (`--sim-gpu`; [`crate::device::SimGpu`]): scheduled like a GPU,
+    /// its tensors are candle CPU tensors.
+    Sim(usize),
 }
 
 impl DeviceId {
@@ -34,7 +37,7 @@ impl DeviceId {
     /// crate's `cuda` feature; without it this is an error that says so.
     pub fn to_candle(self) -> Result<Device> {
         match self {
-            DeviceId::Cpu => Ok(Device::Cpu),
+            DeviceId::Cpu | DeviceId::Sim(_) => Ok(Device::Cpu),
             DeviceId::Cuda(n) => {
                 let mut map = CANDLE_DEVICES.lock();
                 if let Some(d) = map.get(&n) {
@@ -110,6 +113,16 @@ impl DeviceId {
     pub fn is_cpu(self) -> bool {
         self == DeviceId::Cpu
     }
+
+    /// Whether this is a simulated GPU.
+    pub fn is_sim(self) -> bool {
+        matches!(self, DeviceId::Sim(_))
+    }
+
+    /// Whether candle computes on the host for this device (the CPU, or a simulated GPU).
+    pub fn computes_on_host(self) -> bool {
+        !matches!(self, DeviceId::Cuda(_))
+    }
 }
 
 /// The CUDA ordinals residency holds a candle device for (copied out; the table's lock is not
@@ -125,6 +138,7 @@ impl fmt::Display for DeviceId {
         match self {
             DeviceId::Cpu => write!(f, "cpu"),
             DeviceId::Cuda(n) => write!(f, "cuda:{n}"),
+            DeviceId::Sim(n) => write!(f, "sim:{n}"),
         }
     }
 }
@@ -132,17 +146,18 @@ impl fmt::Display for DeviceId {
 impl std::str::FromStr for DeviceId {
     type Err = crate::error::Error;
 
-    /// `cpu` or `cuda:N` (as [`DeviceId`]'s `Display` writes it).
+    /// `cpu`, `cuda:N` or `sim:N` (as [`DeviceId`]'s `Display` writes it).
     fn from_str(s: &str) -> Result<Self> {
         if s == "cpu" {
             return Ok(DeviceId::Cpu);
         }
-        s.strip_prefix("cuda:")
-            .and_then(|n| n.parse().ok())
+        let number = |prefix: &str| s.strip_prefix(prefix).and_then(|n| n.parse().ok());
+        number("cuda:")
             .map(DeviceId::Cuda)
+            .or_else(|| number("sim:").map(DeviceId::Sim))
             .ok_or_else(|| crate::error::Error::Device {
                 device: s.to_string(),
-                reason: "not a device name (expected `cpu` or `cuda:N`)".into(),
+                reason: "not a device name (expected `cpu`, `cuda:N` or `sim:N`)".into(),
             })
     }
 }
@@ -242,8 +257,11 @@ impl Policy {
             }
             _ => hardware.gpus.first(),
         };
+        let sim = !config.sim_gpus.is_empty();
         let (cpu_state, vram_state, compute) = match (config.vram_mode, gpu) {
             (Some(VramMode::Cpu), _) => (CpuState::Cpu, VramState::Disabled, DeviceId::Cpu),
+            // Simulated GPUs, when asked for, are the GPUs models compute on.
+            (mode, _) if sim => (CpuState::Gpu, mode_state(mode), DeviceId::Sim(0)),
             (mode, Some(gpu)) => {
                 let cpu_state = if gpu.vendor == Vendor::Apple {
                     CpuState::Mps
@@ -308,6 +326,7 @@ impl Policy {
     pub fn is_scheduled(&self, device: DeviceId) -> bool {
         match device {
             DeviceId::Cuda(_) => true,
+            DeviceId::Sim(n) => n < self.config.sim_gpus.len(),
             DeviceId::Cpu => self.cpu_is_budgeted(),
         }
     }
@@ -315,7 +334,9 @@ impl Policy {
     /// Whether `device` has a hard budget tracked by our ledger (`--vram-budget`, or the budgeted
     /// CPU): its free memory is total − ledger rather than the driver's figure.
     pub fn is_budgeted(&self, device: DeviceId) -> bool {
-        self.config.vram_budget.is_some() || (device.is_cpu() && self.cpu_is_budgeted())
+        self.config.vram_budget.is_some()
+            || device.is_sim()
+            || (device.is_cpu() && self.cpu_is_budgeted())
     }
 
     /// The device's total memory as the scheduler sees it: the driver's total (host RAM for the
@@ -328,6 +349,7 @@ impl Policy {
                 .gpu(n)
                 .map(|g| g.total)
                 .unwrap_or(ByteSize::ZERO),
+            DeviceId::Sim(n) => self.sim_capacity(n),
         };
         match self.config.vram_budget {
             Some(b) => raw.min(b),
@@ -345,8 +367,17 @@ impl Policy {
                 .gpu(n)
                 .map(|g| g.free)
                 .unwrap_or(ByteSize::ZERO),
+            DeviceId::Sim(n) => self.sim_capacity(n),
         };
         raw.min(self.total_memory(device))
+    }
+
+    fn sim_capacity(&self, n: usize) -> ByteSize {
+        self.config
+            .sim_gpus
+            .get(n)
+            .map(|s| s.capacity)
+            .unwrap_or(ByteSize::ZERO)
     }
 
     /// Extra reserved memory: `--reserve-vram GB` when given; else 400 MiB on Linux/macOS, 600 MiB
@@ -393,6 +424,8 @@ impl Policy {
             DeviceId::Cuda(n) if self.hardware.gpu(n).map(|g| g.vendor) == Some(Vendor::Nvidia) => {
                 0.0
             }
+            // A simulated GPU behaves as an NVIDIA card does.
+            DeviceId::Sim(_) => 0.0,
             _ => 0.4,
         }
     }

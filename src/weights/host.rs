@@ -62,7 +62,8 @@ use std::sync::Arc;
 use candle_core::Tensor;
 use parking_lot::{Condvar, Mutex};
 
-use super::pin::{PageLocker, PinnedWeight};
+use super::pin::PinnedWeight;
+use crate::device::Gpu;
 use crate::error::{Error, Result};
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
@@ -172,7 +173,7 @@ struct Released {
 struct Shared {
     budget: Option<ByteSize>,
     pin_budget: ByteSize,
-    locker: Option<Arc<dyn PageLocker>>,
+    gpu: Option<Gpu>,
     books: Mutex<Books>,
     room: Condvar,
     pin_warned: AtomicBool,
@@ -275,24 +276,25 @@ pub(crate) fn eviction_order(copies: &[CopyView]) -> Vec<usize> {
 impl HostTier {
     /// A tier holding at most `budget` bytes of host copies (`None`: unbounded), pinning nothing.
     pub fn new(budget: Option<ByteSize>) -> HostTier {
-        HostTier::with_page_locker(budget, ByteSize::ZERO, None)
+        HostTier::with_pinning(budget, ByteSize::ZERO, None)
     }
 
-    /// A tier that also page-locks host copies in place through `locker`, up to `pin_budget`.
-    pub fn with_page_locker(
+    /// A tier that also page-locks host copies in place for `gpu` (CUDA or simulated), up to
+    /// `pin_budget`.
+    pub fn with_pinning(
         budget: Option<ByteSize>,
         pin_budget: ByteSize,
-        locker: Option<Arc<dyn PageLocker>>,
+        gpu: Option<Gpu>,
     ) -> HostTier {
         HostTier {
             shared: Arc::new(Shared {
                 budget,
-                pin_budget: if locker.is_some() {
+                pin_budget: if gpu.is_some() {
                     pin_budget
                 } else {
                     ByteSize::ZERO
                 },
-                locker,
+                gpu,
                 books: Mutex::new(Books::default()),
                 room: Condvar::new(),
                 pin_warned: AtomicBool::new(false),
@@ -530,6 +532,16 @@ impl HostTier {
         r
     }
 
+    /// The pin of weight `index` of model `model_id`, if it is pinned now.
+    pub(crate) fn pin_of(&self, model_id: u64, index: usize) -> Option<Arc<PinnedWeight>> {
+        self.shared
+            .books
+            .lock()
+            .pins
+            .get(&(model_id, index))
+            .cloned()
+    }
+
     /// Page-locks `tensor`, the host copy of weight `index` of model `model_id`, in place, when
     /// the pin budget allows; returns the pin (or the one already there). `None` when it cannot:
     /// no page-locking on this machine, too small, over the budget, or refused by the driver —
@@ -541,7 +553,7 @@ impl HostTier {
         tensor: &Tensor,
         lazy: bool,
     ) -> Option<Arc<PinnedWeight>> {
-        let locker = self.shared.locker.as_ref()?;
+        let gpu = self.shared.gpu.as_ref()?;
         let (_, len) = super::pin::host_bytes(tensor)?;
         let len = len as u64;
         if len < MIN_PIN_BYTES.bytes() {
@@ -558,7 +570,7 @@ impl HostTier {
             }
             b.pinned += len;
         }
-        let pinned = PinnedWeight::lock(tensor, Arc::clone(locker));
+        let pinned = PinnedWeight::lock(tensor, gpu.clone());
         let mut out = Released::default();
         let mut b = self.shared.books.lock();
         b.pinned -= len;
@@ -682,32 +694,10 @@ mod tests {
         assert_eq!(tier.peak(), ByteSize(8), "the read was booked while it ran");
     }
 
-    /// A locker that fails on demand and counts what is locked.
-    #[derive(Default)]
-    struct FakeLocker {
-        fail: AtomicBool,
-        locked: Mutex<Vec<(usize, usize)>>,
-    }
-
-    impl PageLocker for FakeLocker {
-        fn lock(&self, bytes: &[u8]) -> std::result::Result<(), String> {
-            if self.fail.load(Ordering::Relaxed) {
-                return Err("CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED".into());
-            }
-            self.locked
-                .lock()
-                .push((bytes.as_ptr() as usize, bytes.len()));
-            Ok(())
-        }
-        fn unlock(&self, bytes: &[u8]) {
-            let key = (bytes.as_ptr() as usize, bytes.len());
-            let mut l = self.locked.lock();
-            let pos = l
-                .iter()
-                .position(|x| *x == key)
-                .expect("unlocking what was locked");
-            l.remove(pos);
-        }
+    /// A simulated GPU to pin for; `registered` counts what is locked.
+    fn sim() -> (Arc<crate::device::SimGpu>, Option<Gpu>) {
+        let g = crate::device::SimGpu::new(0, crate::device::SimSpec::new(ByteSize::gib(1)));
+        (Arc::clone(&g), Some(Gpu::Sim(g)))
     }
 
     fn big(n: usize, v: f32) -> Tensor {
@@ -716,12 +706,8 @@ mod tests {
 
     #[test]
     fn pins_stay_within_the_pin_budget_and_fail_softly_beyond_it() {
-        let locker = Arc::new(FakeLocker::default());
-        let tier = HostTier::with_page_locker(
-            None,
-            ByteSize::mib(2),
-            Some(locker.clone() as Arc<dyn PageLocker>),
-        );
+        let (locker, gpu) = sim();
+        let tier = HostTier::with_pinning(None, ByteSize::mib(2), gpu);
         let a = big(256 * 1024, 1.0); // 1 MiB
         let b = big(256 * 1024, 2.0);
         let c = big(256 * 1024, 3.0);
@@ -739,54 +725,46 @@ mod tests {
         drop(pa);
         // Too small to pin.
         assert!(tier.try_pin(1, 3, &big(16, 0.0), false).is_none());
-        assert_eq!(locker.locked.lock().len(), 2);
+        assert_eq!(locker.registered_host().len(), 2);
         // Becoming resident on a GPU unpins; on the CPU it does not.
         tier.note_resident(1, 1, Some(DeviceId::Cpu));
         assert_eq!(tier.pinned(), ByteSize::mib(2));
         tier.note_resident(1, 1, Some(DeviceId::Cuda(0)));
         assert_eq!(tier.pinned(), ByteSize::mib(1));
-        assert_eq!(locker.locked.lock().len(), 1);
+        assert_eq!(locker.registered_host().len(), 1);
         // Dropping the model unpins the rest.
         tier.forget_model(1);
         assert_eq!(tier.pinned(), ByteSize::ZERO);
-        assert!(locker.locked.lock().is_empty());
+        assert!(locker.registered_host().is_empty());
     }
 
     #[test]
     fn a_pin_the_driver_refuses_falls_back_and_leaves_the_total_unchanged() {
-        let locker = Arc::new(FakeLocker::default());
-        locker.fail.store(true, Ordering::Relaxed);
-        let tier = HostTier::with_page_locker(
-            None,
-            ByteSize::gib(1),
-            Some(locker.clone() as Arc<dyn PageLocker>),
-        );
+        let (locker, gpu) = sim();
+        locker.inject(crate::device::SimFault::Register, 0);
+        let tier = HostTier::with_pinning(None, ByteSize::gib(1), gpu);
         let a = big(256 * 1024, 1.0);
         assert!(tier.try_pin(1, 0, &a, false).is_none());
+        locker.inject(crate::device::SimFault::Register, 0);
         assert!(tier.try_pin(1, 0, &a, false).is_none());
         let s = tier.stats();
         assert_eq!((s.pinned, s.pin_failures), (ByteSize::ZERO, 2));
         // The tensor is untouched and usable.
         assert_eq!(a.sum_all().unwrap().to_scalar::<f32>().unwrap(), 262144.0);
-        locker.fail.store(false, Ordering::Relaxed);
         assert!(tier.try_pin(1, 0, &a, false).is_some());
     }
 
     #[test]
     fn without_a_locker_nothing_is_pinned() {
-        let tier = HostTier::with_page_locker(None, ByteSize::gib(8), None);
+        let tier = HostTier::with_pinning(None, ByteSize::gib(8), None);
         assert_eq!(tier.stats().pin_budget, ByteSize::ZERO);
         assert!(tier.try_pin(1, 0, &big(1 << 20, 1.0), false).is_none());
     }
 
     #[test]
     fn evicting_a_lazy_copy_unpins_it() {
-        let locker = Arc::new(FakeLocker::default());
-        let tier = HostTier::with_page_locker(
-            Some(ByteSize::mib(1)),
-            ByteSize::gib(1),
-            Some(locker.clone() as Arc<dyn PageLocker>),
-        );
+        let (locker, gpu) = sim();
+        let tier = HostTier::with_pinning(Some(ByteSize::mib(1)), ByteSize::gib(1), gpu);
         tier.register_model(7, ByteSize::mib(2));
         let t = tier
             .get(
@@ -812,7 +790,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(tier.pinned(), ByteSize::ZERO);
-        assert!(locker.locked.lock().is_empty());
+        assert!(locker.registered_host().is_empty());
         // A pin asked for a copy that is no longer held is not made.
         assert!(tier.try_pin(7, 0, &t, true).is_none());
         assert_eq!(tier.pinned(), ByteSize::ZERO);

@@ -43,7 +43,7 @@ use crate::vram::DeviceId;
 
 pub use self::host::{HeldCopy, HostStats, HostTier, MIN_PIN_BYTES};
 pub(crate) use self::pin::host_bytes;
-pub use self::pin::{CudaLocker, PageLocker, PinnedWeight};
+pub use self::pin::PinnedWeight;
 pub(crate) use self::safetensors::{
     read_file_tensors, safetensors_dtype, write_le_bytes, FileTensor, TensorFile,
 };
@@ -515,6 +515,12 @@ impl Model {
         ours.try_pin(self.id, index, clean, lazy)
     }
 
+    /// The pin of weight `index`'s clean host copy, when it is page-locked in place now (any copy
+    /// from those bytes must be recorded in it).
+    pub(crate) fn existing_pin(&self, index: usize) -> Option<Arc<PinnedWeight>> {
+        self.host.get()?.pin_of(self.id, index)
+    }
+
     /// Whether the model is loaded whole or not at all: every load makes every weight resident
     /// (whatever the state, `--novram` included) and eviction unloads it completely. Set by
     /// [`crate::managed::Managed`], whose module holds the resident copies themselves.
@@ -793,25 +799,12 @@ mod tests {
         }
     }
 
-    /// A locker that counts what is locked.
-    #[derive(Default)]
-    struct CountingLocker(Mutex<i64>);
-
-    impl PageLocker for CountingLocker {
-        fn lock(&self, _: &[u8]) -> std::result::Result<(), String> {
-            *self.0.lock() += 1;
-            Ok(())
-        }
-        fn unlock(&self, _: &[u8]) {
-            *self.0.lock() -= 1;
-        }
-    }
-
     #[test]
     fn an_eager_model_pins_through_one_tier_and_unpins_on_gpu_residency_and_drop() {
-        let locker = Arc::new(CountingLocker::default());
-        let tier = HostTier::with_page_locker(None, ByteSize::mib(8), Some(locker.clone()));
-        let other = HostTier::with_page_locker(None, ByteSize::mib(8), Some(locker.clone()));
+        let locker = crate::device::SimGpu::new(0, crate::device::SimSpec::new(ByteSize::gib(1)));
+        let gpu = Some(crate::device::Gpu::Sim(Arc::clone(&locker)));
+        let tier = HostTier::with_pinning(None, ByteSize::mib(8), gpu.clone());
+        let other = HostTier::with_pinning(None, ByteSize::mib(8), gpu);
         let mib = |v: f32| Tensor::full(v, 1 << 18, &candle_core::Device::Cpu).unwrap();
         let model = Model::from_tensors("m", [("a", mib(1.0)), ("b", mib(2.0))]).unwrap();
         let (a, b) = (model.clean("a").unwrap(), model.clean("b").unwrap());
@@ -821,18 +814,27 @@ mod tests {
             model.pin_clean(1, &other, &b).is_none(),
             "one tier per model"
         );
-        assert_eq!((tier.pinned(), *locker.0.lock()), (ByteSize::mib(1), 1));
+        assert_eq!(
+            (tier.pinned(), locker.registered_host().len()),
+            (ByteSize::mib(1), 1)
+        );
         // A weight resident on a GPU is never pinned, and one that becomes resident is unpinned.
         model.state_mut().set(1, resident(DeviceId::Cuda(0), 4));
         assert!(model.pin_clean(1, &tier, &b).is_none());
         model.state_mut().set(0, resident(DeviceId::Cuda(0), 4));
-        assert_eq!((tier.pinned(), *locker.0.lock()), (ByteSize::ZERO, 0));
+        assert_eq!(
+            (tier.pinned(), locker.registered_host().len()),
+            (ByteSize::ZERO, 0)
+        );
         model.state_mut().set(0, SlotResidency::Offloaded);
         assert!(model.pin_clean(0, &tier, &a).is_some());
         // The bits are untouched, and dropping the model unpins.
         assert_eq!(a.sum_all().unwrap().to_scalar::<f32>().unwrap(), 262144.0);
         drop(model);
-        assert_eq!((tier.pinned(), *locker.0.lock()), (ByteSize::ZERO, 0));
+        assert_eq!(
+            (tier.pinned(), locker.registered_host().len()),
+            (ByteSize::ZERO, 0)
+        );
     }
 
     proptest! {

@@ -1,83 +1,37 @@
 //! Page-locking host copies of weights in place, so a GPU copy DMAs straight from them.
 //!
 //! A [`PinnedWeight`] page-locks the memory of one host tensor where it already lives (CUDA's
-//! `cuMemHostRegister`; no copy is made) and keeps a handle to the tensor, so the memory cannot
-//! be freed while it is locked. Dropping it waits for the last copy out of the memory (the
-//! event [`PinnedWeight::record_copy`] recorded) and unlocks it: memory is never unlocked under
-//! a running DMA.
+//! `cuMemHostRegister`, or the sim's registration; no copy is made) and keeps a handle to the
+//! tensor, so the memory cannot be freed while it is locked. Every copy out of it records an event
+//! on its stream in the weight's [`Fences`] — one event per stream, so copies of one weight queued
+//! on two lanes, or on a lane and the compute stream, are each waited for (one event re-recorded on
+//! every stream would keep only the latest: F1). Dropping it waits on all of them and only then
+//! unlocks: memory is never unlocked under a running DMA. When that wait fails, the memory is
+//! neither unlocked nor freed (it is leaked, with an error in the log): a copy may still read it.
 //!
-//! Locking goes through a [`PageLocker`]: [`CudaLocker`] on a machine with a CUDA driver, a test
-//! double in tests. A lock that fails is not an error: the weight is copied through a staging
-//! buffer as before ([`crate::weights::HostTier::try_pin`] keeps the books and the budget).
+//! Locking goes through the device interface ([`crate::device::Gpu`]); a lock that fails is not
+//! an error: the weight is copied through a staging buffer as before
+//! ([`crate::weights::HostTier::try_pin`] keeps the books and the budget). Registration is
+//! `unsafe` and crate-private, so safe code cannot unlock memory a live `PinnedWeight` copies from.
 //!
-//! Lock: `PinnedWeight::last_copy` is a leaf (rank 9 in the crate's lock table), held to record
-//! or take the event, never across a wait.
-
-use std::sync::Arc;
+//! Lock: `PinnedWeight::fences` is a leaf (rank 9 in the crate's lock table), held to record an
+//! event and while dropping, never while another lock is taken.
 
 use candle_core::{CpuStorage, Storage, Tensor};
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
 use parking_lot::Mutex;
 
+use crate::device::{Fences, Gpu, Stream};
+use crate::error::Result;
 use crate::size::ByteSize;
-
-/// Page-locks and unlocks host memory in place.
-pub trait PageLocker: Send + Sync {
-    /// Page-locks `bytes` so a device can DMA from them. An error says why it could not (the
-    /// caller falls back to staging, nothing is lost).
-    fn lock(&self, bytes: &[u8]) -> std::result::Result<(), String>;
-    /// Unlocks memory locked by [`PageLocker::lock`].
-    fn unlock(&self, bytes: &[u8]);
-}
-
-/// Page-locking through the CUDA driver (`cuMemHostRegister`, portable to every context).
-pub struct CudaLocker {
-    ctx: Arc<CudaContext>,
-}
-
-impl CudaLocker {
-    /// A locker in `ctx`'s context (candle's, where candle computes).
-    pub fn new(ctx: Arc<CudaContext>) -> CudaLocker {
-        CudaLocker { ctx }
-    }
-}
-
-impl PageLocker for CudaLocker {
-    fn lock(&self, bytes: &[u8]) -> std::result::Result<(), String> {
-        use cudarc::driver::sys;
-        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-        // SAFETY: `bytes` is live, initialised host memory for the duration of the call; the
-        // driver only page-locks it (it neither reads nor writes it here). The caller
-        // (`PinnedWeight`) keeps the memory alive until `unlock`.
-        unsafe {
-            sys::cuMemHostRegister_v2(
-                bytes.as_ptr() as *mut std::ffi::c_void,
-                bytes.len(),
-                sys::CU_MEMHOSTREGISTER_PORTABLE,
-            )
-        }
-        .result()
-        .map_err(|e: DriverError| e.to_string())
-    }
-
-    fn unlock(&self, bytes: &[u8]) {
-        use cudarc::driver::sys;
-        if let Err(e) = self.ctx.bind_to_thread() {
-            tracing::warn!(error = %e, "binding the CUDA context to unlock a weight");
-            return;
-        }
-        // SAFETY: `bytes` was registered by `lock` and is still allocated (the `PinnedWeight`
-        // holding it is being dropped and still owns its tensor); no copy from it is running
-        // (the caller waited on its last copy's event).
-        let r = unsafe { sys::cuMemHostUnregister(bytes.as_ptr() as *mut std::ffi::c_void) };
-        if let Err(e) = r.result() {
-            tracing::warn!(error = %e, "unlocking a pinned weight");
-        }
-    }
-}
 
 /// The address and length of a contiguous CPU tensor's bytes, or `None` for anything else.
 pub(crate) fn host_bytes(t: &Tensor) -> Option<(usize, usize)> {
+    with_host_bytes(t, |addr, len| (addr, len))
+}
+
+/// Calls `f` with the address and length of a contiguous CPU tensor's bytes while holding
+/// candle's lock on its storage (so no in-place candle operation can change it meanwhile).
+fn with_host_bytes<R>(t: &Tensor, f: impl FnOnce(usize, usize) -> R) -> Option<R> {
     let (storage, layout) = t.storage_and_layout();
     let (start, end) = layout.contiguous_offsets()?;
     let Storage::Cpu(cpu) = &*storage else {
@@ -87,7 +41,7 @@ pub(crate) fn host_bytes(t: &Tensor) -> Option<(usize, usize)> {
         let s = v.get(start..end)?;
         Some((s.as_ptr() as usize, std::mem::size_of_val(s)))
     }
-    match cpu {
+    let (addr, len) = match cpu {
         CpuStorage::F32(v) => span(v, start, end),
         CpuStorage::F16(v) => span(v, start, end),
         CpuStorage::BF16(v) => span(v, start, end),
@@ -95,60 +49,59 @@ pub(crate) fn host_bytes(t: &Tensor) -> Option<(usize, usize)> {
         CpuStorage::U8(v) => span(v, start, end),
         CpuStorage::F8E4M3(v) => span(v, start, end),
         _ => None,
-    }
+    }?;
+    Some(f(addr, len))
 }
 
 /// One host tensor page-locked in place (see the module docs).
 pub struct PinnedWeight {
     /// Keeps the locked memory allocated (and, clean weights being immutable, unchanged).
-    _tensor: Tensor,
+    tensor: Option<Tensor>,
     addr: usize,
     len: usize,
-    locker: Arc<dyn PageLocker>,
-    last_copy: Mutex<Option<CudaEvent>>,
+    gpu: Gpu,
+    fences: Mutex<Fences>,
 }
 
 impl std::fmt::Debug for PinnedWeight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PinnedWeight")
             .field("bytes", &self.len)
+            .field("gpu", &self.gpu)
             .finish()
     }
 }
 
 impl PinnedWeight {
-    /// Page-locks `tensor`'s memory in place. `Err` says why it could not (not a contiguous CPU
-    /// tensor, or the locker refused).
-    pub(crate) fn lock(
-        tensor: &Tensor,
-        locker: Arc<dyn PageLocker>,
-    ) -> std::result::Result<PinnedWeight, String> {
-        let (addr, len) =
-            host_bytes(tensor).ok_or_else(|| "not a contiguous host tensor".to_string())?;
-        let keep = tensor.clone();
-        // SAFETY: `addr..addr + len` are the bytes of `keep`'s CPU storage, alive while `keep`
-        // is, and never written (I1).
-        locker.lock(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })?;
+    /// Page-locks `tensor`'s memory in place on `gpu`. `Err` says why it could not (not a
+    /// contiguous CPU tensor, or the driver refused).
+    pub(crate) fn lock(tensor: &Tensor, gpu: Gpu) -> std::result::Result<PinnedWeight, String> {
+        let locked = with_host_bytes(tensor, |addr, len| {
+            // SAFETY: `addr..addr + len` are the bytes of `tensor`'s CPU storage, held by the
+            // `PinnedWeight` built below until it unregisters them after waiting on every copy
+            // out of them (its `Drop`); on failure nothing is registered.
+            unsafe { gpu.register_host(addr, len) }.map(|()| (addr, len))
+        })
+        .ok_or_else(|| "not a contiguous host tensor".to_string())?;
+        let (addr, len) = locked.map_err(|e| e.to_string())?;
         // Built only once locked: dropping it unlocks.
         Ok(PinnedWeight {
-            _tensor: keep,
+            tensor: Some(tensor.clone()),
             addr,
             len,
-            locker,
-            last_copy: Mutex::new(None),
+            gpu,
+            fences: Mutex::new(Fences::new()),
         })
-    }
-
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: `addr..addr + len` are the bytes of `_tensor`'s CPU storage, which this value
-        // keeps alive; candle never reallocates a storage, and clean weights are never mutated
-        // (I1), so the bytes stay valid and unchanged for as long as `self` exists.
-        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
     }
 
     /// Bytes locked.
     pub fn size(&self) -> ByteSize {
         ByteSize(self.len as u64)
+    }
+
+    /// The device it is locked for.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
     }
 
     /// Whether `bytes` lie inside the locked memory (a copy from them may run as a DMA).
@@ -157,26 +110,152 @@ impl PinnedWeight {
         a >= self.addr && a.saturating_add(bytes.len()) <= self.addr + self.len
     }
 
-    /// Records an event on `stream` after the copy just enqueued there; unlocking waits on it.
-    pub(crate) fn record_copy(&self, stream: &Arc<CudaStream>) -> Result<(), DriverError> {
-        let mut last = self.last_copy.lock();
-        match &*last {
-            Some(e) => e.record(stream),
-            None => {
-                *last = Some(stream.record_event(None)?);
-                Ok(())
-            }
-        }
+    /// Records, on `stream`, the copy just enqueued there; unlocking waits for it (and for every
+    /// other stream's). A failed record waits for `stream` before returning the error.
+    pub(crate) fn record_copy(&self, stream: &Stream) -> Result<()> {
+        self.fences.lock().record(stream)
+    }
+
+    /// Streams with a recorded copy (for tests).
+    #[cfg(test)]
+    pub(crate) fn fenced_streams(&self) -> usize {
+        self.fences.lock().len()
     }
 }
 
 impl Drop for PinnedWeight {
     fn drop(&mut self) {
-        if let Some(e) = self.last_copy.get_mut().take() {
-            if let Err(e) = e.synchronize() {
-                tracing::warn!(error = %e, "waiting for a copy before unlocking its weight");
-            }
+        if let Err(e) = self.fences.get_mut().wait_all() {
+            tracing::error!(error = %e, bytes = self.len, "a copy out of a pinned weight could not be waited for; leaving it locked and allocated");
+            std::mem::forget(self.tensor.take());
+            return;
         }
-        self.locker.unlock(self.bytes());
+        // SAFETY: registered by `lock` on this device; `tensor` still holds the memory; every copy
+        // out of it has completed (waited above).
+        if let Err(e) = unsafe { self.gpu.unregister_host(self.addr) } {
+            tracing::warn!(error = %e, "unlocking a pinned weight");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use candle_core::{DType, Device, Shape};
+
+    use super::*;
+    use crate::device::{DeviceBuffer, SimFault, SimGpu, SimSpec};
+
+    fn sim() -> (Arc<SimGpu>, Gpu) {
+        let g = SimGpu::new(0, SimSpec::new(ByteSize::mib(64)));
+        (Arc::clone(&g), Gpu::Sim(g))
+    }
+
+    /// Holds `stream`'s queue until the returned sender is dropped.
+    fn hold(stream: &Stream) -> mpsc::Sender<()> {
+        let Stream::Sim(s) = stream else {
+            unreachable!("sim streams only here")
+        };
+        let (tx, rx) = mpsc::channel::<()>();
+        s.launch(move || {
+            let _ = rx.recv();
+        });
+        tx
+    }
+
+    /// Enqueues a copy of `pin`'s bytes on `stream` and records it, as the upload path does.
+    fn copy_out(pin: &PinnedWeight, w: &Tensor, stream: &Stream) -> Result<DeviceBuffer> {
+        let (addr, len) = host_bytes(w).unwrap();
+        // SAFETY: the bytes of `w`, page-locked by `pin`, which waits for the recorded copy.
+        let src = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+        let mut dst = stream.alloc(DType::U8, len)?;
+        // SAFETY: as above; recorded right after.
+        unsafe { stream.copy_htod(src, &mut dst) }?;
+        pin.record_copy(stream)?;
+        Ok(dst)
+    }
+
+    fn weight() -> Tensor {
+        Tensor::full(1.5f32, 1 << 14, &Device::Cpu).unwrap()
+    }
+
+    /// Releases `gate` after a while on another thread (while the caller blocks in a drop).
+    fn release_later(gate: mpsc::Sender<()>) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            drop(gate);
+        })
+    }
+
+    #[test]
+    fn unlocking_waits_for_copies_queued_on_every_stream() {
+        // F1: copies of one pinned weight on two streams (two lanes, or a lane and the compute
+        // stream). With one event re-recorded on each, the drop waited for the latest copy only
+        // and unlocked under the other.
+        let (g, gpu) = sim();
+        let w = weight();
+        let pin = PinnedWeight::lock(&w, gpu.clone()).unwrap();
+        let (a, b) = (gpu.new_stream().unwrap(), gpu.new_stream().unwrap());
+        let gate = hold(&a);
+        let on_a = copy_out(&pin, &w, &a).unwrap();
+        let on_b = copy_out(&pin, &w, &b).unwrap();
+        b.synchronize().unwrap();
+        assert_eq!(pin.fenced_streams(), 2);
+        let release = release_later(gate);
+        drop(pin);
+        release.join().unwrap();
+        assert!(g.registered_host().is_empty());
+        g.check().expect("nothing unlocked under a queued copy");
+        a.synchronize().unwrap();
+        let shape = Shape::from(w.elem_count() * 4);
+        for buf in [on_a, on_b] {
+            let t = buf.into_tensor(&shape).unwrap();
+            assert_eq!(
+                t.to_vec1::<u8>().unwrap(),
+                bytemuck::cast_slice::<f32, u8>(&w.to_vec1::<f32>().unwrap())
+            );
+        }
+    }
+
+    #[test]
+    fn a_failed_record_waits_for_its_copy_before_returning() {
+        // F1, second half: the copy is queued but its event could not be recorded, so nothing
+        // would track it; the error path must wait for the stream first.
+        let (g, gpu) = sim();
+        let w = weight();
+        let pin = PinnedWeight::lock(&w, gpu.clone()).unwrap();
+        let a = gpu.new_stream().unwrap();
+        let gate = hold(&a);
+        let release = release_later(gate);
+        g.inject(SimFault::Record, 0);
+        let err = copy_out(&pin, &w, &a).err().expect("the record fails");
+        assert!(err.to_string().contains("injected"), "{err}");
+        drop(pin);
+        release.join().unwrap();
+        g.check()
+            .expect("nothing unlocked under the untracked copy");
+    }
+
+    #[test]
+    fn a_weight_copied_to_two_devices_records_each_on_its_own() {
+        let (g0, gpu0) = sim();
+        let g1 = SimGpu::new(1, SimSpec::new(ByteSize::mib(64)));
+        let w = weight();
+        let pin = PinnedWeight::lock(&w, gpu0.clone()).unwrap();
+        let a = gpu0.new_stream().unwrap();
+        let b = Gpu::Sim(Arc::clone(&g1)).new_stream().unwrap();
+        let gate = hold(&a);
+        let _on_a = copy_out(&pin, &w, &a).unwrap();
+        // One event for every stream would fail here (an event of sim:0 recorded on sim:1) after
+        // the copy was queued.
+        let _on_b = copy_out(&pin, &w, &b).unwrap();
+        let release = release_later(gate);
+        drop(pin);
+        release.join().unwrap();
+        g0.check().unwrap();
+        g1.check().unwrap();
     }
 }

@@ -1,0 +1,485 @@
+//! Everything residency asks of a GPU, behind one interface with two backends: CUDA (cudarc) and
+//! a simulated GPU ([`sim`]).
+//!
+//! The transfer path — page-locking host copies in place, page-locked staging memory, streams,
+//! events, device allocations, asynchronous host→device copies — is written once against the
+//! types here ([`Gpu`], [`Stream`], [`Event`], [`HostBuffer`], [`DeviceBuffer`], [`Fences`]) and
+//! runs unchanged on either backend. The sim backend is always compiled, so every test run
+//! exercises the GPU path: streams really run asynchronously on worker threads, copies from
+//! page-locked memory read their source when they *execute*, events keep only their latest
+//! recording, device memory runs out, and a checker reports every use of memory whose producer
+//! has not completed (docs/ARCHITECTURE.md §6.2).
+//!
+//! Dispatch is by enum, not by trait object or generic parameter: each call is one `match` on a
+//! two-variant enum next to a driver call (or a queue push) that costs microseconds, so there is
+//! nothing to measure, and no type parameter spreads through the engine, the staging pool and the
+//! host tier. A backend is a variant; adding one is a variant and its arms here.
+//!
+//! Ordering contract of the whole module (CUDA's): work on one stream runs in the order it was
+//! enqueued; work on two streams is unordered unless one waits on an event recorded on the
+//! other; an event reflects only its latest recording. Page-locked host memory a copy reads must
+//! stay allocated and unwritten until that copy completes: [`Fences`] holds one event per stream
+//! that copied out of a piece of memory, and unlocking, freeing or writing the memory waits on
+//! all of them (never only the latest, which is what F1 and F2 got wrong).
+
+mod cuda;
+pub mod sim;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Shape, Tensor};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+
+use crate::error::{Error, Result};
+use crate::size::ByteSize;
+use crate::vram::DeviceId;
+
+pub use crate::vram::SimSpec;
+pub use sim::{SimFault, SimGpu, Violation, ViolationKind};
+
+/// A GPU residency copies to: a CUDA device (candle's context for it) or a simulated one.
+#[derive(Clone)]
+pub enum Gpu {
+    /// A CUDA device, through cudarc.
+    Cuda(Arc<CudaContext>),
+    /// A simulated GPU.
+    Sim(Arc<SimGpu>),
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gpu({})", self.id())
+    }
+}
+
+impl Gpu {
+    /// The device's id.
+    pub fn id(&self) -> DeviceId {
+        match self {
+            Gpu::Cuda(ctx) => DeviceId::Cuda(ctx.ordinal()),
+            Gpu::Sim(s) => s.id(),
+        }
+    }
+
+    /// A new stream on the device.
+    pub fn new_stream(&self) -> Result<Stream> {
+        match self {
+            Gpu::Cuda(ctx) => ctx
+                .new_stream()
+                .map(Stream::Cuda)
+                .map_err(|e| cuda::error(ctx.ordinal(), "creating a stream", e)),
+            Gpu::Sim(s) => s.new_stream().map(Stream::Sim),
+        }
+    }
+
+    /// The stream inline (lane-less) copies run on: candle's per-thread stream on CUDA, the
+    /// sim's default stream.
+    pub fn default_stream(&self) -> Result<Stream> {
+        match self {
+            Gpu::Cuda(ctx) => cuda::default_stream(ctx).map(Stream::Cuda),
+            Gpu::Sim(s) => Ok(Stream::Sim(s.default_stream())),
+        }
+    }
+
+    /// `len` bytes of page-locked host memory, zeroed (a staging buffer).
+    pub fn alloc_host(&self, len: usize) -> Result<HostBuffer> {
+        match self {
+            Gpu::Cuda(ctx) => cuda::alloc_host(ctx, len).map(HostBuffer::Cuda),
+            Gpu::Sim(s) => s.alloc_host(len).map(HostBuffer::Sim),
+        }
+    }
+
+    /// Page-locks `len` bytes at `addr` in place (CUDA's `cuMemHostRegister`).
+    ///
+    /// # Safety
+    /// `addr..addr + len` must be live host memory that stays allocated until
+    /// [`Gpu::unregister_host`] returns for it, and every copy out of it must have completed
+    /// before that call (the caller waits on its [`Fences`]).
+    pub(crate) unsafe fn register_host(&self, addr: usize, len: usize) -> Result<()> {
+        match self {
+            // SAFETY: forwarded from this function's contract.
+            Gpu::Cuda(ctx) => unsafe { cuda::register_host(ctx, addr, len) },
+            Gpu::Sim(s) => s.register_host(addr, len),
+        }
+    }
+
+    /// Unlocks memory locked by [`Gpu::register_host`].
+    ///
+    /// # Safety
+    /// `addr` was registered by [`Gpu::register_host`] on this device and is still allocated;
+    /// every copy out of it has completed.
+    pub(crate) unsafe fn unregister_host(&self, addr: usize) -> Result<()> {
+        match self {
+            // SAFETY: forwarded from this function's contract.
+            Gpu::Cuda(ctx) => unsafe { cuda::unregister_host(ctx, addr) },
+            Gpu::Sim(s) => s.unregister_host(addr),
+        }
+    }
+
+    /// Waits for all work on the device.
+    pub fn synchronize(&self) -> Result<()> {
+        match self {
+            Gpu::Cuda(ctx) => ctx
+                .synchronize()
+                .map_err(|e| cuda::error(ctx.ordinal(), "synchronizing the device", e)),
+            Gpu::Sim(s) => s.synchronize(),
+        }
+    }
+
+    /// Makes work the calling thread computes next wait for `event` (compute's side of a copy
+    /// handed over from a lane). On CUDA, candle's per-thread stream waits on the event; the sim
+    /// computes on the calling thread, so the thread waits.
+    pub(crate) fn compute_wait(&self, event: &Event) -> Result<()> {
+        match self {
+            Gpu::Cuda(ctx) => {
+                let s = cuda::default_stream(ctx)?;
+                Stream::Cuda(s).wait(event)
+            }
+            Gpu::Sim(_) => event.synchronize(),
+        }
+    }
+}
+
+/// A stream: work on it runs in the order it was enqueued.
+#[derive(Clone)]
+pub enum Stream {
+    /// A CUDA stream.
+    Cuda(Arc<CudaStream>),
+    /// A simulated stream (a worker thread).
+    Sim(sim::SimStream),
+}
+
+impl Stream {
+    /// The device the stream belongs to.
+    pub fn device(&self) -> DeviceId {
+        match self {
+            Stream::Cuda(s) => DeviceId::Cuda(s.context().ordinal()),
+            Stream::Sim(s) => s.device(),
+        }
+    }
+
+    /// An identity for the stream (equal for clones of one stream, distinct between live streams).
+    pub(crate) fn key(&self) -> (DeviceId, usize) {
+        match self {
+            Stream::Cuda(s) => (self.device(), s.cu_stream() as usize),
+            Stream::Sim(s) => (self.device(), s.key()),
+        }
+    }
+
+    /// A new event recorded after the work enqueued so far.
+    pub fn record_event(&self) -> Result<Event> {
+        match self {
+            Stream::Cuda(s) => s
+                .record_event(None)
+                .map(Event::Cuda)
+                .map_err(|e| cuda::error(s.context().ordinal(), "recording an event", e)),
+            Stream::Sim(s) => s.record_event().map(Event::Sim),
+        }
+    }
+
+    /// Makes later work on this stream wait for `event`'s latest recording.
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        match (self, event) {
+            (Stream::Cuda(s), Event::Cuda(e)) => s
+                .wait(e)
+                .map_err(|err| cuda::error(s.context().ordinal(), "waiting on an event", err)),
+            (Stream::Sim(s), Event::Sim(e)) => s.wait(e),
+            _ => Err(mixed_backends("waiting on an event")),
+        }
+    }
+
+    /// Blocks until all work enqueued so far has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        match self {
+            Stream::Cuda(s) => s
+                .synchronize()
+                .map_err(|e| cuda::error(s.context().ordinal(), "synchronizing a stream", e)),
+            Stream::Sim(s) => s.synchronize(),
+        }
+    }
+
+    /// A device buffer of `len` elements of `dtype`, allocated in stream order. Running out of
+    /// device memory is [`Error::OutOfMemory`] naming the device and the bytes asked for.
+    pub fn alloc(&self, dtype: DType, len: usize) -> Result<DeviceBuffer> {
+        match self {
+            Stream::Cuda(s) => cuda::alloc(s, dtype, len).map(DeviceBuffer::Cuda),
+            Stream::Sim(s) => s.alloc(dtype, len).map(DeviceBuffer::Sim),
+        }
+    }
+
+    /// Enqueues a copy of `src` into `dst` (exactly `dst`'s size).
+    ///
+    /// From pageable memory the source is read before this returns (the driver stages it); from
+    /// page-locked memory (registered in place, or a [`HostBuffer`]) it is read when the copy
+    /// executes.
+    ///
+    /// # Safety
+    /// When `src` lies in page-locked memory, it must stay allocated and unwritten until an event
+    /// recorded on this stream after this call has completed (record it in the memory's
+    /// [`Fences`]).
+    pub(crate) unsafe fn copy_htod(&self, src: &[u8], dst: &mut DeviceBuffer) -> Result<()> {
+        if src.len() as u64 != dst.size().bytes() {
+            return Err(Error::Device {
+                device: self.device().to_string(),
+                reason: format!(
+                    "a copy of {} bytes into a device buffer of {}",
+                    src.len(),
+                    dst.size()
+                ),
+            });
+        }
+        match (self, dst) {
+            // SAFETY: forwarded from this function's contract; sizes checked above.
+            (Stream::Cuda(s), DeviceBuffer::Cuda(d)) => unsafe { cuda::copy_htod(s, src, d) },
+            // SAFETY: forwarded from this function's contract.
+            (Stream::Sim(s), DeviceBuffer::Sim(d)) => unsafe { s.copy_htod(src, d) },
+            _ => Err(mixed_backends("copying to a device buffer")),
+        }
+    }
+}
+
+impl Stream {
+    /// Copies `src`'s bytes back to the host once the work enqueued on this stream so far has
+    /// completed (a synchronous device→host copy; tests and checks read results with it).
+    pub fn read_back(&self, src: &DeviceBuffer) -> Result<Vec<u8>> {
+        match (self, src) {
+            (Stream::Cuda(s), DeviceBuffer::Cuda(b)) => cuda::read_back(s, b),
+            (Stream::Sim(s), DeviceBuffer::Sim(b)) => {
+                s.synchronize()?;
+                Ok(b.read_back())
+            }
+            _ => Err(mixed_backends("reading a device buffer back")),
+        }
+    }
+}
+
+/// An event: marks a point in a stream's work. Recording it again replaces the earlier
+/// recording (waiting on it then waits for the latest only), as in CUDA.
+pub enum Event {
+    /// A CUDA event.
+    Cuda(CudaEvent),
+    /// A simulated event.
+    Sim(sim::SimEvent),
+}
+
+impl Event {
+    /// Records the event after the work enqueued so far on `stream` (replacing any earlier
+    /// recording). An event belongs to one device: recording it on another device's stream is
+    /// an error, as in CUDA.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        match (self, stream) {
+            (Event::Cuda(e), Stream::Cuda(s)) => e
+                .record(s)
+                .map_err(|err| cuda::error(s.context().ordinal(), "recording an event", err)),
+            (Event::Sim(e), Stream::Sim(s)) => e.record(s),
+            _ => Err(mixed_backends("recording an event")),
+        }
+    }
+
+    /// Blocks until the latest recording has completed (at once when never recorded).
+    pub fn synchronize(&self) -> Result<()> {
+        match self {
+            Event::Cuda(e) => e
+                .synchronize()
+                .map_err(|err| cuda::error(e.context().ordinal(), "waiting on an event", err)),
+            Event::Sim(e) => {
+                e.synchronize();
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether the latest recording has completed.
+    pub fn is_complete(&self) -> bool {
+        match self {
+            Event::Cuda(e) => e.is_complete(),
+            Event::Sim(e) => e.is_complete(),
+        }
+    }
+}
+
+fn mixed_backends(what: &str) -> Error {
+    Error::Device {
+        device: "gpu".into(),
+        reason: format!("{what}: a CUDA handle used with a simulated one"),
+    }
+}
+
+/// The events of the copies out of one piece of page-locked host memory: one per stream that
+/// copied from it, each re-recorded only on its own stream (where a later recording completes
+/// after every earlier copy on that stream). Waiting waits on all of them.
+///
+/// One event re-recorded on every stream would keep only the latest copy: the memory could be
+/// unlocked or overwritten under a copy still queued on another stream (F1, F2).
+#[derive(Default)]
+pub struct Fences {
+    by_stream: Vec<((DeviceId, usize), Event)>,
+}
+
+impl Fences {
+    /// No copies yet.
+    pub fn new() -> Fences {
+        Fences::default()
+    }
+
+    /// Records, after the copy just enqueued on `stream`, that the memory is read until then.
+    /// When recording fails the copy is still queued and nothing would track it, so this first
+    /// waits for `stream` (the memory is then no longer read) and returns the error.
+    pub fn record(&mut self, stream: &Stream) -> Result<()> {
+        let key = stream.key();
+        let r = match self.by_stream.iter().find(|(k, _)| *k == key) {
+            Some((_, e)) => e.record(stream),
+            None => stream.record_event().map(|e| self.by_stream.push((key, e))),
+        };
+        if let Err(e) = r {
+            if let Err(sync) = stream.synchronize() {
+                tracing::error!(error = %sync, "a copy's event could not be recorded nor its stream synchronized");
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Blocks until every recorded copy has completed. On success the fences are empty; on a
+    /// failure they are kept (the memory must then not be released).
+    pub fn wait_all(&mut self) -> Result<()> {
+        while let Some((_, e)) = self.by_stream.last() {
+            e.synchronize()?;
+            self.by_stream.pop();
+        }
+        Ok(())
+    }
+
+    /// Streams with a recorded copy.
+    pub fn len(&self) -> usize {
+        self.by_stream.len()
+    }
+
+    /// Whether no copy was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.by_stream.is_empty()
+    }
+}
+
+/// Page-locked host memory allocated through a device (staging buffers), zeroed at creation.
+pub enum HostBuffer {
+    /// `cuMemHostAlloc` memory.
+    Cuda(cudarc::driver::PinnedHostSlice<u8>),
+    /// The sim's page-locked memory.
+    Sim(sim::SimHostBuffer),
+}
+
+impl HostBuffer {
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            HostBuffer::Cuda(p) => p.len(),
+            HostBuffer::Sim(s) => s.len(),
+        }
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes, to read (the caller's [`Fences`] order this after the copies out of it, which
+    /// only read).
+    pub(crate) fn as_slice(&self) -> Result<&[u8]> {
+        match self {
+            HostBuffer::Cuda(p) => p
+                .as_slice()
+                .map_err(|e| cuda::error(p.context().ordinal(), "reading a staging buffer", e)),
+            HostBuffer::Sim(s) => Ok(s.as_slice()),
+        }
+    }
+
+    /// The bytes, to write. The caller must first have waited on the buffer's [`Fences`]; the
+    /// sim's checker reports a write under a copy still queued.
+    pub(crate) fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
+        match self {
+            HostBuffer::Cuda(p) => {
+                let ordinal = p.context().ordinal();
+                p.as_mut_slice()
+                    .map_err(|e| cuda::error(ordinal, "writing a staging buffer", e))
+            }
+            HostBuffer::Sim(s) => Ok(s.as_mut_slice()),
+        }
+    }
+}
+
+/// Device memory for one weight, filled by [`Stream::copy_htod`].
+pub enum DeviceBuffer {
+    /// A cudarc allocation, typed as candle stores the dtype.
+    Cuda(cuda::CudaBuffer),
+    /// A simulated allocation.
+    Sim(sim::SimBuffer),
+}
+
+impl DeviceBuffer {
+    /// Its size in bytes.
+    pub fn size(&self) -> ByteSize {
+        match self {
+            DeviceBuffer::Cuda(b) => b.size(),
+            DeviceBuffer::Sim(b) => b.size(),
+        }
+    }
+
+    /// The buffer as a candle tensor of `shape` on its device, for compute. The caller must have
+    /// made compute wait for the copy that filled it ([`Gpu::compute_wait`]); the sim's checker
+    /// reports a buffer handed to compute before its copy completed.
+    pub(crate) fn into_tensor(self, shape: &Shape) -> Result<Tensor> {
+        match self {
+            DeviceBuffer::Cuda(b) => b.into_tensor(shape),
+            DeviceBuffer::Sim(b) => b.into_tensor(shape),
+        }
+    }
+}
+
+/// The GPUs a manager copies to: CUDA devices (through the context candle computes in, found at
+/// run time) and the simulated GPUs it made.
+#[derive(Clone, Default)]
+pub struct Devices {
+    sims: Vec<Arc<SimGpu>>,
+}
+
+impl std::fmt::Debug for Devices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Devices")
+            .field("sims", &self.sims.len())
+            .finish()
+    }
+}
+
+impl Devices {
+    /// CUDA devices plus `sims` as `sim:0`, `sim:1`, ...
+    pub fn new(sims: Vec<Arc<SimGpu>>) -> Devices {
+        Devices { sims }
+    }
+
+    /// One simulated GPU per spec.
+    pub fn simulated(specs: &[SimSpec]) -> Devices {
+        Devices::new(
+            specs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| SimGpu::new(i, *s))
+                .collect(),
+        )
+    }
+
+    /// The GPU behind `id`; `None` for the CPU, a CUDA device without a usable driver, or a
+    /// simulated GPU not made here.
+    pub fn gpu(&self, id: DeviceId) -> Option<Gpu> {
+        match id {
+            DeviceId::Cpu => None,
+            DeviceId::Cuda(_) => crate::vram::cuda_context(id).map(Gpu::Cuda),
+            DeviceId::Sim(n) => self.sims.get(n).cloned().map(Gpu::Sim),
+        }
+    }
+
+    /// The simulated GPUs.
+    pub fn sims(&self) -> &[Arc<SimGpu>] {
+        &self.sims
+    }
+}

@@ -1,0 +1,518 @@
+//! A simulated GPU: the device interface's second backend, always compiled.
+//!
+//! Its memory is host memory (its tensors are candle CPU tensors), its budget and ledger are a
+//! GPU's. It is faithful where transfer bugs live:
+//!
+//! - **Asynchrony.** Each stream is a FIFO executed by its own worker thread. A copy from
+//!   page-locked memory (registered in place, or a sim [`SimHostBuffer`]) reads its source when
+//!   it *executes*, as a DMA does; a copy from pageable memory reads it before the call returns,
+//!   as the driver's staging does. A copy takes `latency + bytes / bandwidth` (optionally jittered
+//!   from a seed), so lanes, prefetch and compute really overlap or wait.
+//! - **Events** follow CUDA: recording again replaces the earlier recording (a wait then waits for
+//!   the latest only); an event belongs to one device, and recording it on another device's
+//!   stream is an error.
+//! - **Memory** has a capacity: an allocation beyond it fails as the driver's out-of-memory does
+//!   ([`crate::Error::OutOfMemory`], retryable).
+//! - **Faults**: [`SimGpu::inject`] makes the k-th allocation, copy, event record or host
+//!   registration from now fail, so rollback is tested across asynchronous work.
+//! - **Checker** (compute-sanitizer's rules): [`SimGpu::violations`] lists every host range
+//!   unlocked, freed or written while a queued copy has yet to read it, every device buffer handed
+//!   to compute before the copy writing it completed, every device buffer freed under queued
+//!   work, and (asked by [`SimGpu::leaks`]) device or page-locked memory still allocated. Each
+//!   names the stream, the operation and the buffer. The sim never lets a violation become
+//!   undefined behaviour of the test process: it records it, then waits for the copy before
+//!   letting the memory go. Freed sim page-locked buffers are poisoned (all bytes `0xFF`, NaN
+//!   in every float format), so a stale read also shows in output bits.
+//!
+//! Lock: `SimGpu::state` is a leaf (rank 11 in the crate's lock table): held to update the books,
+//! never across a wait or a copy.
+
+mod stream;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+use crate::size::ByteSize;
+use crate::vram::{DeviceId, SimSpec};
+
+pub use stream::{SimBuffer, SimEvent, SimHostBuffer, SimStream};
+
+/// A driver call the sim can be told to fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SimFault {
+    /// A device allocation (fails as out of memory).
+    Alloc,
+    /// Enqueuing a host→device copy.
+    Copy,
+    /// Recording an event.
+    Record,
+    /// Page-locking host memory in place.
+    Register,
+}
+
+/// The kind of a checker finding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ViolationKind {
+    /// Page-locked host memory unlocked while a queued copy had yet to read it.
+    UnlockedUnderCopy,
+    /// Page-locked host memory freed while a queued copy had yet to read it.
+    FreedUnderCopy,
+    /// Page-locked host memory written while a queued copy had yet to read it.
+    WrittenUnderCopy,
+    /// A device buffer handed to compute before the copy writing it completed.
+    ReadBeforeWritten,
+    /// A device buffer freed while queued work still wrote it.
+    DeviceFreedUnderWork,
+    /// Device or page-locked memory still allocated when everything was dropped.
+    Leak,
+}
+
+/// One checker finding: what happened, on which stream, by which operation, to which buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    /// What went wrong.
+    pub kind: ViolationKind,
+    /// The device.
+    pub device: DeviceId,
+    /// The stream whose queued work was affected (`None` when no stream is involved).
+    pub stream: Option<u64>,
+    /// The operation that caused it.
+    pub operation: String,
+    /// The buffer, with its size.
+    pub buffer: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {:?}: {} ", self.device, self.kind, self.operation)?;
+        write!(f, "on {}", self.buffer)?;
+        if let Some(s) = self.stream {
+            write!(f, " (queued work on stream {s})")?;
+        }
+        Ok(())
+    }
+}
+
+/// A host range the sim's copies may read asynchronously.
+struct HostRange {
+    addr: usize,
+    len: usize,
+    /// Registered in place (`true`) or a sim page-locked allocation (`false`).
+    registered: bool,
+    /// Queued copies that have yet to read it, by stream.
+    pending: Vec<u64>,
+}
+
+/// A device allocation's books.
+struct Alloc {
+    bytes: u64,
+    label: String,
+}
+
+#[derive(Default)]
+struct State {
+    used: u64,
+    peak: u64,
+    allocs: HashMap<u64, Alloc>,
+    hosts: HashMap<u64, HostRange>,
+    faults: HashMap<SimFault, u64>,
+    violations: Vec<Violation>,
+}
+
+/// A simulated GPU (see the module docs). Made by [`SimGpu::new`]; the memory manager makes one
+/// per `--sim-gpu` flag.
+pub struct SimGpu {
+    ordinal: usize,
+    spec: SimSpec,
+    state: Mutex<State>,
+    /// Signalled whenever a queued copy has read its host source.
+    read_done: Condvar,
+    next_id: AtomicU64,
+    jitter: AtomicU64,
+    default_stream: Mutex<Option<SimStream>>,
+    me: Weak<SimGpu>,
+}
+
+impl fmt::Debug for SimGpu {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimGpu")
+            .field("ordinal", &self.ordinal)
+            .field("spec", &self.spec)
+            .field("used", &self.used())
+            .finish()
+    }
+}
+
+impl SimGpu {
+    /// Simulated GPU `sim:ordinal`.
+    pub fn new(ordinal: usize, spec: SimSpec) -> Arc<SimGpu> {
+        Arc::new_cyclic(|me| SimGpu {
+            ordinal,
+            spec,
+            state: Mutex::new(State::default()),
+            read_done: Condvar::new(),
+            next_id: AtomicU64::new(1),
+            jitter: AtomicU64::new(spec.jitter_seed.unwrap_or(0)),
+            default_stream: Mutex::new(None),
+            me: me.clone(),
+        })
+    }
+
+    /// Its id.
+    pub fn id(&self) -> DeviceId {
+        DeviceId::Sim(self.ordinal)
+    }
+
+    /// Its spec.
+    pub fn spec(&self) -> SimSpec {
+        self.spec
+    }
+
+    /// Device memory allocated now.
+    pub fn used(&self) -> ByteSize {
+        ByteSize(self.state.lock().used)
+    }
+
+    /// The most device memory ever allocated at once.
+    pub fn peak(&self) -> ByteSize {
+        ByteSize(self.state.lock().peak)
+    }
+
+    /// Host ranges page-locked in place now, as `(address, length)`.
+    pub fn registered_host(&self) -> Vec<(usize, usize)> {
+        let st = self.state.lock();
+        let mut v: Vec<_> = st
+            .hosts
+            .values()
+            .filter(|h| h.registered)
+            .map(|h| (h.addr, h.len))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Makes the `k`-th call of kind `fault` from now (0 = the next) fail, once.
+    pub fn inject(&self, fault: SimFault, k: u64) {
+        self.state.lock().faults.insert(fault, k);
+    }
+
+    /// Cancels every pending injected fault.
+    pub fn disarm(&self) {
+        self.state.lock().faults.clear();
+    }
+
+    /// Every checker finding so far.
+    pub fn violations(&self) -> Vec<Violation> {
+        self.state.lock().violations.clone()
+    }
+
+    /// Device and page-locked memory still allocated, as [`ViolationKind::Leak`] findings (after
+    /// every model was dropped there should be none). Waits for queued work first.
+    pub fn leaks(&self) -> Vec<Violation> {
+        let _ = self.synchronize();
+        let st = self.state.lock();
+        let mut out: Vec<Violation> = st
+            .allocs
+            .values()
+            .map(|a| Violation {
+                kind: ViolationKind::Leak,
+                device: self.id(),
+                stream: None,
+                operation: "still allocated".into(),
+                buffer: format!("device buffer `{}` ({})", a.label, ByteSize(a.bytes)),
+            })
+            .collect();
+        out.extend(st.hosts.values().map(|h| Violation {
+            kind: ViolationKind::Leak,
+            device: self.id(),
+            stream: None,
+            operation: if h.registered {
+                "still registered".into()
+            } else {
+                "still allocated".into()
+            },
+            buffer: format!("page-locked host memory ({})", ByteSize(h.len as u64)),
+        }));
+        out
+    }
+
+    /// `Ok` when the checker found nothing; otherwise every finding, one a line.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let v = self.violations();
+        if v.is_empty() {
+            return Ok(());
+        }
+        Err(v
+            .iter()
+            .map(|v| v.to_string())
+            .collect::<Vec<_>>()
+            .join("\n"))
+    }
+
+    /// A new stream with its own worker.
+    pub fn new_stream(&self) -> Result<SimStream> {
+        let gpu = self
+            .me
+            .upgrade()
+            .ok_or_else(|| self.error("the device is gone"))?;
+        SimStream::spawn(gpu, self.next_id())
+    }
+
+    /// The stream inline copies use (made on first use).
+    pub fn default_stream(&self) -> SimStream {
+        let mut s = self.default_stream.lock();
+        if let Some(s) = &*s {
+            return s.clone();
+        }
+        let made = self
+            .new_stream()
+            .unwrap_or_else(|_| unreachable!("self is alive"));
+        *s = Some(made.clone());
+        made
+    }
+
+    /// Waits for the default stream (the others are waited on by their owners' fences).
+    pub fn synchronize(&self) -> Result<()> {
+        let s = self.default_stream.lock().clone();
+        if let Some(s) = s {
+            s.synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// Page-locked host memory of `len` bytes, zeroed.
+    pub fn alloc_host(&self, len: usize) -> Result<SimHostBuffer> {
+        let gpu = self
+            .me
+            .upgrade()
+            .ok_or_else(|| self.error("the device is gone"))?;
+        Ok(SimHostBuffer::new(gpu, len))
+    }
+
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn error(&self, reason: &str) -> Error {
+        Error::Device {
+            device: self.id().to_string(),
+            reason: reason.to_string(),
+        }
+    }
+
+    /// Consumes one step of an injected fault; `true` when this call must fail.
+    fn fault(&self, kind: SimFault) -> bool {
+        let mut st = self.state.lock();
+        match st.faults.get_mut(&kind) {
+            Some(0) => {
+                st.faults.remove(&kind);
+                true
+            }
+            Some(k) => {
+                *k -= 1;
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn injected(&self, what: &str) -> Error {
+        self.error(&format!("injected driver fault {what}"))
+    }
+
+    fn violation(&self, kind: ViolationKind, stream: Option<u64>, operation: &str, buffer: String) {
+        let v = Violation {
+            kind,
+            device: self.id(),
+            stream,
+            operation: operation.to_string(),
+            buffer,
+        };
+        tracing::error!(violation = %v, "sim checker");
+        self.state.lock().violations.push(v);
+    }
+
+    /// The modelled duration of a copy of `bytes`, jittered.
+    fn copy_time(&self, bytes: u64) -> Duration {
+        let base = self.spec.copy_time(bytes);
+        if self.spec.jitter_seed.is_none() {
+            return base;
+        }
+        // splitmix64 on a counter: a seeded, thread-order independent stream of fractions.
+        let mut z = self
+            .jitter
+            .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
+            .wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let frac = (z >> 11) as f64 / (1u64 << 53) as f64;
+        base.mul_f64(1.0 + 0.5 * frac)
+    }
+
+    /// Books a device allocation; out of memory beyond the capacity.
+    fn book_alloc(&self, bytes: u64, label: &str) -> Result<u64> {
+        if self.fault(SimFault::Alloc) {
+            return Err(self.oom(bytes, label));
+        }
+        let mut st = self.state.lock();
+        if st.used + bytes > self.spec.capacity.bytes() {
+            drop(st);
+            return Err(self.oom(bytes, label));
+        }
+        let id = self.next_id();
+        st.used += bytes;
+        st.peak = st.peak.max(st.used);
+        st.allocs.insert(
+            id,
+            Alloc {
+                bytes,
+                label: label.to_string(),
+            },
+        );
+        Ok(id)
+    }
+
+    fn oom(&self, bytes: u64, label: &str) -> Error {
+        let used = self.used();
+        Error::OutOfMemory {
+            model: format!("allocating `{label}`"),
+            device: self.id().to_string(),
+            required: ByteSize(bytes),
+            available: self.spec.capacity.saturating_sub(used),
+        }
+    }
+
+    fn free_alloc(&self, id: u64) {
+        let mut st = self.state.lock();
+        if let Some(a) = st.allocs.remove(&id) {
+            st.used -= a.bytes;
+        }
+    }
+
+    /// Page-locks `addr..addr + len` in place (a registered range).
+    pub(crate) fn register_host(&self, addr: usize, len: usize) -> Result<()> {
+        if self.fault(SimFault::Register) {
+            return Err(self.injected("page-locking host memory"));
+        }
+        let mut st = self.state.lock();
+        let overlaps = st
+            .hosts
+            .values()
+            .any(|h| addr < h.addr + h.len && h.addr < addr + len);
+        if overlaps {
+            return Err(self.error(
+                "host memory already registered (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)",
+            ));
+        }
+        let id = self.next_id();
+        st.hosts.insert(
+            id,
+            HostRange {
+                addr,
+                len,
+                registered: true,
+                pending: Vec::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Unlocks a registered range. A queued copy that has yet to read it is a violation; the sim
+    /// then waits for the copy before returning (the caller frees the memory next).
+    pub(crate) fn unregister_host(&self, addr: usize) -> Result<()> {
+        let mut st = self.state.lock();
+        let Some((&id, h)) = st
+            .hosts
+            .iter()
+            .find(|(_, h)| h.registered && h.addr == addr)
+        else {
+            return Err(self.error("unlocking host memory that is not registered"));
+        };
+        if let Some(&stream) = h.pending.first() {
+            let buffer = format!("pinned weight at {addr:#x} ({})", ByteSize(h.len as u64));
+            drop(st);
+            self.violation(
+                ViolationKind::UnlockedUnderCopy,
+                Some(stream),
+                "unlocking host memory (cuMemHostUnregister)",
+                buffer,
+            );
+            st = self.state.lock();
+            while st.hosts.get(&id).is_some_and(|h| !h.pending.is_empty()) {
+                self.read_done.wait(&mut st);
+            }
+        }
+        st.hosts.remove(&id);
+        Ok(())
+    }
+
+    /// The id of the page-locked range holding all of `addr..addr + len`, if any.
+    fn host_range_of(&self, st: &State, addr: usize, len: usize) -> Option<u64> {
+        st.hosts
+            .iter()
+            .find(|(_, h)| addr >= h.addr && addr + len <= h.addr + h.len)
+            .map(|(&id, _)| id)
+    }
+
+    /// Blocks until no queued copy still reads range `id`, reporting `kind` first if one does.
+    fn settle_host(&self, id: u64, kind: ViolationKind, operation: &str) {
+        let mut st = self.state.lock();
+        let Some(h) = st.hosts.get(&id) else { return };
+        if let Some(&stream) = h.pending.first() {
+            let buffer = format!("staging buffer ({})", ByteSize(h.len as u64));
+            drop(st);
+            self.violation(kind, Some(stream), operation, buffer);
+            st = self.state.lock();
+            while st.hosts.get(&id).is_some_and(|h| !h.pending.is_empty()) {
+                self.read_done.wait(&mut st);
+            }
+        }
+    }
+
+    fn add_host_range(&self, addr: usize, len: usize) -> u64 {
+        let id = self.next_id();
+        self.state.lock().hosts.insert(
+            id,
+            HostRange {
+                addr,
+                len,
+                registered: false,
+                pending: Vec::new(),
+            },
+        );
+        id
+    }
+
+    fn remove_host_range(&self, id: u64) {
+        self.state.lock().hosts.remove(&id);
+    }
+
+    /// A queued copy on `stream` will read range `id`.
+    fn host_read_queued(&self, id: u64, stream: u64) {
+        if let Some(h) = self.state.lock().hosts.get_mut(&id) {
+            h.pending.push(stream);
+        }
+    }
+
+    /// A copy on `stream` has read range `id`.
+    fn host_read_done(&self, id: u64, stream: u64) {
+        let mut st = self.state.lock();
+        if let Some(h) = st.hosts.get_mut(&id) {
+            if let Some(p) = h.pending.iter().position(|&s| s == stream) {
+                h.pending.swap_remove(p);
+            }
+        }
+        drop(st);
+        self.read_done.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests;

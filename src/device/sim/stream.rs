@@ -1,0 +1,636 @@
+//! The sim's streams (a FIFO and a worker thread each), events, device buffers and page-locked
+//! host buffers.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use candle_core::{CpuStorage, DType, Shape, Storage, Tensor};
+use parking_lot::{Condvar, Mutex};
+
+use super::{SimFault, SimGpu, ViolationKind};
+use crate::error::{Error, Result};
+use crate::size::ByteSize;
+use crate::vram::DeviceId;
+
+/// Where a queued copy reads from.
+enum Src {
+    /// Page-locked memory, read when the copy executes: a registered range (`keep: None`; the
+    /// range cannot be unregistered before the read) or a sim host buffer (kept alive by `keep`
+    /// even if the buffer is dropped meanwhile; a dropped buffer reads as poison).
+    Locked {
+        addr: usize,
+        range: u64,
+        keep: Option<Arc<HostMem>>,
+    },
+    /// Pageable memory, read when the copy was enqueued (as the driver stages it).
+    Staged(Vec<u8>),
+}
+
+enum Op {
+    Copy {
+        src: Src,
+        dst: Arc<DevMem>,
+        time: Duration,
+    },
+    Record {
+        event: Arc<EventCore>,
+        generation: u64,
+    },
+    Wait {
+        event: Arc<EventCore>,
+        generation: u64,
+    },
+    Run(Box<dyn FnOnce() + Send>),
+}
+
+#[derive(Default)]
+struct Queue {
+    ops: VecDeque<Op>,
+    enqueued: u64,
+    completed: u64,
+    stop: bool,
+}
+
+struct Core {
+    id: u64,
+    device: DeviceId,
+    gpu: Weak<SimGpu>,
+    queue: Mutex<Queue>,
+    cond: Condvar,
+}
+
+/// Stops the worker when the last handle to the stream goes (after it drained its queue).
+struct Handle(Arc<Core>);
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.0.queue.lock().stop = true;
+        self.0.cond.notify_all();
+    }
+}
+
+/// A simulated stream: its work runs in order on its own worker thread.
+#[derive(Clone)]
+pub struct SimStream {
+    core: Arc<Core>,
+    _handle: Arc<Handle>,
+}
+
+impl SimStream {
+    pub(super) fn spawn(gpu: Arc<SimGpu>, id: u64) -> Result<SimStream> {
+        let core = Arc::new(Core {
+            id,
+            device: gpu.id(),
+            gpu: Arc::downgrade(&gpu),
+            queue: Mutex::new(Queue::default()),
+            cond: Condvar::new(),
+        });
+        let worker = Arc::clone(&core);
+        std::thread::Builder::new()
+            .name(format!("residency-sim{}-stream{id}", core.device))
+            .spawn(move || worker.run())
+            .map_err(|e| Error::Device {
+                device: gpu.id().to_string(),
+                reason: format!("starting a stream's worker: {e}"),
+            })?;
+        Ok(SimStream {
+            _handle: Arc::new(Handle(Arc::clone(&core))),
+            core,
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> DeviceId {
+        self.core.device
+    }
+
+    /// The stream's number (as the checker names it).
+    pub fn key(&self) -> usize {
+        self.core.id as usize
+    }
+
+    fn push(&self, op: Op) {
+        let mut q = self.core.queue.lock();
+        q.ops.push_back(op);
+        q.enqueued += 1;
+        drop(q);
+        self.core.cond.notify_all();
+    }
+
+    fn gpu(&self) -> Result<Arc<SimGpu>> {
+        self.core.gpu.upgrade().ok_or_else(|| Error::Device {
+            device: self.core.device.to_string(),
+            reason: "the simulated device is gone".into(),
+        })
+    }
+
+    /// A new event recorded after the work enqueued so far.
+    pub fn record_event(&self) -> Result<SimEvent> {
+        let event = SimEvent::new(self.core.device);
+        event.record(self)?;
+        Ok(event)
+    }
+
+    /// Later work on this stream waits for `event`'s latest recording.
+    pub fn wait(&self, event: &SimEvent) -> Result<()> {
+        let generation = event.0.state.lock().recorded;
+        self.push(Op::Wait {
+            event: Arc::clone(&event.0),
+            generation,
+        });
+        Ok(())
+    }
+
+    /// Blocks until the work enqueued so far has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        let mut q = self.core.queue.lock();
+        let target = q.enqueued;
+        while q.completed < target {
+            self.core.cond.wait(&mut q);
+        }
+        Ok(())
+    }
+
+    /// Runs `work` on the stream, in order (a kernel launch).
+    pub fn launch(&self, work: impl FnOnce() + Send + 'static) {
+        self.push(Op::Run(Box::new(work)));
+    }
+
+    /// A device buffer of `len` elements of `dtype`; out of memory beyond the capacity.
+    pub fn alloc(&self, dtype: DType, len: usize) -> Result<SimBuffer> {
+        let gpu = self.gpu()?;
+        let bytes = (len * dtype.size_in_bytes()) as u64;
+        let id = gpu.book_alloc(bytes, &format!("{dtype:?}[{len}]"))?;
+        let storage = match zeros(dtype, len) {
+            Ok(s) => s,
+            Err(e) => {
+                gpu.free_alloc(id);
+                return Err(e);
+            }
+        };
+        let ptr = storage_ptr(&storage);
+        Ok(SimBuffer {
+            mem: Arc::new(DevMem {
+                ptr,
+                len: bytes as usize,
+                storage: Mutex::new(Some(storage)),
+                pending: Mutex::new(0),
+                written: Condvar::new(),
+            }),
+            id,
+            gpu,
+        })
+    }
+
+    /// Enqueues a copy of `src` into `dst`.
+    ///
+    /// # Safety
+    /// As [`crate::device::Stream::copy_htod`].
+    pub(crate) unsafe fn copy_htod(&self, src: &[u8], dst: &mut SimBuffer) -> Result<()> {
+        let gpu = self.gpu()?;
+        if gpu.fault(SimFault::Copy) {
+            return Err(gpu.injected("enqueuing a copy"));
+        }
+        let addr = src.as_ptr() as usize;
+        let st = gpu.state.lock();
+        let source = match gpu.host_range_of(&st, addr, src.len()) {
+            Some(range) => {
+                drop(st);
+                gpu.host_read_queued(range, self.core.id);
+                Src::Locked {
+                    addr,
+                    range,
+                    keep: HOST_KEEP
+                        .with(|k| k.borrow_mut().take())
+                        .filter(|k| k.contains(addr)),
+                }
+            }
+            None => {
+                drop(st);
+                Src::Staged(src.to_vec())
+            }
+        };
+        *dst.mem.pending.lock() += 1;
+        self.push(Op::Copy {
+            src: source,
+            dst: Arc::clone(&dst.mem),
+            time: gpu.copy_time(src.len() as u64),
+        });
+        Ok(())
+    }
+}
+
+thread_local! {
+    /// The host buffer the next copy reads from, handed over by `SimHostBuffer::as_slice` so the
+    /// queued copy keeps its memory alive.
+    static HOST_KEEP: std::cell::RefCell<Option<Arc<HostMem>>> = const { std::cell::RefCell::new(None) };
+}
+
+impl Core {
+    fn run(self: Arc<Core>) {
+        loop {
+            let op = {
+                let mut q = self.queue.lock();
+                loop {
+                    if let Some(op) = q.ops.pop_front() {
+                        break op;
+                    }
+                    if q.stop {
+                        return;
+                    }
+                    self.cond.wait(&mut q);
+                }
+            };
+            self.execute(op);
+            self.queue.lock().completed += 1;
+            self.cond.notify_all();
+        }
+    }
+
+    fn execute(&self, op: Op) {
+        match op {
+            Op::Copy { src, dst, time } => {
+                std::thread::sleep(time);
+                match &src {
+                    Src::Locked { addr, range, keep } => {
+                        let poisoned = keep
+                            .as_ref()
+                            .is_some_and(|k| k.freed.load(Ordering::Acquire));
+                        if poisoned {
+                            // SAFETY: `dst.ptr..+len` is the device buffer's storage, kept alive
+                            // by `dst`; only this stream writes it while the copy is pending.
+                            unsafe { std::ptr::write_bytes(dst.ptr as *mut u8, 0xFF, dst.len) };
+                        } else {
+                            // SAFETY: the source is page-locked memory that stays allocated until
+                            // this read is reported done (a registered range cannot be unregistered
+                            // before, a sim host buffer is kept alive by `keep`) and is not written
+                            // meanwhile (writers wait for pending reads); the destination as above.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    *addr as *const u8,
+                                    dst.ptr as *mut u8,
+                                    dst.len,
+                                )
+                            };
+                        }
+                        if let Some(gpu) = self.gpu.upgrade() {
+                            gpu.host_read_done(*range, self.id);
+                        }
+                    }
+                    Src::Staged(bytes) => {
+                        // SAFETY: as above for the destination; `bytes` is ours.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                bytes.as_ptr(),
+                                dst.ptr as *mut u8,
+                                dst.len.min(bytes.len()),
+                            )
+                        };
+                    }
+                }
+                *dst.pending.lock() -= 1;
+                dst.written.notify_all();
+            }
+            Op::Record { event, generation } => event.complete(generation),
+            Op::Wait { event, generation } => event.wait_for(generation),
+            Op::Run(work) => work(),
+        }
+    }
+}
+
+struct EventState {
+    recorded: u64,
+    completed: u64,
+}
+
+struct EventCore {
+    device: DeviceId,
+    state: Mutex<EventState>,
+    cond: Condvar,
+}
+
+impl EventCore {
+    fn complete(&self, generation: u64) {
+        let mut st = self.state.lock();
+        st.completed = st.completed.max(generation);
+        drop(st);
+        self.cond.notify_all();
+    }
+
+    fn wait_for(&self, generation: u64) {
+        let mut st = self.state.lock();
+        while st.completed < generation {
+            self.cond.wait(&mut st);
+        }
+    }
+}
+
+/// A simulated event (CUDA's semantics: see the module docs).
+#[derive(Clone)]
+pub struct SimEvent(Arc<EventCore>);
+
+impl SimEvent {
+    fn new(device: DeviceId) -> SimEvent {
+        SimEvent(Arc::new(EventCore {
+            device,
+            state: Mutex::new(EventState {
+                recorded: 0,
+                completed: 0,
+            }),
+            cond: Condvar::new(),
+        }))
+    }
+
+    /// Records the event after the work enqueued so far on `stream`, replacing the earlier
+    /// recording. On another device's stream this is an error, as CUDA's
+    /// `CUDA_ERROR_INVALID_CONTEXT`.
+    pub fn record(&self, stream: &SimStream) -> Result<()> {
+        if stream.device() != self.0.device {
+            return Err(Error::Device {
+                device: stream.device().to_string(),
+                reason: format!(
+                    "recording an event of {} on a stream of {} (CUDA_ERROR_INVALID_CONTEXT)",
+                    self.0.device,
+                    stream.device()
+                ),
+            });
+        }
+        let gpu = stream.gpu()?;
+        if gpu.fault(SimFault::Record) {
+            return Err(gpu.injected("recording an event"));
+        }
+        let generation = {
+            let mut st = self.0.state.lock();
+            st.recorded += 1;
+            st.recorded
+        };
+        stream.push(Op::Record {
+            event: Arc::clone(&self.0),
+            generation,
+        });
+        Ok(())
+    }
+
+    /// Blocks until the latest recording has completed.
+    pub fn synchronize(&self) {
+        let target = self.0.state.lock().recorded;
+        self.0.wait_for(target);
+    }
+
+    /// Whether the latest recording has completed.
+    pub fn is_complete(&self) -> bool {
+        let st = self.0.state.lock();
+        st.completed >= st.recorded
+    }
+}
+
+/// The memory of a simulated device buffer: a candle CPU storage, written by copies through
+/// `ptr` while `pending > 0`, handed to compute once they completed.
+struct DevMem {
+    ptr: usize,
+    len: usize,
+    storage: Mutex<Option<CpuStorage>>,
+    pending: Mutex<u32>,
+    written: Condvar,
+}
+
+// SAFETY: `ptr` addresses the heap memory of the `CpuStorage` held in `storage`, which never moves
+// or reallocates while held; it is written only by the stream worker executing a queued copy and
+// read (taken) only after every queued copy completed.
+unsafe impl Send for DevMem {}
+// SAFETY: as above.
+unsafe impl Sync for DevMem {}
+
+/// A simulated device allocation. Dropping it frees the allocation (a free under a queued copy is
+/// a checker finding; the memory itself lives until the copy is done).
+pub struct SimBuffer {
+    mem: Arc<DevMem>,
+    id: u64,
+    gpu: Arc<SimGpu>,
+}
+
+impl std::fmt::Debug for SimBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimBuffer")
+            .field("bytes", &self.mem.len)
+            .finish()
+    }
+}
+
+impl SimBuffer {
+    /// Its size in bytes.
+    pub fn size(&self) -> ByteSize {
+        ByteSize(self.mem.len as u64)
+    }
+
+    /// The buffer as a CPU tensor of `shape` for compute (the sim computes on the host). A copy
+    /// still writing it is a checker finding ([`ViolationKind::ReadBeforeWritten`]); the sim
+    /// then waits for it. From here on compute owns the memory: the device's books release it.
+    pub(crate) fn into_tensor(self, shape: &Shape) -> Result<Tensor> {
+        {
+            let mut pending = self.mem.pending.lock();
+            if *pending > 0 {
+                drop(pending);
+                self.gpu.violation(
+                    ViolationKind::ReadBeforeWritten,
+                    None,
+                    "a device buffer handed to compute",
+                    format!("device buffer ({})", self.size()),
+                );
+                pending = self.mem.pending.lock();
+                while *pending > 0 {
+                    self.mem.written.wait(&mut pending);
+                }
+            }
+        }
+        let storage = self
+            .mem
+            .storage
+            .lock()
+            .take()
+            .ok_or_else(|| Error::Device {
+                device: self.gpu.id().to_string(),
+                reason: "a device buffer handed to compute twice".into(),
+            })?;
+        Ok(Tensor::from_storage(
+            Storage::Cpu(storage),
+            shape.clone(),
+            candle_core::op::BackpropOp::none(),
+            false,
+        ))
+    }
+}
+
+impl SimBuffer {
+    /// Its bytes, once every queued copy into it completed (one still running, unordered with
+    /// the reader, is a [`ViolationKind::ReadBeforeWritten`] finding; the sim waits for it).
+    pub(crate) fn read_back(&self) -> Vec<u8> {
+        let mut pending = self.mem.pending.lock();
+        if *pending > 0 {
+            drop(pending);
+            self.gpu.violation(
+                ViolationKind::ReadBeforeWritten,
+                None,
+                "reading a device buffer back",
+                format!("device buffer ({})", self.size()),
+            );
+            pending = self.mem.pending.lock();
+            while *pending > 0 {
+                self.mem.written.wait(&mut pending);
+            }
+        }
+        drop(pending);
+        let st = self.mem.storage.lock();
+        if st.is_none() {
+            return Vec::new();
+        }
+        // SAFETY: the storage is held (`st`), so `ptr..ptr + len` is live; no copy writes it.
+        unsafe { std::slice::from_raw_parts(self.mem.ptr as *const u8, self.mem.len) }.to_vec()
+    }
+}
+
+impl Drop for SimBuffer {
+    fn drop(&mut self) {
+        if *self.mem.pending.lock() > 0 {
+            self.gpu.violation(
+                ViolationKind::DeviceFreedUnderWork,
+                None,
+                "freeing a device buffer",
+                format!("device buffer ({})", self.size()),
+            );
+        }
+        self.gpu.free_alloc(self.id);
+    }
+}
+
+fn zeros(dtype: DType, len: usize) -> Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(vec![0.0; len]),
+        DType::F16 => CpuStorage::F16(vec![half::f16::ZERO; len]),
+        DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; len]),
+        DType::F64 => CpuStorage::F64(vec![0.0; len]),
+        DType::U8 => CpuStorage::U8(vec![0; len]),
+        DType::U32 => CpuStorage::U32(vec![0; len]),
+        DType::F8E4M3 => CpuStorage::F8E4M3(vec![float8::F8E4M3::from_bits(0); len]),
+        other => {
+            return Err(Error::UnsupportedDtype {
+                what: "a weight copied to a simulated GPU".into(),
+                dtype: format!("{other:?}"),
+            })
+        }
+    })
+}
+
+fn storage_ptr(s: &CpuStorage) -> usize {
+    match s {
+        CpuStorage::F32(v) => v.as_ptr() as usize,
+        CpuStorage::F16(v) => v.as_ptr() as usize,
+        CpuStorage::BF16(v) => v.as_ptr() as usize,
+        CpuStorage::F64(v) => v.as_ptr() as usize,
+        CpuStorage::U8(v) => v.as_ptr() as usize,
+        CpuStorage::U32(v) => v.as_ptr() as usize,
+        CpuStorage::F8E4M3(v) => v.as_ptr() as usize,
+        _ => 0,
+    }
+}
+
+/// The memory of a sim page-locked host buffer.
+pub(crate) struct HostMem {
+    buf: Box<[u64]>,
+    /// Set when the buffer is freed: a queued copy still reading it reads poison.
+    freed: AtomicBool,
+}
+
+/// Page-locked host memory of a simulated device (a staging buffer), zeroed at creation.
+pub struct SimHostBuffer {
+    mem: Arc<HostMem>,
+    ptr: *mut u8,
+    len: usize,
+    range: u64,
+    gpu: Arc<SimGpu>,
+}
+
+// SAFETY: `ptr` addresses `mem.buf`, owned through `mem`; writes need `&mut self` and wait for every
+// queued read first; queued reads only read.
+unsafe impl Send for SimHostBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for SimHostBuffer {}
+
+impl HostMem {
+    fn contains(&self, addr: usize) -> bool {
+        let start = self.buf.as_ptr() as usize;
+        addr >= start && addr < start + self.buf.len() * 8
+    }
+}
+
+impl SimHostBuffer {
+    pub(super) fn new(gpu: Arc<SimGpu>, len: usize) -> SimHostBuffer {
+        let mut buf = vec![0u64; len.div_ceil(8)].into_boxed_slice();
+        let ptr = buf.as_mut_ptr().cast::<u8>();
+        let range = gpu.add_host_range(ptr as usize, len);
+        SimHostBuffer {
+            mem: Arc::new(HostMem {
+                buf,
+                freed: AtomicBool::new(false),
+            }),
+            ptr,
+            len,
+            range,
+            gpu,
+        }
+    }
+
+    /// Its length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes, to read; a copy enqueued from them next keeps the memory alive.
+    pub fn as_slice(&self) -> &[u8] {
+        HOST_KEEP.with(|k| *k.borrow_mut() = Some(Arc::clone(&self.mem)));
+        // SAFETY: `ptr..ptr + len` lies in `mem.buf`, alive while `self` is; writers need
+        // `&mut self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, to write. A queued copy still reading them is a checker finding
+    /// ([`ViolationKind::WrittenUnderCopy`]); the sim waits for it first.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.gpu.settle_host(
+            self.range,
+            ViolationKind::WrittenUnderCopy,
+            "writing page-locked host memory",
+        );
+        // SAFETY: as `as_slice`; no queued copy reads the memory any more and `&mut self` excludes
+        // other borrows.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for SimHostBuffer {
+    fn drop(&mut self) {
+        let pending = {
+            let st = self.gpu.state.lock();
+            st.hosts
+                .get(&self.range)
+                .and_then(|h| h.pending.first().copied())
+        };
+        if let Some(stream) = pending {
+            self.mem.freed.store(true, Ordering::Release);
+            self.gpu.violation(
+                ViolationKind::FreedUnderCopy,
+                Some(stream),
+                "freeing page-locked host memory",
+                format!("staging buffer ({})", ByteSize(self.len as u64)),
+            );
+        }
+        self.gpu.remove_host_range(self.range);
+    }
+}

@@ -1,0 +1,360 @@
+use std::sync::mpsc;
+use std::time::Duration;
+
+use candle_core::{DType, Shape};
+
+use super::*;
+use crate::device::{DeviceBuffer, Gpu, Stream};
+
+fn gpu(capacity: ByteSize) -> Arc<SimGpu> {
+    SimGpu::new(0, SimSpec::new(capacity))
+}
+
+/// Holds `stream`'s worker until the returned sender is dropped or sent to.
+fn gate(stream: &SimStream) -> mpsc::Sender<()> {
+    let (tx, rx) = mpsc::channel::<()>();
+    stream.launch(move || {
+        let _ = rx.recv();
+    });
+    tx
+}
+
+fn bytes_of(t: &candle_core::Tensor) -> Vec<u8> {
+    t.flatten_all().unwrap().to_vec1::<u8>().unwrap()
+}
+
+fn buffer(stream: &SimStream, len: usize) -> SimBuffer {
+    stream.alloc(DType::U8, len).unwrap()
+}
+
+fn take(buf: SimBuffer, len: usize) -> Vec<u8> {
+    bytes_of(&buf.into_tensor(&Shape::from(len)).unwrap())
+}
+
+#[test]
+fn a_copy_from_locked_memory_reads_its_source_when_it_executes() {
+    let g = gpu(ByteSize::mib(1));
+    let s = g.new_stream().unwrap();
+    let mut host = vec![1u8; 4096];
+    g.register_host(host.as_ptr() as usize, host.len()).unwrap();
+    let open = gate(&s);
+    let mut dst = buffer(&s, 4096);
+    // SAFETY: `host` stays allocated and is only written (below, on purpose, to observe when the
+    // copy reads) before the stream is synchronized; it is unregistered after.
+    unsafe { s.copy_htod(&host, &mut dst) }.unwrap();
+    host.fill(2);
+    drop(open);
+    s.synchronize().unwrap();
+    assert_eq!(take(dst, 4096), vec![2u8; 4096], "read when executed");
+    g.unregister_host(host.as_ptr() as usize).unwrap();
+    assert!(g.check().is_ok());
+}
+
+#[test]
+fn a_copy_from_pageable_memory_reads_its_source_before_returning() {
+    let g = gpu(ByteSize::mib(1));
+    let s = g.new_stream().unwrap();
+    let mut host = vec![1u8; 4096];
+    let open = gate(&s);
+    let mut dst = buffer(&s, 4096);
+    // SAFETY: pageable memory, read before the call returns.
+    unsafe { s.copy_htod(&host, &mut dst) }.unwrap();
+    host.fill(2);
+    drop(open);
+    s.synchronize().unwrap();
+    assert_eq!(take(dst, 4096), vec![1u8; 4096], "staged at the call");
+}
+
+#[test]
+fn an_event_keeps_only_its_latest_recording() {
+    let g = gpu(ByteSize::mib(1));
+    let (a, b) = (g.new_stream().unwrap(), g.new_stream().unwrap());
+    let open = gate(&a);
+    let e = a.record_event().unwrap();
+    assert!(!e.is_complete(), "stream a is held");
+    e.record(&b).unwrap();
+    b.synchronize().unwrap();
+    assert!(e.is_complete(), "only the recording on b counts now");
+    e.synchronize(); // returns although a's work is still held
+    drop(open);
+    a.synchronize().unwrap();
+}
+
+#[test]
+fn a_stream_waits_for_an_event_recorded_on_another() {
+    let g = gpu(ByteSize::mib(1));
+    let (a, b) = (g.new_stream().unwrap(), g.new_stream().unwrap());
+    let open = gate(&a);
+    let e = a.record_event().unwrap();
+    b.wait(&e).unwrap();
+    let after = b.record_event().unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(!after.is_complete(), "b waits for a");
+    drop(open);
+    after.synchronize();
+    assert!(after.is_complete());
+}
+
+#[test]
+fn recording_an_event_on_another_device_is_an_error() {
+    let (g0, g1) = (
+        gpu(ByteSize::mib(1)),
+        SimGpu::new(1, SimSpec::new(ByteSize::mib(1))),
+    );
+    let e = g0.new_stream().unwrap().record_event().unwrap();
+    let err = e.record(&g1.new_stream().unwrap()).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("sim:0") && msg.contains("sim:1"), "{msg}");
+}
+
+#[test]
+fn allocating_beyond_the_capacity_is_a_retryable_out_of_memory() {
+    let g = gpu(ByteSize::kib(8));
+    let s = g.new_stream().unwrap();
+    let a = buffer(&s, 6 * 1024);
+    let err = s
+        .alloc(DType::F32, 1024)
+        .err()
+        .expect("4 KiB more does not fit");
+    assert!(err.is_retryable(), "{err}");
+    assert!(matches!(err, Error::OutOfMemory { required, .. } if required == ByteSize::kib(4)));
+    assert_eq!(g.used(), ByteSize::kib(6));
+    drop(a);
+    assert_eq!(g.used(), ByteSize::ZERO);
+    let b = s.alloc(DType::F32, 1024).unwrap();
+    assert_eq!((g.used(), g.peak()), (ByteSize::kib(4), ByteSize::kib(6)));
+    drop(b);
+}
+
+#[test]
+fn handing_a_buffer_to_compute_before_its_copy_completed_is_reported() {
+    let g = SimGpu::new(
+        0,
+        SimSpec::new(ByteSize::mib(1)).with_latency(Duration::from_millis(30)),
+    );
+    let s = g.new_stream().unwrap();
+    let host = vec![7u8; 1024];
+    let mut dst = buffer(&s, 1024);
+    // SAFETY: pageable memory.
+    unsafe { s.copy_htod(&host, &mut dst) }.unwrap();
+    // No wait on an event: a bug the checker must catch.
+    assert_eq!(
+        take(dst, 1024),
+        vec![7u8; 1024],
+        "the sim still gives the right bits"
+    );
+    let v = g.violations();
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert_eq!(v[0].kind, ViolationKind::ReadBeforeWritten);
+}
+
+#[test]
+fn freeing_a_device_buffer_under_a_queued_copy_is_reported() {
+    let g = gpu(ByteSize::mib(1));
+    let s = g.new_stream().unwrap();
+    let open = gate(&s);
+    let host = vec![7u8; 1024];
+    let mut dst = buffer(&s, 1024);
+    // SAFETY: pageable memory.
+    unsafe { s.copy_htod(&host, &mut dst) }.unwrap();
+    drop(dst);
+    drop(open);
+    s.synchronize().unwrap();
+    let v = g.violations();
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert_eq!(v[0].kind, ViolationKind::DeviceFreedUnderWork);
+}
+
+#[test]
+fn a_staging_buffer_freed_under_a_copy_is_reported_and_reads_as_poison() {
+    let g = gpu(ByteSize::mib(1));
+    let s = g.new_stream().unwrap();
+    let mut host = g.alloc_host(1024).unwrap();
+    assert!(
+        host.as_slice().iter().all(|&b| b == 0),
+        "zeroed at creation"
+    );
+    host.as_mut_slice().fill(5);
+    let open = gate(&s);
+    let mut dst = buffer(&s, 1024);
+    // SAFETY: deliberately broken (the buffer is freed below while the copy is queued) to check
+    // the checker; the sim keeps the memory alive for the copy.
+    unsafe { s.copy_htod(host.as_slice(), &mut dst) }.unwrap();
+    drop(host);
+    drop(open);
+    s.synchronize().unwrap();
+    assert_eq!(
+        take(dst, 1024),
+        vec![0xFF; 1024],
+        "a stale read shows as poison"
+    );
+    let v = g.violations();
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert_eq!(v[0].kind, ViolationKind::FreedUnderCopy);
+    assert!(v[0].to_string().contains("stream"), "{}", v[0]);
+}
+
+#[test]
+fn a_staging_buffer_written_under_a_copy_is_reported_and_waited_for() {
+    let g = gpu(ByteSize::mib(1));
+    let s = g.new_stream().unwrap();
+    let mut host = g.alloc_host(1024).unwrap();
+    host.as_mut_slice().fill(5);
+    let open = gate(&s);
+    let mut dst = buffer(&s, 1024);
+    // SAFETY: deliberately broken (written below while the copy is queued); the sim waits.
+    unsafe { s.copy_htod(host.as_slice(), &mut dst) }.unwrap();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(20));
+        drop(open);
+    });
+    host.as_mut_slice().fill(6); // waits for the copy (after reporting)
+    release.join().unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(
+        take(dst, 1024),
+        vec![5; 1024],
+        "the copy read the old bytes"
+    );
+    assert_eq!(g.violations()[0].kind, ViolationKind::WrittenUnderCopy);
+}
+
+#[test]
+fn unlocking_under_a_queued_copy_is_reported_and_waited_for() {
+    let g = gpu(ByteSize::mib(1));
+    let s = g.new_stream().unwrap();
+    let host = vec![3u8; 4096];
+    g.register_host(host.as_ptr() as usize, host.len()).unwrap();
+    let open = gate(&s);
+    let mut dst = buffer(&s, 4096);
+    // SAFETY: `host` outlives the copy: unregistering waits for it.
+    unsafe { s.copy_htod(&host, &mut dst) }.unwrap();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(20));
+        drop(open);
+    });
+    g.unregister_host(host.as_ptr() as usize).unwrap();
+    release.join().unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(take(dst, 4096), vec![3u8; 4096]);
+    let v = g.violations();
+    assert_eq!((v.len(), v[0].kind), (1, ViolationKind::UnlockedUnderCopy));
+}
+
+#[test]
+fn injected_faults_fail_the_kth_call_once() {
+    let g = gpu(ByteSize::mib(1));
+    let s = g.new_stream().unwrap();
+    g.inject(SimFault::Alloc, 1);
+    let a = s.alloc(DType::U8, 16).unwrap();
+    assert!(
+        s.alloc(DType::U8, 16).unwrap_err().is_retryable(),
+        "the 2nd fails as OOM"
+    );
+    let mut b = s.alloc(DType::U8, 16).unwrap();
+    g.inject(SimFault::Copy, 0);
+    // SAFETY: pageable memory.
+    assert!(unsafe { s.copy_htod(&[0u8; 16], &mut b) }.is_err());
+    g.inject(SimFault::Record, 0);
+    assert!(s.record_event().is_err());
+    g.inject(SimFault::Register, 0);
+    let host = [0u8; 64];
+    assert!(g.register_host(host.as_ptr() as usize, 64).is_err());
+    assert!(g.register_host(host.as_ptr() as usize, 64).is_ok(), "once");
+    assert!(
+        g.register_host(host.as_ptr() as usize + 8, 8).is_err(),
+        "already registered"
+    );
+    g.unregister_host(host.as_ptr() as usize).unwrap();
+    drop((a, b));
+    assert!(g.check().is_ok());
+}
+
+#[test]
+fn leaks_lists_what_is_still_allocated() {
+    let g = gpu(ByteSize::mib(1));
+    let s = g.new_stream().unwrap();
+    let a = buffer(&s, 100);
+    let h = g.alloc_host(64).unwrap();
+    assert_eq!(g.leaks().len(), 2);
+    drop((a, h));
+    assert!(g.leaks().is_empty());
+}
+
+#[test]
+fn copies_take_the_modelled_time_in_stream_order() {
+    let spec = SimSpec::new(ByteSize::mib(64))
+        .with_bandwidth(1e9)
+        .with_latency(Duration::from_millis(2));
+    assert_eq!(spec.copy_time(10_000_000), Duration::from_millis(12));
+    let g = SimGpu::new(0, spec);
+    let s = g.new_stream().unwrap();
+    let host = vec![1u8; 10_000_000];
+    let mut bufs: Vec<_> = (0..3).map(|_| buffer(&s, host.len())).collect();
+    let t0 = std::time::Instant::now();
+    for b in &mut bufs {
+        // SAFETY: pageable memory.
+        unsafe { s.copy_htod(&host, b) }.unwrap();
+    }
+    assert!(
+        t0.elapsed() < Duration::from_millis(30),
+        "enqueuing does not wait"
+    );
+    s.synchronize().unwrap();
+    assert!(
+        t0.elapsed() >= Duration::from_millis(36),
+        "three copies of 12 ms, in order"
+    );
+}
+
+#[test]
+fn jitter_is_seeded() {
+    let spec = SimSpec::new(ByteSize::mib(1))
+        .with_latency(Duration::from_millis(1))
+        .with_jitter(7);
+    let times = |g: Arc<SimGpu>| (0..8).map(|_| g.copy_time(0)).collect::<Vec<_>>();
+    let a = times(SimGpu::new(0, spec));
+    assert_eq!(a, times(SimGpu::new(0, spec)));
+    assert!(a
+        .iter()
+        .all(|t| *t >= spec.latency && *t <= spec.latency.mul_f64(1.5)));
+    assert!(a.windows(2).any(|w| w[0] != w[1]));
+}
+
+#[test]
+fn specs_parse_from_flags() {
+    let s: SimSpec = "64MiB@25GB/s".parse().unwrap();
+    assert_eq!(s.capacity, ByteSize::mib(64));
+    assert_eq!(s.bandwidth, Some(25e9));
+    assert_eq!("8GiB".parse::<SimSpec>().unwrap().bandwidth, None);
+    assert!(
+        "8GiB@25GB".parse::<SimSpec>().is_err(),
+        "a bandwidth needs /s"
+    );
+    assert!("lots".parse::<SimSpec>().is_err());
+    let c = crate::vram::Config::from_args(["--sim-gpus", "2x1GiB@10GB/s", "--sim-gpu", "4GiB"])
+        .unwrap();
+    assert_eq!(c.sim_gpus.len(), 3);
+    assert_eq!(c.sim_gpus[2].capacity, ByteSize::gib(4));
+    assert!(crate::vram::Config::from_args(["--sim-gpus", "0x1GiB"]).is_err());
+}
+
+#[test]
+fn the_interface_dispatches_to_the_sim() {
+    let g = gpu(ByteSize::mib(1));
+    let gpu = Gpu::Sim(Arc::clone(&g));
+    let s: Stream = gpu.new_stream().unwrap();
+    assert_eq!(s.device(), DeviceId::Sim(0));
+    let mut dst: DeviceBuffer = s.alloc(DType::F32, 4).unwrap();
+    let src = [1.0f32, 2.0, 3.0, 4.0];
+    // SAFETY: pageable memory.
+    unsafe { s.copy_htod(bytemuck::cast_slice(&src), &mut dst) }.unwrap();
+    let e = s.record_event().unwrap();
+    gpu.compute_wait(&e).unwrap();
+    let t = dst.into_tensor(&Shape::from(4)).unwrap();
+    assert_eq!(t.to_vec1::<f32>().unwrap(), src);
+    let mut wrong = s.alloc(DType::F32, 3).unwrap();
+    // SAFETY: pageable memory (and refused for its size).
+    assert!(unsafe { s.copy_htod(bytemuck::cast_slice(&src), &mut wrong) }.is_err());
+    assert!(g.check().is_ok());
+}
