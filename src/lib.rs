@@ -39,7 +39,8 @@
 //! ## Module map, in dependency order (no cycles)
 //!
 //! `error`, `size` (leaves) → [`float`] (dtypes, casts, fp8, stochastic rounding) → [`vram`]
-//! (config, hardware probe, VRAM state, device helpers, dtype policy) → [`weights`] (models as
+//! (config, hardware probe, VRAM state, device helpers, dtype policy) → [`device`] (everything
+//! asked of a GPU, behind one interface: CUDA, and a simulated GPU with a checker) → [`weights`] (models as
 //! named slots, residency; the disk and host tiers) → [`patcher`] (ModelPatcher; patch kinds in [`patcher::adapters`], one
 //! file per kind; LoRA files in [`patcher::lora_file`]) → [`offload`] (staging pool, transfer
 //! lanes, prefetch) → [`ops`] (layers) → [`nn`] (candle-nn's constructors on `ops`),

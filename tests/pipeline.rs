@@ -68,6 +68,56 @@ fn checksums_are_identical_across_budgets_lanes_and_async() {
 }
 
 #[test]
+fn a_simulated_gpu_gives_the_cpu_checksums_with_lanes_prefetch_and_a_clean_checker() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = run(dir.path(), &["--vram-budget", "256MiB"]);
+    let sums =
+        |r: &pipeline::PipelineReport| r.prompts.iter().map(|p| p.checksum).collect::<Vec<_>>();
+    let runs: &[&[&str]] = &[
+        // Everything fits: loads copy through the sim, nothing streams.
+        &["--sim-gpu", "64MiB@25GB/s"],
+        // A third of the models: eviction, partial loads, 2 lanes and prefetch on the sim.
+        &["--sim-gpu", "6MiB@25GB/s"],
+        &["--sim-gpu", "6MiB@25GB/s", "--disable-async-offload"],
+        &[
+            "--sim-gpu",
+            "64MiB@25GB/s",
+            "--novram",
+            "--async-offload",
+            "3",
+        ],
+        // Lazily read models pinned in place within 2 MiB of RAM.
+        &["--sim-gpu", "6MiB@25GB/s", "--ram-budget", "2MiB"],
+    ];
+    for flags in runs {
+        let r = run(dir.path(), flags);
+        assert_eq!(sums(&r), sums(&reference), "{flags:?}");
+        assert!(
+            r.peak <= r.budget,
+            "{flags:?}: peak {} over {}",
+            r.peak,
+            r.budget
+        );
+        let (device, _, stats) = &r.sims[0];
+        assert_eq!(device, "sim:0");
+        assert_eq!(
+            stats.violations, 0,
+            "{flags:?}: the sim's checker found misuse"
+        );
+        assert!(
+            stats.copies > 0 && stats.bytes.bytes() > 0,
+            "{flags:?}: {stats:?}"
+        );
+        if flags.contains(&"6MiB@25GB/s") {
+            assert!(
+                r.transfers.bytes_transferred.bytes() > 0,
+                "{flags:?}: weights streamed"
+            );
+        }
+    }
+}
+
+#[test]
 fn default_budget_streams_evicts_and_moves_only_lora_weights() {
     let dir = tempfile::tempdir().unwrap();
     let r = run(dir.path(), &[]);

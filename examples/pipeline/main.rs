@@ -8,6 +8,11 @@
 //!     --async-offload 3 ...]
 //! ```
 //!
+//! With `--sim-gpu 64MiB@25GB/s` the models run on a simulated GPU (its memory is host memory,
+//! its copies run on stream workers at the modelled bandwidth, lanes and prefetch on as on a real
+//! GPU); the checksums are the CPU run's, and the report says how much copy time hid behind
+//! compute and whether the sim's checker found any misuse.
+//!
 //! With `--ram-budget` the three models are read lazily: their weights stay in the cache's files
 //! and at most that many bytes of them are held in RAM at once (the report's `host` line).
 //!
@@ -78,7 +83,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     };
     let f32_total =
         ByteSize(size(&te_path)?.bytes() + size(&dn_path)?.bytes() * 2 + size(&de_path)?.bytes());
-    if config.vram_budget.is_none() && hardware.gpus.is_empty() {
+    if config.vram_budget.is_none() && hardware.gpus.is_empty() && config.sim_gpus.is_empty() {
         config.vram_budget = Some(ByteSize(f32_total.bytes() / 3));
     }
     let mm = MemoryManager::new(config, hardware)?;
@@ -204,6 +209,13 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         models,
         evictions,
         transfers: mm.transfer_stats(),
+        sims: mm
+            .transfer_engine()
+            .devices()
+            .sims()
+            .iter()
+            .map(|s| (s.id().to_string(), s.spec().to_string(), s.stats()))
+            .collect(),
         host: mm.host_tier().stats(),
         memory: mm.memory_report().to_string(),
         total_ms: t_start.elapsed().as_secs_f64() * 1e3,

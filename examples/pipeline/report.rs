@@ -24,6 +24,8 @@ pub struct PipelineReport {
     pub models: Vec<(String, ByteSize, ByteSize, ByteSize)>,
     pub evictions: Vec<Eviction>,
     pub transfers: residency::offload::TransferSnapshot,
+    /// Per simulated GPU: its name, spec and what it did.
+    pub sims: Vec<(String, String, residency::device::SimStats)>,
     pub host: residency::weights::HostStats,
     pub memory: String,
     pub total_ms: f64,
@@ -41,6 +43,16 @@ struct Json<'a> {
     evictions: &'a [Eviction],
     host: JsonHost,
     transfers: &'a residency::offload::TransferSnapshot,
+    sims: Vec<JsonSim<'a>>,
+}
+
+/// A simulated GPU: its copies, how long compute waited for them, the checker's findings.
+#[derive(serde::Serialize)]
+struct JsonSim<'a> {
+    device: &'a str,
+    spec: &'a str,
+    stats: &'a residency::device::SimStats,
+    hidden: f64,
 }
 
 /// The host tier (`--ram-budget`): `budget_bytes` is null without a budget.
@@ -112,6 +124,16 @@ pub fn to_json(r: &PipelineReport) -> String {
             pinned_bytes: r.host.pinned.bytes(),
         },
         transfers: &r.transfers,
+        sims: r
+            .sims
+            .iter()
+            .map(|(device, spec, stats)| JsonSim {
+                device,
+                spec,
+                stats,
+                hidden: stats.hidden(),
+            })
+            .collect(),
     };
     serde_json::to_string(&json).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
 }
@@ -168,5 +190,16 @@ pub fn to_table(r: &PipelineReport) -> String {
         t.wait_ns as f64 / 1e6,
         r.total_ms
     ));
+    for (device, spec, st) in &r.sims {
+        s.push_str(&format!(
+            "{device} (simulated, {spec}): {} copies, {}, {:.1} ms copying, compute waited {:.1} ms: {:.0} % of copy time hidden behind compute; checker: {}\n",
+            st.copies,
+            st.bytes,
+            st.copy_ns as f64 / 1e6,
+            st.compute_waited_ns as f64 / 1e6,
+            st.hidden() * 100.0,
+            if st.violations == 0 { "clean".to_string() } else { format!("{} findings", st.violations) },
+        ));
+    }
     s
 }

@@ -35,7 +35,7 @@ use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
 pub use crate::vram::SimSpec;
-pub use sim::{SimFault, SimGpu, Violation, ViolationKind};
+pub use sim::{SimFault, SimGpu, SimStats, Violation, ViolationKind};
 
 /// A GPU residency copies to: a CUDA device (candle's context for it) or a simulated one.
 #[derive(Clone)]
@@ -135,7 +135,12 @@ impl Gpu {
                 let s = cuda::default_stream(ctx)?;
                 Stream::Cuda(s).wait(event)
             }
-            Gpu::Sim(_) => event.synchronize(),
+            Gpu::Sim(s) => {
+                let t0 = std::time::Instant::now();
+                let r = event.synchronize();
+                s.note_compute_wait(t0.elapsed());
+                r
+            }
         }
     }
 }

@@ -35,8 +35,9 @@
 //! | 6 | `ops::OpsSource`'s patcher handle | which patcher layers fetch through (leaf; held only to clone an `Arc`) |
 //! | 7 | `loader::Ledger` books | bytes in flight, bounds and peaks per device (leaf) |
 //! | 8 | `weights::HostTier` books (and its condition variable) | host copies, the host ledger, pins in place |
-//! | 9 | `weights::PinnedWeight::last_copy` | the event of the last copy out of a pinned weight (leaf) |
+//! | 9 | `weights::PinnedWeight::fences` | the events of the copies out of a pinned weight, one per stream (leaf) |
 //! | 10 | `Model::derived` | a managed model's module built from its resident copies (leaf; the module is dropped outside every lock) |
+//! | 11 | `device::SimGpu` books (and its condition variable) | a simulated GPU's allocations, page-locked ranges, faults and findings (leaf; released before any wait) |
 //!
 //! The manager lock is held while a load is planned and executed, which serializes loads (that
 //! is what keeps the plan's figures true while it is carried out); it is never held while calling

@@ -24,6 +24,12 @@
 //! host tier (the disk tier): then after every step the host ledger also equals the bytes of the
 //! host copies it holds, summed copy by copy, and it and its peak stay within the host budget.
 //!
+//! Half the cases run on a simulated GPU (`sim:0`, [`crate::device::SimGpu`]) instead of the CPU:
+//! 0–4 lanes, copy latencies and jitter from the case's seed, and faults injected into device
+//! allocations, copies and event records as well as materializations. There the sim's checker
+//! must be clean after every step, and at the end of the case (every handle dropped, every model
+//! unloaded) nothing may be left allocated or page-locked on it.
+//!
 //! 256 cases of 50–200 steps by default; `RESIDENCY_MODEL_CASES=10000` for a long run.
 
 use std::sync::{Arc, Weak};
@@ -82,9 +88,9 @@ fn model_tensors(m: usize) -> Vec<(String, Tensor, Dtype)> {
 /// A handle on model `m`: model 0 keeps resident copies in f32 (its bf16 weights are widened at
 /// load), model 1 keeps them as stored, so its f32 layers cast its bf16 weights at use — through
 /// the manual-cast cache when the ledger has room.
-fn patcher_for(model: Arc<Model>, m: usize) -> ModelPatcher {
+fn patcher_for(model: Arc<Model>, m: usize, device: DeviceId) -> ModelPatcher {
     let compute = (m == 0).then_some(Dtype::F32);
-    ModelPatcher::new(model, CPU, CPU).with_compute_dtype(compute)
+    ModelPatcher::new(model, device, CPU).with_compute_dtype(compute)
 }
 
 fn f32_bits(t: &Tensor) -> Vec<u32> {
@@ -238,10 +244,22 @@ struct World {
     /// With a host budget: the folder the models' files are in (read lazily from there).
     files: Option<tempfile::TempDir>,
     host_budget: Option<ByteSize>,
+    /// Where the models compute: the budgeted CPU, or a simulated GPU (`sim`).
+    device: DeviceId,
+    sim: Option<Arc<crate::device::SimGpu>>,
 }
 
+/// A simulated GPU for a case: each copy's fixed cost in µs and the seed of its jitter.
+type SimCase = Option<(u64, u64)>;
+
 impl World {
-    fn new(budget_kib: u64, lanes: usize, depth: usize, host_kib: Option<u64>) -> World {
+    fn new(
+        budget_kib: u64,
+        lanes: usize,
+        depth: usize,
+        host_kib: Option<u64>,
+        sim: SimCase,
+    ) -> World {
         let mut args = vec![
             "--vram-budget".to_string(),
             format!("{budget_kib}KiB"),
@@ -253,11 +271,20 @@ impl World {
         if let Some(h) = host_kib {
             args.extend(["--ram-budget".to_string(), format!("{h}KiB")]);
         }
-        let config = Config::from_args(args)
+        let mut config = Config::from_args(args)
             .unwrap()
             .with_transfer_lanes(lanes)
             .with_prefetch_depth(depth);
+        if let Some((latency_us, seed)) = sim {
+            config = config.with_sim_gpu(
+                crate::vram::SimSpec::new(ByteSize::kib(budget_kib))
+                    .with_latency(std::time::Duration::from_micros(latency_us))
+                    .with_jitter(seed),
+            );
+        }
         let mm = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(8))).unwrap();
+        let device = mm.compute_device();
+        let sim = mm.transfer_engine().devices().sims().first().cloned();
         let files = host_kib.map(|_| {
             let dir = tempfile::tempdir().unwrap();
             for m in 0..2 {
@@ -280,6 +307,8 @@ impl World {
             ids: [0; 2],
             files,
             host_budget: host_kib.map(ByteSize::kib),
+            device,
+            sim,
         };
         let models = [Arc::new(world.read(0)), Arc::new(world.read(1))];
         for (m, model) in models.iter().enumerate() {
@@ -288,7 +317,7 @@ impl World {
             world.checksums[m] = model.clean_checksum().unwrap();
         }
         for (m, model) in models.into_iter().enumerate() {
-            world.slots[m] = Some((patcher_for(model, m), m));
+            world.slots[m] = Some((patcher_for(model, m, world.device), m));
         }
         world
     }
@@ -363,8 +392,8 @@ impl World {
             // Cached casts are a cache: a failed load may have dropped them for room.
             ledger: self
                 .mm
-                .ledger(CPU)
-                .saturating_sub(self.mm.ledger.cached(CPU)),
+                .ledger(self.device)
+                .saturating_sub(self.mm.ledger.cached(self.device)),
         }
     }
 
@@ -411,9 +440,11 @@ impl World {
             let Some(model) = self.live(m) else { continue };
             let bytes: ByteSize = (0..model.len())
                 .map(|i| match model.residency_of(i) {
-                    Some(SlotResidency::Resident {
-                        device: CPU, bytes, ..
-                    }) => bytes,
+                    Some(SlotResidency::Resident { device, bytes, .. })
+                        if device == self.device =>
+                    {
+                        bytes
+                    }
                     _ => ByteSize::ZERO,
                 })
                 .sum();
@@ -437,12 +468,12 @@ impl World {
                 ctx()
             );
         }
-        let ledger = self.mm.ledger(CPU);
+        let ledger = self.mm.ledger(self.device);
         prop_assert_eq!(
             ledger,
             resident
-                .saturating_add(self.mm.ledger.in_flight(CPU))
-                .saturating_add(self.mm.ledger.cached(CPU)),
+                .saturating_add(self.mm.ledger.in_flight(self.device))
+                .saturating_add(self.mm.ledger.cached(self.device)),
             "{}",
             ctx()
         );
@@ -454,11 +485,21 @@ impl World {
             self.budget
         );
         prop_assert!(
-            self.mm.peak_ledger(CPU) <= self.budget,
+            self.mm.peak_ledger(self.device) <= self.budget,
             "{}: peak {}",
             ctx(),
-            self.mm.peak_ledger(CPU)
+            self.mm.peak_ledger(self.device)
         );
+        // The simulated GPU's checker: no memory used before its copy, unlocked, freed or
+        // rewritten under one.
+        if let Some(sim) = &self.sim {
+            prop_assert!(
+                sim.check().is_ok(),
+                "{}: {}",
+                ctx(),
+                sim.check().unwrap_err()
+            );
+        }
         let ids: Vec<u64> = loaded.iter().map(|e| e.model_id).collect();
         prop_assert_eq!(&ids, &self.registry, "{}: registry", ctx());
         // The host tier: exact, copy by copy, and within its budget at every step.
@@ -497,7 +538,7 @@ impl World {
                         arc
                     }
                 };
-                self.set_slot(*slot, Some((patcher_for(arc, *model), *model)));
+                self.set_slot(*slot, Some((patcher_for(arc, *model, self.device), *model)));
             }
             Op::Clone { from, to } => {
                 if let Some((p, m)) = self.patcher(*from) {
@@ -592,10 +633,10 @@ impl World {
                 let before = self.snapshot_after_cleanup();
                 let plan = self.mm.plan(&req, options);
                 if let Some(k) = fault {
-                    fault::fail_after(*k);
+                    self.arm(*k);
                 }
                 let r = self.mm.load_models_gpu(&req, options);
-                fault::disarm();
+                self.disarm();
                 match r {
                     Ok(report) => {
                         let plan = plan.unwrap();
@@ -691,7 +732,9 @@ impl World {
                     .collect();
                 let keep_refs: Vec<&ModelPatcher> = keep.iter().collect();
                 self.cleanup();
-                let ev = self.mm.free_memory(ByteSize::kib(*kib), CPU, &keep_refs);
+                let ev = self
+                    .mm
+                    .free_memory(ByteSize::kib(*kib), self.device, &keep_refs);
                 for e in &ev {
                     prop_assert!(
                         !keep.iter().any(|p| p.model().id() == e.model_id),
@@ -721,10 +764,10 @@ impl World {
                 let expected = reference_forward(&p, m);
                 let before = self.snapshot();
                 if let Some(k) = fault {
-                    fault::fail_after(*k);
+                    self.arm(*k);
                 }
                 let got = forward(&p, m);
-                fault::disarm();
+                self.disarm();
                 match got {
                     Ok(bits) => prop_assert!(bits == expected, "{}: streamed != resident", ctx()),
                     Err(e) => {
@@ -735,9 +778,52 @@ impl World {
             }
             Op::PartialUnload { slot, kib } => {
                 if let Some((p, _)) = self.patcher(*slot) {
-                    p.partially_unload(CPU, ByteSize::kib(*kib));
+                    p.partially_unload(self.device, ByteSize::kib(*kib));
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Arms fault `k`: the k-th weight materialization on this thread fails; on a simulated GPU,
+    /// odd `k` instead fails the next device allocation, copy or event record (by `k`).
+    fn arm(&self, k: u64) {
+        match &self.sim {
+            Some(sim) if k % 2 == 1 => {
+                use crate::device::SimFault;
+                let kind =
+                    [SimFault::Alloc, SimFault::Copy, SimFault::Record][(k / 2 % 3) as usize];
+                sim.inject(kind, 0);
+            }
+            Some(_) => fault::fail_after(k / 2),
+            None => fault::fail_after(k),
+        }
+    }
+
+    fn disarm(&self) {
+        fault::disarm();
+        if let Some(sim) = &self.sim {
+            sim.disarm();
+        }
+    }
+
+    /// After the case: every handle dropped and every model unloaded, a simulated GPU has
+    /// nothing left allocated or page-locked, and its checker is clean.
+    fn finish(mut self) -> Result<(), TestCaseError> {
+        for s in self.slots.iter_mut() {
+            *s = None;
+        }
+        self.mm.unload_all_models();
+        self.mm.cleanup_models();
+        self.settle();
+        if let Some(sim) = &self.sim {
+            prop_assert!(
+                sim.check().is_ok(),
+                "at the end: {}",
+                sim.check().unwrap_err()
+            );
+            let leaks = sim.leaks();
+            prop_assert!(leaks.is_empty(), "at the end: {:?}", leaks);
         }
         Ok(())
     }
@@ -760,19 +846,23 @@ proptest! {
     #[test]
     fn the_ledger_never_lies_and_failed_calls_change_nothing(
         budget_kib in prop_oneof![Just(12u64), Just(24), Just(40), Just(64), Just(128)],
-        lanes in 0..3usize,
+        lanes in 0..5usize,
         depth in 0..3usize,
         host_kib in prop_oneof![2 => Just(None), 1 => Just(Some(8u64)), 1 => Just(Some(16)), 1 => Just(Some(64))],
+        sim in prop::option::of((0..40u64, any::<u64>())),
         ops in prop::collection::vec(op(), 50..200),
     ) {
-        // Only the slots (and the registry) hold the models.
-        let mut world = World::new(budget_kib, lanes, depth, host_kib);
+        // The budgeted CPU with 0–2 lanes, or a simulated GPU with 0–4 lanes, random copy
+        // latencies and driver faults. Only the slots (and the registry) hold the models.
+        let lanes = if sim.is_some() { lanes } else { lanes % 3 };
+        let mut world = World::new(budget_kib, lanes, depth, host_kib, sim);
         for (step, op) in ops.iter().enumerate() {
             world.step(step, op)?;
             world.settle();
             world.check(step, op)?;
         }
-        fault::disarm();
+        world.disarm();
+        world.finish()?;
     }
 }
 

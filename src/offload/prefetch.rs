@@ -178,10 +178,22 @@ impl Streamer {
         };
         let stats = self.engine.stats();
         let weight = match found {
-            Some(f) => {
-                stats.hit();
-                f.pending.wait()?
-            }
+            Some(f) => match f.pending.wait() {
+                Ok(t) => {
+                    stats.hit();
+                    t
+                }
+                // A failed prefetch (a lane's copy or allocation failed) costs time, never the
+                // forward: the weight is fetched now, on this thread.
+                Err(e) => {
+                    tracing::debug!(error = %e, weight = index, "a prefetch failed; fetching now");
+                    stats.miss();
+                    let t0 = std::time::Instant::now();
+                    let t = self.engine.fetch_now(patcher, index)?;
+                    stats.waited(t0.elapsed().as_nanos() as u64);
+                    t
+                }
+            },
             None => {
                 stats.miss();
                 let t0 = std::time::Instant::now();

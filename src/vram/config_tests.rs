@@ -10,6 +10,7 @@ fn every_flag_parses() {
                 let v = match flag {
                     "--reserve-vram" => "1.5",
                     "--cuda-device" => "1",
+                    "--sim-gpus" => "2x4GiB",
                     _ => "4GiB",
                 };
                 vec![flag.into(), v.into()]

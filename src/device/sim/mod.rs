@@ -137,6 +137,36 @@ pub struct SimGpu {
     jitter: AtomicU64,
     default_stream: Mutex<Option<SimStream>>,
     me: Weak<SimGpu>,
+    copies: AtomicU64,
+    copied_bytes: AtomicU64,
+    copy_ns: AtomicU64,
+    waited_ns: AtomicU64,
+}
+
+/// What a simulated GPU did: copies, their modelled time, and how long compute waited for them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct SimStats {
+    /// Host→device copies executed.
+    pub copies: u64,
+    /// Bytes they moved.
+    pub bytes: ByteSize,
+    /// Time the streams spent copying (the modelled durations, as slept).
+    pub copy_ns: u64,
+    /// Time compute waited for copies (its waits on copy events).
+    pub compute_waited_ns: u64,
+    /// Checker findings so far.
+    pub violations: usize,
+}
+
+impl SimStats {
+    /// The share of copy time that compute did not wait for (hidden behind compute), 0 to 1.
+    pub fn hidden(&self) -> f64 {
+        if self.copy_ns == 0 {
+            return 1.0;
+        }
+        1.0 - (self.compute_waited_ns as f64 / self.copy_ns as f64).min(1.0)
+    }
 }
 
 impl fmt::Debug for SimGpu {
@@ -161,6 +191,10 @@ impl SimGpu {
             jitter: AtomicU64::new(spec.jitter_seed.unwrap_or(0)),
             default_stream: Mutex::new(None),
             me: me.clone(),
+            copies: AtomicU64::new(0),
+            copied_bytes: AtomicU64::new(0),
+            copy_ns: AtomicU64::new(0),
+            waited_ns: AtomicU64::new(0),
         })
     }
 
@@ -195,6 +229,29 @@ impl SimGpu {
             .collect();
         v.sort_unstable();
         v
+    }
+
+    /// What the device did so far.
+    pub fn stats(&self) -> SimStats {
+        SimStats {
+            copies: self.copies.load(Ordering::Relaxed),
+            bytes: ByteSize(self.copied_bytes.load(Ordering::Relaxed)),
+            copy_ns: self.copy_ns.load(Ordering::Relaxed),
+            compute_waited_ns: self.waited_ns.load(Ordering::Relaxed),
+            violations: self.state.lock().violations.len(),
+        }
+    }
+
+    pub(crate) fn note_copy(&self, bytes: usize, took: Duration) {
+        self.copies.fetch_add(1, Ordering::Relaxed);
+        self.copied_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.copy_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn note_compute_wait(&self, took: Duration) {
+        self.waited_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Makes the `k`-th call of kind `fault` from now (0 = the next) fail, once.

@@ -252,6 +252,7 @@ impl Core {
     fn execute(&self, op: Op) {
         match op {
             Op::Copy { src, dst, time } => {
+                let t0 = std::time::Instant::now();
                 std::thread::sleep(time);
                 match &src {
                     Src::Locked { addr, range, keep } => {
@@ -289,6 +290,9 @@ impl Core {
                             )
                         };
                     }
+                }
+                if let Some(gpu) = self.gpu.upgrade() {
+                    gpu.note_copy(dst.len, t0.elapsed());
                 }
                 *dst.pending.lock() -= 1;
                 dst.written.notify_all();
