@@ -4,6 +4,10 @@
 //!
 //! Limits measured in the same run: the fully resident forward (the floor a streamed forward can
 //! reach) and the synchronous streamed forward (no lanes: the naive way).
+//!
+//! Then the same on a simulated GPU with PCIe 4.0 x16's bandwidth (`--sim-gpu 8GiB@25GB/s`) and
+//! this CPU's real compute, with 0, 1 and 2 lanes (prefetch 2): streamed / resident, and the
+//! share of the modelled copy time compute did not wait for (the sim counts both).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,12 +63,23 @@ fn model(width: usize) -> Model {
 struct Setup {
     patcher: ModelPatcher,
     width: usize,
-    _mm: MemoryManager,
+    mm: MemoryManager,
 }
 
 /// A manager and a model of its own (residency is per model, so setups never share one).
 fn setup(t: &Target, budget: Option<ByteSize>, lanes: usize, depth: usize) -> Setup {
+    setup_with(t, budget, lanes, depth, &[])
+}
+
+fn setup_with(
+    t: &Target,
+    budget: Option<ByteSize>,
+    lanes: usize,
+    depth: usize,
+    extra: &[&str],
+) -> Setup {
     let mut args = vec!["--reserve-vram".to_string(), "0".to_string()];
+    args.extend(extra.iter().map(|s| s.to_string()));
     match budget {
         Some(b) => args.extend(["--vram-budget".to_string(), b.bytes().to_string()]),
         None => args.extend([
@@ -85,7 +100,7 @@ fn setup(t: &Target, budget: Option<ByteSize>, lanes: usize, depth: usize) -> Se
     let s = Setup {
         patcher: p,
         width: t.width,
-        _mm: mm,
+        mm,
     };
     forward(&s, 1); // records the order
     s
@@ -195,5 +210,71 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// The offload bench on a simulated GPU at 25 GB/s: the CPU computes, the sim's streams model the
+/// bus, so the ratio shows how much of the transfer lanes and prefetch hide.
+fn bench_sim(_: &mut Criterion) {
+    let t = Target {
+        device: DeviceId::Sim(0),
+        hardware: Hardware::cpu_only(ByteSize::gib(16)),
+        width: 1024,
+        batches: [256, 8],
+    };
+    let sim = ["--sim-gpu", "8GiB@25GB/s"];
+    let model_f32 = ByteSize((LAYERS * t.width * t.width * 4) as u64);
+    let budget = ByteSize(model_f32.bytes() / 4);
+    let resident = setup_with(&t, None, 2, 2, &sim);
+    let streamed: Vec<Setup> = [0, 1, 2]
+        .iter()
+        .map(|&lanes| setup_with(&t, Some(budget), lanes, 2, &sim))
+        .collect();
+    for batch in t.batches {
+        let rounds = if batch == 256 { 7 } else { 21 };
+        let mut samples = vec![Vec::with_capacity(rounds); 4];
+        let before: Vec<_> = streamed.iter().map(sim_stats).collect();
+        for _ in 0..rounds {
+            samples[0].push(time(&resident, batch, 1));
+            for (s, out) in streamed.iter().zip(samples[1..].iter_mut()) {
+                out.push(time(s, batch, 1));
+            }
+        }
+        let median = |v: &mut Vec<Duration>| {
+            v.sort();
+            v[v.len() / 2]
+        };
+        let medians: Vec<Duration> = samples.iter_mut().map(median).collect();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        println!();
+        println!("offload summary on a simulated GPU at 25 GB/s ({LAYERS} layers of 1024x1024 bf16, batch {batch}, budget {budget} = 1/4 of {model_f32} f32, median of {rounds} interleaved rounds):");
+        println!(
+            "  resident forward (limit)          {:>8.2} ms",
+            ms(medians[0])
+        );
+        for (i, s) in streamed.iter().enumerate() {
+            let after = sim_stats(s);
+            let copy_ms = (after.copy_ns - before[i].copy_ns) as f64 / 1e6 / rounds as f64;
+            let wait_ms = (after.compute_waited_ns - before[i].compute_waited_ns) as f64
+                / 1e6
+                / rounds as f64;
+            let hidden = if copy_ms > 0.0 {
+                (1.0 - wait_ms / copy_ms).max(0.0)
+            } else {
+                1.0
+            };
+            println!(
+                "  streamed, {i} lane(s), prefetch 2   {:>8.2} ms  ratio {:.2}  copies {:.2} ms/forward, compute waited {:.2} ms: {:.0}% hidden",
+                ms(medians[i + 1]),
+                medians[i + 1].as_secs_f64() / medians[0].as_secs_f64(),
+                copy_ms,
+                wait_ms,
+                hidden * 100.0
+            );
+        }
+    }
+}
+
+fn sim_stats(s: &Setup) -> residency::device::SimStats {
+    s.mm.transfer_engine().devices().sims()[0].stats()
+}
+
+criterion_group!(benches, bench, bench_sim);
 criterion_main!(benches);

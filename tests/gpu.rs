@@ -374,4 +374,28 @@ mod cuda {
             "freed memory went back to the driver: before {before}, during {during}, after {after}"
         );
     }
+
+    #[test]
+    fn an_input_on_another_device_than_the_weights_is_an_error_naming_both() {
+        let Some(_) = gpu0("an_input_on_another_device_than_the_weights_is_an_error_naming_both")
+        else {
+            return;
+        };
+        use residency::ops::{OpsBuilder, OpsMode};
+        use residency::patcher::ModelPatcher;
+        use residency::weights::Model;
+        let w = Tensor::ones((4, 4), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        let model = Model::from_tensors("net", [("proj.weight", w)]).unwrap();
+        let p = ModelPatcher::new(std::sync::Arc::new(model), DeviceId::Cpu, DeviceId::Cpu);
+        let layer = OpsBuilder::new(&p, OpsMode::DisableWeightInit)
+            .linear("proj", false)
+            .unwrap();
+        let dev = DeviceId::Cuda(0).to_candle().unwrap();
+        let x = Tensor::ones((1, 4), candle_core::DType::F32, &dev).unwrap();
+        let e = layer.try_forward(&x).unwrap_err().to_string();
+        assert!(
+            e.contains("Cuda") && e.contains("Cpu") && e.contains("proj.weight"),
+            "{e}"
+        );
+    }
 }

@@ -369,7 +369,7 @@ impl Kernel<'_> {
 /// against the `cols` keys of `keys` (`cols · d` values, row-major), through `gemm`.
 fn score_tile(q: &[f32], keys: &[f32], d: usize, cols: usize, scores: &mut [f32]) {
     let rows = scores.len() / cols.max(1);
-    assert!(q.len() >= rows * d && keys.len() >= cols * d);
+    assert!(q.len() >= rows.saturating_mul(d) && keys.len() >= cols.saturating_mul(d));
     // SAFETY: `gemm` reads `rows × d` values of `q` (row stride d, column stride 1), `d × cols`
     // of the transposed key tile (`keys`, `cols × d` values, read with row stride 1 and column
     // stride d) and writes `rows × cols` values of `scores` (row stride `cols`), all in bounds
@@ -405,7 +405,7 @@ fn score_tile(q: &[f32], keys: &[f32], d: usize, cols: usize, scores: &mut [f32]
 /// `values`, through `gemm`.
 fn value_tile(p: &[f32], cols: usize, values: &[f32], dv: usize, first: bool, acc: &mut [f32]) {
     let rows = acc.len() / dv.max(1);
-    assert!(p.len() >= rows * cols && values.len() >= cols * dv);
+    assert!(p.len() >= rows.saturating_mul(cols) && values.len() >= cols.saturating_mul(dv));
     // SAFETY: `gemm` reads `rows × cols` probabilities of `p` (row stride `cols`), `cols × dv`
     // values (row stride dv) and reads and writes `rows × dv` values of `acc` (row stride dv),
     // all in bounds (checked above); `acc` is the worker's own buffer and overlaps neither

@@ -184,6 +184,7 @@ pub fn attention_with_stats(
     let (_, _, _, dv) = v4.dims4()?;
     check_shape("attention k", &[b, h, nk, d], k4.dims())?;
     check_shape("attention v", &[b, h, nk, dv], v4.dims())?;
+    check_addressable(b, h, nq, nk, d, dv)?;
     let mask = mask.map(|m| Mask::new(m, [b, h, nq, nk])).transpose()?;
 
     if nq == 0 || nk == 0 {
@@ -225,6 +226,38 @@ pub fn attention_with_stats(
         peak_temporary: ByteSize(scratch.peak),
     };
     Ok((out, stats))
+}
+
+/// Refuses shapes whose element counts, or the byte sizes of the kernels' buffers (the packed
+/// keys, the scores of a whole head), do not fit in an address space: candle accepts shapes whose
+/// element count wraps, and the kernels' length checks must never pass by wrapping (F3).
+fn check_addressable(b: usize, h: usize, nq: usize, nk: usize, d: usize, dv: usize) -> Result<()> {
+    let bh = b.checked_mul(h);
+    let count = |rows: usize, cols: usize| {
+        bh.and_then(|bh| bh.checked_mul(rows))
+            .and_then(|n| n.checked_mul(cols))
+            .and_then(|n| n.checked_mul(8))
+            .filter(|&bytes| bytes <= isize::MAX as usize)
+    };
+    let panels = nk.div_ceil(products::PANEL).checked_mul(products::PANEL);
+    let sizes = [
+        count(nq, d),
+        count(nk, d),
+        count(nk, dv),
+        count(nq, dv),
+        count(nq, nk),
+        panels.and_then(|p| count(p, d)),
+    ];
+    if sizes.iter().any(Option::is_none) {
+        return Err(Error::ShapeMismatch {
+            what: format!(
+                "attention: batch {b} × heads {h} × queries {nq} / keys {nk} × head size {d} (values {dv}) has more elements than memory can address"
+            ),
+            expected: Vec::new(),
+            got: vec![b, h, nq, nk, d, dv],
+        });
+    }
+    Ok(())
 }
 
 fn check_shape(what: &str, expected: &[usize], got: &[usize]) -> Result<()> {

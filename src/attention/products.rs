@@ -75,8 +75,10 @@ fn portable_forced() -> bool {
 }
 
 /// Length of the packed copy of `nk` keys of `d` values: whole panels, zero-padded.
+/// Saturates at `usize::MAX` (shapes that large are refused at [`super::attention`]'s entry), so
+/// a length check against it can never pass by wrapping.
 pub(super) fn packed_len(nk: usize, d: usize) -> usize {
-    nk.div_ceil(PANEL) * PANEL * d
+    nk.div_ceil(PANEL).saturating_mul(PANEL).saturating_mul(d)
 }
 
 /// Packs one head's keys (`[nk, d]`, row-major) into `out` ([`packed_len`] values) as panels of
@@ -124,7 +126,7 @@ impl Avx512 {
         scores: &mut [f32],
     ) {
         let rows = scores.len() / cols.max(1);
-        assert!(q.len() >= rows * d && panels.len() >= packed_len(cols, d));
+        assert!(q.len() >= rows.saturating_mul(d) && panels.len() >= packed_len(cols, d));
         assert_eq!(scores.len(), rows * cols);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `self` proves AVX-512F; the lengths were just checked.
@@ -152,8 +154,12 @@ impl Avx512 {
         acc: &mut [f32],
     ) {
         let rows = acc.len() / dv.max(1);
-        assert!(p.len() >= rows * cols && v.len() >= cols * dv && alpha.len() >= rows);
-        assert_eq!(acc.len(), rows * dv);
+        assert!(
+            p.len() >= rows.saturating_mul(cols)
+                && v.len() >= cols.saturating_mul(dv)
+                && alpha.len() >= rows
+        );
+        assert_eq!(acc.len(), rows.saturating_mul(dv));
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `self` proves AVX-512F; the lengths were just checked.
         unsafe {

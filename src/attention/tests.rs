@@ -920,3 +920,26 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn shapes_too_large_to_address_are_refused_before_any_kernel() {
+    // F3: the kernels' length checks multiply sizes; a shape whose element count wraps must be
+    // refused at the entry, never reach them.
+    assert!(super::check_addressable(1, 8, 4096, 4096, 64, 64).is_ok());
+    let huge = 1usize << 40;
+    for (b, h, nq, nk, d, dv) in [
+        (huge, huge, 1, 1, 1, 1),
+        (1, 1, huge, 1, huge, 1),
+        (1, 1, 1, huge, huge, 1),
+        (1, 1, huge, huge, 1, 1),
+        (1, 1, 1, usize::MAX - 3, 1, 1),
+    ] {
+        let e = super::check_addressable(b, h, nq, nk, d, dv).unwrap_err();
+        assert!(e.to_string().contains("address"), "{e}");
+    }
+    assert_eq!(
+        super::products::packed_len(usize::MAX, 64),
+        usize::MAX,
+        "saturates"
+    );
+}

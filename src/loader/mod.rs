@@ -214,14 +214,24 @@ impl MemoryManager {
                 None => PinnedPool::aligned(limit),
             })
         };
-        let host = host_tier(&policy, compute_gpu);
+        let host = host_tier(&policy, compute_gpu.clone());
+        let mut lanes = config.transfer_lanes_for(policy.compute_device());
+        if let Some(crate::device::Gpu::Cuda(ctx)) = &compute_gpu {
+            // A weight a lane copies is allocated on the lane's stream and freed by compute on
+            // another: that is ordered only while cudarc tracks events, which an engine can turn
+            // off through candle. Without it, lanes would free memory under running kernels.
+            if lanes > 0 && !ctx.is_event_tracking() {
+                tracing::warn!(
+                    lanes,
+                    "cudarc event tracking is off in candle's CUDA context; transfers run on the compute stream (no lanes)"
+                );
+                lanes = 0;
+            }
+        }
         let engine = Arc::new(
-            TransferEngine::new(
-                config.transfer_lanes_for(policy.compute_device()),
-                pool.clone(),
-            )
-            .with_host_tier(host.clone())
-            .with_devices(devices),
+            TransferEngine::new(lanes, pool.clone())
+                .with_host_tier(host.clone())
+                .with_devices(devices),
         );
         let ledger = Arc::new(Ledger::default());
         MemoryManager {

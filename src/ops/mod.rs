@@ -355,19 +355,28 @@ fn cast_step(patcher: &ModelPatcher, w: &WeightRef, t: Tensor, mode: OpsMode) ->
     })
 }
 
-/// Steps 3 and 4: move to `device`, run the weight wrappers.
+/// Steps 3 and 4: check the weight is on the input's device, run the weight wrappers. An input
+/// on another device than the model's weights is an error naming both (moving every weight to
+/// the input at every layer would silently copy the model at each forward).
 fn move_and_wrap(
     patcher: &ModelPatcher,
     w: &WeightRef,
     t: Tensor,
     device: &Device,
 ) -> Result<Tensor> {
-    let t = if t.device().same_device(device) {
-        t
-    } else {
-        t.to_device(device)
-            .map_err(|e| Error::tensor(format!("moving `{}` to the input's device", w.key), e))?
-    };
+    if !t.device().same_device(device) {
+        return Err(Error::Device {
+            device: format!("{:?}", device.location()),
+            reason: format!(
+                "the input is on {:?} but `{}` of `{}` is on {:?} (the model's load device is {}): move the input to the model's device",
+                device.location(),
+                w.key,
+                patcher.model().name(),
+                t.device().location(),
+                patcher.load_device()
+            ),
+        });
+    }
     let mut t = t;
     for wrap in patcher.weight_wrappers(&w.key) {
         t = wrap(t)?;
