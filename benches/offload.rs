@@ -229,7 +229,7 @@ fn bench_sim(_: &mut Criterion) {
         .collect();
     for batch in t.batches {
         let rounds = if batch == 256 { 7 } else { 21 };
-        let mut samples = vec![Vec::with_capacity(rounds); 4];
+        let mut samples: Vec<Vec<Duration>> = (0..4).map(|_| Vec::with_capacity(rounds)).collect();
         let before: Vec<_> = streamed.iter().map(sim_stats).collect();
         for _ in 0..rounds {
             samples[0].push(time(&resident, batch, 1));

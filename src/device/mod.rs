@@ -413,7 +413,7 @@ impl HostBuffer {
     }
 }
 
-/// Device memory for one weight, filled by [`Stream::copy_htod`].
+/// Device memory for one weight, filled by a host→device copy on a stream ([`copy_to_device`](crate::offload::copy_to_device)).
 pub enum DeviceBuffer {
     /// A cudarc allocation, typed as candle stores the dtype.
     Cuda(cuda::CudaBuffer),

@@ -318,6 +318,13 @@ pub(crate) enum Arrived {
         gpu: Gpu,
         cast: Option<(Dtype, Dtype)>,
     },
+    /// Built by a kernel queued on the copy's stream (the sim's cast after a copy): ready once
+    /// `ready` completed.
+    Built {
+        slot: Arc<Mutex<Option<Result<Tensor>>>>,
+        ready: crate::device::Event,
+        gpu: Gpu,
+    },
 }
 
 impl Arrived {
@@ -328,6 +335,16 @@ impl Arrived {
     fn into_tensor(self) -> Result<Tensor> {
         match self {
             Arrived::Complete(t) => Ok(t),
+            Arrived::Built { slot, ready, gpu } => {
+                gpu.compute_wait(&ready)?;
+                let built = slot.lock().take();
+                built.unwrap_or_else(|| {
+                    Err(Error::Device {
+                        device: gpu.id().to_string(),
+                        reason: "a kernel's result was missing after its event completed".into(),
+                    })
+                })
+            }
             Arrived::OnDevice { copied, gpu, cast } => {
                 gpu.compute_wait(&copied.ready)?;
                 let t = copied.buffer.into_tensor(&copied.shape)?;
@@ -432,9 +449,25 @@ fn stream_weight(
     };
     let copied =
         upload::upload(&host, &stream, route.pool, route.stats, pin.as_deref()).map_err(named)?;
-    Ok(Arrived::OnDevice {
-        copied,
-        gpu,
-        cast: cast_after_copy.map(|to| (slot.dtype(), to)),
-    })
+    let cast = cast_after_copy.map(|to| (slot.dtype(), to));
+    if let (Stream::Sim(sim_stream), Some((from, to))) = (&stream, cast) {
+        // The widening cast as a kernel on the copy's stream, after the copy (a GPU runs it on
+        // the device; the sim's stream worker stands in for it), so compute only waits.
+        let built = Arc::new(Mutex::new(None));
+        let out = Arc::clone(&built);
+        let Copied { buffer, shape, .. } = copied;
+        sim_stream.launch(move || {
+            let r = buffer
+                .into_tensor(&shape)
+                .and_then(|t| crate::patcher::cast_weight(&t, from, to));
+            *out.lock() = Some(r);
+        });
+        let ready = stream.record_event()?;
+        return Ok(Arrived::Built {
+            slot: built,
+            ready,
+            gpu,
+        });
+    }
+    Ok(Arrived::OnDevice { copied, gpu, cast })
 }

@@ -30,7 +30,7 @@ pub fn copy_to_device<T: bytemuck::NoUninit>(
     pool: Option<&PinnedPool>,
 ) -> Result<DeviceBuffer> {
     let bytes: &[u8] = bytemuck::cast_slice(src);
-    if bytes.len() % dtype.size_in_bytes() != 0 {
+    if !bytes.len().is_multiple_of(dtype.size_in_bytes()) {
         return Err(Error::Device {
             device: stream.device().to_string(),
             reason: format!(
@@ -43,8 +43,9 @@ pub fn copy_to_device<T: bytemuck::NoUninit>(
 }
 
 /// [`copy_to_device`] of bytes, counted in `stats`; when `pinned` covers `src` (a host copy
-/// page-locked in place for this device), the copy is a DMA straight from `src`, and `pinned`
-/// records it so that unlocking waits for it.
+/// page-locked in place), the copy runs straight from `src` and `pinned` records it so that
+/// unlocking waits for it — whatever the device: CUDA registers pins for every context
+/// (portable), so a copy to another GPU is a DMA from them too, and must be waited for as well.
 fn copy_counted(
     src: &[u8],
     dtype: DType,
@@ -57,13 +58,13 @@ fn copy_counted(
     let count = |counter: &std::sync::atomic::AtomicU64| {
         counter.fetch_add(src.len() as u64, Ordering::Relaxed);
     };
-    if let Some(p) = pinned.filter(|p| p.covers(src) && p.gpu().id() == stream.device()) {
+    if let Some(p) = pinned.filter(|p| p.covers(src)) {
         // SAFETY: `src` lies in memory page-locked by `p`, which waits on every copy it recorded
         // before unlocking or releasing it; this copy is recorded right below (a failed record
         // waits for the stream first).
         unsafe { stream.copy_htod(src, &mut dst) }?;
         p.record_copy(stream)?;
-        if let Some(stats) = stats {
+        if let Some(stats) = stats.filter(|_| p.gpu().id() == stream.device()) {
             count(&stats.direct);
         }
         return Ok(dst);

@@ -114,8 +114,7 @@ fn allocating_beyond_the_capacity_is_a_retryable_out_of_memory() {
     let a = buffer(&s, 6 * 1024);
     let err = s
         .alloc(DType::F32, 1024)
-        .err()
-        .expect("4 KiB more does not fit");
+        .expect_err("4 KiB more does not fit");
     assert!(err.is_retryable(), "{err}");
     assert!(matches!(err, Error::OutOfMemory { required, .. } if required == ByteSize::kib(4)));
     assert_eq!(g.used(), ByteSize::kib(6));
