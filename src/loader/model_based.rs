@@ -24,8 +24,9 @@
 //! host tier (the disk tier): then after every step the host ledger also equals the bytes of the
 //! host copies it holds, summed copy by copy, and it and its peak stay within the host budget.
 //!
-//! Half the cases run on a simulated GPU (`sim:0`, [`crate::device::SimGpu`]) instead of the CPU:
-//! 0–4 lanes, copy latencies and jitter from the case's seed, and faults injected into device
+//! Half the cases run on simulated GPUs ([`crate::device::SimGpu`]) instead of the CPU — one
+//! (`sim:0`), or two with model 0 on `sim:0` and model 1 on `sim:1`, each with its own ledger and
+//! budget checked as above, loads spanning both — with 0–4 lanes, copy latencies and jitter from the case's seed, and faults injected into device
 //! allocations, copies and event records as well as materializations. There the sim's checker
 //! must be clean after every step, and at the end of the case (every handle dropped, every model
 //! unloaded) nothing may be left allocated or page-locked on it.
@@ -244,13 +245,15 @@ struct World {
     /// With a host budget: the folder the models' files are in (read lazily from there).
     files: Option<tempfile::TempDir>,
     host_budget: Option<ByteSize>,
-    /// Where the models compute: the budgeted CPU, or a simulated GPU (`sim`).
-    device: DeviceId,
-    sim: Option<Arc<crate::device::SimGpu>>,
+    /// Where each model computes: the budgeted CPU, or simulated GPUs (`sims`): model 0 on
+    /// `sim:0`, model 1 on `sim:1` when the case has two.
+    devices: [DeviceId; 2],
+    sims: Vec<Arc<crate::device::SimGpu>>,
 }
 
-/// A simulated GPU for a case: each copy's fixed cost in µs and the seed of its jitter.
-type SimCase = Option<(u64, u64)>;
+/// Simulated GPUs for a case: how many (1 or 2), each copy's fixed cost in µs and the seed of its
+/// jitter.
+type SimCase = Option<(usize, u64, u64)>;
 
 impl World {
     fn new(
@@ -275,16 +278,21 @@ impl World {
             .unwrap()
             .with_transfer_lanes(lanes)
             .with_prefetch_depth(depth);
-        if let Some((latency_us, seed)) = sim {
-            config = config.with_sim_gpu(
-                crate::vram::SimSpec::new(ByteSize::kib(budget_kib))
-                    .with_latency(std::time::Duration::from_micros(latency_us))
-                    .with_jitter(seed),
-            );
+        if let Some((count, latency_us, seed)) = sim {
+            for i in 0..count {
+                config = config.with_sim_gpu(
+                    crate::vram::SimSpec::new(ByteSize::kib(budget_kib))
+                        .with_latency(std::time::Duration::from_micros(latency_us))
+                        .with_jitter(seed.wrapping_add(i as u64)),
+                );
+            }
         }
         let mm = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(8))).unwrap();
-        let device = mm.compute_device();
-        let sim = mm.transfer_engine().devices().sims().first().cloned();
+        let sims = mm.transfer_engine().devices().sims().to_vec();
+        let devices = match sims.len() {
+            2 => [DeviceId::Sim(0), DeviceId::Sim(1)],
+            _ => [mm.compute_device(); 2],
+        };
         let files = host_kib.map(|_| {
             let dir = tempfile::tempdir().unwrap();
             for m in 0..2 {
@@ -307,8 +315,8 @@ impl World {
             ids: [0; 2],
             files,
             host_budget: host_kib.map(ByteSize::kib),
-            device,
-            sim,
+            devices,
+            sims,
         };
         let models = [Arc::new(world.read(0)), Arc::new(world.read(1))];
         for (m, model) in models.iter().enumerate() {
@@ -317,7 +325,7 @@ impl World {
             world.checksums[m] = model.clean_checksum().unwrap();
         }
         for (m, model) in models.into_iter().enumerate() {
-            world.slots[m] = Some((patcher_for(model, m, world.device), m));
+            world.slots[m] = Some((patcher_for(model, m, world.devices[m]), m));
         }
         world
     }
@@ -392,8 +400,11 @@ impl World {
             // Cached casts are a cache: a failed load may have dropped them for room.
             ledger: self
                 .mm
-                .ledger(self.device)
-                .saturating_sub(self.mm.ledger.cached(self.device)),
+                .ledger(self.devices[0])
+                .saturating_sub(self.mm.ledger.cached(self.devices[0]))
+                .saturating_add(self.second_device().map_or(ByteSize::ZERO, |d| {
+                    self.mm.ledger(d).saturating_sub(self.mm.ledger.cached(d))
+                })),
         }
     }
 
@@ -433,27 +444,32 @@ impl World {
 
     fn check(&self, step: usize, op: &Op) -> Result<(), TestCaseError> {
         let ctx = || format!("after step {step}: {op:?}");
-        // I2, counted slot by slot.
-        let mut resident = ByteSize::ZERO;
+        // I2, counted slot by slot, per device.
+        let mut resident = [ByteSize::ZERO; 2];
         let loaded = self.mm.loaded_models();
         for m in 0..2 {
             let Some(model) = self.live(m) else { continue };
-            let bytes: ByteSize = (0..model.len())
-                .map(|i| match model.residency_of(i) {
-                    Some(SlotResidency::Resident { device, bytes, .. })
-                        if device == self.device =>
-                    {
-                        bytes
-                    }
-                    _ => ByteSize::ZERO,
-                })
-                .sum();
+            let mut on = [ByteSize::ZERO; 2];
+            for i in 0..model.len() {
+                if let Some(SlotResidency::Resident { device, bytes, .. }) = model.residency_of(i) {
+                    let d = usize::from(Some(device) == self.second_device());
+                    prop_assert!(
+                        device == self.devices[d],
+                        "{}: m{} resident on {}",
+                        ctx(),
+                        m,
+                        device
+                    );
+                    on[d] = on[d].saturating_add(bytes);
+                }
+            }
             let registered = loaded.iter().any(|e| e.model_id == model.id());
             if registered {
-                resident = resident.saturating_add(bytes);
+                resident[0] = resident[0].saturating_add(on[0]);
+                resident[1] = resident[1].saturating_add(on[1]);
             } else {
                 prop_assert_eq!(
-                    bytes,
+                    on[0].saturating_add(on[1]),
                     ByteSize::ZERO,
                     "{}: unregistered model m{} holds copies",
                     ctx(),
@@ -468,31 +484,40 @@ impl World {
                 ctx()
             );
         }
-        let ledger = self.mm.ledger(self.device);
-        prop_assert_eq!(
-            ledger,
-            resident
-                .saturating_add(self.mm.ledger.in_flight(self.device))
-                .saturating_add(self.mm.ledger.cached(self.device)),
-            "{}",
-            ctx()
-        );
-        prop_assert!(
-            ledger <= self.budget,
-            "{}: ledger {} over {}",
-            ctx(),
-            ledger,
-            self.budget
-        );
-        prop_assert!(
-            self.mm.peak_ledger(self.device) <= self.budget,
-            "{}: peak {}",
-            ctx(),
-            self.mm.peak_ledger(self.device)
-        );
-        // The simulated GPU's checker: no memory used before its copy, unlocked, freed or
+        let devices = match self.second_device() {
+            Some(d) => vec![self.devices[0], d],
+            None => vec![self.devices[0]],
+        };
+        for (d, &device) in devices.iter().enumerate() {
+            let ledger = self.mm.ledger(device);
+            prop_assert_eq!(
+                ledger,
+                resident[d]
+                    .saturating_add(self.mm.ledger.in_flight(device))
+                    .saturating_add(self.mm.ledger.cached(device)),
+                "{} on {}",
+                ctx(),
+                device
+            );
+            prop_assert!(
+                ledger <= self.budget,
+                "{}: {} ledger {} over {}",
+                ctx(),
+                device,
+                ledger,
+                self.budget
+            );
+            prop_assert!(
+                self.mm.peak_ledger(device) <= self.budget,
+                "{}: {} peak {}",
+                ctx(),
+                device,
+                self.mm.peak_ledger(device)
+            );
+        }
+        // The simulated GPUs' checkers: no memory used before its copy, unlocked, freed or
         // rewritten under one.
-        if let Some(sim) = &self.sim {
+        for sim in &self.sims {
             prop_assert!(
                 sim.check().is_ok(),
                 "{}: {}",
@@ -538,7 +563,8 @@ impl World {
                         arc
                     }
                 };
-                self.set_slot(*slot, Some((patcher_for(arc, *model, self.device), *model)));
+                let device = self.devices[*model];
+                self.set_slot(*slot, Some((patcher_for(arc, *model, device), *model)));
             }
             Op::Clone { from, to } => {
                 if let Some((p, m)) = self.patcher(*from) {
@@ -732,9 +758,11 @@ impl World {
                     .collect();
                 let keep_refs: Vec<&ModelPatcher> = keep.iter().collect();
                 self.cleanup();
-                let ev = self
-                    .mm
-                    .free_memory(ByteSize::kib(*kib), self.device, &keep_refs);
+                let ev = self.mm.free_memory(
+                    ByteSize::kib(*kib),
+                    self.devices[*kib as usize % 2],
+                    &keep_refs,
+                );
                 for e in &ev {
                     prop_assert!(
                         !keep.iter().any(|p| p.model().id() == e.model_id),
@@ -778,7 +806,7 @@ impl World {
             }
             Op::PartialUnload { slot, kib } => {
                 if let Some((p, _)) = self.patcher(*slot) {
-                    p.partially_unload(self.device, ByteSize::kib(*kib));
+                    p.partially_unload(p.load_device(), ByteSize::kib(*kib));
                 }
             }
         }
@@ -788,23 +816,29 @@ impl World {
     /// Arms fault `k`: the k-th weight materialization on this thread fails; on a simulated GPU,
     /// odd `k` instead fails the next device allocation, copy or event record (by `k`).
     fn arm(&self, k: u64) {
-        match &self.sim {
-            Some(sim) if k % 2 == 1 => {
-                use crate::device::SimFault;
-                let kind =
-                    [SimFault::Alloc, SimFault::Copy, SimFault::Record][(k / 2 % 3) as usize];
+        if self.sims.is_empty() {
+            fault::fail_after(k);
+        } else if k % 2 == 1 {
+            use crate::device::SimFault;
+            let kind = [SimFault::Alloc, SimFault::Copy, SimFault::Record][(k / 2 % 3) as usize];
+            for sim in &self.sims {
                 sim.inject(kind, 0);
             }
-            Some(_) => fault::fail_after(k / 2),
-            None => fault::fail_after(k),
+        } else {
+            fault::fail_after(k / 2);
         }
     }
 
     fn disarm(&self) {
         fault::disarm();
-        if let Some(sim) = &self.sim {
+        for sim in &self.sims {
             sim.disarm();
         }
+    }
+
+    /// The second device, when the case has two simulated GPUs.
+    fn second_device(&self) -> Option<DeviceId> {
+        (self.devices[1] != self.devices[0]).then_some(self.devices[1])
     }
 
     /// After the case: every handle dropped and every model unloaded, a simulated GPU has
@@ -816,7 +850,7 @@ impl World {
         self.mm.unload_all_models();
         self.mm.cleanup_models();
         self.settle();
-        if let Some(sim) = &self.sim {
+        for sim in &self.sims {
             prop_assert!(
                 sim.check().is_ok(),
                 "at the end: {}",
@@ -849,11 +883,11 @@ proptest! {
         lanes in 0..5usize,
         depth in 0..3usize,
         host_kib in prop_oneof![2 => Just(None), 1 => Just(Some(8u64)), 1 => Just(Some(16)), 1 => Just(Some(64))],
-        sim in prop::option::of((0..40u64, any::<u64>())),
+        sim in prop::option::of((1..3usize, 0..40u64, any::<u64>())),
         ops in prop::collection::vec(op(), 50..200),
     ) {
         // The budgeted CPU with 0–2 lanes, or a simulated GPU with 0–4 lanes, random copy
-        // latencies and driver faults. Only the slots (and the registry) hold the models.
+        // latencies and driver faults (one or two simulated GPUs). Only the slots (and the registry) hold the models.
         let lanes = if sim.is_some() { lanes } else { lanes % 3 };
         let mut world = World::new(budget_kib, lanes, depth, host_kib, sim);
         for (step, op) in ops.iter().enumerate() {
