@@ -89,6 +89,23 @@ fn registry_is_most_recently_used_first_without_duplicates() {
 }
 
 #[test]
+fn a_model_whose_handles_are_all_dropped_is_freed_by_the_next_load_even_a_no_op() {
+    let mm = manager(ByteSize::gib(24), &[]);
+    let a = cpu_patcher(virtual_model("A", &[GIB]));
+    let b = cpu_patcher(virtual_model("B", &[GIB]));
+    mm.load_model_gpu(&a).unwrap();
+    mm.load_model_gpu(&b).unwrap();
+    let gone = Arc::downgrade(b.model());
+    drop(b);
+    // Reloading A changes nothing (a no-op reload), but it drops B's entry: B's memory must go
+    // with it, not wait for the next load that moves something.
+    let r = mm.load_model_gpu(&a).unwrap();
+    assert_eq!(r.moved(), ByteSize::ZERO);
+    assert_eq!(mm.loaded_models().len(), 1);
+    assert!(gone.upgrade().is_none(), "B is still alive");
+}
+
+#[test]
 fn big_device_loads_second_model_without_touching_the_first() {
     let mm = manager(ByteSize::gib(24), &[]);
     let a = cpu_patcher(virtual_model("A", &[3 * GIB, 3 * GIB]));

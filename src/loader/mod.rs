@@ -482,6 +482,11 @@ impl MemoryManager {
                 self.attach_cast_cache(m, &options);
             }
             self.refresh_ledger(&inner);
+            // Models the cleanup above dropped (no handle left) are freed now, outside the lock,
+            // not kept until the next call that changes something.
+            let dropped = std::mem::take(&mut inner.unloaded);
+            drop(inner);
+            drop(dropped);
             return Ok(report);
         }
         inner

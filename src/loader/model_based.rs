@@ -31,7 +31,7 @@
 //! must be clean after every step, and at the end of the case (every handle dropped, every model
 //! unloaded) nothing may be left allocated or page-locked on it.
 //!
-//! 256 cases of 50–200 steps by default; `RESIDENCY_MODEL_CASES=10000` for a long run.
+//! 512 cases of 50–200 steps by default (about 256 of them on simulated GPUs); `RESIDENCY_MODEL_CASES=10000` for a long run.
 
 use std::sync::{Arc, Weak};
 
@@ -871,7 +871,7 @@ fn cases() -> u32 {
     std::env::var("RESIDENCY_MODEL_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(256)
+        .unwrap_or(512)
 }
 
 proptest! {
