@@ -17,7 +17,8 @@
 //!   registration from now fail, so rollback is tested across asynchronous work.
 //! - **Checker** (compute-sanitizer's rules): [`SimGpu::violations`] lists every host range
 //!   unlocked, freed or written while a queued copy has yet to read it, every device buffer handed
-//!   to compute before the copy writing it completed, every device buffer freed under queued
+//!   to compute before the copy writing it completed or by a thread that never waited on it (no
+//!   wait on an event recorded after the copy, no synchronize of its stream), every device buffer freed under queued
 //!   work, and (asked by [`SimGpu::leaks`]) device or page-locked memory still allocated. Each
 //!   names the stream, the operation and the buffer. The sim never lets a violation become
 //!   undefined behaviour of the test process: it records it, then waits for the copy before

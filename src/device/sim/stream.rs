@@ -41,13 +41,16 @@ enum Op {
     Wait {
         event: Arc<EventCore>,
         generation: u64,
+        /// The stream and op number the event's latest recording marks.
+        point: Option<(u64, u64)>,
     },
     Run(Box<dyn FnOnce() + Send>),
 }
 
 #[derive(Default)]
 struct Queue {
-    ops: VecDeque<Op>,
+    /// Each op with its number on the stream (1, 2, ...).
+    ops: VecDeque<(u64, Op)>,
     enqueued: u64,
     completed: u64,
     stop: bool,
@@ -111,12 +114,20 @@ impl SimStream {
         self.core.id as usize
     }
 
-    fn push(&self, op: Op) {
+    /// Enqueues `op`; returns its number on the stream.
+    fn push(&self, op: Op) -> u64 {
+        self.push_with(|_| op)
+    }
+
+    /// Enqueues the op built from its number on the stream; returns the number.
+    fn push_with(&self, op: impl FnOnce(u64) -> Op) -> u64 {
         let mut q = self.core.queue.lock();
-        q.ops.push_back(op);
         q.enqueued += 1;
+        let seq = q.enqueued;
+        q.ops.push_back((seq, op(seq)));
         drop(q);
         self.core.cond.notify_all();
+        seq
     }
 
     fn gpu(&self) -> Result<Arc<SimGpu>> {
@@ -135,10 +146,14 @@ impl SimStream {
 
     /// Later work on this stream waits for `event`'s latest recording.
     pub fn wait(&self, event: &SimEvent) -> Result<()> {
-        let generation = event.0.state.lock().recorded;
+        let (generation, point) = {
+            let st = event.0.state.lock();
+            (st.recorded, st.point)
+        };
         self.push(Op::Wait {
             event: Arc::clone(&event.0),
             generation,
+            point,
         });
         Ok(())
     }
@@ -150,6 +165,8 @@ impl SimStream {
         while q.completed < target {
             self.core.cond.wait(&mut q);
         }
+        drop(q);
+        ordered(self.core.id, target);
         Ok(())
     }
 
@@ -178,6 +195,7 @@ impl SimStream {
                 storage: Mutex::new(Some(storage)),
                 pending: Mutex::new(0),
                 written: Condvar::new(),
+                written_by: Mutex::new(None),
             }),
             id,
             gpu,
@@ -213,25 +231,50 @@ impl SimStream {
             }
         };
         *dst.mem.pending.lock() += 1;
-        self.push(Op::Copy {
-            src: source,
-            dst: Arc::clone(&dst.mem),
-            time: gpu.copy_time(src.len() as u64),
+        let time = gpu.copy_time(src.len() as u64);
+        let stream = self.core.id;
+        let mem = Arc::clone(&dst.mem);
+        self.push_with(|seq| {
+            *mem.written_by.lock() = Some((stream, seq));
+            Op::Copy {
+                src: source,
+                dst: mem,
+                time,
+            }
         });
         Ok(())
     }
 }
 
 thread_local! {
+    /// How far each stream's work is known complete to this thread (by a wait on an event, a
+    /// stream synchronize, or — on a stream's own worker — stream order): stream id → op number.
+    static ORDERED: std::cell::RefCell<std::collections::HashMap<u64, u64>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+
     /// The host buffer the next copy reads from, handed over by `SimHostBuffer::as_slice` so the
     /// queued copy keeps its memory alive.
     static HOST_KEEP: std::cell::RefCell<Option<Arc<HostMem>>> = const { std::cell::RefCell::new(None) };
 }
 
+/// Records that this thread has seen stream `stream`'s work complete up to op `seq`.
+fn ordered(stream: u64, seq: u64) {
+    ORDERED.with(|o| {
+        let mut o = o.borrow_mut();
+        let e = o.entry(stream).or_insert(0);
+        *e = (*e).max(seq);
+    });
+}
+
+/// Whether this thread is ordered after op `seq` of stream `stream`.
+fn is_ordered_after(stream: u64, seq: u64) -> bool {
+    ORDERED.with(|o| o.borrow().get(&stream).is_some_and(|&s| s >= seq))
+}
+
 impl Core {
     fn run(self: Arc<Core>) {
         loop {
-            let op = {
+            let (seq, op) = {
                 let mut q = self.queue.lock();
                 loop {
                     if let Some(op) = q.ops.pop_front() {
@@ -243,7 +286,10 @@ impl Core {
                     self.cond.wait(&mut q);
                 }
             };
+            // Everything before this op on this stream has completed (stream order).
+            ordered(self.id, seq - 1);
             self.execute(op);
+            ordered(self.id, seq);
             self.queue.lock().completed += 1;
             self.cond.notify_all();
         }
@@ -298,7 +344,16 @@ impl Core {
                 dst.written.notify_all();
             }
             Op::Record { event, generation } => event.complete(generation),
-            Op::Wait { event, generation } => event.wait_for(generation),
+            Op::Wait {
+                event,
+                generation,
+                point,
+            } => {
+                event.wait_for(generation);
+                if let Some((stream, seq)) = point {
+                    ordered(stream, seq);
+                }
+            }
             Op::Run(work) => work(),
         }
     }
@@ -307,6 +362,8 @@ impl Core {
 struct EventState {
     recorded: u64,
     completed: u64,
+    /// Where the latest recording was made: stream id and the record op's number.
+    point: Option<(u64, u64)>,
 }
 
 struct EventCore {
@@ -342,6 +399,7 @@ impl SimEvent {
             state: Mutex::new(EventState {
                 recorded: 0,
                 completed: 0,
+                point: None,
             }),
             cond: Condvar::new(),
         }))
@@ -365,22 +423,31 @@ impl SimEvent {
         if gpu.fault(SimFault::Record) {
             return Err(gpu.injected("recording an event"));
         }
-        let generation = {
-            let mut st = self.0.state.lock();
+        // The generation and the point are set together, as the record op gets its number.
+        let event = Arc::clone(&self.0);
+        let stream_id = stream.core.id;
+        stream.push_with(|seq| {
+            let mut st = event.state.lock();
             st.recorded += 1;
-            st.recorded
-        };
-        stream.push(Op::Record {
-            event: Arc::clone(&self.0),
-            generation,
+            st.point = Some((stream_id, seq));
+            Op::Record {
+                generation: st.recorded,
+                event: Arc::clone(&event),
+            }
         });
         Ok(())
     }
 
     /// Blocks until the latest recording has completed.
     pub fn synchronize(&self) {
-        let target = self.0.state.lock().recorded;
+        let (target, point) = {
+            let st = self.0.state.lock();
+            (st.recorded, st.point)
+        };
         self.0.wait_for(target);
+        if let Some((stream, seq)) = point {
+            ordered(stream, seq);
+        }
     }
 
     /// Whether the latest recording has completed.
@@ -398,6 +465,40 @@ struct DevMem {
     storage: Mutex<Option<CpuStorage>>,
     pending: Mutex<u32>,
     written: Condvar,
+    /// The stream and op number of the latest copy into it.
+    written_by: Mutex<Option<(u64, u64)>>,
+}
+
+impl DevMem {
+    /// Checks that the calling thread may read the buffer: every copy into it completed and the
+    /// thread is ordered after the latest (it waited on an event recorded after it, synchronized
+    /// its stream, or runs on that stream). Reports `operation` otherwise, then waits for the
+    /// copies (so the bits are still right).
+    fn check_read(&self, gpu: &SimGpu, operation: &str) {
+        let mut pending = self.pending.lock();
+        let late = *pending > 0;
+        let written_by = *self.written_by.lock();
+        let unordered =
+            !late && written_by.is_some_and(|(stream, seq)| !is_ordered_after(stream, seq));
+        if late || unordered {
+            drop(pending);
+            let why = if late {
+                "before the copy writing it completed"
+            } else {
+                "without waiting on the copy writing it"
+            };
+            gpu.violation(
+                ViolationKind::ReadBeforeWritten,
+                written_by.map(|(s, _)| s),
+                &format!("{operation} {why}"),
+                format!("device buffer ({})", ByteSize(self.len as u64)),
+            );
+            pending = self.pending.lock();
+            while *pending > 0 {
+                self.written.wait(&mut pending);
+            }
+        }
+    }
 }
 
 // SAFETY: `ptr` addresses the heap memory of the `CpuStorage` held in `storage`, which never moves
@@ -433,22 +534,8 @@ impl SimBuffer {
     /// still writing it is a checker finding ([`ViolationKind::ReadBeforeWritten`]); the sim
     /// then waits for it. From here on compute owns the memory: the device's books release it.
     pub(crate) fn into_tensor(self, shape: &Shape) -> Result<Tensor> {
-        {
-            let mut pending = self.mem.pending.lock();
-            if *pending > 0 {
-                drop(pending);
-                self.gpu.violation(
-                    ViolationKind::ReadBeforeWritten,
-                    None,
-                    "a device buffer handed to compute",
-                    format!("device buffer ({})", self.size()),
-                );
-                pending = self.mem.pending.lock();
-                while *pending > 0 {
-                    self.mem.written.wait(&mut pending);
-                }
-            }
-        }
+        self.mem
+            .check_read(&self.gpu, "a device buffer handed to compute");
         let storage = self
             .mem
             .storage
@@ -471,21 +558,8 @@ impl SimBuffer {
     /// Its bytes, once every queued copy into it completed (one still running, unordered with
     /// the reader, is a [`ViolationKind::ReadBeforeWritten`] finding; the sim waits for it).
     pub(crate) fn read_back(&self) -> Vec<u8> {
-        let mut pending = self.mem.pending.lock();
-        if *pending > 0 {
-            drop(pending);
-            self.gpu.violation(
-                ViolationKind::ReadBeforeWritten,
-                None,
-                "reading a device buffer back",
-                format!("device buffer ({})", self.size()),
-            );
-            pending = self.mem.pending.lock();
-            while *pending > 0 {
-                self.mem.written.wait(&mut pending);
-            }
-        }
-        drop(pending);
+        self.mem
+            .check_read(&self.gpu, "reading a device buffer back");
         let st = self.mem.storage.lock();
         if st.is_none() {
             return Vec::new();

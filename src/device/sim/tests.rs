@@ -357,3 +357,51 @@ fn the_interface_dispatches_to_the_sim() {
     assert!(unsafe { s.copy_htod(bytemuck::cast_slice(&src), &mut wrong) }.is_err());
     assert!(g.check().is_ok());
 }
+
+#[test]
+fn using_a_buffer_whose_copy_completed_but_was_never_waited_on_is_reported() {
+    let g = gpu(ByteSize::mib(1));
+    let s = g.new_stream().unwrap();
+    let host = vec![9u8; 256];
+    let mut dst = buffer(&s, 256);
+    // SAFETY: pageable memory.
+    unsafe { s.copy_htod(&host, &mut dst) }.unwrap();
+    let e = s.record_event().unwrap();
+    // The copy completes, but this thread never waits on `e` nor synchronizes the stream: on a
+    // device, compute could still run ahead of it.
+    while !e.is_complete() {
+        std::thread::yield_now();
+    }
+    assert_eq!(take(dst, 256), vec![9u8; 256]);
+    let v = g.violations();
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert!(v[0].operation.contains("without waiting"), "{}", v[0]);
+    // Waiting on an event recorded after the copy orders this thread after it.
+    let mut again = buffer(&s, 256);
+    // SAFETY: pageable memory.
+    unsafe { s.copy_htod(&host, &mut again) }.unwrap();
+    s.record_event().unwrap().synchronize();
+    assert_eq!(take(again, 256), vec![9u8; 256]);
+    assert_eq!(g.violations().len(), 1, "no new finding");
+}
+
+#[test]
+fn an_event_re_recorded_elsewhere_does_not_order_a_wait_after_the_first_copy() {
+    // The F1 pattern seen from the reader's side: the event's latest recording is on another
+    // stream, so waiting on it says nothing about the copy on the first.
+    let g = gpu(ByteSize::mib(1));
+    let (a, b) = (g.new_stream().unwrap(), g.new_stream().unwrap());
+    let host = vec![4u8; 256];
+    let mut dst = buffer(&a, 256);
+    // SAFETY: pageable memory.
+    unsafe { a.copy_htod(&host, &mut dst) }.unwrap();
+    let e = a.record_event().unwrap();
+    a.synchronize().unwrap(); // done, but from this thread's view only via `a`
+    let other = std::thread::spawn(move || {
+        e.record(&b).unwrap();
+        e.synchronize();
+        take(dst, 256)
+    });
+    assert_eq!(other.join().unwrap(), vec![4u8; 256]);
+    assert_eq!(g.violations().len(), 1, "{:?}", g.violations());
+}
