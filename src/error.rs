@@ -77,7 +77,11 @@ pub enum Error {
     },
 
     /// The request can never fit this device's budget, whatever is evicted.
-    #[error("`{model}` needs {required} on {device} but its budget is {budget}; it can never fit (raise --vram-budget, allow partial loading, or use a smaller dtype)")]
+    #[error(
+        "{} needs {required} on {device} but its budget is {budget}; it can never fit ({})",
+        quoted(model),
+        budget_hint(device)
+    )]
     BudgetExceeded {
         /// The model being loaded.
         model: String,
@@ -218,6 +222,24 @@ pub enum Error {
     },
 }
 
+/// `name` in backticks, unless it already quotes what it names (``"`m` weight `k`"``).
+fn quoted(name: &str) -> String {
+    if name.contains('`') {
+        name.to_string()
+    } else {
+        format!("`{name}`")
+    }
+}
+
+/// What would help a request that can never fit `device`'s budget.
+fn budget_hint(device: &str) -> &'static str {
+    if device.starts_with("host") {
+        "raise --ram-budget, or store the weight in a smaller dtype; a weight is read whole, so partial loading does not help"
+    } else {
+        "raise --vram-budget, allow partial loading, or use a smaller dtype"
+    }
+}
+
 impl Error {
     /// Whether the same call may succeed after freeing memory or waiting: true only for
     /// [`Error::OutOfMemory`] (also when it caused an incomplete rollback).
@@ -297,6 +319,35 @@ impl<T> TensorContext<T> for std::result::Result<T, candle_core::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_budget_error_quotes_once_and_names_the_flag_that_helps() {
+        let host = Error::BudgetExceeded {
+            model: "`all-MiniLM-L6-v2` weight `embeddings.word_embeddings.weight`".into(),
+            device: "host (--ram-budget)".into(),
+            required: ByteSize::mib(44),
+            budget: ByteSize::mib(24),
+        }
+        .to_string();
+        assert!(!host.contains("``"), "{host}");
+        assert!(
+            host.contains("raise --ram-budget") && !host.contains("--vram-budget"),
+            "{host}"
+        );
+        assert!(!host.contains("allow partial loading"), "{host}");
+        let device = Error::BudgetExceeded {
+            model: "unet".into(),
+            device: "cuda:0".into(),
+            required: ByteSize::gib(9),
+            budget: ByteSize::gib(8),
+        }
+        .to_string();
+        assert!(device.starts_with("`unet` needs"), "{device}");
+        assert!(
+            device.contains("raise --vram-budget, allow partial loading"),
+            "{device}"
+        );
+    }
 
     #[test]
     fn only_out_of_memory_is_retryable() {

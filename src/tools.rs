@@ -388,14 +388,19 @@ pub fn merge_files(config: &MergeConfig) -> Result<MergeReport> {
 
 /// The model the LoRAs are mapped onto and validated against: every float weight of `base` with
 /// its name, shape and storage dtype, held as a one-element tensor of ones broadcast to its shape
-/// (the patch rules look at dimensions only; ones, not zeros, so a stand-in per-tensor scale is a
-/// valid one).
+/// (the patch rules look at dimensions only). Per-tensor fp8 scales are read for real, so the
+/// model refuses exactly what the loader refuses (`Error::BadWeight` for a scale that is not one
+/// finite, non-zero value).
 fn stand_in_model(name: &str, base: &TensorFile) -> Result<Model> {
     let mut weights = Vec::new();
     for t in base.tensors() {
         let Some(dtype) = t.weight_dtype() else {
             continue;
         };
+        if t.name.ends_with(WEIGHT_SCALE_SUFFIX) {
+            weights.push(named(base.read_weight(t)?, &t.name));
+            continue;
+        }
         let one = Tensor::ones((), dtype.candle_storage_dtype(), &candle_core::Device::Cpu)
             .and_then(|z| z.broadcast_as(t.shape.as_slice()))
             .map_err(|e| Error::tensor(format!("`{}`: a stand-in of its shape", t.name), e))?;

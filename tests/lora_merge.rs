@@ -390,3 +390,40 @@ fn unreadable_inputs_are_errors_naming_the_file_and_write_nothing() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn a_base_the_loader_refuses_for_an_infinite_fp8_scale_is_refused_by_the_merge_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("fp8.safetensors");
+    let w = float::from_f32(&rand_tensor(&[8, 8], 5), Dtype::F8E4M3FN, Rounding::Nearest).unwrap();
+    let tensors: HashMap<String, Tensor> = [
+        ("proj.weight".to_string(), w),
+        (
+            "proj.weight_scale".to_string(),
+            Tensor::new(f32::INFINITY, &Device::Cpu).unwrap(),
+        ),
+    ]
+    .into_iter()
+    .collect();
+    candle_core::safetensors::save(&tensors, &base).unwrap();
+    let loader = residency::Model::from_safetensors("fp8", &[&base])
+        .err()
+        .expect("the loader refuses it");
+    assert!(matches!(loader, Error::BadWeight { .. }), "{loader}");
+    let (up, down) = (rand_tensor(&[8, 2], 6), rand_tensor(&[2, 8], 7));
+    let lora = write_lora(dir.path(), "l.safetensors", &[("proj", &up, &down, 2.0)]);
+    let out = dir.path().join("out.safetensors");
+    let merged = merge(&args(&[
+        &"--model", &base, &"--lora", &lora, &"--out", &out,
+    ]));
+    let err = merged.err().expect("the merge refuses it too");
+    assert!(
+        matches!(&err, Error::BadWeight { key, .. } if key == "proj.weight_scale"),
+        "{err}"
+    );
+    assert_eq!(
+        err.to_string().replace("fp8", "base"),
+        loader.to_string().replace("fp8", "base")
+    );
+    assert!(!out.exists(), "nothing written");
+}

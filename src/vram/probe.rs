@@ -258,7 +258,9 @@ pub fn host_from_texts(meminfo: &str, cg_max: Option<&str>, cg_current: Option<&
         meminfo.lines().find_map(|l| {
             let rest = l.strip_prefix(name)?.strip_prefix(':')?;
             let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-            kib.checked_mul(1024)
+            // Saturate: a figure too large for bytes in a u64 is at least u64::MAX bytes, never
+            // less than the file says.
+            Some(kib.saturating_mul(1024))
         })
     };
     let swap_total = field("SwapTotal").unwrap_or(0);
@@ -306,6 +308,21 @@ mod tests {
             swap_within_cgroup(swap, Some("4294967296\n")),
             ByteSize::gib(4)
         );
+    }
+
+    #[test]
+    fn a_figure_too_large_for_bytes_saturates_instead_of_wrapping_to_zero() {
+        let h = host_from_texts(
+            "MemTotal: 18014398509481984 kB\nMemAvailable: 1 kB\n",
+            None,
+            None,
+        );
+        assert_eq!(
+            h.total,
+            ByteSize(u64::MAX),
+            "2^54 kB is more than u64 bytes"
+        );
+        assert_eq!(h.available, ByteSize::kib(1));
     }
 
     #[test]
