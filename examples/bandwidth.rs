@@ -19,6 +19,16 @@ const MIB: usize = 1 << 20;
 const REPEATS: usize = 3;
 
 fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if !args.is_empty() {
+        let usage = "usage: bandwidth (no flags: measures host→device copies on CUDA GPU 0; it takes no residency flags)";
+        if args.iter().any(|a| a == "--help" || a == "-h") {
+            println!("{usage}");
+            return;
+        }
+        eprintln!("error: unexpected arguments {args:?}\n{usage}");
+        std::process::exit(2);
+    }
     if !residency::vram::cuda_driver_present() {
         println!("no CUDA GPU (no CUDA driver library on this machine); nothing to measure");
         return;

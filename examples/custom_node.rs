@@ -28,6 +28,17 @@ fn lora_node(
 }
 
 fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if !args.is_empty() {
+        let help = args.iter().any(|a| a == "--help" || a == "-h");
+        let usage = "usage: custom_node (no flags: it shows a node cloning a model and adding a LoRA, on the CPU; it takes no residency flags)";
+        if help {
+            println!("{usage}");
+            return Ok(());
+        }
+        eprintln!("error: unexpected arguments {args:?}\n{usage}");
+        std::process::exit(2);
+    }
     let dir = std::env::temp_dir().join("residency-custom-node");
     std::fs::create_dir_all(&dir).map_err(|e| residency::Error::File {
         path: dir.clone(),

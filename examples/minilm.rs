@@ -63,7 +63,13 @@ fn parse_args(raw: Vec<String>) -> Result<Args, String> {
                 .ok_or_else(|| format!("{name} needs a value"))
         };
         match flag.as_str() {
-            "--help" | "-h" => return Err(USAGE.to_string()),
+            "--help" | "-h" => {
+                print!(
+                    "{USAGE}\nresidency flags:\n{}",
+                    residency::vram::Config::flags_help()
+                );
+                std::process::exit(0);
+            }
             "--model-dir" => a.model_dir = PathBuf::from(value("--model-dir")?),
             "--storage-dtype" => {
                 a.storage =

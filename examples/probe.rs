@@ -6,10 +6,10 @@ use residency::vram::{Config, Hardware, Policy};
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("usage: probe [FLAGS]\nflags:");
-        for f in Config::known_flags() {
-            println!("  {f}");
-        }
+        print!(
+            "usage: probe [residency flags]\nresidency flags:\n{}",
+            Config::flags_help()
+        );
         return;
     }
     let config = match Config::from_args(&args) {

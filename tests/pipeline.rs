@@ -184,3 +184,15 @@ fn json_report_is_valid_and_complete() {
     assert!(json["host"]["peak_bytes"].is_u64());
     assert!(json["evictions"].is_array());
 }
+
+#[test]
+fn help_is_not_an_error_and_unknown_flags_are() {
+    assert_eq!(
+        pipeline::parse_args(&["--help".to_string()])
+            .err()
+            .as_deref(),
+        Some("--help")
+    );
+    let e = pipeline::parse_args(&["--no-such-flag".to_string()]).unwrap_err();
+    assert!(e.contains("--no-such-flag"), "{e}");
+}

@@ -317,6 +317,7 @@ pub fn parse_args(raw: &[String]) -> std::result::Result<PipelineArgs, String> {
                 a.quiet = true;
                 i += 1;
             }
+            "--help" | "-h" => return Err(HELP.into()),
             _ => {
                 rest.push(raw[i].clone());
                 i += 1;
@@ -327,13 +328,22 @@ pub fn parse_args(raw: &[String]) -> std::result::Result<PipelineArgs, String> {
     Ok(a)
 }
 
+/// What `parse_args` returns for `--help` (main prints the usage and exits 0).
+const HELP: &str = "--help";
+
+const USAGE: &str = "usage: pipeline [--prompts N] [--steps N] [--seed S] [--json FILE] [--cache DIR] [--quiet] [residency flags]";
+
 #[allow(dead_code)]
 fn main() {
     let raw: Vec<String> = std::env::args().skip(1).collect();
     let args = match parse_args(&raw) {
         Ok(a) => a,
+        Err(e) if e == HELP => {
+            print!("{USAGE}\nresidency flags:\n{}", Config::flags_help());
+            return;
+        }
         Err(e) => {
-            eprintln!("error: {e}\nusage: pipeline [--prompts N] [--steps N] [--seed S] [--json FILE] [--cache DIR] [residency flags]");
+            eprintln!("error: {e}\n{USAGE}\n(--help lists the residency flags)");
             std::process::exit(2);
         }
     };

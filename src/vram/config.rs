@@ -267,6 +267,29 @@ impl Config {
         FLAGS.iter().map(|(name, _)| *name)
     }
 
+    /// Every flag with the value it takes, one a line, for an example's `--help`:
+    /// `  --vram-budget SIZE`, `  --async-offload [N]`, `  --lowvram`, ...
+    pub fn flags_help() -> String {
+        FLAGS
+            .iter()
+            .map(|(name, action)| {
+                let value = match action {
+                    Action::ReserveVram => " GB",
+                    Action::VramBudget
+                    | Action::RamBudget
+                    | Action::PinnedLimit
+                    | Action::InferenceMemory => " SIZE",
+                    Action::AsyncOffload => " [N]",
+                    Action::CudaDevice => " N",
+                    Action::SimGpu => " SIZE[@BANDWIDTH]",
+                    Action::SimGpus => " NxSIZE[@BANDWIDTH]",
+                    _ => "",
+                };
+                format!("  {name}{value}\n")
+            })
+            .collect()
+    }
+
     /// Whether `flag` (without its value) is one of ours; examples use this to split their own
     /// flags from ours.
     pub fn is_known_flag(flag: &str) -> bool {

@@ -202,3 +202,21 @@ fn builder_setters_match_parsed_flags() {
     .unwrap();
     assert_eq!(built, parsed);
 }
+
+#[test]
+fn the_help_lists_every_flag_with_the_value_it_takes() {
+    let help = Config::flags_help();
+    for flag in Config::known_flags() {
+        let line = help
+            .lines()
+            .find(|l| l.trim_start().split(' ').next() == Some(flag))
+            .unwrap_or_else(|| panic!("{flag} missing from\n{help}"));
+        let takes = Config::flag_takes_value(flag);
+        assert_eq!(
+            line.trim() != flag,
+            takes != Some(false),
+            "{flag}: `{line}` (takes a value: {takes:?})"
+        );
+    }
+    assert!(help.contains("--sim-gpu SIZE[@BANDWIDTH]"), "{help}");
+}
