@@ -179,6 +179,47 @@ fn free_memory_of_an_unbudgeted_gpu_is_the_drivers_figure() {
     );
 }
 
+#[test]
+fn using_a_model_on_a_gpu_without_loading_it_is_noted_once_and_a_loaded_one_is_not() {
+    use residency::loader::{LoadOptions, MemoryManager};
+    use residency::offload::fetch_weight;
+    use residency::patcher::ModelPatcher;
+    use residency::vram::{Config, DeviceId};
+    use residency::Model;
+    let w =
+        || candle_core::Tensor::ones((8, 8), candle_core::DType::F32, &candle_core::Device::Cpu);
+    let forgotten = Arc::new(Model::from_tensors("forgotten", [("w", w().unwrap())]).unwrap());
+    let p = ModelPatcher::new(Arc::clone(&forgotten), DeviceId::Sim(0), DeviceId::Cpu);
+    assert!(!forgotten.used_without_load());
+    let (t, streamed) = fetch_weight(&p, "w").unwrap();
+    assert!(streamed && t.dims() == [8, 8]);
+    assert!(
+        forgotten.used_without_load(),
+        "the engine forgot load_models_gpu"
+    );
+
+    let config = Config::from_args(["--sim-gpu", "64MiB", "--reserve-vram", "0"]).unwrap();
+    let mm = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(8))).unwrap();
+    let loaded = Arc::new(Model::from_tensors("loaded", [("w", w().unwrap())]).unwrap());
+    let q = ModelPatcher::new(Arc::clone(&loaded), mm.compute_device(), DeviceId::Cpu);
+    mm.load_models_gpu(std::slice::from_ref(&q), LoadOptions::default())
+        .unwrap();
+    let (_, streamed) = fetch_weight(&q, "w").unwrap();
+    assert!(!streamed && !loaded.used_without_load());
+}
+
+#[test]
+fn a_cuda_device_without_the_cuda_feature_says_which_feature_to_turn_on() {
+    if cfg!(feature = "cuda") {
+        return;
+    }
+    let e = residency::vram::DeviceId::Cuda(0)
+        .to_candle()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("features = [\"cuda\"]"), "{e}");
+}
+
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn soft_empty_cache_returns_freed_device_memory() {

@@ -60,7 +60,10 @@ pub fn fetch_weight(patcher: &ModelPatcher, key: &str) -> Result<(Tensor, bool)>
         .and_then(|h| h.downcast::<Streamer>().ok());
     let t = match streamer {
         Some(s) => s.fetch(patcher, index)?,
-        None => patcher.materialize(index, patcher.resident_dtype(index), patcher.load_device())?,
+        None => {
+            model.note_use_without_load(patcher.load_device());
+            patcher.materialize(index, patcher.resident_dtype(index), patcher.load_device())?
+        }
     };
     Ok((t, true))
 }

@@ -44,9 +44,16 @@ impl DeviceId {
                     return Ok(d.clone());
                 }
                 if !cfg!(feature = "cuda") {
+                    let reason = if candle_core::utils::cuda_is_available() {
+                        // Another crate turned on candle-core's CUDA backend; residency's own
+                        // feature is what makes it build weights as CUDA tensors.
+                        "candle-core has its `cuda` feature but residency does not: enable residency's too (`residency = { features = [\"cuda\"] }`)"
+                    } else {
+                        "GPU tensors need residency built with its `cuda` feature (`residency = { features = [\"cuda\"] }`, which turns on candle's)"
+                    };
                     return Err(Error::Device {
                         device: self.to_string(),
-                        reason: "GPU tensors need residency built with `--features cuda`".into(),
+                        reason: reason.into(),
                     });
                 }
                 // cudarc panics on its first call without a driver library; ask first.

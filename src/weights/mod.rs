@@ -319,6 +319,9 @@ pub struct Model {
     cast_hook: RwLock<Option<StreamHook>>,
     /// Loaded whole or not at all (a [`crate::managed::Managed`] model).
     whole: std::sync::atomic::AtomicBool,
+    /// Set (and warned about, once) when a weight was fetched for a GPU without the model being
+    /// loaded there.
+    used_unloaded: std::sync::atomic::AtomicBool,
     /// A value built from the resident copies (a managed model's module), valid while the
     /// residency generation and the builder's key are the ones it was built at.
     derived: Mutex<Option<Derived>>,
@@ -474,6 +477,7 @@ impl Model {
             stream_hook: RwLock::new(None),
             cast_hook: RwLock::new(None),
             whole: std::sync::atomic::AtomicBool::new(false),
+            used_unloaded: std::sync::atomic::AtomicBool::new(false),
             derived: Mutex::new(None),
             host,
         })
@@ -526,6 +530,29 @@ impl Model {
     /// [`crate::managed::Managed`], whose module holds the resident copies themselves.
     pub fn is_whole(&self) -> bool {
         self.whole.load(Ordering::Relaxed)
+    }
+
+    /// Whether a weight of this model was fetched for a GPU while the model was not loaded there
+    /// (no resident copy and no streamer: every weight then copies from host memory at every use,
+    /// through pageable copies). Warned about once per model.
+    pub fn used_without_load(&self) -> bool {
+        self.used_unloaded.load(Ordering::Relaxed)
+    }
+
+    /// Notes a fetch for `device` of a model that is not loaded there: warns once per model.
+    /// Loading on first use instead was rejected: a patcher is not tied to a manager (the global
+    /// one may not be the engine's), and a forward should not evict other models behind the
+    /// engine's back.
+    pub(crate) fn note_use_without_load(&self, device: DeviceId) {
+        if device.is_cpu() || self.used_unloaded.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        tracing::warn!(
+            model = self.name(),
+            %device,
+            "`{}` is used on {device} without `load_models_gpu`: every weight is copied from host memory at every use; load it before running",
+            self.name()
+        );
     }
 
     pub(crate) fn set_whole(&self, whole: bool) {

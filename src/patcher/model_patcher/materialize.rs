@@ -211,6 +211,9 @@ impl ModelPatcher {
                 return Ok((tensor.clone(), false));
             }
         }
+        if self.model.stream_hook().is_none() {
+            self.model.note_use_without_load(self.load_device);
+        }
         let t = self.materialize(index, self.resident_dtype(index), self.load_device)?;
         Ok((t, true))
     }
