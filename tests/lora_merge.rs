@@ -406,9 +406,9 @@ fn a_base_the_loader_refuses_for_an_infinite_fp8_scale_is_refused_by_the_merge_a
     .into_iter()
     .collect();
     candle_core::safetensors::save(&tensors, &base).unwrap();
-    let loader = residency::Model::from_safetensors("fp8", &[&base])
-        .err()
-        .expect("the loader refuses it");
+    let Err(loader) = residency::Model::from_safetensors("fp8", &[&base]) else {
+        panic!("the loader refuses it")
+    };
     assert!(matches!(loader, Error::BadWeight { .. }), "{loader}");
     let (up, down) = (rand_tensor(&[8, 2], 6), rand_tensor(&[2, 8], 7));
     let lora = write_lora(dir.path(), "l.safetensors", &[("proj", &up, &down, 2.0)]);
@@ -416,7 +416,9 @@ fn a_base_the_loader_refuses_for_an_infinite_fp8_scale_is_refused_by_the_merge_a
     let merged = merge(&args(&[
         &"--model", &base, &"--lora", &lora, &"--out", &out,
     ]));
-    let err = merged.err().expect("the merge refuses it too");
+    let Err(err) = merged else {
+        panic!("the merge refuses it too")
+    };
     assert!(
         matches!(&err, Error::BadWeight { key, .. } if key == "proj.weight_scale"),
         "{err}"
