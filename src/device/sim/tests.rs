@@ -289,21 +289,28 @@ fn copies_take_the_modelled_time_in_stream_order() {
     let g = SimGpu::new(0, spec);
     let s = g.new_stream().unwrap();
     let host = vec![1u8; 10_000_000];
+    g.register_host(host.as_ptr() as usize, host.len()).unwrap();
     let mut bufs: Vec<_> = (0..3).map(|_| buffer(&s, host.len())).collect();
-    let t0 = std::time::Instant::now();
+    // Enqueuing returns while the stream is held: it never waits for the copies.
+    let open = gate(&s);
     for b in &mut bufs {
-        // SAFETY: pageable memory.
+        // SAFETY: `host` is registered and outlives the copies (unregistered after them).
         unsafe { s.copy_htod(&host, b) }.unwrap();
     }
-    assert!(
-        t0.elapsed() < Duration::from_millis(30),
-        "enqueuing does not wait"
-    );
+    let done = s.record_event().unwrap();
+    assert!(!done.is_complete());
+    let t0 = std::time::Instant::now();
+    drop(open);
     s.synchronize().unwrap();
+    // A lower bound only (the copies sleep their modelled time, one after another).
     assert!(
         t0.elapsed() >= Duration::from_millis(36),
         "three copies of 12 ms, in order"
     );
+    assert_eq!(g.stats().copies, 3);
+    assert!(g.stats().copy_ns >= 36_000_000);
+    g.unregister_host(host.as_ptr() as usize).unwrap();
+    assert!(g.check().is_ok());
 }
 
 #[test]
