@@ -259,14 +259,28 @@ fn a_block_index_of_u64_max_in_key_mapping_does_not_overflow() {
 }
 
 #[test]
-fn meminfo_values_that_overflow_bytes_are_ignored() {
+fn meminfo_values_that_overflow_bytes_saturate_never_reading_less_than_the_file_says() {
     let h = host_from_texts(
         "MemTotal: 99999999999999999999 kB\nMemAvailable: 18446744073709551615 kB\nMemFree: 1024 kB\n",
         None,
         None,
     );
-    assert_eq!(h.total, ByteSize::ZERO, "MemTotal overflows: unknown");
-    // MemAvailable overflows: the MemFree fallback is used, as when it is missing.
+    // Too large for a u64, and too large for bytes in one: both at least u64::MAX bytes.
+    assert_eq!(h.total, ByteSize::MAX);
+    assert_eq!(h.available, ByteSize::MAX);
+    // A cgroup limit still clips them.
+    let h = host_from_texts(
+        "MemTotal: 99999999999999999999 kB\nMemAvailable: 18446744073709551615 kB\n",
+        Some("8589934592\n"),
+        Some("0\n"),
+    );
+    assert_eq!((h.total, h.available), (ByteSize::gib(8), ByteSize::gib(8)));
+    // Not a number at all: no figure (the MemFree fallback applies, as when it is missing).
+    let h = host_from_texts(
+        "MemTotal: 1024 kB\nMemAvailable: lots\nMemFree: 1024 kB\n",
+        None,
+        None,
+    );
     assert_eq!(h.available, ByteSize::mib(1));
 }
 

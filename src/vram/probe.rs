@@ -257,9 +257,13 @@ pub fn host_from_texts(meminfo: &str, cg_max: Option<&str>, cg_current: Option<&
     let field = |name: &str| -> Option<u64> {
         meminfo.lines().find_map(|l| {
             let rest = l.strip_prefix(name)?.strip_prefix(':')?;
-            let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-            // Saturate: a figure too large for bytes in a u64 is at least u64::MAX bytes, never
-            // less than the file says.
+            let digits = rest.trim().trim_end_matches("kB").trim();
+            // Saturate: a figure too large for bytes in a u64 (or for a u64 at all) is at least
+            // u64::MAX bytes, never less than the file says; anything but digits is no figure.
+            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            let kib: u64 = digits.parse().unwrap_or(u64::MAX);
             Some(kib.saturating_mul(1024))
         })
     };
