@@ -166,7 +166,7 @@ impl MemoryManager {
                     .saturating_add(keep_free)
                     > d.total
             {
-                Self::drop_casts(inner, d.device);
+                self.drop_casts(inner, d.device);
             }
         }
         self.execute_evictions(inner, &plan.steps, &mut undo);

@@ -179,6 +179,10 @@ pub struct MemoryManager {
     ledger: Arc<Ledger>,
     /// The ledger's column for cached manual casts, the gate every model's `CastCache` books on.
     cast_gate: Arc<dyn PrefetchGate>,
+    /// Every manual-cast cache this manager attached (weakly): plans count all booked casts as
+    /// free, so dropping casts must reach every cache, not only registered models' (a model that
+    /// left the registry while a handle kept it alive may still hold casts).
+    casts: Mutex<Vec<std::sync::Weak<crate::ops::CastCache>>>,
     inner: Mutex<Inner>,
 }
 
@@ -239,6 +243,7 @@ impl MemoryManager {
             host,
             engine,
             cast_gate: Arc::new(ledger.cast_column()),
+            casts: Mutex::new(Vec::new()),
             ledger,
             inner: Mutex::new(Inner {
                 registry: Vec::new(),
@@ -329,11 +334,19 @@ impl MemoryManager {
     }
 
     /// Drops the cached manual casts of every registered model on `device`.
-    fn drop_casts(inner: &Inner, device: DeviceId) -> ByteSize {
-        inner
+    fn drop_casts(&self, inner: &Inner, device: DeviceId) -> ByteSize {
+        let mut caches: Vec<Arc<crate::ops::CastCache>> = inner
             .registry
             .iter()
             .filter_map(|e| crate::ops::cast_cache_of(e.model()))
+            .collect();
+        {
+            let mut all = self.casts.lock();
+            all.retain(|w| w.strong_count() > 0);
+            caches.extend(all.iter().filter_map(std::sync::Weak::upgrade));
+        }
+        caches
+            .iter()
             .filter(|c| c.device() == device)
             .map(|c| c.clear())
             .sum()
@@ -354,12 +367,17 @@ impl MemoryManager {
                 c.set_keep_free(keep_free)
             }
             _ => {
-                let cache =
-                    crate::ops::CastCache::new(Arc::clone(&self.cast_gate), device, keep_free);
-                drop(crate::ops::attach_cast_cache(
-                    m.model(),
-                    Some(Arc::new(cache)),
+                let cache = Arc::new(crate::ops::CastCache::new(
+                    Arc::clone(&self.cast_gate),
+                    device,
+                    keep_free,
                 ));
+                {
+                    let mut all = self.casts.lock();
+                    all.retain(|w| w.strong_count() > 0);
+                    all.push(Arc::downgrade(&cache));
+                }
+                drop(crate::ops::attach_cast_cache(m.model(), Some(cache)));
             }
         }
     }
@@ -628,7 +646,7 @@ impl MemoryManager {
         let mut inner = self.inner.lock();
         cleanup(&mut inner);
         // Cached casts go first, before any model is evicted.
-        Self::drop_casts(&inner, device);
+        self.drop_casts(&inner, device);
         let mut planner = plan::Planner::new(self, &inner);
         planner.evict(required, device, &keep);
         let (evictions, steps) = planner.into_evictions();
