@@ -35,7 +35,7 @@ const MAX_HEADER: u64 = 100_000_000;
 #[derive(Debug)]
 pub(crate) struct WeightFile {
     path: PathBuf,
-    file: File,
+    pub(super) file: File,
 }
 
 /// One weight left in its file.
@@ -190,17 +190,17 @@ impl DiskWeight {
 }
 
 /// One tensor of a file's header.
-struct Entry {
-    key: String,
-    dtype: StDtype,
-    shape: Vec<usize>,
-    start: u64,
-    end: u64,
+pub(super) struct Entry {
+    pub(super) key: String,
+    pub(super) dtype: StDtype,
+    pub(super) shape: Vec<usize>,
+    pub(super) start: u64,
+    pub(super) end: u64,
 }
 
 /// Opens `path` and reads its header with positioned reads: the tensors in file order, each
 /// checked against the file's length and its dtype and shape.
-fn read_header(path: &Path) -> Result<(Arc<WeightFile>, Vec<Entry>)> {
+pub(super) fn read_header(path: &Path) -> Result<(Arc<WeightFile>, Vec<Entry>)> {
     let file = File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
     let wf = Arc::new(WeightFile {
         path: path.to_path_buf(),

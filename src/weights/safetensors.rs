@@ -308,33 +308,25 @@ pub(crate) struct TensorFile {
 }
 
 impl TensorFile {
-    /// Opens `path` and reads its header.
+    /// Opens `path` and reads its header with positioned reads (the lazy reader's: each tensor
+    /// checked against the file's length, dtype and shape; no map of the file, so a file
+    /// truncated underneath is an error naming it, never a fault).
     pub(crate) fn open(path: &Path) -> Result<TensorFile> {
-        let file =
-            std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
-        // SAFETY: as in `Model::from_safetensors`: the read-only map lives only inside this
-        // function; only the header is read through it (`read_metadata` checks the data offsets
-        // against the map's length without reading the data).
-        let mmap = unsafe { memmap2::Mmap::map(&file) }
-            .map_err(|e| file_err(path, format!("cannot map: {e}")))?;
-        let (n, metadata) = SafeTensors::read_metadata(&mmap)
-            .map_err(|e| file_err(path, format!("not a valid safetensors file: {e}")))?;
-        let data_start = 8 + n as u64;
-        let mut tensors: Vec<FileTensor> = metadata
-            .tensors()
+        let (wf, entries) = super::lazy::read_header(path)?;
+        let file = wf
+            .file
+            .try_clone()
+            .map_err(|e| file_err(path, format!("cannot open: {e}")))?;
+        let tensors = entries
             .into_iter()
-            .map(|(name, info)| FileTensor {
-                name,
-                dtype: info.dtype,
-                shape: info.shape.clone(),
-                start: data_start + info.data_offsets.0 as u64,
-                len: info.data_offsets.1 - info.data_offsets.0,
+            .map(|e| FileTensor {
+                name: e.key,
+                dtype: e.dtype,
+                shape: e.shape,
+                start: e.start,
+                len: (e.end - e.start) as usize,
             })
             .collect();
-        tensors.sort_by_key(|t| t.start);
-        for t in &tensors {
-            check_shape(path, &t.name, &t.shape)?;
-        }
         Ok(TensorFile {
             path: path.to_path_buf(),
             file,
