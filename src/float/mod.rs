@@ -92,6 +92,7 @@ pub use dtype::Dtype;
 pub use fp8::Fp8Format;
 pub use seed::{crc32, weight_seed};
 pub use stochastic::Rounding;
+pub(crate) use stochastic::{mix64, GOLDEN};
 pub(crate) use tensor::output_buffer;
 pub use tensor::{from_f32, to_f32};
 pub use uniform::uniform_tensor;

@@ -80,11 +80,12 @@ pub(super) fn encode_stochastic<F: Format>(x: f32, r: u32) -> u8 {
     (code | sign) as u8
 }
 
-const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+/// The splitmix64 increment (2⁶⁴ / φ).
+pub(crate) const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// splitmix64's finalizer: a 64-bit bijection with full avalanche.
 #[inline(always)]
-fn mix64(mut z: u64) -> u64 {
+pub(crate) fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)

@@ -108,6 +108,8 @@ struct HostRange {
     registered: bool,
     /// Queued copies that have yet to read it, by stream.
     pending: Vec<u64>,
+    /// A sim page-locked buffer's memory (weakly): a copy queued from it keeps it alive.
+    mem: Option<Weak<stream::HostMem>>,
 }
 
 /// A device allocation's books.
@@ -402,14 +404,13 @@ impl SimGpu {
         if self.spec.jitter_seed.is_none() {
             return base;
         }
-        // splitmix64 on a counter: a seeded, thread-order independent stream of fractions.
-        let mut z = self
-            .jitter
-            .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
-            .wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
+        // splitmix64 on a counter: a seeded stream of fractions.
+        let golden = crate::float::GOLDEN;
+        let z = crate::float::mix64(
+            self.jitter
+                .fetch_add(golden, Ordering::Relaxed)
+                .wrapping_add(golden),
+        );
         let frac = (z >> 11) as f64 / (1u64 << 53) as f64;
         base.mul_f64(1.0 + 0.5 * frac)
     }
@@ -477,6 +478,7 @@ impl SimGpu {
                 len,
                 registered: true,
                 pending: Vec::new(),
+                mem: None,
             },
         );
         Ok(())
@@ -485,38 +487,40 @@ impl SimGpu {
     /// Unlocks a registered range. A queued copy that has yet to read it is a violation; the sim
     /// then waits for the copy before returning (the caller frees the memory next).
     pub(crate) fn unregister_host(&self, addr: usize) -> Result<()> {
-        let mut st = self.state.lock();
-        let Some((&id, h)) = st
+        let st = self.state.lock();
+        let Some((&id, _)) = st
             .hosts
             .iter()
             .find(|(_, h)| h.registered && h.addr == addr)
         else {
             return Err(self.error("unlocking host memory that is not registered"));
         };
-        if let Some(&stream) = h.pending.first() {
-            let buffer = format!("pinned weight at {addr:#x} ({})", ByteSize(h.len as u64));
-            drop(st);
-            self.violation(
-                ViolationKind::UnlockedUnderCopy,
-                Some(stream),
-                "unlocking host memory (cuMemHostUnregister)",
-                buffer,
-            );
-            st = self.state.lock();
-            while st.hosts.get(&id).is_some_and(|h| !h.pending.is_empty()) {
-                self.read_done.wait(&mut st);
-            }
-        }
-        st.hosts.remove(&id);
+        drop(st);
+        self.settle_host(
+            id,
+            ViolationKind::UnlockedUnderCopy,
+            "unlocking host memory (cuMemHostUnregister)",
+        );
+        self.state.lock().hosts.remove(&id);
         Ok(())
     }
 
-    /// The id of the page-locked range holding all of `addr..addr + len`, if any.
-    fn host_range_of(&self, st: &State, addr: usize, len: usize) -> Option<u64> {
-        st.hosts
-            .iter()
-            .find(|(_, h)| addr >= h.addr && addr + len <= h.addr + h.len)
-            .map(|(&id, _)| id)
+    /// The page-locked range holding all of `addr..addr + len`, if any: its id, and the sim
+    /// buffer memory behind it (for the queued copy to keep alive). A copy that will read it from
+    /// `stream` is noted as pending.
+    fn queue_host_read(
+        &self,
+        addr: usize,
+        len: usize,
+        stream: u64,
+    ) -> Option<(u64, Option<Arc<stream::HostMem>>)> {
+        let mut st = self.state.lock();
+        let (&id, h) = st
+            .hosts
+            .iter_mut()
+            .find(|(_, h)| addr >= h.addr && addr + len <= h.addr + h.len)?;
+        h.pending.push(stream);
+        Some((id, h.mem.as_ref().and_then(Weak::upgrade)))
     }
 
     /// Blocks until no queued copy still reads range `id`, reporting `kind` first if one does.
@@ -524,7 +528,15 @@ impl SimGpu {
         let mut st = self.state.lock();
         let Some(h) = st.hosts.get(&id) else { return };
         if let Some(&stream) = h.pending.first() {
-            let buffer = format!("staging buffer ({})", ByteSize(h.len as u64));
+            let buffer = if h.registered {
+                format!(
+                    "pinned weight at {:#x} ({})",
+                    h.addr,
+                    ByteSize(h.len as u64)
+                )
+            } else {
+                format!("staging buffer ({})", ByteSize(h.len as u64))
+            };
             drop(st);
             self.violation(kind, Some(stream), operation, buffer);
             st = self.state.lock();
@@ -534,7 +546,7 @@ impl SimGpu {
         }
     }
 
-    fn add_host_range(&self, addr: usize, len: usize) -> u64 {
+    fn add_host_range(&self, addr: usize, len: usize, mem: Weak<stream::HostMem>) -> u64 {
         let id = self.next_id();
         self.state.lock().hosts.insert(
             id,
@@ -543,6 +555,7 @@ impl SimGpu {
                 len,
                 registered: false,
                 pending: Vec::new(),
+                mem: Some(mem),
             },
         );
         id
@@ -550,13 +563,6 @@ impl SimGpu {
 
     fn remove_host_range(&self, id: u64) {
         self.state.lock().hosts.remove(&id);
-    }
-
-    /// A queued copy on `stream` will read range `id`.
-    fn host_read_queued(&self, id: u64, stream: u64) {
-        if let Some(h) = self.state.lock().hosts.get_mut(&id) {
-            h.pending.push(stream);
-        }
     }
 
     /// A copy on `stream` has read range `id`.

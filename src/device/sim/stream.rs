@@ -212,23 +212,9 @@ impl SimStream {
             return Err(gpu.injected("enqueuing a copy"));
         }
         let addr = src.as_ptr() as usize;
-        let st = gpu.state.lock();
-        let source = match gpu.host_range_of(&st, addr, src.len()) {
-            Some(range) => {
-                drop(st);
-                gpu.host_read_queued(range, self.core.id);
-                Src::Locked {
-                    addr,
-                    range,
-                    keep: HOST_KEEP
-                        .with(|k| k.borrow_mut().take())
-                        .filter(|k| k.contains(addr)),
-                }
-            }
-            None => {
-                drop(st);
-                Src::Staged(src.to_vec())
-            }
+        let source = match gpu.queue_host_read(addr, src.len(), self.core.id) {
+            Some((range, keep)) => Src::Locked { addr, range, keep },
+            None => Src::Staged(src.to_vec()),
         };
         *dst.mem.pending.lock() += 1;
         let time = gpu.copy_time(src.len() as u64);
@@ -251,10 +237,6 @@ thread_local! {
     /// stream synchronize, or — on a stream's own worker — stream order): stream id → op number.
     static ORDERED: std::cell::RefCell<std::collections::HashMap<u64, u64>> =
         std::cell::RefCell::new(std::collections::HashMap::new());
-
-    /// The host buffer the next copy reads from, handed over by `SimHostBuffer::as_slice` so the
-    /// queued copy keeps its memory alive.
-    static HOST_KEEP: std::cell::RefCell<Option<Arc<HostMem>>> = const { std::cell::RefCell::new(None) };
 }
 
 /// Records that this thread has seen stream `stream`'s work complete up to op `seq`.
@@ -616,7 +598,8 @@ fn storage_ptr(s: &CpuStorage) -> usize {
 
 /// The memory of a sim page-locked host buffer.
 pub(crate) struct HostMem {
-    buf: Box<[u64]>,
+    /// Owns the memory `SimHostBuffer::ptr` addresses.
+    _buf: Box<[u64]>,
     /// Set when the buffer is freed: a queued copy still reading it reads poison.
     freed: AtomicBool,
 }
@@ -630,29 +613,23 @@ pub struct SimHostBuffer {
     gpu: Arc<SimGpu>,
 }
 
-// SAFETY: `ptr` addresses `mem.buf`, owned through `mem`; writes need `&mut self` and wait for every
+// SAFETY: `ptr` addresses `mem._buf`, owned through `mem`; writes need `&mut self` and wait for every
 // queued read first; queued reads only read.
 unsafe impl Send for SimHostBuffer {}
 // SAFETY: as above.
 unsafe impl Sync for SimHostBuffer {}
 
-impl HostMem {
-    fn contains(&self, addr: usize) -> bool {
-        let start = self.buf.as_ptr() as usize;
-        addr >= start && addr < start + self.buf.len() * 8
-    }
-}
-
 impl SimHostBuffer {
     pub(super) fn new(gpu: Arc<SimGpu>, len: usize) -> SimHostBuffer {
         let mut buf = vec![0u64; len.div_ceil(8)].into_boxed_slice();
         let ptr = buf.as_mut_ptr().cast::<u8>();
-        let range = gpu.add_host_range(ptr as usize, len);
+        let mem = Arc::new(HostMem {
+            _buf: buf,
+            freed: AtomicBool::new(false),
+        });
+        let range = gpu.add_host_range(ptr as usize, len, Arc::downgrade(&mem));
         SimHostBuffer {
-            mem: Arc::new(HostMem {
-                buf,
-                freed: AtomicBool::new(false),
-            }),
+            mem,
             ptr,
             len,
             range,
@@ -670,10 +647,9 @@ impl SimHostBuffer {
         self.len == 0
     }
 
-    /// The bytes, to read; a copy enqueued from them next keeps the memory alive.
+    /// The bytes, to read (a copy queued from them keeps the memory alive).
     pub fn as_slice(&self) -> &[u8] {
-        HOST_KEEP.with(|k| *k.borrow_mut() = Some(Arc::clone(&self.mem)));
-        // SAFETY: `ptr..ptr + len` lies in `mem.buf`, alive while `self` is; writers need
+        // SAFETY: `ptr..ptr + len` lies in `mem._buf`, alive while `self` is; writers need
         // `&mut self`.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
