@@ -262,7 +262,7 @@ impl MemoryManager {
         for i in to_build {
             // The transfer path of a streamed weight: on a GPU through page-locked memory.
             let tensor = self.engine.load_now(m, i)?;
-            let bytes = ByteSize((tensor.elem_count() * tensor.dtype().size_in_bytes()) as u64);
+            let (tensor, bytes) = m.resident_from(i, tensor, device)?;
             model.state_mut().set(
                 i,
                 SlotResidency::Resident {
@@ -348,10 +348,11 @@ impl MemoryManager {
                     continue;
                 }
             }
-            match p.materialize(d.index, p.resident_dtype(d.index), d.device) {
-                Ok(tensor) => {
-                    let bytes =
-                        ByteSize((tensor.elem_count() * tensor.dtype().size_in_bytes()) as u64);
+            match p
+                .materialize(d.index, p.resident_dtype(d.index), d.device)
+                .and_then(|t| p.resident_from(d.index, t, d.device))
+            {
+                Ok((tensor, bytes)) => {
                     d.model.state_mut().set(
                         d.index,
                         SlotResidency::Resident {

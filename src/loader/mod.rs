@@ -282,6 +282,23 @@ impl MemoryManager {
         }
     }
 
+    /// Reads a GGUF model as this manager's policy wants it: lazily through the host tier under
+    /// `--ram-budget` ([`Model::from_gguf_lazy`]), else eagerly ([`Model::from_gguf`]).
+    ///
+    /// # Errors
+    /// As [`Model::from_gguf`].
+    pub fn read_gguf(
+        &self,
+        name: impl Into<String>,
+        path: impl AsRef<std::path::Path>,
+    ) -> Result<Model> {
+        if self.policy.config().ram_budget.is_some() {
+            Model::from_gguf_lazy(name, path, &self.host)
+        } else {
+            Model::from_gguf(name, path)
+        }
+    }
+
     /// Transfer counters (bytes, prefetch hits and misses, time waiting).
     pub fn transfer_stats(&self) -> TransferSnapshot {
         self.engine.stats().snapshot()

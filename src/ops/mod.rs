@@ -77,7 +77,7 @@ use crate::float::{self, Dtype};
 use crate::patcher::{cast_weight, ModelPatcher};
 use crate::vram::DeviceId;
 
-use cast_cache::CastKey;
+pub(crate) use cast_cache::CastKey;
 pub(crate) use cast_cache::{attach_cast_cache, cast_cache_of};
 pub use cast_cache::{cast_cache_stats, CastCache, CastCacheStats};
 pub use conv::{Conv1d, Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig};

@@ -38,6 +38,20 @@ pub(crate) struct WeightFile {
     pub(super) file: File,
 }
 
+impl WeightFile {
+    /// Opens `path` for positioned reads.
+    ///
+    /// # Errors
+    /// [`Error::File`] naming the file when it cannot be opened.
+    pub(super) fn open(path: &Path) -> Result<Arc<WeightFile>> {
+        let file = File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
+        Ok(Arc::new(WeightFile {
+            path: path.to_path_buf(),
+            file,
+        }))
+    }
+}
+
 /// One weight left in its file.
 #[derive(Debug)]
 pub(crate) struct DiskWeight {
@@ -56,7 +70,7 @@ pub(crate) struct DiskWeight {
 }
 
 /// Reads `buf.len()` bytes at `offset`, or says how much the file holds now.
-fn read_at(wf: &WeightFile, buf: &mut [u8], offset: u64, key: &str) -> Result<()> {
+pub(super) fn read_at(wf: &WeightFile, buf: &mut [u8], offset: u64, key: &str) -> Result<()> {
     #[cfg(unix)]
     let r = {
         use std::os::unix::fs::FileExt;
@@ -142,7 +156,13 @@ fn read_as_variant<T: WithDType>(
 impl DiskWeight {
     /// Bytes the host copy holds.
     pub(crate) fn host_bytes(&self, dtype: Dtype) -> ByteSize {
-        ByteSize((self.shape.iter().product::<usize>() * dtype.size_in_bytes()) as u64)
+        // Raw bytes (fp8 E5M2 codes, a quantized weight's blocks) are one byte each.
+        let width = if self.read_as == DType::U8 {
+            1
+        } else {
+            dtype.size_in_bytes()
+        };
+        ByteSize((self.shape.iter().product::<usize>() * width) as u64)
     }
 
     /// The host copy: held by the tier, or read now (booked there first).
@@ -166,27 +186,64 @@ impl DiskWeight {
 
     /// A positioned read of the tensor into a new host buffer of its own type.
     fn read(&self, key: &str) -> Result<Tensor> {
-        let wf = &self.file;
-        let t = match self.read_as {
-            DType::F32 => read_typed::<f32>(wf, self.start, &self.shape, key)?,
-            DType::F16 => read_typed::<half::f16>(wf, self.start, &self.shape, key)?,
-            DType::BF16 => read_typed::<half::bf16>(wf, self.start, &self.shape, key)?,
-            DType::U8 => read_typed::<u8>(wf, self.start, &self.shape, key)?,
-            // candle's own `float8::F8E4M3` (a `float8` version we do not depend on), named by
-            // inference from its storage variant.
-            DType::F8E4M3 => read_as_variant(wf, self.start, &self.shape, key, CpuStorage::F8E4M3)?,
-            DType::F64 => read_typed::<f64>(wf, self.start, &self.shape, key)?
-                .to_dtype(DType::F32)
-                .map_err(|e| file_err(&wf.path, format!("tensor `{key}`: {e}")))?,
-            other => {
-                return Err(Error::UnsupportedDtype {
-                    dtype: format!("{other:?}"),
-                    what: format!("reading `{key}` from {}", wf.path.display()),
-                })
-            }
-        };
-        Ok(t)
+        read_range(&self.file, self.start, self.read_as, &self.shape, key)
     }
+
+    /// A weight of model `model` (id `model_id`, slot `index`) left in `file` at bytes
+    /// `start..start + len`, read as `read_as` in `shape` through `tier`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        file: Arc<WeightFile>,
+        start: u64,
+        len: u64,
+        read_as: DType,
+        shape: Vec<usize>,
+        tier: &HostTier,
+        model: (u64, Arc<str>),
+        index: usize,
+    ) -> DiskWeight {
+        DiskWeight {
+            file,
+            start,
+            len,
+            read_as,
+            shape,
+            tier: tier.clone(),
+            model_id: model.0,
+            model: model.1,
+            index,
+        }
+    }
+}
+
+/// A positioned read of the tensor at `start` of `wf` (read as `read_as`, in `shape`) into a new
+/// host buffer of its own type, which becomes the tensor (f64 is converted to f32).
+pub(super) fn read_range(
+    wf: &WeightFile,
+    start: u64,
+    read_as: DType,
+    shape: &[usize],
+    key: &str,
+) -> Result<Tensor> {
+    let t = match read_as {
+        DType::F32 => read_typed::<f32>(wf, start, shape, key)?,
+        DType::F16 => read_typed::<half::f16>(wf, start, shape, key)?,
+        DType::BF16 => read_typed::<half::bf16>(wf, start, shape, key)?,
+        DType::U8 => read_typed::<u8>(wf, start, shape, key)?,
+        // candle's own `float8::F8E4M3` (a `float8` version we do not depend on), named by
+        // inference from its storage variant.
+        DType::F8E4M3 => read_as_variant(wf, start, shape, key, CpuStorage::F8E4M3)?,
+        DType::F64 => read_typed::<f64>(wf, start, shape, key)?
+            .to_dtype(DType::F32)
+            .map_err(|e| file_err(&wf.path, format!("tensor `{key}`: {e}")))?,
+        other => {
+            return Err(Error::UnsupportedDtype {
+                dtype: format!("{other:?}"),
+                what: format!("reading `{key}` from {}", wf.path.display()),
+            })
+        }
+    };
+    Ok(t)
 }
 
 /// One tensor of a file's header.
@@ -331,6 +388,7 @@ impl Model {
                     dtype,
                     clean: Clean::Disk(Box::new(disk)),
                     bytes,
+                    quant: None,
                 });
             }
         }

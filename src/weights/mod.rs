@@ -21,9 +21,11 @@
 //!
 //! Complexity: lookups by name are O(1); residency updates are O(number of weights touched).
 
+mod gguf;
 mod host;
 mod lazy;
 mod pin;
+mod quant;
 mod safetensors;
 mod writer;
 
@@ -32,6 +34,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use candle_core::quantized::QTensor;
 use candle_core::Tensor;
 use once_cell::sync::OnceCell;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -44,6 +47,8 @@ use crate::vram::DeviceId;
 pub use self::host::{HeldCopy, HostStats, HostTier, MIN_PIN_BYTES};
 pub(crate) use self::pin::host_bytes;
 pub use self::pin::PinnedWeight;
+pub(crate) use self::quant::qtensor_from_bytes;
+pub use self::quant::{block_bytes, GgufMetadata};
 pub(crate) use self::safetensors::{
     read_file_tensors, safetensors_dtype, write_le_bytes, FileTensor, TensorFile,
 };
@@ -51,6 +56,7 @@ pub(crate) use self::safetensors::{
 pub(crate) use self::safetensors::{read_raw_tensors, save_safetensors_with_raw, RawTensor};
 pub use self::safetensors::{save_safetensors, SafetensorsOptions};
 pub(crate) use self::writer::{save_safetensors_streaming, LazyTensor, Sink, Source};
+pub use candle_core::quantized::GgmlDType;
 
 /// What the offload layer hangs on a model to stream it (an `offload::Streamer`).
 pub(crate) type StreamHook = Arc<dyn Any + Send + Sync>;
@@ -74,6 +80,8 @@ pub struct Slot {
     dtype: Dtype,
     clean: Clean,
     bytes: ByteSize,
+    /// The GGML block format of a quantized weight (its clean tensor is its block bytes).
+    quant: Option<GgmlDType>,
 }
 
 impl Slot {
@@ -85,11 +93,17 @@ impl Slot {
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
-    /// Its storage dtype.
+    /// Its storage dtype; for a quantized weight, the dtype it dequantizes to (f32), which is
+    /// what its patches compute in.
     pub fn dtype(&self) -> Dtype {
         self.dtype
     }
-    /// The clean tensor on the host (storage dtype; `U8` bytes for fp8 E5M2). Never mutated.
+    /// The GGML block format of a quantized weight (`Q4_0`, `Q4K`, ...), else `None`.
+    pub fn quantized(&self) -> Option<GgmlDType> {
+        self.quant
+    }
+    /// The clean tensor on the host (storage dtype; `U8` bytes for fp8 E5M2; for a quantized
+    /// weight its block bytes, a `U8` tensor of [`Slot::bytes`] elements). Never mutated.
     ///
     /// For a weight read eagerly this is the tensor read with the model. For one read lazily it
     /// is the host copy its host tier holds, read from the file first (and booked in the tier's
@@ -110,7 +124,7 @@ impl Slot {
     pub fn is_lazy(&self) -> bool {
         matches!(self.clean, Clean::Disk(_))
     }
-    /// Bytes in storage dtype.
+    /// Bytes in storage dtype (a quantized weight: its block bytes, exactly).
     pub fn bytes(&self) -> ByteSize {
         self.bytes
     }
@@ -118,7 +132,7 @@ impl Slot {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
-    /// Bytes this weight takes in `dtype`.
+    /// Bytes this weight takes in `dtype` (dense: dequantized, for a quantized weight).
     pub fn bytes_in(&self, dtype: Dtype) -> ByteSize {
         ByteSize((self.numel() * dtype.size_in_bytes()) as u64)
     }
@@ -131,8 +145,9 @@ pub enum SlotResidency {
     Offloaded,
     /// A materialized copy lives on `device`.
     Resident {
-        /// The resident tensor (patched, in the resident dtype).
-        tensor: Tensor,
+        /// The resident copy: a dense tensor (patched, in the resident dtype), or a quantized
+        /// weight's blocks.
+        tensor: ResidentWeight,
         /// The fingerprint of the patch list it was built from.
         fingerprint: Fingerprint,
         /// Where it lives.
@@ -140,6 +155,33 @@ pub enum SlotResidency {
         /// Its size.
         bytes: ByteSize,
     },
+}
+
+/// A resident copy of one weight.
+#[derive(Debug, Clone)]
+pub enum ResidentWeight {
+    /// A dense tensor: patched, in the resident dtype, on the load device.
+    Dense(Tensor),
+    /// A quantized weight's blocks on the load device, as candle's `QTensor` (never patched:
+    /// patches on a quantized weight apply to its dequantized value at use).
+    Quantized(Arc<QTensor>),
+}
+
+impl ResidentWeight {
+    /// The dense tensor, for a dense copy.
+    pub fn dense(&self) -> Option<&Tensor> {
+        match self {
+            ResidentWeight::Dense(t) => Some(t),
+            ResidentWeight::Quantized(_) => None,
+        }
+    }
+    /// The quantized tensor, for a quantized copy.
+    pub fn quantized(&self) -> Option<&Arc<QTensor>> {
+        match self {
+            ResidentWeight::Quantized(q) => Some(q),
+            ResidentWeight::Dense(_) => None,
+        }
+    }
 }
 
 /// The mutable part of a model: residency and pins, guarded by one lock.
@@ -311,6 +353,10 @@ pub struct Model {
     index: HashMap<String, usize>,
     total: ByteSize,
     numel: u64,
+    /// Block bytes and elements of the quantized weights (included in `total` and `numel`).
+    quantized: (ByteSize, u64),
+    /// The GGUF file's metadata, for a model read from one.
+    metadata: Option<Arc<GgufMetadata>>,
     state: RwLock<Residency>,
     forward_order: Mutex<ForwardOrder>,
     skipped: Vec<String>,
@@ -428,6 +474,7 @@ impl Model {
                 dtype,
                 clean: Clean::Host(t),
                 bytes,
+                quant: None,
             });
         }
         Model::assemble(name, slots, index, Vec::new())
@@ -453,6 +500,12 @@ impl Model {
         check_scales(&name, &slots, &index)?;
         let total = slots.iter().map(|s| s.bytes).sum();
         let numel = slots.iter().map(|s| s.numel() as u64).sum();
+        let quantized = slots
+            .iter()
+            .filter(|s| s.quant.is_some())
+            .fold((ByteSize::ZERO, 0u64), |(b, n), s| {
+                (b.saturating_add(s.bytes), n + s.numel() as u64)
+            });
         let n = slots.len();
         let mut residency = Residency::new(n);
         let host = OnceCell::new();
@@ -467,6 +520,8 @@ impl Model {
             index,
             total,
             numel,
+            quantized,
+            metadata: None,
             state: RwLock::new(residency),
             forward_order: Mutex::new(ForwardOrder {
                 order: Vec::new(),
@@ -635,6 +690,16 @@ impl Model {
     /// Total number of elements over all weights.
     pub fn numel(&self) -> u64 {
         self.numel
+    }
+    /// Block bytes and element count of the quantized weights (part of
+    /// [`Model::model_size`] and [`Model::numel`]).
+    pub fn quantized_size(&self) -> (ByteSize, u64) {
+        self.quantized
+    }
+    /// The metadata of the GGUF file the model was read from (`None` for other models): model
+    /// configs come from it (`llama.block_count`, ...).
+    pub fn gguf_metadata(&self) -> Option<&GgufMetadata> {
+        self.metadata.as_deref()
     }
     /// Number of weights.
     pub fn len(&self) -> usize {
@@ -819,7 +884,9 @@ mod tests {
 
     fn resident(device: DeviceId, bytes: u64) -> SlotResidency {
         SlotResidency::Resident {
-            tensor: Tensor::zeros(1, candle_core::DType::U8, &candle_core::Device::Cpu).unwrap(),
+            tensor: ResidentWeight::Dense(
+                Tensor::zeros(1, candle_core::DType::U8, &candle_core::Device::Cpu).unwrap(),
+            ),
             fingerprint: 0,
             device,
             bytes: ByteSize(bytes),

@@ -178,6 +178,7 @@ impl Model {
                     dtype,
                     clean: Clean::Host(t),
                     bytes,
+                    quant: None,
                 });
             }
         }

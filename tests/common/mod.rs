@@ -1,6 +1,8 @@
 //! Shared helpers for the integration tests.
 #![allow(dead_code)]
 
+pub mod gguf;
+
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};

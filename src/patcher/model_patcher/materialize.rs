@@ -9,8 +9,9 @@ use super::{ModelPatcher, WEIGHT_SCALE_SUFFIX};
 use crate::error::{Error, Result};
 use crate::float::{self, Dtype, Rounding};
 use crate::patcher::adapters::{self, PatchEntry};
+use crate::size::ByteSize;
 use crate::vram::DeviceId;
-use crate::weights::SlotResidency;
+use crate::weights::{ResidentWeight, SlotResidency};
 
 impl ModelPatcher {
     /// The patched weight `key` in its storage dtype on the host: patches applied in f32, then
@@ -27,8 +28,58 @@ impl ModelPatcher {
     pub fn patched_weight_f32(&self, key: &str) -> Result<Tensor> {
         let index = self.index_of(key)?;
         let slot = &self.model.slots()[index];
-        let w = float::to_f32(&slot.clean()?, slot.dtype())?;
+        let w = match slot.quantized() {
+            Some(_) => self
+                .clean_qtensor(index, &slot.clean()?, &candle_core::Device::Cpu)?
+                .dequantize(&candle_core::Device::Cpu)
+                .map_err(|e| Error::tensor(format!("dequantizing `{key}`"), e))?,
+            None => float::to_f32(&slot.clean()?, slot.dtype())?,
+        };
         self.patch_f32(index, &w)
+    }
+
+    /// Quantized weight `index` as candle's `QTensor` on `device`, from `blocks` (its block
+    /// bytes, or a copy of them on the host or the simulated GPU).
+    pub(crate) fn clean_qtensor(
+        &self,
+        index: usize,
+        blocks: &Tensor,
+        device: &candle_core::Device,
+    ) -> Result<candle_core::quantized::QTensor> {
+        let slot = &self.model.slots()[index];
+        let Some(ggml) = slot.quantized() else {
+            return Err(Error::UnsupportedDtype {
+                dtype: slot.dtype().to_string(),
+                what: format!(
+                    "weight `{}` of `{}` as a quantized tensor (it is dense)",
+                    slot.name(),
+                    self.model.name()
+                ),
+            });
+        };
+        crate::weights::qtensor_from_bytes(
+            blocks,
+            ggml,
+            slot.shape(),
+            device,
+            (self.model.name(), slot.name()),
+        )
+    }
+
+    /// Quantized weight `index` dense: `q` dequantized (in f32, on `q`'s device), patched with
+    /// this patcher's patches and cast to `dtype`, as ComfyUI-GGUF builds a patched GGUF weight.
+    pub(crate) fn dequantized_patched(
+        &self,
+        index: usize,
+        q: &candle_core::quantized::QTensor,
+        dtype: Dtype,
+    ) -> Result<Tensor> {
+        let slot = &self.model.slots()[index];
+        let w = q
+            .dequantize(&q.device())
+            .map_err(|e| Error::tensor(format!("dequantizing `{}`", slot.name()), e))?;
+        let patched = self.patch_f32(index, &w)?;
+        cast_weight(&patched, Dtype::F32, dtype)
     }
 
     /// Applies weight `index`'s patches to its f32 value `w` (in stored units: a per-tensor scale
@@ -66,6 +117,21 @@ impl ModelPatcher {
         let slot = &self.model.slots()[index];
         if self.patches.get(slot.name()).is_empty() {
             return Ok(clean.clone());
+        }
+        if let Some(ggml) = slot.quantized() {
+            // Stored form of a patched quantized weight: re-quantized to its own format (lossy;
+            // compute uses the dense patched weight instead, see `dequantized_patched`).
+            let cpu = candle_core::Device::Cpu;
+            let dense = self.dequantized_patched(
+                index,
+                &self.clean_qtensor(index, clean, &cpu)?,
+                Dtype::F32,
+            )?;
+            let ctx = |e| Error::tensor(format!("re-quantizing `{}` to {ggml:?}", slot.name()), e);
+            let q = candle_core::quantized::QTensor::quantize(&dense, ggml).map_err(ctx)?;
+            let bytes = q.data().map_err(ctx)?.into_owned();
+            let n = bytes.len();
+            return Tensor::from_vec(bytes, n, &cpu).map_err(ctx);
         }
         let w = float::to_f32(clean, slot.dtype())?;
         let patched = self.patch_f32(index, &w)?;
@@ -171,6 +237,10 @@ impl ModelPatcher {
         device: DeviceId,
     ) -> Result<(Tensor, Option<Dtype>)> {
         let slot = &self.model.slots()[index];
+        if slot.quantized().is_some() {
+            // Quantized weights move as their clean blocks; patches apply at use.
+            return Ok((clean.clone(), None));
+        }
         let stored = self.patched_storage_from(index, clean)?;
         if !device.is_cpu() && slot.dtype().widens_exactly_to(dtype) {
             return Ok((stored, Some(dtype)));
@@ -179,8 +249,14 @@ impl ModelPatcher {
     }
 
     /// The resident copy of weight `index` when it is current for this patcher on its load
-    /// device.
+    /// device (a dense weight; see [`ModelPatcher::resident_weight`] for quantized ones).
     pub fn resident_tensor(&self, index: usize) -> Option<Tensor> {
+        self.resident_weight(index)?.dense().cloned()
+    }
+
+    /// The resident copy of weight `index`, dense or quantized, when it is current for this
+    /// patcher on its load device.
+    pub fn resident_weight(&self, index: usize) -> Option<ResidentWeight> {
         let fp = self.fingerprint(index);
         match self.model.state().slots().get(index)? {
             SlotResidency::Resident {
@@ -193,29 +269,55 @@ impl ModelPatcher {
         }
     }
 
+    /// What a resident copy of weight `index` built from `t` (what
+    /// [`ModelPatcher::materialize`] returned for `device`) holds, and its bytes: `t` itself for
+    /// a dense weight; for a quantized one, its blocks as a `QTensor` on `device`.
+    pub(crate) fn resident_from(
+        &self,
+        index: usize,
+        t: Tensor,
+        device: DeviceId,
+    ) -> Result<(ResidentWeight, ByteSize)> {
+        let slot = &self.model.slots()[index];
+        if slot.quantized().is_none() {
+            let bytes = ByteSize((t.elem_count() * t.dtype().size_in_bytes()) as u64);
+            return Ok((ResidentWeight::Dense(t), bytes));
+        }
+        let q = self.clean_qtensor(index, &t, &device.to_candle()?)?;
+        Ok((
+            ResidentWeight::Quantized(std::sync::Arc::new(q)),
+            slot.bytes(),
+        ))
+    }
+
     /// The weight `key` ready for compute on the load device, in the resident dtype: the resident
     /// copy when it is current, else fetched from the host and patched now (streamed). The second
-    /// value says whether it streamed. Records first-forward order.
+    /// value says whether it streamed. Records first-forward order. A quantized weight comes
+    /// dense: dequantized and patched.
     pub fn fetch(&self, key: &str) -> Result<(Tensor, bool)> {
         let index = self.index_of(key)?;
         self.model.record_use(index);
-        let fp = self.fingerprint(index);
-        if let SlotResidency::Resident {
-            tensor,
-            fingerprint,
-            device,
-            ..
-        } = &self.model.state().slots()[index]
-        {
-            if *fingerprint == fp && *device == self.load_device {
-                return Ok((tensor.clone(), false));
-            }
+        let resident = self.resident_weight(index);
+        if let Some(ResidentWeight::Dense(t)) = &resident {
+            return Ok((t.clone(), false));
         }
-        if self.model.stream_hook().is_none() {
+        if resident.is_none() && self.model.stream_hook().is_none() {
             self.model.note_use_without_load(self.load_device);
         }
-        let t = self.materialize(index, self.resident_dtype(index), self.load_device)?;
-        Ok((t, true))
+        let dtype = self.resident_dtype(index);
+        match resident {
+            Some(ResidentWeight::Quantized(q)) => {
+                Ok((self.dequantized_patched(index, &q, dtype)?, false))
+            }
+            _ => {
+                let t = self.materialize(index, dtype, self.load_device)?;
+                if self.model.slots()[index].quantized().is_none() {
+                    return Ok((t, true));
+                }
+                let q = self.clean_qtensor(index, &t, &self.load_device.to_candle()?)?;
+                Ok((self.dequantized_patched(index, &q, dtype)?, true))
+            }
+        }
     }
 }
 

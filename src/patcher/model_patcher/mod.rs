@@ -416,23 +416,43 @@ impl ModelPatcher {
         self.patches = Arc::new(PatchSet::default());
     }
 
-    /// The dtype weight `index` is kept in when resident (the compute dtype, else storage).
+    /// The dtype weight `index` is kept in when resident (the compute dtype, else storage). A
+    /// quantized weight stays in its blocks when resident; this is the dtype its dequantized
+    /// (and patched) value is used in.
     pub fn resident_dtype(&self, index: usize) -> Dtype {
         self.options
             .compute_dtype
             .unwrap_or_else(|| self.model.slots()[index].dtype())
     }
 
-    /// Bytes weight `index` takes when resident.
+    /// Bytes weight `index` takes when resident (a quantized weight: its block bytes).
     pub fn resident_size(&self, index: usize) -> ByteSize {
-        self.model.slots()[index].bytes_in(self.resident_dtype(index))
+        let slot = &self.model.slots()[index];
+        if slot.quantized().is_some() {
+            return slot.bytes();
+        }
+        slot.bytes_in(self.resident_dtype(index))
     }
 
     /// The fingerprint of weight `index` under this patcher: its patch list, DoRA mode and
-    /// resident dtype.
+    /// resident dtype. A quantized weight's resident copy is its clean blocks whatever the
+    /// patches (they apply to its dequantized value at use), so its fingerprint is its format's
+    /// alone: switching between a model and its LoRA clone moves none of its quantized weights.
     pub fn fingerprint(&self, index: usize) -> Fingerprint {
         let slot = &self.model.slots()[index];
-        let dtype = self.resident_dtype(index);
+        if let Some(ggml) = slot.quantized() {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            ggml.hash(&mut h);
+            return h.finish();
+        }
+        self.patch_fingerprint(index, self.resident_dtype(index))
+    }
+
+    /// The fingerprint of weight `index`'s patch list, DoRA mode and `dtype`: what a dense copy
+    /// of the patched weight in `dtype` is built from (for a quantized weight, its dequantized,
+    /// patched value, which the manual-cast cache keeps under this key).
+    pub(crate) fn patch_fingerprint(&self, index: usize, dtype: Dtype) -> Fingerprint {
+        let slot = &self.model.slots()[index];
         // Unpatched weights (every weight of a model without patches: no key lookup) take the
         // same value from a table; loads ask for each weight's fingerprint several times.
         let entries = if self.patches.is_empty() {
@@ -471,11 +491,16 @@ impl ModelPatcher {
     }
 
     /// Total size of the weights in their resident dtype. O(1): the model's size in storage
-    /// dtypes, or its element count times the compute dtype's width.
+    /// dtypes, or its dense elements times the compute dtype's width plus its quantized weights'
+    /// block bytes.
     pub fn resident_model_size(&self) -> ByteSize {
         match self.options.compute_dtype {
             None => self.model.model_size(),
-            Some(d) => d.storage_size(self.model.numel()),
+            Some(d) => {
+                let (q_bytes, q_numel) = self.model.quantized_size();
+                d.storage_size(self.model.numel() - q_numel)
+                    .saturating_add(q_bytes)
+            }
         }
     }
 

@@ -3,14 +3,12 @@
 //! resident set, pins keep weights through partial unloads. Every change is built first and
 //! committed under the model's lock, so a failed call changes nothing.
 
-use candle_core::Tensor;
-
 use super::{LoadOutcome, ModelPatcher};
 use crate::error::Result;
 use crate::patcher::selection::{self, WeightView};
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
-use crate::weights::{Fingerprint, SlotResidency};
+use crate::weights::{Fingerprint, ResidentWeight, SlotResidency};
 
 impl ModelPatcher {
     /// Chooses resident weights on `device` from scratch within `budget`: weights are considered
@@ -176,11 +174,11 @@ impl ModelPatcher {
                 .map(|(i, s)| current(s, i))
                 .collect()
         };
-        let mut built: Vec<(usize, Tensor, Fingerprint, ByteSize)> = Vec::new();
+        let mut built: Vec<(usize, ResidentWeight, Fingerprint, ByteSize)> = Vec::new();
         for (i, &w) in want.iter().enumerate() {
             if w && !snapshot[i] {
                 let t = self.materialize(i, self.resident_dtype(i), device)?;
-                let bytes = ByteSize((t.elem_count() * t.dtype().size_in_bytes()) as u64);
+                let (t, bytes) = self.resident_from(i, t, device)?;
                 built.push((i, t, fingerprints[i], bytes));
             }
         }

@@ -1,0 +1,456 @@
+//! Quantized (GGUF) models under the manager: what candle-transformers' quantized models use
+//! from `candle_core::quantized`, on managed weights.
+//!
+//! `use residency::quantized::{gguf_file, QTensor, QMatMul}` in place of candle's: a
+//! [`gguf_file::Content`] made from a [`ModelPatcher`] of a model read with
+//! [`Model::from_gguf`](crate::weights::Model::from_gguf) hands out [`QTensor`] *handles*
+//! (`ct.tensor(reader, name, device)`), and a [`QMatMul`] made from one fetches its weight
+//! through the manager at every forward, as [`crate::nn`]'s layers do:
+//!
+//! - a quantized weight resident and current ⇒ its resident `QTensor` (candle's own kernels);
+//!   otherwise its block bytes stream (pins, staging, lanes, prefetch, the host tier: the path
+//!   of every weight) and become a `QTensor` on the load device at use. Either way the blocks
+//!   are the file's, so streamed and resident give the same bits (I3).
+//! - a *patched* quantized weight (a LoRA clone) is used dense, as ComfyUI-GGUF does: its blocks
+//!   dequantized to f32, the patches applied, cast to the patcher's compute dtype (f32 when it
+//!   has none), multiplied by candle's dense matmul. Resident copies stay the clean blocks (their
+//!   fingerprint ignores patches), so switching base ↔ clone moves no quantized weight; the dense
+//!   patched weight of a resident one is kept in the model's manual-cast cache when the ledger
+//!   has room (dropped first under pressure), so a resident LoRA clone does not dequantize at
+//!   every step.
+//! - GGUF's dense tensors (F32, F16, BF16) are ordinary dense weights, used in f32 as candle's
+//!   `QTensor::dequantize` gives them.
+//!
+//! A handle can also own a candle `QTensor` (`QTensor::from(candle_qtensor)`): not managed, for
+//! code paths such as `ggml_file` models that read their own tensors.
+//!
+//! Accessors that return dense tensors (`QTensor::dequantize`) fetch now and return a tensor the
+//! caller owns: not evicted, not switched by a later patch set — see `docs/PORTING.md`.
+
+pub mod ggml_file;
+pub mod gguf_file;
+
+use std::sync::Arc;
+
+use candle_core::quantized as cq;
+use candle_core::{Device, Module, Shape, Tensor};
+
+pub use candle_core::quantized::GgmlDType;
+
+use crate::error::{Error, Result};
+use crate::float::Dtype;
+use crate::ops::{
+    cast_bias_weight, cast_cache_of, to_candle, weight_outside_forward, CastKey, LayerWeights,
+    OpsBuilder, OpsMode, OpsSource,
+};
+use crate::patcher::ModelPatcher;
+use crate::weights::ResidentWeight;
+
+/// A quantized tensor: a handle on a weight of a managed model (fetched at use), or a candle
+/// `QTensor` owned as candle owns it.
+#[derive(Clone, Debug)]
+pub struct QTensor {
+    inner: Inner,
+}
+
+#[derive(Clone, Debug)]
+enum Inner {
+    Owned(Arc<cq::QTensor>),
+    /// A block-quantized weight of a managed model.
+    Quantized(Arc<QRef>),
+    /// A dense (F32/F16/BF16) weight of a managed model, used in f32.
+    Dense(Arc<DenseRef>),
+}
+
+#[derive(Debug)]
+struct QRef {
+    source: OpsSource,
+    key: String,
+    index: usize,
+    shape: Shape,
+    ggml: GgmlDType,
+}
+
+#[derive(Debug)]
+struct DenseRef {
+    weights: LayerWeights,
+    shape: Shape,
+    ggml: GgmlDType,
+}
+
+impl From<cq::QTensor> for QTensor {
+    fn from(q: cq::QTensor) -> Self {
+        QTensor {
+            inner: Inner::Owned(Arc::new(q)),
+        }
+    }
+}
+
+impl From<Arc<cq::QTensor>> for QTensor {
+    fn from(q: Arc<cq::QTensor>) -> Self {
+        QTensor {
+            inner: Inner::Owned(q),
+        }
+    }
+}
+
+/// A fetched weight, ready for a forward.
+pub(crate) enum Fetched {
+    /// Unpatched blocks: candle's quantized kernels.
+    Quantized(Arc<cq::QTensor>),
+    /// Dense f32 (or the compute dtype): a patched quantized weight, or a dense one.
+    Dense(Tensor),
+}
+
+/// The format a dense slot of `dtype` has in a GGUF file.
+fn ggml_of(dtype: Dtype) -> GgmlDType {
+    match dtype {
+        Dtype::F16 => GgmlDType::F16,
+        Dtype::BF16 => GgmlDType::BF16,
+        _ => GgmlDType::F32,
+    }
+}
+
+impl QTensor {
+    /// A handle on weight `key` of the model `source` fetches through.
+    ///
+    /// # Errors
+    /// [`Error::UnknownWeight`] naming model and key.
+    pub(crate) fn managed(source: &OpsSource, key: &str) -> Result<QTensor> {
+        let patcher = source.patcher();
+        let model = patcher.model();
+        let index = model.index_of(key).ok_or_else(|| Error::UnknownWeight {
+            model: model.name().to_string(),
+            key: key.to_string(),
+        })?;
+        let slot = &model.slots()[index];
+        let shape = Shape::from(slot.shape().to_vec());
+        let inner = match slot.quantized() {
+            Some(ggml) => Inner::Quantized(Arc::new(QRef {
+                source: source.clone(),
+                key: key.to_string(),
+                index,
+                shape,
+                ggml,
+            })),
+            None => {
+                let ops = OpsBuilder::from_source(
+                    source,
+                    OpsMode::ManualCast {
+                        compute: Dtype::F32,
+                    },
+                );
+                Inner::Dense(Arc::new(DenseRef {
+                    weights: ops.weights_at(key.to_string(), slot.shape(), None)?,
+                    shape,
+                    ggml: ggml_of(slot.dtype()),
+                }))
+            }
+        };
+        Ok(QTensor { inner })
+    }
+
+    /// The GGML format (a dense weight of a managed model: its stored F32/F16/BF16).
+    pub fn dtype(&self) -> GgmlDType {
+        match &self.inner {
+            Inner::Owned(q) => q.dtype(),
+            Inner::Quantized(r) => r.ggml,
+            Inner::Dense(d) => d.ggml,
+        }
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        match &self.inner {
+            Inner::Owned(q) => q.shape(),
+            Inner::Quantized(r) => &r.shape,
+            Inner::Dense(d) => &d.shape,
+        }
+    }
+
+    /// The number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.shape().rank()
+    }
+
+    /// The device it computes on (a managed weight: its patcher's load device).
+    ///
+    /// # Errors
+    /// A load device with no candle device in this build.
+    pub fn device(&self) -> candle_core::Result<Device> {
+        match &self.inner {
+            Inner::Owned(q) => Ok(q.device()),
+            Inner::Quantized(r) => r
+                .source
+                .patcher()
+                .load_device()
+                .to_candle()
+                .map_err(to_candle),
+            Inner::Dense(d) => d
+                .weights
+                .source()
+                .patcher()
+                .load_device()
+                .to_candle()
+                .map_err(to_candle),
+        }
+    }
+
+    /// The weight's key in its model, for a managed handle.
+    pub fn key(&self) -> Option<&str> {
+        match &self.inner {
+            Inner::Owned(_) => None,
+            Inner::Quantized(r) => Some(&r.key),
+            Inner::Dense(d) => Some(d.weights.weight_key()),
+        }
+    }
+
+    /// Whether the handle fetches through the manager (not an owned candle `QTensor`).
+    pub fn is_managed(&self) -> bool {
+        !matches!(self.inner, Inner::Owned(_))
+    }
+
+    /// Bytes of its storage: block bytes (a dense weight: its stored bytes).
+    pub fn storage_size_in_bytes(&self) -> usize {
+        match &self.inner {
+            Inner::Owned(q) => q.storage_size_in_bytes(),
+            Inner::Quantized(r) => {
+                let patcher = r.source.patcher();
+                patcher.model().slots()[r.index].bytes().bytes() as usize
+            }
+            Inner::Dense(d) => {
+                let patcher = d.weights.source().patcher();
+                let index = patcher.model().index_of(d.weights.weight_key());
+                index.map_or(0, |i| patcher.model().slots()[i].bytes().bytes() as usize)
+            }
+        }
+    }
+
+    /// The weight dense in f32 on `device`, as candle's `QTensor::dequantize`. For a managed
+    /// weight: fetched now (resident or streamed) with its patches applied; the tensor is the
+    /// caller's (not evicted, not switched by a later patch set).
+    ///
+    /// # Errors
+    /// Errors of the fetch, the dequantization or the move.
+    pub fn dequantize(&self, device: &Device) -> candle_core::Result<Tensor> {
+        let t = match &self.inner {
+            Inner::Owned(q) => return q.dequantize(device),
+            Inner::Quantized(r) => match r.fetch(false).map_err(to_candle)? {
+                Fetched::Quantized(q) => q.dequantize(&q.device())?,
+                Fetched::Dense(t) => t.to_dtype(candle_core::DType::F32)?,
+            },
+            Inner::Dense(d) => weight_outside_forward(
+                &d.weights,
+                &d.weights
+                    .source()
+                    .patcher()
+                    .load_device()
+                    .to_candle()
+                    .map_err(to_candle)?,
+            )
+            .map_err(to_candle)?,
+        };
+        t.to_device(device)
+    }
+
+    /// [`QTensor::dequantize`] in f16.
+    ///
+    /// # Errors
+    /// As [`QTensor::dequantize`].
+    pub fn dequantize_f16(&self, device: &Device) -> candle_core::Result<Tensor> {
+        match &self.inner {
+            Inner::Owned(q) => q.dequantize_f16(device),
+            _ => self.dequantize(device)?.to_dtype(candle_core::DType::F16),
+        }
+    }
+
+    /// The weight for a forward on `device` (recorded in the forward order).
+    pub(crate) fn fetch_for_forward(&self, device: &Device) -> Result<Fetched> {
+        match &self.inner {
+            Inner::Owned(q) => Ok(Fetched::Quantized(Arc::clone(q))),
+            Inner::Quantized(r) => r.fetch(true),
+            Inner::Dense(d) => {
+                let (w, _) = cast_bias_weight(&d.weights, device, d.weights.mode())?;
+                Ok(Fetched::Dense(w))
+            }
+        }
+    }
+
+    /// Rows `ids` of a 2-D weight, as candle's `QTensor::embedding` (dequantized rows).
+    ///
+    /// # Errors
+    /// candle's errors, and those of the fetch.
+    pub fn embedding(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match self.fetch_for_forward(ids.device()).map_err(to_candle)? {
+            Fetched::Quantized(q) => q.embedding(ids),
+            Fetched::Dense(w) => cq::QMatMul::Tensor(w).embedding(ids),
+        }
+    }
+}
+
+impl QRef {
+    /// The weight for a use: its resident `QTensor` when current, else its blocks streamed and
+    /// built on the load device; dense when the patcher patches it (module docs).
+    fn fetch(&self, record: bool) -> Result<Fetched> {
+        let patcher = self.source.patcher();
+        let model = patcher.model();
+        if record {
+            model.record_use(self.index);
+        }
+        let device = patcher.load_device();
+        let (q, streamed) = match patcher.resident_weight(self.index) {
+            Some(ResidentWeight::Quantized(q)) => (q, false),
+            _ => {
+                let blocks = match crate::offload::streamer_of(&patcher) {
+                    Some(s) => s.fetch(&patcher, self.index)?,
+                    None => {
+                        model.note_use_without_load(device);
+                        patcher.materialize(
+                            self.index,
+                            patcher.resident_dtype(self.index),
+                            device,
+                        )?
+                    }
+                };
+                let q = patcher.clean_qtensor(self.index, &blocks, &device.to_candle()?)?;
+                (Arc::new(q), true)
+            }
+        };
+        if patcher.patches().get(&self.key).is_empty() {
+            return Ok(Fetched::Quantized(q));
+        }
+        dense_patched(&patcher, self.index, &q, streamed).map(Fetched::Dense)
+    }
+}
+
+/// A patched quantized weight dense: from the manual-cast cache when its resident copy is
+/// current and the cache holds (or can keep) it, else built now.
+fn dense_patched(
+    patcher: &ModelPatcher,
+    index: usize,
+    q: &cq::QTensor,
+    streamed: bool,
+) -> Result<Tensor> {
+    let compute = patcher.resident_dtype(index);
+    let build = || patcher.dequantized_patched(index, q, compute);
+    let cache = if streamed {
+        None
+    } else {
+        cast_cache_of(patcher.model())
+    };
+    match cache {
+        Some(cache) if cache.device() == patcher.load_device() => {
+            let key = CastKey {
+                generation: patcher.model().residency_generation(),
+                fingerprint: patcher.patch_fingerprint(index, compute),
+                compute,
+                scale: None,
+            };
+            cache.get_or_cast(index, key, build)
+        }
+        _ => build(),
+    }
+}
+
+/// candle's `QMatMul` on a [`QTensor`]: quantized kernels for unpatched quantized weights,
+/// candle's dense matmul otherwise, the weight fetched at every forward for a managed one.
+#[derive(Clone, Debug)]
+pub struct QMatMul {
+    weight: QTensor,
+    /// candle's own, for an owned weight (its dequantize-all switches apply once, as in candle).
+    owned: Option<cq::QMatMul>,
+}
+
+impl QMatMul {
+    /// A matmul on `qtensor` (candle's `QMatMul::from_qtensor`).
+    ///
+    /// # Errors
+    /// candle's errors for an owned tensor.
+    pub fn from_qtensor(qtensor: impl Into<QTensor>) -> candle_core::Result<Self> {
+        let weight = qtensor.into();
+        let owned = match &weight.inner {
+            Inner::Owned(q) => Some(cq::QMatMul::from_arc(Arc::clone(q))?),
+            _ => None,
+        };
+        Ok(QMatMul { weight, owned })
+    }
+
+    /// A matmul on a shared `qtensor` (candle's `QMatMul::from_arc`).
+    ///
+    /// # Errors
+    /// As [`QMatMul::from_qtensor`].
+    pub fn from_arc(qtensor: Arc<QTensor>) -> candle_core::Result<Self> {
+        QMatMul::from_qtensor(QTensor::clone(&qtensor))
+    }
+
+    /// The weight handle.
+    pub fn weight(&self) -> &QTensor {
+        &self.weight
+    }
+
+    /// The weight dense in f16 (fetched now for a managed weight).
+    ///
+    /// # Errors
+    /// As [`QTensor::dequantize`].
+    pub fn dequantize_f16(&self) -> candle_core::Result<Tensor> {
+        match &self.owned {
+            Some(m) => m.dequantize_f16(),
+            None => self.weight.dequantize_f16(&self.weight.device()?),
+        }
+    }
+
+    /// candle's `forward_via_f16`: the weight dequantized to f16, multiplied in f16.
+    ///
+    /// # Errors
+    /// As [`QTensor::dequantize`], and candle's errors.
+    pub fn forward_via_f16(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.owned {
+            Some(m) => m.forward_via_f16(xs),
+            None => cq::QMatMul::TensorF16(self.dequantize_f16()?).forward(xs),
+        }
+    }
+
+    /// Rows `ids` of the weight (candle's `QMatMul::embedding`).
+    ///
+    /// # Errors
+    /// As [`QTensor::embedding`].
+    pub fn embedding(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.owned {
+            Some(m) => m.embedding(ids),
+            None => self.weight.embedding(ids),
+        }
+    }
+}
+
+impl Module for QMatMul {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(m) = &self.owned {
+            return m.forward(xs);
+        }
+        match self
+            .weight
+            .fetch_for_forward(xs.device())
+            .map_err(to_candle)?
+        {
+            Fetched::Quantized(q) => cq::QMatMul::from_arc(q)?.forward(xs),
+            Fetched::Dense(w) => {
+                let w = if w.dtype() == xs.dtype() {
+                    w
+                } else {
+                    w.to_dtype(xs.dtype())?
+                };
+                cq::QMatMul::Tensor(w).forward(xs)
+            }
+        }
+    }
+}
+
+/// The [`QTensor`] handles of a patcher's weights, by key (for builders).
+pub(crate) fn handle(patcher_source: &OpsSource, key: &str) -> candle_core::Result<QTensor> {
+    QTensor::managed(patcher_source, key).map_err(to_candle)
+}
+
+/// The candle device of `patcher`'s load device.
+pub(crate) fn load_device(patcher: &ModelPatcher) -> candle_core::Result<Device> {
+    patcher.load_device().to_candle().map_err(to_candle)
+}

@@ -1,0 +1,300 @@
+//! Quantized weights: models read from GGUF files, whose weights stay in GGML's block formats
+//! (`Q4_0`, `Q8_0`, `Q4K`, `Q6K`, ...) in host memory, on the device and on the bus.
+//!
+//! A quantized slot's clean tensor is its **block bytes**: a `U8` host tensor of exactly the
+//! bytes the file stores, which every tier handles as it handles any tensor (the host tier's
+//! ledger, pins in place, the staging pool, the transfer lanes, prefetch): sizes in the ledger,
+//! plans and reports are the block bytes, exact. Where a weight is used it becomes candle's
+//! `QTensor` on the load device ([`qtensor_from_bytes`]); a resident copy is kept as one
+//! (`ResidentWeight::Quantized`). GGUF's dense tensors (F32, F16, BF16: norms, some embeddings)
+//! become ordinary dense slots.
+//!
+//! Reading is by positioned reads only (`gguf.rs` for the header): never a memory map, so a file
+//! truncated underneath is an [`Error::File`] naming file, tensor and byte range.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::{DType, Device, Tensor};
+
+use super::gguf::read_gguf_header;
+use super::host::HostTier;
+use super::lazy::{read_range, DiskWeight};
+use super::safetensors::file_err;
+use super::{Clean, Model, Slot};
+use crate::error::{Error, Result};
+use crate::float::Dtype;
+use crate::size::ByteSize;
+
+/// A GGUF file's metadata: keys (`general.architecture`, `llama.block_count`, ...) to candle's
+/// `gguf_file::Value`s.
+pub type GgufMetadata = HashMap<String, Value>;
+
+/// The bytes a tensor of `shape` takes in GGML format `ggml`: `None` when its last dimension is
+/// not a whole number of blocks or the size overflows.
+pub fn block_bytes(ggml: GgmlDType, shape: &[usize]) -> Option<u64> {
+    let block = ggml.block_size() as u64;
+    let row = *shape.last()? as u64;
+    if !row.is_multiple_of(block) {
+        return None;
+    }
+    let numel = shape
+        .iter()
+        .try_fold(1u64, |n, &d| n.checked_mul(d as u64))?;
+    (numel / block).checked_mul(ggml.type_size() as u64)
+}
+
+/// The dense dtype a GGUF tensor of format `ggml` is a slot of, when it is not block-quantized.
+fn dense_dtype(ggml: GgmlDType) -> Option<(Dtype, DType)> {
+    match ggml {
+        GgmlDType::F32 => Some((Dtype::F32, DType::F32)),
+        GgmlDType::F16 => Some((Dtype::F16, DType::F16)),
+        GgmlDType::BF16 => Some((Dtype::BF16, DType::BF16)),
+        _ => None,
+    }
+}
+
+/// candle's `QTensor` of format `ggml` and `shape` on `device` from `blocks`, a `U8` tensor of
+/// its block bytes (on the host, or on `device` for the simulated GPU, which computes on the
+/// host). The bytes are copied into the QTensor's own storage (candle's block types need their
+/// alignment, which a byte buffer does not promise).
+///
+/// # Errors
+/// [`Error::BadWeight`] naming model and key when the byte count is not the shape's; candle's
+/// errors of the upload.
+pub(crate) fn qtensor_from_bytes(
+    blocks: &Tensor,
+    ggml: GgmlDType,
+    shape: &[usize],
+    device: &Device,
+    what: (&str, &str),
+) -> Result<QTensor> {
+    let bad = |reason: String| Error::BadWeight {
+        model: what.0.to_string(),
+        key: what.1.to_string(),
+        reason,
+    };
+    let want = block_bytes(ggml, shape).ok_or_else(|| {
+        bad(format!(
+            "{shape:?} is not a whole number of {ggml:?} blocks"
+        ))
+    })?;
+    if blocks.dtype() != DType::U8 || blocks.elem_count() as u64 != want {
+        return Err(bad(format!(
+            "{} {:?} elements are not the {want} block bytes of {ggml:?} {shape:?}",
+            blocks.elem_count(),
+            blocks.dtype()
+        )));
+    }
+    let ctx = |e| {
+        Error::tensor(
+            format!("`{}` of `{}`: building its QTensor", what.1, what.0),
+            e,
+        )
+    };
+    let flat = blocks.flatten_all().map_err(ctx)?;
+    let (storage, layout) = flat.storage_and_layout();
+    let candle_core::Storage::Cpu(candle_core::CpuStorage::U8(bytes)) = &*storage else {
+        drop(storage);
+        // A weight on a CUDA device: back through the host (candle builds its quantized CUDA
+        // storage from host bytes only).
+        let host = flat.to_vec1::<u8>().map_err(ctx)?;
+        return build(&host, ggml, shape, device).map_err(ctx);
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return Err(bad("its block bytes are not contiguous".into()));
+    };
+    build(&bytes[start..end], ggml, shape, device).map_err(ctx)
+}
+
+/// Builds the QTensor from `bytes`, copying them to an 8-byte aligned buffer first when they are
+/// not (candle's block structs hold f16/f32 fields and are read in place).
+fn build(
+    bytes: &[u8],
+    ggml: GgmlDType,
+    shape: &[usize],
+    device: &Device,
+) -> candle_core::Result<QTensor> {
+    let storage = if bytes.as_ptr().align_offset(8) == 0 {
+        QStorage::from_data(std::borrow::Cow::Borrowed(bytes), device, ggml)?
+    } else {
+        let mut aligned = vec![0u64; bytes.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut aligned)[..bytes.len()].copy_from_slice(bytes);
+        let view = &bytemuck::cast_slice::<u64, u8>(&aligned)[..bytes.len()];
+        QStorage::from_data(std::borrow::Cow::Borrowed(view), device, ggml)?
+    };
+    QTensor::new(storage, shape)
+}
+
+/// One GGUF tensor as a slot: dense formats as dense weights, block formats as block bytes.
+struct Planned {
+    key: String,
+    shape: Vec<usize>,
+    dtype: Dtype,
+    quant: Option<GgmlDType>,
+    read_as: DType,
+    read_shape: Vec<usize>,
+    start: u64,
+    len: u64,
+}
+
+fn plan(path: &Path, entries: Vec<super::gguf::GgufEntry>) -> Result<Vec<Planned>> {
+    entries
+        .into_iter()
+        .map(|e| {
+            let len = e.end - e.start;
+            let (dtype, quant, read_as, read_shape) = match dense_dtype(e.ggml) {
+                Some((d, c)) => (d, None, c, e.shape.clone()),
+                None => {
+                    let n = usize::try_from(len)
+                        .map_err(|_| file_err(path, format!("tensor `{}`: {len} bytes", e.name)))?;
+                    (Dtype::F32, Some(e.ggml), DType::U8, vec![n])
+                }
+            };
+            Ok(Planned {
+                key: e.name,
+                shape: e.shape,
+                dtype,
+                quant,
+                read_as,
+                read_shape,
+                start: e.start,
+                len,
+            })
+        })
+        .collect()
+}
+
+impl Model {
+    /// Reads a model from a GGUF file, every tensor now, by positioned reads straight into the
+    /// buffer it will live in (no memory map). Quantized tensors keep their block bytes
+    /// ([`Slot::quantized`] says the format); F32, F16 and BF16 tensors are dense weights. The
+    /// file's metadata is [`Model::gguf_metadata`].
+    ///
+    /// # Errors
+    /// [`Error::File`] naming the file (and the tensor or metadata key) when it cannot be opened,
+    /// is not a valid GGUF file (bad magic or version, an unknown GGML type, a shape that is not
+    /// a whole number of blocks or overflows, data beyond the end of the file, an absurd
+    /// length), or is truncated while it is read.
+    pub fn from_gguf(name: impl Into<String>, path: impl AsRef<Path>) -> Result<Model> {
+        let name = name.into();
+        let path = path.as_ref();
+        let (wf, header) = read_gguf_header(path)?;
+        let mut slots = Vec::new();
+        let mut index = HashMap::new();
+        for p in plan(path, header.tensors)? {
+            let t = read_range(&wf, p.start, p.read_as, &p.read_shape, &p.key)?;
+            index.insert(p.key.clone(), slots.len());
+            slots.push(Slot {
+                bytes: ByteSize(p.len),
+                name: p.key,
+                shape: p.shape,
+                dtype: p.dtype,
+                clean: Clean::Host(t),
+                quant: p.quant,
+            });
+        }
+        let mut model = Model::assemble(name, slots, index, Vec::new())?;
+        model.metadata = Some(Arc::new(header.metadata));
+        Ok(model)
+    }
+
+    /// Reads a model from a GGUF file *lazily*: only the header now; each tensor is read by a
+    /// positioned read of its bytes when first needed and held by `tier` within its budget (the
+    /// disk tier, as [`Model::from_safetensors_lazy`]). Bit-identical to [`Model::from_gguf`].
+    ///
+    /// # Errors
+    /// As [`Model::from_gguf`] for the header; later reads fail with [`Error::File`] naming the
+    /// file and the tensor when the file changed underneath.
+    pub fn from_gguf_lazy(
+        name: impl Into<String>,
+        path: impl AsRef<Path>,
+        tier: &HostTier,
+    ) -> Result<Model> {
+        let name = name.into();
+        let path = path.as_ref();
+        let id = super::next_model_id();
+        let shared: Arc<str> = Arc::from(name.as_str());
+        let (wf, header) = read_gguf_header(path)?;
+        let mut slots = Vec::new();
+        let mut index = HashMap::new();
+        for p in plan(path, header.tensors)? {
+            let i = slots.len();
+            index.insert(p.key.clone(), i);
+            let disk = DiskWeight::new(
+                Arc::clone(&wf),
+                p.start,
+                p.len,
+                p.read_as,
+                p.read_shape,
+                tier,
+                (id, Arc::clone(&shared)),
+                i,
+            );
+            slots.push(Slot {
+                bytes: ByteSize(p.len),
+                name: p.key,
+                shape: p.shape,
+                dtype: p.dtype,
+                clean: Clean::Disk(Box::new(disk)),
+                quant: p.quant,
+            });
+        }
+        let size: ByteSize = slots.iter().map(|s| s.bytes).sum();
+        tier.register_model(id, size);
+        match Model::assemble_with_id(id, name, slots, index, Vec::new(), Some(tier.clone())) {
+            Ok(mut model) => {
+                model.metadata = Some(Arc::new(header.metadata));
+                Ok(model)
+            }
+            Err(e) => {
+                tier.forget_model(id);
+                Err(e)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_bytes_are_exact_and_refuse_partial_blocks_and_overflow() {
+        assert_eq!(block_bytes(GgmlDType::Q4_0, &[4, 64]), Some(4 * 2 * 18));
+        assert_eq!(block_bytes(GgmlDType::Q8_0, &[3, 32]), Some(3 * 34));
+        assert_eq!(block_bytes(GgmlDType::Q4K, &[2, 256]), Some(2 * 144));
+        assert_eq!(block_bytes(GgmlDType::Q6K, &[1, 512]), Some(2 * 210));
+        assert_eq!(block_bytes(GgmlDType::F16, &[3, 5]), Some(30));
+        assert_eq!(block_bytes(GgmlDType::Q4_0, &[4, 48]), None);
+        assert_eq!(block_bytes(GgmlDType::Q4_0, &[usize::MAX, 64]), None);
+        assert_eq!(block_bytes(GgmlDType::Q4_0, &[]), None);
+    }
+
+    #[test]
+    fn a_qtensor_from_unaligned_bytes_has_the_same_blocks() {
+        let w = crate::float::uniform_tensor(&[4, 64], 3).unwrap();
+        let q = QTensor::quantize(&w, GgmlDType::Q4_0).unwrap();
+        let data = q.data().unwrap().to_vec();
+        // One byte of offset: a view that no block type may be read from in place.
+        let mut shifted = vec![0u8];
+        shifted.extend_from_slice(&data);
+        let t = Tensor::from_vec(shifted.clone(), shifted.len(), &Device::Cpu)
+            .unwrap()
+            .narrow(0, 1, data.len())
+            .unwrap();
+        let back =
+            qtensor_from_bytes(&t, GgmlDType::Q4_0, &[4, 64], &Device::Cpu, ("m", "w")).unwrap();
+        assert_eq!(back.data().unwrap().as_ref(), data.as_slice());
+        let short = Tensor::from_vec(data[1..].to_vec(), data.len() - 1, &Device::Cpu).unwrap();
+        let err = qtensor_from_bytes(&short, GgmlDType::Q4_0, &[4, 64], &Device::Cpu, ("m", "w"))
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::BadWeight { ref key, .. } if key == "w"),
+            "{err}"
+        );
+    }
+}

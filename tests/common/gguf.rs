@@ -1,0 +1,258 @@
+//! A tiny Llama-architecture GGUF model for the quantized-model tests, written with candle's own
+//! GGUF writer, and candle-transformers' `quantized_llama` run on it as the reference.
+//!
+//! The model: 2 blocks, embedding 256, 4 query heads and 2 key/value heads of 64 dimensions
+//! (rope over all 64), feed-forward 512, 64 tokens, an untied output matrix. Its weights mix
+//! every GGML type the scheduler must handle: Q4_0, Q8_0, Q4K, Q6K, F16 and F32 (see
+//! [`tensor_types`]). Weights are [`residency::float::uniform_tensor`] values (in [-0.5, 0.5)),
+//! scaled so activations stay in a sane range; the file is the same bits on every machine.
+
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::Path;
+
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use candle_transformers::models::quantized_llama::ModelWeights;
+
+pub const VOCAB: usize = 64;
+pub const EMBD: usize = 256;
+pub const HEADS: usize = 4;
+pub const KV_HEADS: usize = 2;
+pub const HEAD_DIM: usize = EMBD / HEADS;
+pub const BLOCKS: usize = 2;
+pub const FFN: usize = 512;
+
+/// How a weight's values are made from a uniform [-0.5, 0.5) tensor `u`: `scale * u + offset`.
+#[derive(Clone, Copy, Debug)]
+struct Init {
+    scale: f32,
+    offset: f32,
+}
+
+/// Matrices: std about 0.014, so a 256-wide product keeps about a quarter of its input's scale
+/// and the residual stream dominates (no blow-up over the blocks).
+const MATRIX: Init = Init {
+    scale: 0.05,
+    offset: 0.0,
+};
+/// The output matrix: larger, so the logits have a real spread (std about 1) and the argmax
+/// moves between steps.
+const OUTPUT: Init = Init {
+    scale: 0.25,
+    offset: 0.0,
+};
+/// Token embeddings: values of order 0.3, like a trained model's after RMS norm scaling.
+const EMBEDDING: Init = Init {
+    scale: 1.0,
+    offset: 0.0,
+};
+/// RMS-norm gains: 1.0 ± 0.1.
+const NORM: Init = Init {
+    scale: 0.2,
+    offset: 1.0,
+};
+
+/// One tensor of the fixture: GGUF name, candle shape (`[out, in]` for matrices), type, init.
+type Spec = (String, Vec<usize>, GgmlDType, Init);
+
+/// Every tensor of the fixture with its GGML type, in file order:
+///
+/// | tensor | shape | type |
+/// |---|---|---|
+/// | `token_embd.weight` | [64, 256] | Q8_0 |
+/// | `output_norm.weight` | [256] | F32 |
+/// | `output.weight` | [64, 256] | Q6K |
+/// | `blk.N.attn_norm.weight`, `blk.N.ffn_norm.weight` | [256] | F32 |
+/// | `blk.0.attn_q.weight` | [256, 256] | Q4_0 |
+/// | `blk.1.attn_q.weight` | [256, 256] | F16 |
+/// | `blk.N.attn_k.weight` | [128, 256] | Q8_0 |
+/// | `blk.N.attn_v.weight` | [128, 256] | Q4K |
+/// | `blk.N.attn_output.weight` | [256, 256] | Q6K |
+/// | `blk.N.ffn_gate.weight` | [512, 256] | Q4K |
+/// | `blk.N.ffn_up.weight` | [512, 256] | Q4_0 |
+/// | `blk.N.ffn_down.weight` | [256, 512] | Q8_0 |
+///
+/// Every row (last candle dimension) is 256 or 512 long: a multiple of the K-quants' 256 block
+/// and of Q4_0/Q8_0's 32.
+pub fn tensor_types() -> Vec<(String, Vec<usize>, GgmlDType)> {
+    specs().into_iter().map(|(n, s, t, _)| (n, s, t)).collect()
+}
+
+fn specs() -> Vec<Spec> {
+    let kv = KV_HEADS * HEAD_DIM;
+    let mut v: Vec<Spec> = vec![
+        (
+            "token_embd.weight".into(),
+            vec![VOCAB, EMBD],
+            GgmlDType::Q8_0,
+            EMBEDDING,
+        ),
+        (
+            "output_norm.weight".into(),
+            vec![EMBD],
+            GgmlDType::F32,
+            NORM,
+        ),
+        (
+            "output.weight".into(),
+            vec![VOCAB, EMBD],
+            GgmlDType::Q6K,
+            OUTPUT,
+        ),
+    ];
+    for b in 0..BLOCKS {
+        let p = format!("blk.{b}");
+        let q_type = if b == 1 {
+            GgmlDType::F16
+        } else {
+            GgmlDType::Q4_0
+        };
+        v.extend([
+            (
+                format!("{p}.attn_norm.weight"),
+                vec![EMBD],
+                GgmlDType::F32,
+                NORM,
+            ),
+            (
+                format!("{p}.attn_q.weight"),
+                vec![EMBD, EMBD],
+                q_type,
+                MATRIX,
+            ),
+            (
+                format!("{p}.attn_k.weight"),
+                vec![kv, EMBD],
+                GgmlDType::Q8_0,
+                MATRIX,
+            ),
+            (
+                format!("{p}.attn_v.weight"),
+                vec![kv, EMBD],
+                GgmlDType::Q4K,
+                MATRIX,
+            ),
+            (
+                format!("{p}.attn_output.weight"),
+                vec![EMBD, EMBD],
+                GgmlDType::Q6K,
+                MATRIX,
+            ),
+            (
+                format!("{p}.ffn_norm.weight"),
+                vec![EMBD],
+                GgmlDType::F32,
+                NORM,
+            ),
+            (
+                format!("{p}.ffn_gate.weight"),
+                vec![FFN, EMBD],
+                GgmlDType::Q4K,
+                MATRIX,
+            ),
+            (
+                format!("{p}.ffn_up.weight"),
+                vec![FFN, EMBD],
+                GgmlDType::Q4_0,
+                MATRIX,
+            ),
+            (
+                format!("{p}.ffn_down.weight"),
+                vec![EMBD, FFN],
+                GgmlDType::Q8_0,
+                MATRIX,
+            ),
+        ]);
+    }
+    v
+}
+
+/// The GGUF metadata `quantized_llama::ModelWeights::from_gguf` reads (it needs nothing else:
+/// no tokenizer, no `general.alignment`, whose default of 32 is what candle's writer pads to).
+fn metadata() -> Vec<(&'static str, gguf_file::Value)> {
+    use gguf_file::Value;
+    vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("general.name", Value::String("residency-tiny-llama".into())),
+        ("llama.attention.head_count", Value::U32(HEADS as u32)),
+        ("llama.attention.head_count_kv", Value::U32(KV_HEADS as u32)),
+        ("llama.block_count", Value::U32(BLOCKS as u32)),
+        ("llama.embedding_length", Value::U32(EMBD as u32)),
+        ("llama.feed_forward_length", Value::U32(FFN as u32)),
+        ("llama.context_length", Value::U32(512)),
+        ("llama.vocab_size", Value::U32(VOCAB as u32)),
+        ("llama.rope.dimension_count", Value::U32(HEAD_DIM as u32)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("llama.rope.freq_base", Value::F32(10000.0)),
+    ]
+}
+
+/// The f32 values a fixture tensor is quantized from (seeded by its position in [`specs`]).
+fn init_tensor(shape: &[usize], seed: u64, init: Init) -> Tensor {
+    let u = residency::float::uniform_tensor(shape, 0x6767_7566 + seed).unwrap();
+    u.affine(init.scale as f64, init.offset as f64).unwrap()
+}
+
+/// Writes the tiny Llama model to `path` as GGUF (version 2, candle's writer).
+pub fn write_tiny_llama(path: &Path) {
+    let tensors: Vec<(String, QTensor)> = specs()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, shape, dtype, init))| {
+            let t = init_tensor(&shape, i as u64, init);
+            let q = QTensor::quantize(&t, dtype)
+                .unwrap_or_else(|e| panic!("quantizing {name} {shape:?} to {dtype:?}: {e}"));
+            (name, q)
+        })
+        .collect();
+    let metadata = metadata();
+    let md: Vec<(&str, &gguf_file::Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, q)| (k.as_str(), q)).collect();
+    let mut w = BufWriter::new(File::create(path).unwrap());
+    gguf_file::write(&mut w, &md, &ts).unwrap();
+    std::io::Write::flush(&mut w).unwrap();
+}
+
+/// The index of the largest value (the first one on ties).
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// candle-transformers' `quantized_llama` on the GGUF file at `path`, on the CPU: the prompt in
+/// one call at position 0, then `steps` single-token calls on the KV cache, each fed the argmax
+/// of the previous call's logits. Returns every call's logits (the last position's, `VOCAB`
+/// values each): `steps + 1` vectors.
+pub fn reference_logits(path: &Path, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
+    let device = Device::Cpu;
+    let mut file = File::open(path).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut model = ModelWeights::from_gguf(content, &mut file, &device).unwrap();
+    let logits_of = |t: Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1::<f32>().unwrap() };
+
+    let mut out = Vec::with_capacity(steps + 1);
+    let input = Tensor::new(prompt, &device).unwrap().unsqueeze(0).unwrap();
+    out.push(logits_of(model.forward(&input, 0).unwrap()));
+    for step in 0..steps {
+        let next = argmax(out.last().unwrap());
+        let input = Tensor::new(&[next], &device).unwrap().unsqueeze(0).unwrap();
+        out.push(logits_of(
+            model.forward(&input, prompt.len() + step).unwrap(),
+        ));
+    }
+    out
+}
+
+/// The greedy tokens of [`reference_logits`]: the argmax of each call's logits.
+pub fn greedy_tokens(path: &Path, prompt: &[u32], steps: usize) -> Vec<u32> {
+    reference_logits(path, prompt, steps)
+        .iter()
+        .map(|l| argmax(l))
+        .collect()
+}

@@ -1,0 +1,344 @@
+//! Quantized (GGUF) models: the tiny Llama fixture of `common::gguf` and candle-transformers'
+//! `quantized_llama` run on it as the reference.
+
+mod common;
+
+use common::gguf::{argmax, reference_logits, write_tiny_llama, VOCAB};
+
+const PROMPT: [u32; 5] = [1, 17, 42, 5, 63];
+const STEPS: usize = 6;
+
+#[test]
+fn reference_model_runs_and_is_deterministic() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-llama.gguf");
+    write_tiny_llama(&path);
+
+    let a = reference_logits(&path, &PROMPT, STEPS);
+    let b = reference_logits(&path, &PROMPT, STEPS);
+    assert_eq!(a.len(), STEPS + 1);
+    assert_eq!(b.len(), STEPS + 1);
+    for (i, (la, lb)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(la.len(), VOCAB, "call {i}");
+        assert!(la.iter().all(|x| x.is_finite()), "call {i}: {la:?}");
+        let bits_a: Vec<u32> = la.iter().map(|x| x.to_bits()).collect();
+        let bits_b: Vec<u32> = lb.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(bits_a, bits_b, "call {i} differs between runs");
+    }
+
+    // Not degenerate: the logits of every call have a real spread, and the greedy token moves.
+    for (i, l) in a.iter().enumerate() {
+        let max = l.iter().copied().fold(f32::MIN, f32::max);
+        let min = l.iter().copied().fold(f32::MAX, f32::min);
+        assert!(max - min > 1e-3, "call {i}: logits spread {}", max - min);
+    }
+    let tokens: Vec<u32> = a.iter().map(|l| argmax(l)).collect();
+    assert!(
+        tokens.iter().any(|&t| t != tokens[0]),
+        "the greedy token never changes: {tokens:?}"
+    );
+    // The calls see different inputs, so their logits differ too.
+    assert!(a.windows(2).all(|w| w[0] != w[1]));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The port: candle-transformers' `quantized_llama.rs` with its `use` lines changed, on a model
+// read by residency and scheduled by its memory manager.
+
+/// The port's `candle`: candle-core, with `quantized` replaced by residency's managed mirror.
+mod candle {
+    pub use candle_core::*;
+    pub mod quantized {
+        pub use residency::quantized::*;
+    }
+}
+
+/// The port's `crate::utils`: candle-transformers' own.
+mod utils {
+    pub use candle_transformers::utils::*;
+}
+
+#[path = "ported/quantized_llama.rs"]
+#[allow(dead_code, clippy::all)]
+mod quantized_llama;
+
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use residency::loader::{LoadOptions, MemoryManager};
+use residency::patcher::{Lora, ModelPatcher, Patch};
+use residency::quantized::gguf_file;
+use residency::vram::{Config, DeviceId, Hardware};
+use residency::weights::Model;
+use residency::ByteSize;
+
+/// The port's logits over the prompt and `STEPS` cached steps, fed the same tokens as the
+/// reference (so a difference in one call cannot change the next call's input).
+fn ported_logits(patcher: &ModelPatcher, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let device = patcher.load_device().to_candle().unwrap();
+    let ct = gguf_file::Content::from_patcher(patcher);
+    let mut reader = std::io::Cursor::new(Vec::<u8>::new());
+    let mut model = quantized_llama::ModelWeights::from_gguf(ct, &mut reader, &device).unwrap();
+    let logits_of = |t: Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1::<f32>().unwrap() };
+    let mut out = Vec::new();
+    let input = Tensor::new(&PROMPT, &device).unwrap().unsqueeze(0).unwrap();
+    out.push(logits_of(model.forward(&input, 0).unwrap()));
+    for (step, &next) in tokens.iter().take(STEPS).enumerate() {
+        let input = Tensor::new(&[next], &device).unwrap().unsqueeze(0).unwrap();
+        out.push(logits_of(
+            model.forward(&input, PROMPT.len() + step).unwrap(),
+        ));
+    }
+    out
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|l| l.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+fn manager_with(args: &[&str]) -> MemoryManager {
+    let mut all = vec!["--reserve-vram", "0"];
+    all.extend_from_slice(args);
+    MemoryManager::new(
+        Config::from_args(&all).unwrap(),
+        Hardware::cpu_only(ByteSize::gib(32)),
+    )
+    .unwrap()
+}
+
+/// The greedy tokens of the reference, which both runs are fed.
+fn tokens_of(reference: &[Vec<f32>]) -> Vec<u32> {
+    reference.iter().map(|l| argmax(l)).collect()
+}
+
+#[test]
+fn the_port_computes_candles_bits_in_every_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-llama.gguf");
+    write_tiny_llama(&path);
+    let reference = reference_logits(&path, &PROMPT, STEPS);
+    let tokens = tokens_of(&reference);
+    let file_bytes = std::fs::metadata(&path).unwrap().len();
+
+    // Without a manager: the model on the CPU, every weight from host memory.
+    let model = Model::from_gguf("tiny-llama", &path).unwrap();
+    let (q_bytes, _) = model.quantized_size();
+    assert!(q_bytes.bytes() > 0 && model.model_size().bytes() <= file_bytes);
+    let plain = ModelPatcher::new(Arc::new(model), DeviceId::Cpu, DeviceId::Cpu);
+    assert_eq!(
+        bits(&ported_logits(&plain, &tokens)),
+        bits(&reference),
+        "unmanaged"
+    );
+
+    let size = plain.model_size().bytes();
+    let budgets: Vec<(&str, Vec<String>)> = vec![
+        ("full", vec!["--vram-budget".into(), "64MiB".into()]),
+        (
+            "partial",
+            vec!["--vram-budget".into(), (size / 2).to_string()],
+        ),
+        (
+            "novram",
+            vec!["--novram".into(), "--vram-budget".into(), "64MiB".into()],
+        ),
+        (
+            "sim-gpu full",
+            vec!["--sim-gpu".into(), "64MiB@25GB/s".into()],
+        ),
+        (
+            "sim-gpu partial",
+            vec!["--sim-gpu".into(), format!("{}@25GB/s", size / 2)],
+        ),
+        (
+            "ram-budget < file, novram",
+            vec![
+                "--novram".into(),
+                "--vram-budget".into(),
+                "64MiB".into(),
+                "--ram-budget".into(),
+                (file_bytes / 3).to_string(),
+            ],
+        ),
+    ];
+    for (what, args) in budgets {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mm = manager_with(&args);
+        let model = mm.read_gguf("tiny-llama", &path).unwrap();
+        assert_eq!(model.is_lazy(), what.starts_with("ram-budget"), "{what}");
+        let device = mm.compute_device();
+        let p = ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu);
+        let report = mm
+            .load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+            .unwrap();
+        let resident = mm.ledger(device).bytes();
+        match what {
+            "full" | "sim-gpu full" => {
+                assert!(report.models[0].full, "{what}");
+                // The ledger holds the block bytes exactly: the model's size.
+                assert_eq!(resident, size, "{what}");
+            }
+            "partial" | "sim-gpu partial" => {
+                assert!(resident > 0 && resident <= size / 2, "{what}: {resident}")
+            }
+            _ => assert_eq!(resident, 0, "{what}"),
+        }
+        // Twice: the second forward streams with prefetch on the recorded order.
+        for round in 0..2 {
+            let got = ported_logits(&p, &tokens);
+            assert_eq!(bits(&got), bits(&reference), "{what}, round {round}");
+        }
+        if let Some(cap) = mm.host_tier().budget() {
+            assert!(
+                mm.host_tier().stats().peak <= cap,
+                "{what}: host tier over budget"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_lora_on_quantized_weights_matches_dequantize_merge_dense_and_switches_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-llama.gguf");
+    write_tiny_llama(&path);
+    let reference = reference_logits(&path, &PROMPT, STEPS);
+    let tokens = tokens_of(&reference);
+
+    let mm = manager_with(&["--vram-budget", "4GiB"]);
+    let model = Arc::new(mm.read_gguf("tiny-llama", &path).unwrap());
+    let base = ModelPatcher::new(Arc::clone(&model), mm.compute_device(), DeviceId::Cpu);
+    let keys = [
+        "blk.0.attn_q.weight",
+        "blk.1.ffn_down.weight",
+        "blk.0.attn_v.weight",
+    ];
+    let mut styled = base.clone();
+    let mut merged: Vec<(String, Tensor)> = Vec::new();
+    for (i, key) in keys.iter().enumerate() {
+        let shape = model.slot(key).unwrap().shape().to_vec();
+        let down = common::rand_tensor(&[4, shape[1]], 100 + i as u64);
+        let up = common::rand_tensor(&[shape[0], 4], 200 + i as u64);
+        styled
+            .add_patches(
+                [(*key, Patch::Lora(Lora::new(up.clone(), down.clone())))],
+                0.3,
+                1.0,
+            )
+            .unwrap();
+        // The independent way: dequantize with candle, add strength · up·down.
+        let w = styled.patched_weight_f32(key).unwrap();
+        merged.push((key.to_string(), w));
+    }
+    mm.load_models_gpu(std::slice::from_ref(&styled), LoadOptions::default())
+        .unwrap();
+    let ledger = mm.ledger(mm.compute_device());
+    let lora = ported_logits(&styled, &tokens);
+    assert_ne!(bits(&lora), bits(&reference), "the LoRA changes the logits");
+
+    // Dense reference: the same model with the three patched weights replaced by their merged
+    // f32 values, run by the port without patches.
+    let dense = dense_reference(&path, &merged, &tokens);
+    for (call, (a, b)) in lora.iter().zip(&dense).enumerate() {
+        for (x, y) in a.iter().zip(b) {
+            let tol = 1e-5 * y.abs().max(1.0);
+            assert!((x - y).abs() <= tol, "call {call}: {x} vs {y}");
+        }
+    }
+
+    // Switching back: the base computes the base bits, and the switch moves no quantized weight
+    // (resident copies are the clean blocks whatever the patches).
+    let back = mm
+        .load_models_gpu(std::slice::from_ref(&base), LoadOptions::default())
+        .unwrap();
+    assert_eq!(
+        back.models[0].moved,
+        ByteSize::ZERO,
+        "base after clone moved bytes"
+    );
+    // The resident bytes are the model's; the ledger adds the clone's cached dense weights
+    // (droppable first under pressure).
+    assert_eq!(model.resident_bytes(mm.compute_device()), ledger);
+    assert!(mm.ledger(mm.compute_device()) >= ledger);
+    assert_eq!(bits(&ported_logits(&base, &tokens)), bits(&reference));
+    // And the clone again: nothing moves, and its dense patched weights come from the
+    // manual-cast cache (cast once, then hit) with the same bits.
+    let again = mm
+        .load_models_gpu(std::slice::from_ref(&styled), LoadOptions::default())
+        .unwrap();
+    assert_eq!(again.models[0].moved, ByteSize::ZERO);
+    assert_eq!(bits(&ported_logits(&styled, &tokens)), bits(&lora));
+    let stats = residency::ops::cast_cache_stats(&styled).expect("a cast cache");
+    assert!(
+        stats.kept >= keys.len() as u64 && stats.hits > 0,
+        "{stats:?}"
+    );
+}
+
+/// The port on a model whose weights `replaced` are dense f32 (the merged LoRA) and the rest the
+/// file's: what a LoRA on quantized weights should compute.
+fn dense_reference(
+    path: &std::path::Path,
+    replaced: &[(String, Tensor)],
+    tokens: &[u32],
+) -> Vec<Vec<f32>> {
+    let file = Model::from_gguf("file", path).unwrap();
+    let plain = ModelPatcher::new(Arc::new(file), DeviceId::Cpu, DeviceId::Cpu);
+    // Rebuild the model: every weight as a dense or quantized tensor in a new GGUF file.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("merged.gguf");
+    let mut qtensors = Vec::new();
+    for slot in plain.model().slots() {
+        let key = slot.name();
+        let q = match replaced.iter().find(|(k, _)| k == key) {
+            Some((_, w)) => {
+                candle_core::quantized::QTensor::quantize(w, candle_core::quantized::GgmlDType::F32)
+                    .unwrap()
+            }
+            None => {
+                let blocks = slot.clean().unwrap();
+                let bytes = blocks.flatten_all().unwrap();
+                match slot.quantized() {
+                    Some(ggml) => {
+                        let data = bytes.to_vec1::<u8>().unwrap();
+                        let storage = candle_core::quantized::QStorage::from_data(
+                            std::borrow::Cow::Owned(data),
+                            &candle_core::Device::Cpu,
+                            ggml,
+                        )
+                        .unwrap();
+                        candle_core::quantized::QTensor::new(storage, slot.shape()).unwrap()
+                    }
+                    None => {
+                        let t = slot.clean().unwrap();
+                        let ggml = match t.dtype() {
+                            candle_core::DType::F16 => candle_core::quantized::GgmlDType::F16,
+                            _ => candle_core::quantized::GgmlDType::F32,
+                        };
+                        candle_core::quantized::QTensor::quantize(&t, ggml).unwrap()
+                    }
+                }
+            }
+        };
+        qtensors.push((key.to_string(), q));
+    }
+    let meta: Vec<(String, candle_core::quantized::gguf_file::Value)> = plain
+        .model()
+        .gguf_metadata()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let mut f = std::fs::File::create(&out).unwrap();
+    let md: Vec<(&str, &candle_core::quantized::gguf_file::Value)> =
+        meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let ts: Vec<(&str, &candle_core::quantized::QTensor)> =
+        qtensors.iter().map(|(k, q)| (k.as_str(), q)).collect();
+    candle_core::quantized::gguf_file::write(&mut f, &md, &ts).unwrap();
+    drop(f);
+    let merged = Model::from_gguf("merged", &out).unwrap();
+    let p = ModelPatcher::new(Arc::new(merged), DeviceId::Cpu, DeviceId::Cpu);
+    ported_logits(&p, tokens)
+}
