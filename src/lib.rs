@@ -44,7 +44,8 @@
 //! named slots, residency; the disk and host tiers) → [`patcher`] (ModelPatcher; patch kinds in [`patcher::adapters`], one
 //! file per kind; LoRA files in [`patcher::lora_file`]) → [`offload`] (staging pool, transfer
 //! lanes, prefetch) → [`ops`] (layers) → [`nn`] (candle-nn's constructors on `ops`),
-//! [`attention`] (backends, memory plans, dispatcher) →
+//! [`quantized`] (candle's quantized API on managed GGUF weights; [`quantized_nn`],
+//! [`quantized_var_builder`]), [`attention`] (backends, memory plans, dispatcher) →
 //! [`loader`] (the memory manager, the global API) → [`models`] (BERT), [`tools`] (LoRA merging).
 //!
 //! The design — memory tiers, the invariants and their tests, the load algorithm, the transfer

@@ -611,3 +611,168 @@ fn mutated_checkpoints_loras_and_merges_never_panic() {
     // Both outcomes happen: the mutations are neither all harmless nor all fatal.
     assert!(outcomes[0] > 0 && outcomes[1] > 0, "{outcomes:?}");
 }
+
+/// Where tensor `name`'s info starts in a GGUF v2/v3 file (just after its name string).
+fn gguf_info_at(bytes: &[u8], name: &str) -> usize {
+    let mut needle = (name.len() as u64).to_le_bytes().to_vec();
+    needle.extend_from_slice(name.as_bytes());
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle.as_slice())
+        .unwrap_or_else(|| panic!("`{name}` in the file"));
+    at + needle.len()
+}
+
+/// A GGUF file read eagerly and lazily: both must give a typed `Error::File` whose message names
+/// the file and `names` (the tensor or key), or work.
+fn gguf_error(path: &Path, mm: &MemoryManager) -> Option<String> {
+    let eager = Model::from_gguf("m", path).err();
+    let lazy = Model::from_gguf_lazy("m", path, mm.host_tier()).err();
+    assert_eq!(eager.is_some(), lazy.is_some(), "eager and lazy disagree");
+    eager.map(|e| {
+        assert!(matches!(e, residency::Error::File { .. }), "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains(&path.display().to_string()), "{msg}");
+        msg
+    })
+}
+
+#[test]
+fn bad_gguf_files_are_typed_errors_naming_file_and_tensor_and_mutations_never_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("tiny.gguf");
+    common::gguf::write_tiny_llama(&good);
+    let valid = std::fs::read(&good).unwrap();
+    let mm = manager();
+    assert!(gguf_error(&good, &mm).is_none());
+
+    let tensor = "blk.0.attn_q.weight"; // Q4_0 [256, 256]
+    let at = gguf_info_at(&valid, tensor);
+    let n_dims = u32::from_le_bytes(valid[at..at + 4].try_into().unwrap()) as usize;
+    let dims_at = at + 4;
+    let type_at = dims_at + 8 * n_dims;
+    let offset_at = type_at + 4;
+    let named: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "truncated in the data",
+            valid[..valid.len() - 1000].to_vec(),
+            "",
+        ),
+        (
+            "truncated in the header",
+            valid[..offset_at + 3].to_vec(),
+            "",
+        ),
+        (
+            "an offset past the end",
+            {
+                let mut b = valid.clone();
+                b[offset_at..offset_at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+                b
+            },
+            tensor,
+        ),
+        (
+            "an unknown GGML type",
+            {
+                let mut b = valid.clone();
+                b[type_at..type_at + 4].copy_from_slice(&99u32.to_le_bytes());
+                b
+            },
+            tensor,
+        ),
+        (
+            "dims whose product overflows",
+            {
+                let mut b = valid.clone();
+                b[dims_at + 8..dims_at + 16].copy_from_slice(&(1u64 << 62).to_le_bytes());
+                b
+            },
+            tensor,
+        ),
+        (
+            "a row that is not whole blocks",
+            {
+                let mut b = valid.clone();
+                b[dims_at..dims_at + 8].copy_from_slice(&40u64.to_le_bytes());
+                b
+            },
+            tensor,
+        ),
+        (
+            "metadata of absurd length",
+            {
+                let mut b = valid.clone();
+                // general.architecture's value: type u32 (string) then its u64 length.
+                let key_end = gguf_info_at(&b, "general.architecture");
+                b[key_end + 4..key_end + 12].copy_from_slice(&(1u64 << 60).to_le_bytes());
+                b
+            },
+            "general.architecture",
+        ),
+    ];
+    for (what, bytes, names) in named {
+        let path = write(dir.path(), "bad.gguf", &bytes);
+        let msg = gguf_error(&path, &mm).unwrap_or_else(|| panic!("{what}: read without error"));
+        assert!(msg.contains(names), "{what}: {msg}");
+    }
+
+    // A file truncated after a lazy model was read: the use is a typed error naming the tensor,
+    // and nothing is lost (the weights read before still serve).
+    let lazy_path = write(dir.path(), "lazy.gguf", &valid);
+    let lazy = Model::from_gguf_lazy("lazy", &lazy_path, mm.host_tier()).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&lazy_path)
+        .unwrap()
+        .set_len(valid.len() as u64 / 2)
+        .unwrap();
+    let last = lazy.slots().last().unwrap().name().to_string();
+    let err = lazy.clean(&last).unwrap_err();
+    assert!(
+        matches!(err, residency::Error::File { .. }) && err.to_string().contains(&last),
+        "{err}"
+    );
+
+    // Random mutations: typed errors or working models, never a panic.
+    let mut rng = Rng(0x6775_6666);
+    let mut outcomes = [0usize; 2];
+    for case in 0..cases() {
+        let mut b = valid.clone();
+        let what = match rng.below(3) {
+            0 => {
+                let n = 1 + rng.below(8);
+                for _ in 0..n {
+                    // Mostly the header, where a flip changes structure.
+                    let i = rng.below(offset_at + 64);
+                    b[i] ^= 1 << rng.below(8);
+                }
+                format!("{n} bit flips")
+            }
+            1 => {
+                let len = rng.below(b.len());
+                b.truncate(len);
+                format!("truncated to {len}")
+            }
+            _ => {
+                let i = rng.below(offset_at + 64 - 8);
+                b[i..i + 8].copy_from_slice(&rng.next().to_le_bytes());
+                format!("8 random bytes at {i}")
+            }
+        };
+        let path = write(dir.path(), "m.gguf", &b);
+        guarded(
+            &format!("gguf case {case}: {what}"),
+            || match Model::from_gguf("m", &path) {
+                Ok(m) => {
+                    outcomes[0] += 1;
+                    exercise(m, &mm);
+                }
+                Err(_) => outcomes[1] += 1,
+            },
+        );
+    }
+    let panics = PANICS.lock().unwrap().clone();
+    assert!(panics.is_empty(), "{}", panics.join("\n"));
+    assert!(outcomes[1] > 0, "{outcomes:?}");
+}

@@ -1,9 +1,22 @@
 //! The pipeline example end to end: identical output checksums for any budget, lane count and async
 //! setting (I3, docs/ARCHITECTURE.md §4.3), the budget never exceeded, and a valid JSON report.
 
-#[allow(dead_code)]
+#[allow(dead_code, unused_imports)]
 #[path = "../examples/pipeline/main.rs"]
 mod pipeline;
+
+/// The example's prompt model (candle-transformers' `quantized_llama`, ported by its `use`
+/// lines) names `crate::candle` and `crate::utils`: the example's root provides them, and so
+/// must this one.
+mod candle {
+    pub use candle_core::*;
+    pub mod quantized {
+        pub use residency::quantized::*;
+    }
+}
+mod utils {
+    pub use candle_transformers::utils::*;
+}
 
 fn run(cache: &std::path::Path, flags: &[&str]) -> pipeline::PipelineReport {
     let mut raw: Vec<String> = vec![
@@ -178,7 +191,7 @@ fn json_report_is_valid_and_complete() {
         .iter()
         .map(|m| m["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["text_encoder", "denoiser", "decoder"]);
+    assert_eq!(names, ["prompt_lm", "text_encoder", "denoiser", "decoder"]);
     assert!(json["transfers"]["prefetch_hits"].is_u64());
     assert!(json["host"]["budget_bytes"].is_null());
     assert!(json["host"]["peak_bytes"].is_u64());

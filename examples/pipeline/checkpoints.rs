@@ -1,5 +1,6 @@
-//! The pipeline's checkpoints, built once from deterministic weights and saved as safetensors: the
-//! three models and a LoRA for the denoiser's attention in kohya naming.
+//! The pipeline's checkpoints, built once from deterministic weights: the three `ops` models and a
+//! LoRA for the denoiser's attention in kohya naming as safetensors, and the prompt model as a
+//! quantized GGUF file (written with candle's GGUF writer).
 
 use std::path::Path;
 
@@ -8,7 +9,7 @@ use residency::float::{self, Dtype, Rounding};
 use residency::weights::{save_safetensors, SafetensorsOptions};
 use residency::{Error, Result};
 
-use super::models::{BLOCKS, H, LATENT_C, TEXT_BLOCKS, TEXT_H, VOCAB};
+use super::models::{BLOCKS, H, LATENT_C, PLM_EMBD, PLM_VOCAB, TEXT_BLOCKS, TEXT_H, VOCAB};
 
 fn rng(seed: u64) -> impl FnMut() -> f32 {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -198,8 +199,120 @@ pub fn build_checkpoints(dir: &Path) -> Result<()> {
         &lo,
         &SafetensorsOptions::default(),
     )?;
-    std::fs::write(dir.join("READY"), b"v1").map_err(|e| Error::File {
+    build_prompt_lm(&dir.join("prompt_lm.gguf"))?;
+    std::fs::write(dir.join("READY"), READY).map_err(|e| Error::File {
         path: dir.join("READY"),
         reason: e.to_string(),
     })
+}
+
+/// What `READY` holds once every checkpoint of this version is written.
+pub const READY: &[u8] = b"v2";
+
+/// The prompt model: a tiny Llama-architecture language model over bytes (vocabulary 256,
+/// embedding 256, 2 blocks, 4 query and 2 key/value heads, feed-forward 512), quantized as GGUF
+/// files are in practice: Q8_0 embeddings, Q4_K attention and gate/up matrices, Q6_K value, down
+/// and output matrices, f32 norms.
+fn build_prompt_lm(path: &Path) -> Result<()> {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    use gguf_file::Value;
+    let (e, ffn, kv) = (PLM_EMBD, 2 * PLM_EMBD, PLM_EMBD / 2);
+    let mut specs: Vec<(String, Vec<usize>, GgmlDType, f32)> = vec![
+        (
+            "token_embd.weight".into(),
+            vec![PLM_VOCAB, e],
+            GgmlDType::Q8_0,
+            1.0,
+        ),
+        ("output_norm.weight".into(), vec![e], GgmlDType::F32, 0.0),
+        (
+            "output.weight".into(),
+            vec![PLM_VOCAB, e],
+            GgmlDType::Q6K,
+            0.5,
+        ),
+    ];
+    for b in 0..2 {
+        let p = format!("blk.{b}");
+        specs.extend([
+            (
+                format!("{p}.attn_norm.weight"),
+                vec![e],
+                GgmlDType::F32,
+                0.0,
+            ),
+            (
+                format!("{p}.attn_q.weight"),
+                vec![e, e],
+                GgmlDType::Q4K,
+                0.1,
+            ),
+            (
+                format!("{p}.attn_k.weight"),
+                vec![kv, e],
+                GgmlDType::Q4K,
+                0.1,
+            ),
+            (
+                format!("{p}.attn_v.weight"),
+                vec![kv, e],
+                GgmlDType::Q6K,
+                0.1,
+            ),
+            (
+                format!("{p}.attn_output.weight"),
+                vec![e, e],
+                GgmlDType::Q4K,
+                0.1,
+            ),
+            (format!("{p}.ffn_norm.weight"), vec![e], GgmlDType::F32, 0.0),
+            (
+                format!("{p}.ffn_gate.weight"),
+                vec![ffn, e],
+                GgmlDType::Q4K,
+                0.1,
+            ),
+            (
+                format!("{p}.ffn_up.weight"),
+                vec![ffn, e],
+                GgmlDType::Q4K,
+                0.1,
+            ),
+            (
+                format!("{p}.ffn_down.weight"),
+                vec![e, ffn],
+                GgmlDType::Q6K,
+                0.07,
+            ),
+        ]);
+    }
+    let mut tensors = Vec::new();
+    for (i, (name, shape, ggml, scale)) in specs.into_iter().enumerate() {
+        // Norm gains are 1 (scale 0); matrices uniform in ±scale.
+        let t = if scale == 0.0 {
+            ones(shape[0])?
+        } else {
+            weight(&shape, 5000 + i as u64, scale)?
+        };
+        tensors.push((name, QTensor::quantize(&t, ggml)?));
+    }
+    let md = [
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.attention.head_count", Value::U32(4)),
+        ("llama.attention.head_count_kv", Value::U32(2)),
+        ("llama.block_count", Value::U32(2)),
+        ("llama.embedding_length", Value::U32(e as u32)),
+        ("llama.rope.dimension_count", Value::U32((e / 4) as u32)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+    ];
+    let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, q)| (k.as_str(), q)).collect();
+    let file_err = |e: String| Error::File {
+        path: path.to_path_buf(),
+        reason: e,
+    };
+    let mut f =
+        std::io::BufWriter::new(std::fs::File::create(path).map_err(|e| file_err(e.to_string()))?);
+    gguf_file::write(&mut f, &md, &ts).map_err(|e| file_err(e.to_string()))?;
+    std::io::Write::flush(&mut f).map_err(|e| file_err(e.to_string()))
 }

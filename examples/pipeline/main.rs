@@ -1,6 +1,7 @@
-//! The main job: a small diffusion-shaped pipeline — text encoder, denoiser, decoder — sharing one
-//! memory budget, prompts run back to back, a LoRA clone on prompt 2 and back to the base on
-//! prompt 3, smart memory in between. No download, no GPU needed.
+//! The main job: a small diffusion-shaped pipeline — a quantized prompt model (GGUF), text
+//! encoder, denoiser, decoder — sharing one memory budget, prompts run back to back, a LoRA clone
+//! on prompt 2 and back to the base on prompt 3, smart memory in between. No download, no GPU
+//! needed.
 //!
 //! ```sh
 //! cargo run --release --example pipeline -- [--prompts N] [--steps N] [--seed S] [--json FILE]
@@ -22,12 +23,33 @@
 //! defaults `--reserve-vram 0 --inference-memory 4MiB` (ComfyUI's 0.8 GiB minimum would dwarf
 //! them); pass either flag to override.
 //!
-//! This file is the job itself ([`run`]); `models.rs` holds the three models, `checkpoints.rs`
-//! their deterministic weights and the LoRA file, `report.rs` what a run reports.
+//! The prompt model is candle-transformers' `quantized_llama.rs` with only its `use` lines
+//! changed (`tests/ported/quantized_llama.rs`), on a Q4_K/Q6_K/Q8_0 model read with
+//! `MemoryManager::read_gguf`: its block bytes are scheduled, streamed and counted like every
+//! other weight.
+//!
+//! This file is the job itself ([`run`]); `models.rs` holds the models, `checkpoints.rs` their
+//! deterministic weights and the LoRA file, `report.rs` what a run reports.
 
 mod checkpoints;
 mod models;
+#[path = "../../tests/ported/quantized_llama.rs"]
+#[allow(dead_code, unused_imports, clippy::all)]
+mod quantized_llama;
 mod report;
+
+/// The ported model's `candle`: candle-core with `quantized` replaced by residency's mirror.
+mod candle {
+    pub use candle_core::*;
+    pub mod quantized {
+        pub use residency::quantized::*;
+    }
+}
+
+/// The ported model's `crate::utils`: candle-transformers' own.
+mod utils {
+    pub use candle_transformers::utils::*;
+}
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -43,7 +65,7 @@ use residency::weights::{HostTier, Model};
 use residency::{ByteSize, Result};
 
 use checkpoints::{build_checkpoints, weight};
-use models::{Decoder, Denoiser, TextEncoder, H, HEADS, LATENT_C, LATENT_HW};
+use models::{Decoder, Denoiser, PromptModel, TextEncoder, H, HEADS, LATENT_C, LATENT_HW};
 pub use report::{to_json, to_table, PipelineReport, PromptResult};
 
 /// Options of one run.
@@ -61,12 +83,13 @@ pub struct PipelineArgs {
 /// Runs the pipeline.
 pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     let t_start = Instant::now();
-    if !args.cache.join("READY").exists() {
+    if std::fs::read(args.cache.join("READY")).ok().as_deref() != Some(checkpoints::READY) {
         build_checkpoints(&args.cache)?;
     }
     let te_path = args.cache.join("text_encoder.safetensors");
     let dn_path = args.cache.join("denoiser.safetensors");
     let de_path = args.cache.join("decoder.safetensors");
+    let pm_path = args.cache.join("prompt_lm.gguf");
 
     let mut config = args.config.clone();
     if config.reserve_vram_gb.is_none() {
@@ -81,8 +104,13 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     let size = |path: &std::path::Path| -> Result<ByteSize> {
         Ok(Model::from_safetensors_lazy("header", &[path], &headers)?.model_size())
     };
-    let f32_total =
-        ByteSize(size(&te_path)?.bytes() + size(&dn_path)?.bytes() * 2 + size(&de_path)?.bytes());
+    let pm_size = Model::from_gguf_lazy("header", &pm_path, &headers)?.model_size();
+    let f32_total = ByteSize(
+        size(&te_path)?.bytes()
+            + size(&dn_path)?.bytes() * 2
+            + size(&de_path)?.bytes()
+            + pm_size.bytes(),
+    );
     if config.vram_budget.is_none() && hardware.gpus.is_empty() && config.sim_gpus.is_empty() {
         config.vram_budget = Some(ByteSize(f32_total.bytes() / 3));
     }
@@ -91,6 +119,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     let te_model = Arc::new(mm.read_model("text_encoder", &[te_path])?);
     let dn_model = Arc::new(mm.read_model("denoiser", &[dn_path])?);
     let de_model = Arc::new(mm.read_model("decoder", &[de_path])?);
+    let pm_model = Arc::new(mm.read_gguf("prompt_lm", &pm_path)?);
     let device = mm.compute_device();
     let offload = DeviceId::Cpu;
     let te = ModelPatcher::new(te_model, device, offload);
@@ -102,6 +131,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         ByteSize(tokens * (4 * H as u64) * 4 * 6 + tokens * tokens * HEADS as u64 * 4 * 3)
     }));
     let de = ModelPatcher::new(de_model, device, offload);
+    let pm = ModelPatcher::new(pm_model, device, offload);
     let mut styled = base.clone();
     let lora = lora_file::load(
         args.cache.join("style_lora.safetensors"),
@@ -116,6 +146,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         );
     }
 
+    let mut prompt_model = PromptModel::new(&pm)?;
     let text_encoder = TextEncoder::new(&te)?;
     let denoiser = Denoiser::new(&base)?;
     let decoder = Decoder::new(&de)?;
@@ -134,11 +165,15 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     for i in 0..args.prompts {
         let prompt = prompts[i % prompts.len()].to_string();
         let use_lora = i % 3 == 1;
-        // 1. text
+        // 1. text: the prompt model adds a word, the text encoder encodes the result
+        let r = mm.load_models_gpu(std::slice::from_ref(&pm), LoadOptions::default())?;
+        evictions.extend(r.evicted.clone());
+        add_moved(&mut moved_per_model, &r);
+        let expanded = prompt_model.expand(&prompt)?;
         let r = mm.load_models_gpu(std::slice::from_ref(&te), LoadOptions::default())?;
         evictions.extend(r.evicted.clone());
         add_moved(&mut moved_per_model, &r);
-        let context = text_encoder.forward(&prompt)?;
+        let context = text_encoder.forward(&expanded)?;
         // 2. denoise
         let dn = if use_lora { &styled } else { &base };
         denoiser.source.set_patcher(dn)?;
@@ -184,7 +219,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     }
     let budget = mm.get_total_memory(device);
     let loaded = mm.loaded_models();
-    let models = [&te, &base, &de]
+    let models = [&pm, &te, &base, &de]
         .iter()
         .map(|p| {
             let name = p.model().name().to_string();

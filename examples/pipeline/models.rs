@@ -21,6 +21,11 @@ pub const LATENT_HW: usize = 8;
 pub const H: usize = 256;
 pub const HEADS: usize = 4;
 pub const BLOCKS: usize = 6;
+/// The prompt model's vocabulary (bytes) and width.
+pub const PLM_VOCAB: usize = 256;
+pub const PLM_EMBD: usize = 256;
+/// Tokens the prompt model adds to each prompt.
+pub const PLM_NEW_TOKENS: usize = 6;
 
 struct Block {
     ln1: LayerNorm,
@@ -225,5 +230,40 @@ impl Decoder {
         let out = self.conv_out.try_forward(&x)?.tanh()?;
         self.source.finish_forward();
         Ok(out)
+    }
+}
+
+/// The prompt model: candle-transformers' `quantized_llama`, ported by its `use` lines, on a
+/// quantized GGUF model under the manager. It continues each prompt by a few greedy tokens, which
+/// the text encoder then reads as one more word.
+pub struct PromptModel {
+    model: super::quantized_llama::ModelWeights,
+    device: Device,
+}
+
+impl PromptModel {
+    pub fn new(patcher: &ModelPatcher) -> Result<Self> {
+        let ct = residency::quantized::gguf_file::Content::from_patcher(patcher);
+        let device = patcher.load_device().to_candle()?;
+        let mut unused = std::io::Cursor::new(Vec::<u8>::new());
+        let model = super::quantized_llama::ModelWeights::from_gguf(ct, &mut unused, &device)?;
+        Ok(PromptModel { model, device })
+    }
+
+    /// The prompt with one more word: the model's greedy continuation of its bytes, spelled in
+    /// lower-case letters.
+    pub fn expand(&mut self, prompt: &str) -> Result<String> {
+        let ids: Vec<u32> = prompt.bytes().map(u32::from).collect();
+        let mut input = Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?;
+        let mut pos = 0;
+        let mut word = String::new();
+        for _ in 0..PLM_NEW_TOKENS {
+            let logits = self.model.forward(&input, pos)?.flatten_all()?;
+            pos += input.dim(1)?;
+            let next = logits.argmax(0)?.to_scalar::<u32>()?;
+            word.push((b'a' + (next % 26) as u8) as char);
+            input = Tensor::new(&[next], &self.device)?.unsqueeze(0)?;
+        }
+        Ok(format!("{prompt} {word}"))
     }
 }

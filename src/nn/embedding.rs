@@ -3,7 +3,7 @@
 
 use candle_core::{Module, Tensor};
 
-use super::held::{fetch, fetch_on_load_device, Held};
+use super::held::{fetch, fetch_on_load_device, note_handed_out, Held};
 use super::VarBuilder;
 use crate::ops::LayerWeights;
 
@@ -31,7 +31,12 @@ impl Embedding {
     pub fn embeddings(&self) -> candle_core::Result<Tensor> {
         match &self.held {
             Held::Owned(e) => Ok(e.embeddings().clone()),
-            Held::Fetched(w) => fetch_on_load_device(w).map(|(w, _)| w),
+            Held::Fetched(w) => {
+                let (t, _) = fetch_on_load_device(w)?;
+                let model = w.source().patcher().model().name().to_string();
+                note_handed_out(&t, format!("`{}` of `{model}`", w.weight_key()));
+                Ok(t)
+            }
         }
     }
 

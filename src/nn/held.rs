@@ -52,3 +52,32 @@ pub(crate) fn bad_shape(what: String, expected: Vec<usize>, got: Vec<usize>) -> 
         got,
     })
 }
+
+/// Tensors handed out by managed accessors (`Embedding::embeddings`), by id, newest last: a
+/// layer later made with `new` on one of them is an unmanaged copy of a managed weight (the tied
+/// head mistake, docs/PORTING.md). Bounded: only the recent ones are remembered.
+static HANDED_OUT: parking_lot::Mutex<std::collections::VecDeque<(candle_core::TensorId, String)>> =
+    parking_lot::Mutex::new(std::collections::VecDeque::new());
+
+/// How many handed-out tensors are remembered.
+const HANDED_OUT_KEPT: usize = 64;
+
+/// Remembers that `t` is a fetched copy of managed weight `what` (`key` of `model`).
+pub(crate) fn note_handed_out(t: &Tensor, what: String) {
+    let mut h = HANDED_OUT.lock();
+    if h.len() == HANDED_OUT_KEPT {
+        h.pop_front();
+    }
+    h.push_back((t.id(), what));
+}
+
+/// The managed weight `t` is a fetched copy of, when an accessor handed it out recently.
+pub(crate) fn handed_out(t: &Tensor) -> Option<String> {
+    let id = t.id();
+    HANDED_OUT
+        .lock()
+        .iter()
+        .rev()
+        .find(|(i, _)| *i == id)
+        .map(|(_, w)| w.clone())
+}

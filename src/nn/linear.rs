@@ -11,14 +11,36 @@ use crate::ops::{to_candle, LayerWeights};
 #[derive(Debug, Clone)]
 pub struct Linear {
     held: Held<candle_nn::Linear>,
+    /// The managed weight whose fetched copy `new` was given (see [`Linear::copies_managed`]).
+    copies: Option<String>,
 }
 
 impl Linear {
     /// A linear layer on owned tensors, as candle-nn's `Linear::new`: not managed.
+    ///
+    /// Given the table a managed [`Embedding::embeddings`] just fetched (the tempting spelling
+    /// of a tied head, `Linear::new(emb.embeddings()?, None)`), it computes the same bits but
+    /// the head is an unmanaged copy: outside the ledger, never evicted, and a LoRA on the
+    /// embedding no longer reaches it. That case is warned about and reported by
+    /// [`Linear::copies_managed`]; use [`Linear::from_embedding`] instead.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        let copies = super::held::handed_out(&weight);
+        if let Some(what) = &copies {
+            tracing::warn!(
+                "Linear::new on the fetched table of managed embedding {what}: the layer is an unmanaged copy (outside the ledger, and a LoRA on the embedding will not reach it); use Linear::from_embedding(&embedding)"
+            );
+        }
         Linear {
             held: Held::Owned(candle_nn::Linear::new(weight, bias)),
+            copies,
         }
+    }
+
+    /// The managed weight this layer holds an unmanaged copy of, when it was made with
+    /// [`Linear::new`] on a table a managed [`Embedding::embeddings`] fetched: a tied head built
+    /// the wrong way (use [`Linear::from_embedding`]).
+    pub fn copies_managed(&self) -> Option<&str> {
+        self.copies.as_deref()
     }
 
     /// A bias-free linear layer that fetches `embedding`'s table as its weight: the managed form
@@ -27,6 +49,7 @@ impl Linear {
         match embedding.held() {
             Held::Fetched(w) => Linear {
                 held: Held::Fetched(w.clone()),
+                copies: None,
             },
             Held::Owned(e) => Linear::new(e.embeddings().clone(), None),
         }
@@ -35,6 +58,7 @@ impl Linear {
     pub(crate) fn fetched(weights: LayerWeights) -> Self {
         Linear {
             held: Held::Fetched(weights),
+            copies: None,
         }
     }
 

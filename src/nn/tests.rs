@@ -363,6 +363,24 @@ fn owned_layers_and_tied_heads_compute_what_candle_nn_does() {
         bits(their_emb.embeddings())
     );
     assert_eq!(emb.hidden_size(), their_emb.hidden_size());
+    // The tempting spelling compiles and gives the same bits, but is an unmanaged copy: it says
+    // so, and the managed form does not.
+    let copied = Linear::new(emb.embeddings().unwrap(), None);
+    assert!(copied.weights().is_none());
+    assert!(
+        copied
+            .copies_managed()
+            .is_some_and(|w| w.contains("emb.weight")),
+        "{:?}",
+        copied.copies_managed()
+    );
+    assert_eq!(head.copies_managed(), None);
+    let owned = Linear::new(their_emb.embeddings().clone(), None);
+    assert_eq!(
+        owned.copies_managed(),
+        None,
+        "a table the caller owns is no copy"
+    );
 }
 
 #[test]

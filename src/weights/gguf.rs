@@ -2,9 +2,10 @@
 //!
 //! [`read_gguf_header`] opens a GGUF file (versions 1, 2 and 3, little-endian) and reads its
 //! header — magic, version, counts, metadata and tensor infos — through a small cursor that
-//! fetches the file in chunks of at most 64 KiB with positioned reads (`pread`). The file is never
-//! memory-mapped and its tensor data is never read: a file truncated or replaced underneath is an
-//! [`Error::File`], never a `SIGBUS`.
+//! fetches it with positioned reads (`pread`) in chunks of at most 64 KiB (a string longer than a
+//! chunk is read into its own buffer with one read). The file is never memory-mapped and its
+//! tensor data is never read: a file truncated or replaced underneath is an [`Error::File`],
+//! never a `SIGBUS`.
 //!
 //! Guarantees:
 //! - Every failure is an [`Error::File`] naming the file and, where one is involved, the metadata
