@@ -8,6 +8,10 @@
 //! resident copies themselves, through a candle-nn backend of ours that hands out the patched,
 //! cast tensors of the load — no copy — so the module's bytes are the bytes in the ledger.
 //!
+//! A quantized (GGUF) model goes through [`Managed::quantized`] instead: its constructor gets a
+//! [`crate::quantized::gguf_file::Content`] over the patcher, as candle-transformers' quantized
+//! models take one, and its tensors are the resident copies.
+//!
 //! [`Managed::module`] builds the module on first use after a load and keeps it while the
 //! residency is unchanged; when the manager evicts the model (or a clone with other patches is
 //! loaded in its place) the module is dropped at the end of that manager call, and the next
@@ -32,8 +36,8 @@ use crate::error::{Error, Result};
 use crate::patcher::ModelPatcher;
 use crate::weights::Model;
 
-/// The constructor of a managed module.
-type Build<M> = dyn Fn(candle_nn::VarBuilder<'static>) -> candle_core::Result<M> + Send + Sync;
+/// The constructor of a managed module, on the patcher it is built for.
+type Build<M> = dyn Fn(&ModelPatcher) -> candle_core::Result<M> + Send + Sync;
 
 /// A candle model of type `M` built from a [`ModelPatcher`]'s resident weights on load and dropped
 /// on eviction. See the [module docs](self).
@@ -67,6 +71,28 @@ impl<M: Send + Sync + 'static> Managed<M> {
         build: impl Fn(candle_nn::VarBuilder<'static>) -> candle_core::Result<M> + Send + Sync + 'static,
     ) -> Managed<M> {
         patcher.model().set_whole(true);
+        let build = move |p: &ModelPatcher| build(resident_var_builder(p)?);
+        Managed {
+            patcher,
+            build: Arc::new(build),
+        }
+    }
+
+    /// Puts a quantized (GGUF) model under the manager whole: `build` gets a
+    /// [`gguf_file::Content`](crate::quantized::gguf_file::Content) over `patcher` — what
+    /// candle-transformers' quantized models take (`ModelWeights::from_gguf(ct, &mut reader,
+    /// &device)`, with their `use` lines pointed at [`crate::quantized`]) — whose tensors are the
+    /// resident copies (quantized blocks stay candle `QTensor`s; patched weights are used dense).
+    pub fn quantized(
+        patcher: ModelPatcher,
+        build: impl Fn(crate::quantized::gguf_file::Content) -> candle_core::Result<M>
+            + Send
+            + Sync
+            + 'static,
+    ) -> Managed<M> {
+        patcher.model().set_whole(true);
+        let build =
+            move |p: &ModelPatcher| build(crate::quantized::gguf_file::Content::from_patcher(p));
         Managed {
             patcher,
             build: Arc::new(build),
@@ -140,26 +166,12 @@ impl<M: Send + Sync + 'static> Managed<M> {
         }
         let model = self.model();
         let generation = model.residency_generation();
-        let mut dtype = None;
-        let mut device = None;
-        for i in 0..model.len() {
-            let Some(t) = self.patcher.resident_tensor(i) else {
-                return Err(Error::NotLoaded {
-                    model: model.name().to_string(),
-                });
-            };
-            dtype.get_or_insert(t.dtype());
-            device.get_or_insert_with(|| t.device().clone());
+        if (0..model.len()).any(|i| self.patcher.resident_weight(i).is_none()) {
+            return Err(Error::NotLoaded {
+                model: model.name().to_string(),
+            });
         }
-        let backend = ResidentBackend {
-            patcher: self.patcher.clone(),
-        };
-        let vb = candle_nn::VarBuilder::from_backend(
-            Box::new(backend),
-            dtype.unwrap_or(DType::F32),
-            device.unwrap_or(Device::Cpu),
-        );
-        let module = Arc::new((self.build)(vb).map_err(|e| {
+        let module = Arc::new((self.build)(&self.patcher).map_err(|e| {
             Error::tensor(
                 format!("building the managed module of `{}`", model.name()),
                 e,
@@ -171,6 +183,26 @@ impl<M: Send + Sync + 'static> Managed<M> {
         drop(model.set_derived(generation, self.key(), value));
         Ok(module)
     }
+}
+
+/// A candle-nn `VarBuilder` over `patcher`'s resident copies, in the dtype and on the device of
+/// the first one (every weight is resident: [`Managed::module`] checked).
+fn resident_var_builder(
+    patcher: &ModelPatcher,
+) -> candle_core::Result<candle_nn::VarBuilder<'static>> {
+    let model = patcher.model();
+    let first = (0..model.len()).find_map(|i| patcher.resident_tensor(i));
+    let (dtype, device) = first.map_or((DType::F32, Device::Cpu), |t| {
+        (t.dtype(), t.device().clone())
+    });
+    let backend = ResidentBackend {
+        patcher: patcher.clone(),
+    };
+    Ok(candle_nn::VarBuilder::from_backend(
+        Box::new(backend),
+        dtype,
+        device,
+    ))
 }
 
 /// A candle-nn backend over a patcher's resident copies: `get` returns the resident tensor of the

@@ -342,3 +342,75 @@ fn dense_reference(
     let p = ModelPatcher::new(Arc::new(merged), DeviceId::Cpu, DeviceId::Cpu);
     ported_logits(&p, tokens)
 }
+
+#[test]
+fn a_quantized_model_managed_whole_computes_candles_bits_and_follows_its_patcher() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-llama.gguf");
+    write_tiny_llama(&path);
+    let reference = reference_logits(&path, &PROMPT, STEPS);
+    let tokens = tokens_of(&reference);
+
+    // --novram: a whole model is still loaded fully.
+    let mm = manager_with(&["--novram", "--vram-budget", "4GiB"]);
+    let model = Arc::new(mm.read_gguf("tiny-llama", &path).unwrap());
+    let p = ModelPatcher::new(Arc::clone(&model), mm.compute_device(), DeviceId::Cpu);
+    let build = |ct: gguf_file::Content| {
+        let mut unused = std::io::Cursor::new(Vec::<u8>::new());
+        quantized_llama::ModelWeights::from_gguf(ct, &mut unused, &candle_core::Device::Cpu)
+            .map(std::sync::Mutex::new)
+    };
+    let managed = residency::managed::Managed::quantized(p.clone(), build);
+    assert!(matches!(
+        managed.module().unwrap_err(),
+        residency::Error::NotLoaded { .. }
+    ));
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    assert_eq!(
+        model.resident_bytes(mm.compute_device()),
+        model.model_size()
+    );
+    let run = |m: &residency::managed::Managed<std::sync::Mutex<quantized_llama::ModelWeights>>| {
+        let module = m.module().unwrap();
+        let mut w = module.lock().unwrap();
+        let device = candle_core::Device::Cpu;
+        let logits_of =
+            |t: Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1::<f32>().unwrap() };
+        let mut out = Vec::new();
+        let input = Tensor::new(&PROMPT, &device).unwrap().unsqueeze(0).unwrap();
+        out.push(logits_of(w.forward(&input, 0).unwrap()));
+        for (step, &next) in tokens.iter().take(STEPS).enumerate() {
+            let input = Tensor::new(&[next], &device).unwrap().unsqueeze(0).unwrap();
+            out.push(logits_of(w.forward(&input, PROMPT.len() + step).unwrap()));
+        }
+        out
+    };
+    assert_eq!(bits(&run(&managed)), bits(&reference));
+    assert!(managed.is_built());
+
+    // A LoRA clone through the same constructor computes what the port computes on the clone.
+    let mut styled = p.clone();
+    let key = "blk.0.ffn_up.weight";
+    let shape = model.slot(key).unwrap().shape().to_vec();
+    let lora = Lora::new(
+        common::rand_tensor(&[shape[0], 4], 5),
+        common::rand_tensor(&[4, shape[1]], 6),
+    );
+    styled
+        .add_patches([(key, Patch::Lora(lora))], 0.5, 1.0)
+        .unwrap();
+    let expected = ported_logits(&styled, &tokens);
+    let clone = managed.with_patcher(styled.clone()).unwrap();
+    mm.load_models_gpu(std::slice::from_ref(&styled), LoadOptions::default())
+        .unwrap();
+    assert_eq!(bits(&run(&clone)), bits(&expected));
+    assert_ne!(bits(&expected), bits(&reference));
+
+    // Evicted, the module is dropped; loaded again, it is rebuilt with the same bits.
+    mm.unload_all_models();
+    assert!(!managed.is_built());
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    assert_eq!(bits(&run(&managed)), bits(&reference));
+}
