@@ -414,3 +414,81 @@ fn a_quantized_model_managed_whole_computes_candles_bits_and_follows_its_patcher
         .unwrap();
     assert_eq!(bits(&run(&managed)), bits(&reference));
 }
+
+#[test]
+fn requantized_patches_stay_blocks_stream_bit_identically_and_their_loss_is_measured() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-llama.gguf");
+    write_tiny_llama(&path);
+    let reference = reference_logits(&path, &PROMPT, STEPS);
+    let tokens = tokens_of(&reference);
+    let patch = |p: &mut ModelPatcher, model: &Model| {
+        for (i, key) in ["blk.0.attn_q.weight", "blk.1.ffn_down.weight"]
+            .iter()
+            .enumerate()
+        {
+            let shape = model.slot(key).unwrap().shape().to_vec();
+            let lora = Lora::new(
+                common::rand_tensor(&[shape[0], 4], 300 + i as u64),
+                common::rand_tensor(&[4, shape[1]], 400 + i as u64),
+            );
+            p.add_patches([(*key, Patch::Lora(lora))], 0.3, 1.0)
+                .unwrap();
+        }
+    };
+    let mut runs = Vec::new();
+    for args in [
+        vec!["--vram-budget", "4GiB"],
+        vec!["--novram", "--vram-budget", "4GiB"],
+    ] {
+        let mm = manager_with(&args);
+        let model = Arc::new(mm.read_gguf("tiny-llama", &path).unwrap());
+        let base = ModelPatcher::new(Arc::clone(&model), mm.compute_device(), DeviceId::Cpu);
+        mm.load_models_gpu(std::slice::from_ref(&base), LoadOptions::default())
+            .unwrap();
+        let mut dense = base.clone();
+        patch(&mut dense, &model);
+        let requantized = dense.clone().with_requantized_patches(true);
+        let r = mm
+            .load_models_gpu(std::slice::from_ref(&requantized), LoadOptions::default())
+            .unwrap();
+        if args.len() == 2 {
+            // Only the two patched weights are rebuilt, and they stay block-sized.
+            let patched: u64 = ["blk.0.attn_q.weight", "blk.1.ffn_down.weight"]
+                .iter()
+                .map(|k| model.slot(k).unwrap().bytes().bytes())
+                .sum();
+            assert_eq!(r.models[0].moved.bytes(), patched);
+            assert_eq!(
+                model.resident_bytes(mm.compute_device()),
+                model.model_size()
+            );
+        }
+        runs.push((
+            ported_logits(&requantized, &tokens),
+            ported_logits(&dense, &tokens),
+        ));
+    }
+    // Resident and streamed: the same bits.
+    assert_eq!(bits(&runs[0].0), bits(&runs[1].0));
+    assert_eq!(bits(&runs[0].1), bits(&runs[1].1));
+    // How lossy: the re-quantized LoRA against the dense one, relative to the LoRA's own effect.
+    let (requantized, dense) = &runs[0];
+    let dist = |a: &[Vec<f32>], b: &[Vec<f32>]| -> f64 {
+        a.iter()
+            .flatten()
+            .zip(b.iter().flatten())
+            .map(|(x, y)| f64::from(x - y).powi(2))
+            .sum::<f64>()
+            .sqrt()
+    };
+    let loss = dist(requantized, dense);
+    let effect = dist(dense, &reference);
+    println!(
+        "re-quantized LoRA vs dense LoRA: L2 {loss:.4} over {} logits; the LoRA itself moves them by {effect:.4} ({:.1} %)",
+        dense.len() * VOCAB,
+        100.0 * loss / effect
+    );
+    assert!(loss > 0.0, "re-quantizing is lossy");
+    assert!(loss < effect, "the loss is smaller than the LoRA's effect");
+}

@@ -134,12 +134,7 @@ struct Entry {
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct FullAt {
     generation: u64,
-    signature: (
-        u64,
-        Option<crate::float::Dtype>,
-        crate::patcher::DoraNorm,
-        DeviceId,
-    ),
+    signature: crate::patcher::ResidencySignature,
 }
 
 impl Clone for Entry {

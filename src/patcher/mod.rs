@@ -30,7 +30,7 @@ pub mod lora {
 }
 
 pub use adapters::{DoraNorm, GLora, LoHa, LoKr, Lora, Offset, Oft, Patch, PatchEntry};
-pub(crate) use model_patcher::cast_weight;
+pub(crate) use model_patcher::{cast_weight, ResidencySignature};
 pub use model_patcher::{
     LoadOutcome, MemoryEstimator, ModelPatcher, PatchKey, PatchSet, PatcherOptions, SetEntry,
     WeightWrapper, WEIGHT_SCALE_SUFFIX,

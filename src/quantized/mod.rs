@@ -316,7 +316,7 @@ impl QRef {
                 (Arc::new(q), true)
             }
         };
-        if patcher.patches().get(&self.key).is_empty() {
+        if patcher.patches().get(&self.key).is_empty() || patcher.requantizes(self.index) {
             return Ok(Fetched::Quantized(q));
         }
         dense_patched(&patcher, self.index, &q, streamed).map(Fetched::Dense)

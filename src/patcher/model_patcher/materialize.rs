@@ -66,7 +66,26 @@ impl ModelPatcher {
         )
     }
 
-    /// Quantized weight `index` dense: `q` dequantized (in f32, on `q`'s device), patched with
+    /// Quantized weight `index` dense from `q`, its resident or streamed blocks: patched now, or
+    /// only dequantized when the blocks were re-quantized after patching.
+    pub(crate) fn dense_from_blocks(
+        &self,
+        index: usize,
+        q: &candle_core::quantized::QTensor,
+        dtype: Dtype,
+    ) -> Result<Tensor> {
+        if !self.requantizes(index) {
+            return self.dequantized_patched(index, q, dtype);
+        }
+        let name = self.model.slots()[index].name();
+        let w = q
+            .dequantize(&q.device())
+            .map_err(|e| Error::tensor(format!("dequantizing `{name}`"), e))?;
+        cast_weight(&w, Dtype::F32, dtype)
+    }
+
+    /// Quantized weight `index` dense: `q` (its clean blocks) dequantized (in f32, on `q`'s
+    /// device), patched with
     /// this patcher's patches and cast to `dtype`, as ComfyUI-GGUF builds a patched GGUF weight.
     pub(crate) fn dequantized_patched(
         &self,
@@ -238,7 +257,11 @@ impl ModelPatcher {
     ) -> Result<(Tensor, Option<Dtype>)> {
         let slot = &self.model.slots()[index];
         if slot.quantized().is_some() {
-            // Quantized weights move as their clean blocks; patches apply at use.
+            // Quantized weights move as their blocks: clean (patches apply at use), or patched
+            // and re-quantized when the patcher asks for that.
+            if self.requantizes(index) {
+                return Ok((self.patched_storage_from(index, clean)?, None));
+            }
             return Ok((clean.clone(), None));
         }
         let stored = self.patched_storage_from(index, clean)?;
@@ -307,7 +330,7 @@ impl ModelPatcher {
         let dtype = self.resident_dtype(index);
         match resident {
             Some(ResidentWeight::Quantized(q)) => {
-                Ok((self.dequantized_patched(index, &q, dtype)?, false))
+                Ok((self.dense_from_blocks(index, &q, dtype)?, false))
             }
             _ => {
                 let t = self.materialize(index, dtype, self.load_device)?;
@@ -315,7 +338,7 @@ impl ModelPatcher {
                     return Ok((t, true));
                 }
                 let q = self.clean_qtensor(index, &t, &self.load_device.to_candle()?)?;
-                Ok((self.dequantized_patched(index, &q, dtype)?, true))
+                Ok((self.dense_from_blocks(index, &q, dtype)?, true))
             }
         }
     }

@@ -123,7 +123,16 @@ pub struct PatcherOptions {
     pub compute_dtype: Option<Dtype>,
     /// How DoRA normalises.
     pub dora: DoraNorm,
+    /// Quantized (GGUF) weights with patches: re-quantized to their own format after patching
+    /// (resident and streamed alike, so they stay block-sized and use the quantized kernels)
+    /// instead of used dense. Smaller and faster, lossy; off by default (ComfyUI-GGUF's
+    /// semantics: patched weights dense).
+    pub requantize_patched: bool,
 }
+
+/// What a patcher's resident copies depend on, for the whole model at once
+/// ([`ModelPatcher::residency_signature`]).
+pub(crate) type ResidencySignature = (u64, Option<Dtype>, DoraNorm, bool, DeviceId);
 
 /// What a [`ModelPatcher::load`] or partial load did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -402,13 +411,30 @@ impl ModelPatcher {
     /// What a resident copy's fingerprint depends on, for the whole model at once: the patch
     /// set's version, the compute dtype, the DoRA mode and the load device. Two patchers of one
     /// model with equal signatures want exactly the same resident copies. O(1).
-    pub(crate) fn residency_signature(&self) -> (u64, Option<Dtype>, DoraNorm, DeviceId) {
+    pub(crate) fn residency_signature(&self) -> ResidencySignature {
         (
             self.patches.version,
             self.options.compute_dtype,
             self.options.dora,
+            self.options.requantize_patched,
             self.load_device,
         )
+    }
+
+    /// Re-quantizes patched quantized weights to their own format instead of using them dense
+    /// ([`PatcherOptions::requantize_patched`]).
+    pub fn with_requantized_patches(mut self, on: bool) -> Self {
+        self.options.requantize_patched = on;
+        self
+    }
+
+    /// Whether weight `index` is quantized, patched, and re-quantized after patching: its
+    /// resident and streamed copies are then the re-quantized blocks.
+    pub(crate) fn requantizes(&self, index: usize) -> bool {
+        let slot = &self.model.slots()[index];
+        self.options.requantize_patched
+            && slot.quantized().is_some()
+            && !self.patches.get(slot.name()).is_empty()
     }
 
     /// Removes every patch (the clone then computes the clean model).
@@ -443,6 +469,9 @@ impl ModelPatcher {
         if let Some(ggml) = slot.quantized() {
             let mut h = std::collections::hash_map::DefaultHasher::new();
             ggml.hash(&mut h);
+            if self.requantizes(index) {
+                self.patch_fingerprint(index, Dtype::F32).hash(&mut h);
+            }
             return h.finish();
         }
         self.patch_fingerprint(index, self.resident_dtype(index))
