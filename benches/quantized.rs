@@ -228,7 +228,8 @@ fn bench(c: &mut Criterion, dir: &Path) {
     let moved_q = streamed_bytes(&q4k);
     let moved_bf16 = streamed_bytes(&bf16);
     println!(
-        "bytes moved per streamed forward: Q4_K {} vs bf16 {} (bf16 / Q4_K = {:.2}); file {}",
+        "bytes moved per streamed run (prompt + {STEPS} steps: {} model calls): Q4_K {} vs bf16 {} (bf16 / Q4_K = {:.2}); file {}",
+        STEPS + 1,
         ByteSize(moved_q),
         ByteSize(moved_bf16),
         moved_bf16 as f64 / moved_q.max(1) as f64,
