@@ -170,6 +170,19 @@ fn the_port_computes_candles_bits_in_every_budget() {
         assert_eq!(model.is_lazy(), what.starts_with("ram-budget"), "{what}");
         let device = mm.compute_device();
         let p = ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu);
+        // The plan counts block bytes, and says which are quantized.
+        let plan = mm
+            .plan(std::slice::from_ref(&p), LoadOptions::default())
+            .unwrap();
+        assert_eq!(plan.models[0].quantized, q_bytes, "{what}");
+        assert_eq!(
+            plan.models[0]
+                .resident
+                .saturating_add(plan.models[0].streaming)
+                .bytes(),
+            size,
+            "{what}"
+        );
         let report = mm
             .load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
             .unwrap();
@@ -190,6 +203,8 @@ fn the_port_computes_candles_bits_in_every_budget() {
             let got = ported_logits(&p, &tokens);
             assert_eq!(bits(&got), bits(&reference), "{what}, round {round}");
         }
+        let shown = mm.memory_report().to_string();
+        assert!(shown.contains("in quantized blocks"), "{what}: {shown}");
         if let Some(cap) = mm.host_tier().budget() {
             assert!(
                 mm.host_tier().stats().peak <= cap,

@@ -734,6 +734,7 @@ impl MemoryManager {
                 resident: e.model().resident_bytes(e.device),
                 size: e.patcher.resident_model_size(),
                 outside_handles: e.outside_handles(),
+                quantized: e.model().quantized_size().0,
             })
             .collect()
     }

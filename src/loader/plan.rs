@@ -59,6 +59,9 @@ pub struct PlannedLoad {
     pub to_drop: ByteSize,
     /// Weights that will stream with patches (applied at use).
     pub lazy_patched: usize,
+    /// Of the model's size, the bytes of quantized (GGUF) weights: their GGML blocks, counted
+    /// as the blocks they are in `resident`, `streaming` and `to_move`.
+    pub quantized: ByteSize,
 }
 
 /// One device's ledger before and after a plan.
@@ -630,6 +633,7 @@ impl MemoryManager {
                 to_move: ByteSize::ZERO,
                 to_drop,
                 lazy_patched: 0,
+                quantized: m.model().quantized_size().0,
             };
             for (w, &wanted) in views.iter().zip(&want) {
                 match (wanted, w.on_device, w.current) {

@@ -120,6 +120,8 @@ pub struct LoadedModelInfo {
     pub size: ByteSize,
     /// Handles held outside the registry.
     pub outside_handles: usize,
+    /// Of `size`, the bytes of quantized (GGUF) weights, in their GGML blocks.
+    pub quantized: ByteSize,
 }
 
 /// One device's memory.
@@ -198,7 +200,7 @@ impl fmt::Display for MemoryReport {
             h.pin_budget
         )?;
         for m in &self.models {
-            writeln!(
+            write!(
                 f,
                 "  {:<24} {:>12} resident {:>12} streaming on {}",
                 m.name,
@@ -206,6 +208,14 @@ impl fmt::Display for MemoryReport {
                 m.size.saturating_sub(m.resident).to_string(),
                 m.device
             )?;
+            if m.quantized > ByteSize::ZERO {
+                write!(
+                    f,
+                    " ({} of its {} in quantized blocks)",
+                    m.quantized, m.size
+                )?;
+            }
+            writeln!(f)?;
         }
         let t = &self.transfers;
         writeln!(
