@@ -421,3 +421,196 @@ fn reports_and_plans_serialize_with_numeric_fields() {
     assert_eq!(d, DeviceId::Cuda(3));
     assert!(serde_json::from_str::<DeviceId>("\"gpu\"").is_err());
 }
+
+#[test]
+fn a_reservation_is_a_ledger_column_that_loads_prefetch_and_growth_respect() {
+    // 64 KiB device; A (8 × 4 KiB) loaded fully; a 20 KiB KV cache reserved beside it.
+    let budget = ByteSize::kib(64);
+    let mm = small_manager(budget, &[]);
+    let a = kib_model("A", &[4 * KIB; 8]);
+    mm.load_model_gpu(&a).unwrap();
+    let mut kv = mm
+        .reserve_named("kv-cache", CPU, ByteSize::kib(20))
+        .unwrap();
+    assert_eq!(mm.ledger(CPU), ByteSize::kib(52));
+    let report = mm.memory_report();
+    assert_eq!(report.devices[0].reserved, ByteSize::kib(20));
+    assert_eq!(report.reservations.len(), 1);
+    assert_eq!(report.reservations[0].name, "kv-cache");
+    assert!(
+        report
+            .to_string()
+            .contains("reservation `kv-cache`: 20.00 KiB"),
+        "{report}"
+    );
+
+    // A load of B (24 KiB) sees the reservation as occupied: the plan evicts part of A, never
+    // the reservation, and the ledger stays within the budget.
+    let b = kib_model("B", &[4 * KIB; 6]);
+    let plan = mm
+        .plan(std::slice::from_ref(&b), LoadOptions::default())
+        .unwrap();
+    assert_eq!(plan.devices[0].reserved, ByteSize::kib(20));
+    mm.load_model_gpu(&b).unwrap();
+    assert!(mm.ledger(CPU) <= budget);
+    assert_eq!(kv.bytes(), ByteSize::kib(20));
+
+    // Growing makes room by evicting (A first: not the model just loaded by ComfyUI's order of
+    // most-offloaded first), and what cannot fit is a retryable error that changes nothing.
+    kv.grow(ByteSize::kib(16)).unwrap();
+    assert_eq!(kv.bytes(), ByteSize::kib(36));
+    assert!(mm.ledger(CPU) <= budget);
+    let before = (mm.ledger(CPU), registered(&mm));
+    let err = kv.grow(ByteSize::kib(64)).unwrap_err();
+    assert!(err.is_retryable(), "{err}");
+    assert!(
+        matches!(&err, Error::OutOfMemory { model, required, .. } if model.contains("kv-cache") && *required == ByteSize::kib(64)),
+        "{err}"
+    );
+    assert_eq!(
+        kv.bytes(),
+        ByteSize::kib(36),
+        "a failed growth changes nothing"
+    );
+    assert_eq!(mm.reservations()[0].bytes, ByteSize::kib(36));
+    // (Evictions made for the failed growth stay made, as a failed load's evictions do not:
+    // here every model was already evicted or the ledger is unchanged.)
+    assert!(mm.ledger(CPU) <= before.0);
+
+    kv.shrink(ByteSize::kib(30));
+    assert_eq!(mm.reservations()[0].bytes, ByteSize::kib(6));
+    drop(kv);
+    assert!(mm.reservations().is_empty());
+    assert_eq!(mm.memory_report().devices[0].reserved, ByteSize::ZERO);
+    // A device the manager does not schedule is refused.
+    assert!(matches!(
+        mm.reserve(DeviceId::Cuda(3), ByteSize::kib(1)).unwrap_err(),
+        Error::Device { .. }
+    ));
+}
+
+#[test]
+fn a_kept_model_is_never_evicted_and_guards_nest() {
+    let budget = ByteSize::kib(64);
+    let mm = small_manager(budget, &[]);
+    let a = kib_model("A", &[4 * KIB; 8]);
+    mm.load_model_gpu(&a).unwrap();
+    let keep = mm.keep(&a);
+    let inner = mm.keep(&a);
+    // A reservation that would need A's room fails instead of evicting it.
+    let err = mm.reserve(CPU, ByteSize::kib(40)).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
+    assert_eq!(a.model().resident_bytes(CPU), ByteSize::kib(32));
+    // A load that wants more than is free loads partially around it.
+    let b = kib_model("B", &[4 * KIB; 10]);
+    let r = mm.load_model_gpu(&b).unwrap();
+    assert!(!r.models[0].full, "{r}");
+    assert!(r.evicted.is_empty(), "{r}");
+    assert_eq!(a.model().resident_bytes(CPU), ByteSize::kib(32));
+    assert!(mm
+        .free_memory(ByteSize::kib(60), CPU, &[])
+        .iter()
+        .all(|e| e.name != "A"));
+    assert_eq!(a.model().resident_bytes(CPU), ByteSize::kib(32));
+    drop(inner);
+    assert!(
+        mm.free_memory(ByteSize::kib(60), CPU, &[])
+            .iter()
+            .all(|e| e.name != "A"),
+        "one guard still keeps it"
+    );
+    drop(keep);
+    let freed = mm.free_memory(ByteSize::kib(60), CPU, &[]);
+    assert!(freed.iter().any(|e| e.name == "A"), "{freed:?}");
+}
+
+#[test]
+fn a_kv_cache_growing_by_blocks_beside_a_streamed_model_fails_where_the_arithmetic_says() {
+    // A 6-layer MLP (6 × 64² f32 = 96 KiB) under a 160 KiB budget; a KV cache grows by 8 KiB
+    // per step. The model gives up weights as the cache grows (streamed: same bits), and growth
+    // fails at the first step where the cache alone would pass the budget.
+    let budget = ByteSize::kib(160);
+    let mm = small_manager(budget, &[]);
+    let m = mlp(6, 64, 7);
+    let reference = forward(&m, 6, 64);
+    mm.load_model_gpu(&m).unwrap();
+    let mut kv = mm.reserve_named("kv", CPU, ByteSize::ZERO).unwrap();
+    let block = ByteSize::kib(8);
+    let mut steps = 0u64;
+    loop {
+        match kv.grow(block) {
+            Ok(()) => steps += 1,
+            Err(e) => {
+                assert!(e.is_retryable(), "{e}");
+                break;
+            }
+        }
+        assert!(mm.ledger(CPU) <= budget, "step {steps}");
+        assert_eq!(
+            forward(&m, 6, 64),
+            reference,
+            "step {steps}: streamed == resident"
+        );
+        let resident = m.model().resident_bytes(CPU);
+        assert!(resident.saturating_add(kv.bytes()) <= budget);
+    }
+    // Growth stops only when the model has nothing left to give: 160 KiB / 8 KiB = 20 blocks.
+    assert_eq!(steps, budget.bytes() / block.bytes(), "steps");
+    assert_eq!(m.model().resident_bytes(CPU), ByteSize::ZERO);
+    assert_eq!(forward(&m, 6, 64), reference);
+    drop(kv);
+    mm.load_model_gpu(&m).unwrap();
+    assert_eq!(m.model().resident_bytes(CPU), ByteSize::kib(96));
+}
+
+#[test]
+fn a_reservation_growing_on_one_thread_beside_loads_and_forwards_never_passes_the_budget() {
+    let budget = ByteSize::kib(320);
+    let mm = Arc::new(small_manager(budget, &["--async-offload", "2"]));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(1200);
+    let grower = {
+        let mm = Arc::clone(&mm);
+        std::thread::spawn(move || {
+            let mut kv = mm.reserve_named("kv", CPU, ByteSize::ZERO).unwrap();
+            let (mut grown, mut refused) = (0u32, 0u32);
+            while std::time::Instant::now() < deadline {
+                match kv.grow(ByteSize::kib(16)) {
+                    Ok(()) => grown += 1,
+                    Err(e) => {
+                        assert!(e.is_retryable(), "{e}");
+                        refused += 1;
+                        kv.shrink(ByteSize::kib(128));
+                    }
+                }
+                assert!(mm.ledger(CPU) <= budget);
+            }
+            (grown, refused)
+        })
+    };
+    let workers: Vec<_> = (0..4)
+        .map(|t| {
+            let mm = Arc::clone(&mm);
+            std::thread::spawn(move || {
+                let width = 64 + 8 * (t % 3);
+                let m = mlp(6, width, 200 + t as u64);
+                let reference = forward(&m, 6, width);
+                while std::time::Instant::now() < deadline {
+                    mm.load_model_gpu(&m).unwrap();
+                    assert_eq!(forward(&m, 6, width), reference);
+                    assert!(mm.ledger(CPU) <= budget);
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    let (grown, _) = grower.join().unwrap();
+    assert!(grown > 0);
+    assert!(
+        mm.peak_ledger(CPU) <= budget,
+        "peak {}",
+        mm.peak_ledger(CPU)
+    );
+    assert!(mm.reservations().is_empty(), "dropped with its thread");
+}

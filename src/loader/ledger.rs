@@ -35,6 +35,8 @@ struct Book {
     in_flight: ByteSize,
     /// Bytes of cached manual casts (`ops::CastCache`).
     cached: ByteSize,
+    /// Bytes the engine reserved (`MemoryManager::reserve`): never evicted, released on drop.
+    reserved: ByteSize,
     /// Loads in progress on the device (planned or executing).
     loading: u32,
     peak: ByteSize,
@@ -45,11 +47,12 @@ impl Book {
         self.peak = self.peak.max(self.ledger());
     }
 
-    /// Resident + in flight + cached.
+    /// Resident + in flight + cached + reserved.
     fn ledger(&self) -> ByteSize {
         self.resident
             .saturating_add(self.in_flight)
             .saturating_add(self.cached)
+            .saturating_add(self.reserved)
     }
 
     /// Books `bytes` when the ledger plus `bytes` plus `keep_free` stays within the bound and no
@@ -70,10 +73,21 @@ impl Book {
     }
 }
 
+/// A named reservation, for reports.
+#[derive(Debug, Clone)]
+pub(crate) struct Named {
+    pub(crate) id: u64,
+    pub(crate) name: Arc<str>,
+    pub(crate) device: DeviceId,
+    pub(crate) bytes: ByteSize,
+}
+
 /// Per-device in-flight bytes, bounds and peaks.
 #[derive(Debug, Default)]
 pub(crate) struct Ledger {
     books: Mutex<Vec<Book>>,
+    /// Every live reservation by id (a leaf lock, like `books`, never held with it).
+    named: Mutex<Vec<Named>>,
 }
 
 impl Ledger {
@@ -88,6 +102,7 @@ impl Ledger {
                     resident: ByteSize::ZERO,
                     in_flight: ByteSize::ZERO,
                     cached: ByteSize::ZERO,
+                    reserved: ByteSize::ZERO,
                     loading: 0,
                     peak: ByteSize::ZERO,
                 });
@@ -116,7 +131,47 @@ impl Ledger {
         self.with(device, |b| b.cached)
     }
 
-    /// The highest resident + in-flight + cached figure seen on `device`.
+    /// Bytes reserved on `device` (`MemoryManager::reserve`).
+    pub(crate) fn reserved(&self, device: DeviceId) -> ByteSize {
+        self.with(device, |b| b.reserved)
+    }
+
+    /// Adds `bytes` to reservation `id` (`name`) on `device`. The caller checked that they fit,
+    /// under the manager's lock.
+    pub(crate) fn add_reserved(&self, id: u64, name: &Arc<str>, device: DeviceId, bytes: ByteSize) {
+        self.with(device, |b| {
+            b.reserved = b.reserved.saturating_add(bytes);
+            b.note_peak();
+        });
+        let mut named = self.named.lock();
+        match named.iter_mut().find(|n| n.id == id) {
+            Some(n) => n.bytes = n.bytes.saturating_add(bytes),
+            None => named.push(Named {
+                id,
+                name: Arc::clone(name),
+                device,
+                bytes,
+            }),
+        }
+    }
+
+    /// Returns `bytes` of reservation `id` on `device`; `gone` removes it from the reports.
+    pub(crate) fn release_reserved(&self, id: u64, device: DeviceId, bytes: ByteSize, gone: bool) {
+        self.with(device, |b| b.reserved = b.reserved.saturating_sub(bytes));
+        let mut named = self.named.lock();
+        if gone {
+            named.retain(|n| n.id != id);
+        } else if let Some(n) = named.iter_mut().find(|n| n.id == id) {
+            n.bytes = n.bytes.saturating_sub(bytes);
+        }
+    }
+
+    /// The live reservations, oldest first.
+    pub(crate) fn reservations(&self) -> Vec<Named> {
+        self.named.lock().clone()
+    }
+
+    /// The highest resident + in-flight + cached + reserved figure seen on `device`.
     pub(crate) fn peak(&self, device: DeviceId) -> ByteSize {
         self.with(device, |b| b.peak)
     }

@@ -54,6 +54,7 @@ mod ledger;
 mod model_based;
 pub mod plan;
 mod report;
+mod reserve;
 
 use std::sync::Arc;
 
@@ -70,6 +71,7 @@ use crate::weights::{HostTier, Model};
 use self::ledger::Ledger;
 pub use plan::{LoadPlan, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad};
 pub use report::{Eviction, LoadReport, LoadedModelInfo, MemoryReport, ModelLoad};
+pub use reserve::{KeepGuard, MemoryReservation, ReservationInfo};
 
 /// Options of one [`MemoryManager::load_models_gpu`] call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -178,6 +180,8 @@ pub struct MemoryManager {
     /// free, so dropping casts must reach every cache, not only registered models' (a model that
     /// left the registry while a handle kept it alive may still hold casts).
     casts: Mutex<Vec<std::sync::Weak<crate::ops::CastCache>>>,
+    /// Models kept by [`KeepGuard`]s: model id → live guards (a leaf lock).
+    kept: Mutex<std::collections::HashMap<u64, usize>>,
     inner: Mutex<Inner>,
 }
 
@@ -239,6 +243,7 @@ impl MemoryManager {
             engine,
             cast_gate: Arc::new(ledger.cast_column()),
             casts: Mutex::new(Vec::new()),
+            kept: Mutex::new(std::collections::HashMap::new()),
             ledger,
             inner: Mutex::new(Inner {
                 registry: Vec::new(),
@@ -337,6 +342,7 @@ impl MemoryManager {
         Self::resident_in(registry, device)
             .saturating_add(self.ledger.in_flight(device))
             .saturating_add(self.ledger.cached(device))
+            .saturating_add(self.ledger.reserved(device))
     }
 
     /// Bytes of cached manual casts on `device`: counted in its ledger, but the first thing a
@@ -755,6 +761,7 @@ impl MemoryManager {
                 budgeted: self.policy.is_budgeted(d),
                 ledger: self.ledger_in(&inner.registry, d),
                 cached_casts: self.cached_in(d),
+                reserved: self.ledger.reserved(d),
                 peak: self.ledger.peak(d),
                 free: self.free_in(&inner.registry, d),
             })
@@ -767,6 +774,7 @@ impl MemoryManager {
             pinned: pool.allocated,
             pinned_is_page_locked: pool.pinned,
             transfers: self.engine.stats().snapshot(),
+            reservations: self.reservations(),
         }
     }
 }

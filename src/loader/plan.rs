@@ -74,10 +74,14 @@ pub struct PlannedDevice {
     pub total: ByteSize,
     /// Whether the ledger is bounded by it.
     pub budgeted: bool,
-    /// The ledger now (resident bytes of registered models plus bytes in flight).
+    /// The ledger now (resident bytes of registered models, bytes in flight, cached casts and
+    /// reservations).
     pub ledger_before: ByteSize,
     /// The ledger after the plan is carried out.
     pub ledger_after: ByteSize,
+    /// Of both, the bytes held by reservations ([`crate::loader::MemoryManager::reserve`]): never
+    /// evicted.
+    pub reserved: ByteSize,
 }
 
 /// The host tier before a plan: what it holds, and what the load will read from files.
@@ -360,7 +364,12 @@ impl<'a> Planner<'a> {
         let mut candidates: Vec<(std::cmp::Reverse<ByteSize>, usize, ByteSize, usize)> = registry
             .iter()
             .enumerate()
-            .filter(|(_, e)| Self::held(e) && e.device == device && !keep.contains(&e.model().id()))
+            .filter(|(_, e)| {
+                Self::held(e)
+                    && e.device == device
+                    && !keep.contains(&e.model().id())
+                    && !self.mm.is_kept(e.model().id())
+            })
             .filter_map(|(i, e)| {
                 let resident = self.resident_of(e, device);
                 if resident == ByteSize::ZERO {
@@ -668,6 +677,7 @@ impl MemoryManager {
                 budgeted: d.budgeted,
                 ledger_before: d.before,
                 ledger_after: d.ledger,
+                reserved: self.ledger.reserved(d.device),
             })
             .collect();
         Ok(LoadPlan {

@@ -139,6 +139,8 @@ pub struct DeviceMemory {
     /// The part of the ledger that is cached manual casts (`ops` layers' compute-dtype copies of
     /// resident weights), the first thing a load gives up.
     pub cached_casts: ByteSize,
+    /// The part of the ledger held by reservations (memory that is not weights).
+    pub reserved: ByteSize,
     /// Highest ledger seen.
     pub peak: ByteSize,
     /// Free memory now.
@@ -162,15 +164,24 @@ pub struct MemoryReport {
     pub pinned_is_page_locked: bool,
     /// Transfer counters.
     pub transfers: crate::offload::TransferSnapshot,
+    /// Live reservations, oldest first.
+    pub reservations: Vec<super::ReservationInfo>,
 }
 
 impl fmt::Display for MemoryReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for d in &self.devices {
-            let casts = if d.cached_casts > ByteSize::ZERO {
-                format!(" ({} of it cached manual casts)", d.cached_casts)
-            } else {
+            let mut parts = Vec::new();
+            if d.cached_casts > ByteSize::ZERO {
+                parts.push(format!("{} of it cached manual casts", d.cached_casts));
+            }
+            if d.reserved > ByteSize::ZERO {
+                parts.push(format!("{} reserved", d.reserved));
+            }
+            let casts = if parts.is_empty() {
                 String::new()
+            } else {
+                format!(" ({})", parts.join(", "))
             };
             writeln!(
                 f,
@@ -199,6 +210,9 @@ impl fmt::Display for MemoryReport {
             h.pinned,
             h.pin_budget
         )?;
+        for r in &self.reservations {
+            writeln!(f, "  reservation `{}`: {} on {}", r.name, r.bytes, r.device)?;
+        }
         for m in &self.models {
             write!(
                 f,
