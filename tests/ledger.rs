@@ -457,11 +457,11 @@ fn a_reservation_is_a_ledger_column_that_loads_prefetch_and_growth_respect() {
 
     // Growing makes room by evicting (A first: not the model just loaded by ComfyUI's order of
     // most-offloaded first), and what cannot fit is a retryable error that changes nothing.
-    kv.grow(ByteSize::kib(16)).unwrap();
+    kv.grow(&mm, ByteSize::kib(16)).unwrap();
     assert_eq!(kv.bytes(), ByteSize::kib(36));
     assert!(mm.ledger(CPU) <= budget);
     let before = (mm.ledger(CPU), registered(&mm));
-    let err = kv.grow(ByteSize::kib(64)).unwrap_err();
+    let err = kv.grow(&mm, ByteSize::kib(64)).unwrap_err();
     assert!(err.is_retryable(), "{err}");
     assert!(
         matches!(&err, Error::OutOfMemory { model, required, .. } if model.contains("kv-cache") && *required == ByteSize::kib(64)),
@@ -538,7 +538,7 @@ fn a_kv_cache_growing_by_blocks_beside_a_streamed_model_fails_where_the_arithmet
     let block = ByteSize::kib(8);
     let mut steps = 0u64;
     loop {
-        match kv.grow(block) {
+        match kv.grow(&mm, block) {
             Ok(()) => steps += 1,
             Err(e) => {
                 assert!(e.is_retryable(), "{e}");
@@ -574,7 +574,7 @@ fn a_reservation_growing_on_one_thread_beside_loads_and_forwards_never_passes_th
             let mut kv = mm.reserve_named("kv", CPU, ByteSize::ZERO).unwrap();
             let (mut grown, mut refused) = (0u32, 0u32);
             while std::time::Instant::now() < deadline {
-                match kv.grow(ByteSize::kib(16)) {
+                match kv.grow(&mm, ByteSize::kib(16)) {
                     Ok(()) => grown += 1,
                     Err(e) => {
                         assert!(e.is_retryable(), "{e}");
@@ -613,4 +613,79 @@ fn a_reservation_growing_on_one_thread_beside_loads_and_forwards_never_passes_th
         mm.peak_ledger(CPU)
     );
     assert!(mm.reservations().is_empty(), "dropped with its thread");
+}
+
+#[test]
+fn the_manager_asks_the_estimators_and_retries_a_step_that_ran_out_of_memory() {
+    // ComfyUI's facts at GiB scale (below 128 MiB its floor gives a model the whole device):
+    // 5 GiB device, M of 8 × 1 GiB whose activations take 1 GiB per input element.
+    let big = manager(ByteSize::gib(5), &[]);
+    let mut m = cpu_patcher(virtual_model("M", &[GIB; 8]));
+    m.set_memory_estimator(Arc::new(|shape: &[usize]| {
+        ByteSize::gib(shape.iter().product::<usize>() as u64)
+    }));
+    let plan_of = |o: LoadOptions| big.plan(std::slice::from_ref(&m), o).unwrap().models;
+    let by_hand = plan_of(LoadOptions::default().with_memory_required(ByteSize::gib(2)));
+    assert_eq!(
+        plan_of(LoadOptions::default().with_input_shape(&[1, 2])),
+        by_hand
+    );
+    assert_ne!(
+        plan_of(LoadOptions::default()),
+        by_hand,
+        "the estimate changes the plan"
+    );
+    // The larger of the two figures wins.
+    assert_eq!(
+        plan_of(
+            LoadOptions::default()
+                .with_input_shape(&[1])
+                .with_memory_required(ByteSize::gib(2))
+        ),
+        by_hand
+    );
+    let r = big
+        .load_models_gpu(
+            std::slice::from_ref(&m),
+            LoadOptions::default().with_input_shape(&[2]),
+        )
+        .unwrap();
+    assert_eq!(r.models[0].resident, ByteSize::gib(2), "{r}");
+
+    let budget = ByteSize::kib(64);
+    let mm = small_manager(budget, &[]);
+    let a = kib_model("A", &[4 * KIB; 12]);
+    // A step that needs 40 KiB free: refused at first, run again after the manager made room.
+    mm.load_models_gpu(
+        std::slice::from_ref(&a),
+        LoadOptions::default().with_force_full_load(true),
+    )
+    .unwrap();
+    let mut calls = 0;
+    let out = mm.retry_on_oom(CPU, &[], || {
+        calls += 1;
+        let free = mm.get_free_memory(CPU);
+        if free < ByteSize::kib(40) {
+            return Err(Error::OutOfMemory {
+                model: "decode".into(),
+                device: CPU.to_string(),
+                required: ByteSize::kib(40),
+                available: free,
+            });
+        }
+        Ok(free)
+    });
+    assert_eq!(calls, 2);
+    assert!(out.unwrap() >= ByteSize::kib(40));
+    // A model kept out of the room-making stays; an error that is not out-of-memory is not
+    // retried.
+    let mut calls = 0;
+    let err = mm
+        .retry_on_oom(CPU, &[&a], || -> residency::Result<()> {
+            calls += 1;
+            Err(Error::NotLoaded { model: "x".into() })
+        })
+        .unwrap_err();
+    assert!(matches!(err, Error::NotLoaded { .. }));
+    assert_eq!(calls, 1);
 }

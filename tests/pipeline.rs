@@ -193,6 +193,11 @@ fn json_report_is_valid_and_complete() {
         .collect();
     assert_eq!(names, ["prompt_lm", "text_encoder", "denoiser", "decoder"]);
     assert!(json["transfers"]["prefetch_hits"].is_u64());
+    // The prompt model's KV cache was held as a reservation: (prompt bytes + 5 new tokens) × 2 KiB.
+    let kv = &json["reservations"][0];
+    assert_eq!(kv["name"], "prompt_lm kv-cache");
+    let longest = "the same lighthouse, in watercolour".len() as u64 + 5;
+    assert_eq!(kv["peak_bytes"].as_u64().unwrap(), longest * 2048);
     assert!(json["host"]["budget_bytes"].is_null());
     assert!(json["host"]["peak_bytes"].is_u64());
     assert!(json["evictions"].is_array());

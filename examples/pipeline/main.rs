@@ -162,6 +162,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     let mut results = Vec::new();
     let mut evictions = Vec::new();
     let mut moved_per_model: std::collections::BTreeMap<String, ByteSize> = Default::default();
+    let mut kv_peak = ByteSize::ZERO;
     for i in 0..args.prompts {
         let prompt = prompts[i % prompts.len()].to_string();
         let use_lora = i % 3 == 1;
@@ -169,7 +170,8 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         let r = mm.load_models_gpu(std::slice::from_ref(&pm), LoadOptions::default())?;
         evictions.extend(r.evicted.clone());
         add_moved(&mut moved_per_model, &r);
-        let expanded = prompt_model.expand(&prompt)?;
+        let (expanded, kv) = prompt_model.expand(&prompt, &mm, device)?;
+        kv_peak = kv_peak.max(kv);
         let r = mm.load_models_gpu(std::slice::from_ref(&te), LoadOptions::default())?;
         evictions.extend(r.evicted.clone());
         add_moved(&mut moved_per_model, &r);
@@ -182,7 +184,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
             // Patched weights first: the LoRA's weights become resident rather than re-patched at
             // every step, and going back to the base moves exactly those weights.
             force_patch_weights: true,
-            ..LoadOptions::default().with_memory_required(dn.memory_required(&latent_shape))
+            ..LoadOptions::default().with_input_shape(&latent_shape)
         };
         let r = mm.load_models_gpu(std::slice::from_ref(dn), opts)?;
         evictions.extend(r.evicted.clone());
@@ -252,6 +254,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
             .map(|s| (s.id().to_string(), s.spec().to_string(), s.stats()))
             .collect(),
         host: mm.host_tier().stats(),
+        reservations: vec![("prompt_lm kv-cache".to_string(), kv_peak)],
         memory: mm.memory_report().to_string(),
         total_ms: t_start.elapsed().as_secs_f64() * 1e3,
     })

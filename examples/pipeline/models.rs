@@ -26,6 +26,8 @@ pub const PLM_VOCAB: usize = 256;
 pub const PLM_EMBD: usize = 256;
 /// Tokens the prompt model adds to each prompt.
 pub const PLM_NEW_TOKENS: usize = 6;
+/// The prompt model's KV cache per token: 2 blocks × (K and V) × 2 heads × 64 dimensions × f32.
+pub const PLM_KV_BYTES_PER_TOKEN: usize = 2 * 2 * (PLM_EMBD / 2) * 4;
 
 struct Block {
     ln1: LayerNorm,
@@ -251,19 +253,31 @@ impl PromptModel {
     }
 
     /// The prompt with one more word: the model's greedy continuation of its bytes, spelled in
-    /// lower-case letters.
-    pub fn expand(&mut self, prompt: &str) -> Result<String> {
+    /// lower-case letters. Its KV cache is held as a reservation on `device` that grows with
+    /// every token (the model's own cache tensors are what it reserves room for); returns the
+    /// cache's largest size too.
+    pub fn expand(
+        &mut self,
+        prompt: &str,
+        mm: &residency::loader::MemoryManager,
+        device: residency::vram::DeviceId,
+    ) -> Result<(String, residency::ByteSize)> {
         let ids: Vec<u32> = prompt.bytes().map(u32::from).collect();
         let mut input = Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?;
+        let mut kv = mm.reserve_named("prompt_lm kv-cache", device, residency::ByteSize::ZERO)?;
         let mut pos = 0;
         let mut word = String::new();
         for _ in 0..PLM_NEW_TOKENS {
+            kv.grow(
+                mm,
+                residency::ByteSize((input.dim(1)? * PLM_KV_BYTES_PER_TOKEN) as u64),
+            )?;
             let logits = self.model.forward(&input, pos)?.flatten_all()?;
             pos += input.dim(1)?;
             let next = logits.argmax(0)?.to_scalar::<u32>()?;
             word.push((b'a' + (next % 26) as u8) as char);
             input = Tensor::new(&[next], &self.device)?.unsqueeze(0)?;
         }
-        Ok(format!("{prompt} {word}"))
+        Ok((format!("{prompt} {word}"), kv.bytes()))
     }
 }

@@ -27,6 +27,8 @@ pub struct PipelineReport {
     /// Per simulated GPU: its name, spec and what it did.
     pub sims: Vec<(String, String, residency::device::SimStats)>,
     pub host: residency::weights::HostStats,
+    /// Each reservation the run took (`MemoryManager::reserve_named`) and its largest size.
+    pub reservations: Vec<(String, ByteSize)>,
     pub memory: String,
     pub total_ms: f64,
 }
@@ -44,6 +46,14 @@ struct Json<'a> {
     host: JsonHost,
     transfers: &'a residency::offload::TransferSnapshot,
     sims: Vec<JsonSim<'a>>,
+    reservations: Vec<JsonReservation<'a>>,
+}
+
+/// A reservation the run took: its name and largest size.
+#[derive(serde::Serialize)]
+struct JsonReservation<'a> {
+    name: &'a str,
+    peak_bytes: u64,
 }
 
 /// A simulated GPU: its copies, how long compute waited for them, the checker's findings.
@@ -134,6 +144,14 @@ pub fn to_json(r: &PipelineReport) -> String {
                 hidden: stats.hidden(),
             })
             .collect(),
+        reservations: r
+            .reservations
+            .iter()
+            .map(|(name, peak)| JsonReservation {
+                name,
+                peak_bytes: peak.bytes(),
+            })
+            .collect(),
     };
     serde_json::to_string(&json).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
 }
@@ -155,6 +173,9 @@ pub fn to_table(r: &PipelineReport) -> String {
         ));
     }
     s.push_str(&format!("peak ledger {} of budget {}\n", r.peak, r.budget));
+    for (name, peak) in &r.reservations {
+        s.push_str(&format!("reservation {name}: up to {peak}\n"));
+    }
     if let Some(b) = r.host.budget {
         s.push_str(&format!(
             "host: peak {} of budget {}, {} reads ({}), {} hits, {} evictions\n",

@@ -131,6 +131,11 @@ impl Ledger {
         self.with(device, |b| b.cached)
     }
 
+    /// Every device the ledger has a book for.
+    pub(crate) fn devices(&self) -> Vec<DeviceId> {
+        self.books.lock().iter().map(|b| b.device).collect()
+    }
+
     /// Bytes reserved on `device` (`MemoryManager::reserve`).
     pub(crate) fn reserved(&self, device: DeviceId) -> ByteSize {
         self.with(device, |b| b.reserved)

@@ -84,9 +84,69 @@ pub struct LoadOptions {
     pub force_full_load: bool,
     /// Prefer patched weights for residency.
     pub force_patch_weights: bool,
+    /// The shape of the coming forward's input: the manager asks each model's memory estimator
+    /// ([`ModelPatcher::set_memory_estimator`]) for the activation memory it needs and keeps the
+    /// largest figure free (with `memory_required`, whichever is larger).
+    pub input_shape: Option<InputShape>,
+}
+
+/// The shape of a forward's input, up to 8 dimensions (a `Copy` value, so [`LoadOptions`] stays
+/// one).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InputShape {
+    dims: [usize; 8],
+    rank: usize,
+}
+
+impl InputShape {
+    /// The shape `dims`, or `None` beyond 8 dimensions.
+    pub fn new(dims: &[usize]) -> Option<InputShape> {
+        if dims.len() > 8 {
+            return None;
+        }
+        let mut d = [0; 8];
+        d[..dims.len()].copy_from_slice(dims);
+        Some(InputShape {
+            dims: d,
+            rank: dims.len(),
+        })
+    }
+
+    /// The dimensions.
+    pub fn dims(&self) -> &[usize] {
+        &self.dims[..self.rank]
+    }
 }
 
 impl LoadOptions {
+    /// Options whose activation memory the manager asks the models' estimators for, given the
+    /// forward's input shape (ComfyUI's `model.memory_required(input_shape)`, done by the
+    /// manager). A shape of more than 8 dimensions is ignored, with a warning.
+    pub fn with_input_shape(mut self, shape: &[usize]) -> Self {
+        self.input_shape = InputShape::new(shape);
+        if self.input_shape.is_none() {
+            tracing::warn!(
+                ?shape,
+                "an input shape of more than 8 dimensions is ignored"
+            );
+        }
+        self
+    }
+
+    /// These options with `memory_required` raised to the largest estimate of `models` for
+    /// the input shape, when one is set.
+    pub(crate) fn resolved(mut self, models: &[ModelPatcher]) -> LoadOptions {
+        if let Some(shape) = self.input_shape {
+            let estimate = models
+                .iter()
+                .map(|m| m.memory_required(shape.dims()))
+                .max()
+                .unwrap_or(ByteSize::ZERO);
+            self.memory_required = self.memory_required.max(estimate);
+        }
+        self
+    }
+
     /// Options with this activation memory.
     pub fn with_memory_required(mut self, bytes: ByteSize) -> Self {
         self.memory_required = bytes;
@@ -181,7 +241,7 @@ pub struct MemoryManager {
     /// left the registry while a handle kept it alive may still hold casts).
     casts: Mutex<Vec<std::sync::Weak<crate::ops::CastCache>>>,
     /// Models kept by [`KeepGuard`]s: model id → live guards (a leaf lock).
-    kept: Mutex<std::collections::HashMap<u64, usize>>,
+    kept: Arc<Mutex<std::collections::HashMap<u64, usize>>>,
     inner: Mutex<Inner>,
 }
 
@@ -243,7 +303,7 @@ impl MemoryManager {
             engine,
             cast_gate: Arc::new(ledger.cast_column()),
             casts: Mutex::new(Vec::new()),
-            kept: Mutex::new(std::collections::HashMap::new()),
+            kept: Arc::new(Mutex::new(std::collections::HashMap::new())),
             ledger,
             inner: Mutex::new(Inner {
                 registry: Vec::new(),
@@ -431,14 +491,16 @@ impl MemoryManager {
             .note(device, Self::resident_in(&inner.registry, device), bound);
     }
 
-    /// [`MemoryManager::note_ledger`] for every device holding registered weights, and the
-    /// compute device.
+    /// [`MemoryManager::note_ledger`] for every device holding registered weights, every device
+    /// the ledger has a book for (one that just lost its last weights must not keep its old
+    /// resident figure: reservations and peaks add to it), and the compute device.
     fn refresh_ledger(&self, inner: &Inner) {
         let mut devices: Vec<DeviceId> = inner
             .registry
             .iter()
             .flat_map(|e| e.model().state().devices())
             .collect();
+        devices.extend(self.ledger.devices());
         devices.push(self.policy.compute_device());
         devices.sort();
         devices.dedup();
@@ -492,6 +554,7 @@ impl MemoryManager {
         options: LoadOptions,
     ) -> Result<LoadReport> {
         let all = expand(models);
+        let options = options.resolved(&all);
         for m in &all {
             tracing::info!(
                 model = m.model().name(),

@@ -189,6 +189,29 @@ enum Op {
         slot: usize,
         kib: u64,
     },
+    /// A reservation on device `device % 2` of `kib` (or an absurd size).
+    Reserve {
+        device: usize,
+        kib: u64,
+    },
+    /// Reservation `r` (modulo how many live) grows by `kib`.
+    Grow {
+        r: usize,
+        kib: u64,
+    },
+    Shrink {
+        r: usize,
+        kib: u64,
+    },
+    Unreserve {
+        r: usize,
+    },
+    /// A keep guard on the model of `slot`.
+    Keep {
+        slot: usize,
+    },
+    /// The oldest keep guard is dropped.
+    Unkeep,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -212,6 +235,12 @@ fn op() -> impl Strategy<Value = Op> {
         2 => slot.clone().prop_map(|slot| Op::Drop { slot }),
         5 => (slot.clone(), prop::option::weighted(0.15, 0..4u64)).prop_map(|(slot, fault)| Op::Forward { slot, fault }),
         1 => (slot.clone(), 0..24u64).prop_map(|(slot, kib)| Op::PartialUnload { slot, kib }),
+        2 => (0..2usize, prop_oneof![0..24u64, Just(u64::MAX / 1024)]).prop_map(|(device, kib)| Op::Reserve { device, kib }),
+        2 => (0..4usize, prop_oneof![0..16u64, Just(1u64 << 40)]).prop_map(|(r, kib)| Op::Grow { r, kib }),
+        1 => (0..4usize, 0..16u64).prop_map(|(r, kib)| Op::Shrink { r, kib }),
+        1 => (0..4usize).prop_map(|r| Op::Unreserve { r }),
+        1 => slot.clone().prop_map(|slot| Op::Keep { slot }),
+        1 => Just(Op::Unkeep),
     ]
 }
 
@@ -249,6 +278,10 @@ struct World {
     /// `sim:0`, model 1 on `sim:1` when the case has two.
     devices: [DeviceId; 2],
     sims: Vec<Arc<crate::device::SimGpu>>,
+    /// Live reservations and the reference's figure for each: (guard, device index, bytes).
+    reservations: Vec<(super::MemoryReservation, usize, ByteSize)>,
+    /// Live keep guards and the id of the model each keeps.
+    kept: Vec<(super::KeepGuard, u64)>,
 }
 
 /// Simulated GPUs for a case: how many (1 or 2), each copy's fixed cost in µs and the seed of its
@@ -317,6 +350,8 @@ impl World {
             host_budget: host_kib.map(ByteSize::kib),
             devices,
             sims,
+            reservations: Vec::new(),
+            kept: Vec::new(),
         };
         let models = [Arc::new(world.read(0)), Arc::new(world.read(1))];
         for (m, model) in models.iter().enumerate() {
@@ -490,11 +525,25 @@ impl World {
         };
         for (d, &device) in devices.iter().enumerate() {
             let ledger = self.mm.ledger(device);
+            let reserved: ByteSize = self
+                .reservations
+                .iter()
+                .filter(|r| self.devices[r.1] == device)
+                .map(|r| r.2)
+                .sum();
+            prop_assert_eq!(
+                self.mm.ledger.reserved(device),
+                reserved,
+                "{} on {}: reserved",
+                ctx(),
+                device
+            );
             prop_assert_eq!(
                 ledger,
                 resident[d]
                     .saturating_add(self.mm.ledger.in_flight(device))
-                    .saturating_add(self.mm.ledger.cached(device)),
+                    .saturating_add(self.mm.ledger.cached(device))
+                    .saturating_add(reserved),
                 "{} on {}",
                 ctx(),
                 device
@@ -653,6 +702,7 @@ impl World {
                     minimum_memory_required: min_kib.map(ByteSize::kib),
                     force_full_load: *full,
                     force_patch_weights: *fpw,
+                    input_shape: None,
                 };
                 // A load first drops entries nobody holds, whatever happens next.
                 self.cleanup();
@@ -681,6 +731,11 @@ impl World {
                             prop_assert!(
                                 !all.contains(&e.model_id),
                                 "{}: evicted a model being loaded",
+                                ctx()
+                            );
+                            prop_assert!(
+                                !self.kept.iter().any(|k| k.1 == e.model_id),
+                                "{}: evicted a kept model",
                                 ctx()
                             );
                         }
@@ -769,6 +824,11 @@ impl World {
                         "{}",
                         ctx()
                     );
+                    prop_assert!(
+                        !self.kept.iter().any(|k| k.1 == e.model_id),
+                        "{}: freed a kept model",
+                        ctx()
+                    );
                     if e.fully {
                         self.registry.retain(|&id| id != e.model_id);
                     }
@@ -809,8 +869,113 @@ impl World {
                     p.partially_unload(p.load_device(), ByteSize::kib(*kib));
                 }
             }
+            Op::Reserve { device, kib } => {
+                let d = *device % 2;
+                let bytes = ByteSize::kib(*kib);
+                let r = self.reserve_checked(&ctx(), |w| {
+                    w.mm.reserve_named(format!("r{step}"), w.devices[d], bytes)
+                })?;
+                if let Some(r) = r {
+                    self.reservations.push((r, d, bytes));
+                }
+            }
+            Op::Grow { r, kib } => {
+                if self.reservations.is_empty() {
+                    return Ok(());
+                }
+                let i = *r % self.reservations.len();
+                let bytes = ByteSize::kib(*kib);
+                let mut taken = self.reservations.remove(i);
+                let grown =
+                    self.reserve_checked(&ctx(), |w| taken.0.grow(&w.mm, bytes).map(|()| ()))?;
+                if grown.is_some() {
+                    taken.2 = taken.2.saturating_add(bytes);
+                }
+                prop_assert_eq!(taken.0.bytes(), taken.2, "{}: reservation size", ctx());
+                self.reservations.insert(i, taken);
+            }
+            Op::Shrink { r, kib } => {
+                if self.reservations.is_empty() {
+                    return Ok(());
+                }
+                let i = *r % self.reservations.len();
+                let res = &mut self.reservations[i];
+                res.0.shrink(ByteSize::kib(*kib));
+                res.2 = res.2.saturating_sub(ByteSize::kib(*kib));
+            }
+            Op::Unreserve { r } => {
+                if !self.reservations.is_empty() {
+                    let i = *r % self.reservations.len();
+                    self.reservations.remove(i);
+                }
+            }
+            Op::Keep { slot } => {
+                if let Some((p, _)) = self.patcher(*slot) {
+                    let id = p.model().id();
+                    self.kept.push((self.mm.keep(&p), id));
+                }
+            }
+            Op::Unkeep => {
+                if !self.kept.is_empty() {
+                    self.kept.remove(0);
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Runs a reservation call: on success the reference learns nothing else changed but
+    /// evictions of models that are not kept; on failure (a retryable out-of-memory) nothing
+    /// changed at all (less cached casts, which are a cache).
+    fn reserve_checked<T>(
+        &mut self,
+        ctx: &str,
+        f: impl FnOnce(&Self) -> crate::Result<T>,
+    ) -> Result<Option<T>, TestCaseError> {
+        self.cleanup();
+        let before = self.snapshot_after_cleanup();
+        let kept_before: Vec<(u64, ByteSize)> = self
+            .kept
+            .iter()
+            .filter_map(|k| {
+                let m = (0..2).find(|&m| self.ids[m] == k.1 && self.held(k.1))?;
+                Some((k.1, self.live(m)?.resident_bytes_total()))
+            })
+            .collect();
+        let r = f(self);
+        for (id, bytes) in kept_before {
+            let m = (0..2).find(|&m| self.ids[m] == id);
+            let now = m
+                .and_then(|m| self.live(m))
+                .map_or(ByteSize::ZERO, |model| model.resident_bytes_total());
+            prop_assert_eq!(now, bytes, "{}: a kept model lost resident bytes", ctx);
+        }
+        match r {
+            Ok(v) => {
+                // Models the reservation evicted fully left the registry.
+                let registered: Vec<u64> =
+                    self.mm.loaded_models().iter().map(|m| m.model_id).collect();
+                self.registry.retain(|id| registered.contains(id));
+                Ok(Some(v))
+            }
+            Err(e) => {
+                prop_assert!(
+                    matches!(e, crate::Error::OutOfMemory { .. }) && e.is_retryable(),
+                    "{}: {}",
+                    ctx,
+                    e
+                );
+                let mut after = self.snapshot();
+                after.ledger = ByteSize::ZERO;
+                prop_assert_eq!(
+                    after,
+                    before,
+                    "{}: a refused reservation changed something",
+                    ctx
+                );
+                Ok(None)
+            }
+        }
     }
 
     /// Arms fault `k`: the k-th weight materialization on this thread fails; on a simulated GPU,
@@ -844,6 +1009,15 @@ impl World {
     /// After the case: every handle dropped and every model unloaded, a simulated GPU has
     /// nothing left allocated or page-locked, and its checker is clean.
     fn finish(mut self) -> Result<(), TestCaseError> {
+        self.reservations.clear();
+        self.kept.clear();
+        for dev in [self.devices[0], self.devices[1]] {
+            prop_assert_eq!(
+                self.mm.ledger.reserved(dev),
+                ByteSize::ZERO,
+                "reservations returned"
+            );
+        }
         for s in self.slots.iter_mut() {
             *s = None;
         }

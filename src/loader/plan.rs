@@ -320,7 +320,7 @@ impl<'a> Planner<'a> {
     }
 
     /// Free memory on `device` after the steps planned so far.
-    fn free(&mut self, device: DeviceId) -> ByteSize {
+    pub(super) fn free(&mut self, device: DeviceId) -> ByteSize {
         self.device(device).free()
     }
 
@@ -468,6 +468,7 @@ impl MemoryManager {
     /// [`LoadPlan::problem`].
     pub fn plan(&self, models: &[ModelPatcher], options: LoadOptions) -> Result<LoadPlan> {
         let all = super::expand(models);
+        let options = options.resolved(&all);
         let inner = self.inner.lock();
         self.plan_locked(&inner, &all, &options)
     }

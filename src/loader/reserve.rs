@@ -28,9 +28,12 @@ use crate::vram::DeviceId;
 static NEXT_RESERVATION: AtomicU64 = AtomicU64::new(1);
 
 /// Room held on a device for memory that is not weights; see the [module docs](self).
+///
+/// It does not borrow its manager (an engine's KV cache can own one): growing it takes the
+/// manager that made it ([`MemoryReservation::grow`]); shrinking and dropping need none.
 #[derive(Debug)]
-pub struct MemoryReservation<'m> {
-    mm: &'m MemoryManager,
+pub struct MemoryReservation {
+    ledger: Arc<super::ledger::Ledger>,
     id: u64,
     name: Arc<str>,
     device: DeviceId,
@@ -49,10 +52,11 @@ pub struct ReservationInfo {
     pub bytes: ByteSize,
 }
 
-/// Keeps a model from being evicted while it lives ([`MemoryManager::keep`]).
+/// Keeps a model from being evicted while it lives ([`MemoryManager::keep`]). It does not borrow
+/// the manager.
 #[derive(Debug)]
-pub struct KeepGuard<'m> {
-    mm: &'m MemoryManager,
+pub struct KeepGuard {
+    kept: Arc<parking_lot::Mutex<std::collections::HashMap<u64, usize>>>,
     model: u64,
 }
 
@@ -61,9 +65,10 @@ impl MemoryManager {
     ///
     /// # Errors
     /// [`Error::OutOfMemory`] (retryable) naming the device, the bytes asked for and those free
-    /// after evicting what could go; [`Error::Device`] for a device this manager does not
-    /// schedule.
-    pub fn reserve(&self, device: DeviceId, bytes: ByteSize) -> Result<MemoryReservation<'_>> {
+    /// after evicting what could go; [`Error::Device`] for a device the machine does not have.
+    /// On a device the manager does not schedule (the CPU without a budget) the room asked for
+    /// is checked against what is free there and shown in the reports, but bounds nothing.
+    pub fn reserve(&self, device: DeviceId, bytes: ByteSize) -> Result<MemoryReservation> {
         self.reserve_named("reservation", device, bytes)
     }
 
@@ -76,12 +81,12 @@ impl MemoryManager {
         name: impl Into<String>,
         device: DeviceId,
         bytes: ByteSize,
-    ) -> Result<MemoryReservation<'_>> {
+    ) -> Result<MemoryReservation> {
         let name: Arc<str> = Arc::from(name.into());
         let id = NEXT_RESERVATION.fetch_add(1, Ordering::Relaxed);
         self.book_reservation(id, &name, device, bytes)?;
         Ok(MemoryReservation {
-            mm: self,
+            ledger: Arc::clone(&self.ledger),
             id,
             name,
             device,
@@ -103,10 +108,55 @@ impl MemoryManager {
     }
 
     /// Keeps `patcher`'s model: no plan evicts it while the guard lives (guards nest).
-    pub fn keep(&self, patcher: &ModelPatcher) -> KeepGuard<'_> {
+    pub fn keep(&self, patcher: &ModelPatcher) -> KeepGuard {
         let model = patcher.model().id();
         *self.kept.lock().entry(model).or_insert(0) += 1;
-        KeepGuard { mm: self, model }
+        KeepGuard {
+            kept: Arc::clone(&self.kept),
+            model,
+        }
+    }
+
+    /// Runs `f`; when it fails with a retryable out-of-memory, makes room on `device` and runs
+    /// it once more — the loop ComfyUI runs around VAE decodes, for any engine step. Room: the
+    /// bytes the error says were missing (an [`Error::OutOfMemory`] from the manager or from
+    /// candle, converted), else every model not in `keep_loaded` and not kept; cached casts
+    /// first, then models by the usual order; then the device's cache is trimmed.
+    ///
+    /// # Errors
+    /// `f`'s error when it is not retryable, or its second error.
+    pub fn retry_on_oom<T>(
+        &self,
+        device: DeviceId,
+        keep_loaded: &[&ModelPatcher],
+        mut f: impl FnMut() -> Result<T>,
+    ) -> Result<T> {
+        match f() {
+            Err(e) if e.is_retryable() => {
+                let total = self.policy.total_memory(device);
+                let required = match &e {
+                    Error::OutOfMemory {
+                        required,
+                        available,
+                        ..
+                    } => {
+                        // What was missing, on top of what is free now.
+                        let missing = required.saturating_sub(*available);
+                        self.get_free_memory(device).saturating_add(missing)
+                    }
+                    _ => total,
+                };
+                tracing::warn!(error = %e, %device, %required, "out of memory: freeing memory and trying once more");
+                let evicted = self.free_memory(required.min(total), device, keep_loaded);
+                if evicted.is_empty() && matches!(e, Error::OutOfMemory { .. }) {
+                    // Nothing was evictable for the figure: free everything that may go.
+                    self.free_memory(total, device, keep_loaded);
+                }
+                self.soft_empty_cache();
+                f()
+            }
+            other => other,
+        }
     }
 
     /// Whether model `id` is kept by a [`KeepGuard`].
@@ -128,32 +178,34 @@ impl MemoryManager {
             DeviceId::Sim(_) => self.engine.devices().gpu(device).is_some(),
             DeviceId::Cpu => true,
         };
-        if !exists || !self.policy.is_scheduled(device) {
+        if !exists {
             return Err(Error::Device {
                 device: device.to_string(),
                 reason: format!(
-                    "reservation `{name}`: this manager does not schedule {device} (its compute device is {})",
+                    "reservation `{name}`: this machine has no {device} (the compute device is {})",
                     self.policy.compute_device()
                 ),
             });
         }
-        if bytes == ByteSize::ZERO {
-            self.ledger.add_reserved(id, name, device, bytes);
-            return Ok(());
-        }
         let mut inner = self.inner.lock();
         cleanup(&mut inner);
+        // The books learn what the cleanup dropped before the reservation is added to them.
+        self.refresh_ledger(&inner);
         if self.free_in(&inner.registry, device) < bytes {
             self.drop_casts(&inner, device);
         }
         if self.free_in(&inner.registry, device) < bytes {
+            // Evictions are planned first and carried out only when they make enough room: a
+            // reservation that cannot be had evicts nothing (I4).
             let mut planner = plan::Planner::new(self, &inner);
             planner.evict(bytes, device, &[]);
-            let (evictions, steps) = planner.into_evictions();
-            let mut undo = execute::Undo::new(&inner);
-            self.execute_evictions(&mut inner, &steps, &mut undo);
-            execute::log_evictions(&evictions);
-            self.refresh_ledger(&inner);
+            if planner.free(device) >= bytes {
+                let (evictions, steps) = planner.into_evictions();
+                let mut undo = execute::Undo::new(&inner);
+                self.execute_evictions(&mut inner, &steps, &mut undo);
+                execute::log_evictions(&evictions);
+                self.refresh_ledger(&inner);
+            }
         }
         let free = self.free_in(&inner.registry, device);
         if free < bytes {
@@ -176,7 +228,7 @@ impl MemoryManager {
     }
 }
 
-impl MemoryReservation<'_> {
+impl MemoryReservation {
     /// Bytes held.
     pub fn bytes(&self) -> ByteSize {
         self.bytes
@@ -192,14 +244,23 @@ impl MemoryReservation<'_> {
         &self.name
     }
 
-    /// Holds `bytes` more (a KV cache's next block), making room as [`MemoryManager::reserve`]
-    /// does.
+    /// Holds `bytes` more (a KV cache's next block), making room on `mm` — the manager that
+    /// made it — as [`MemoryManager::reserve`] does.
     ///
     /// # Errors
-    /// As [`MemoryManager::reserve`]; the reservation is unchanged then.
-    pub fn grow(&mut self, bytes: ByteSize) -> Result<()> {
-        self.mm
-            .book_reservation(self.id, &self.name, self.device, bytes)?;
+    /// As [`MemoryManager::reserve`], and [`Error::Device`] when `mm` is another manager; the
+    /// reservation is unchanged then.
+    pub fn grow(&mut self, mm: &MemoryManager, bytes: ByteSize) -> Result<()> {
+        if !Arc::ptr_eq(&self.ledger, &mm.ledger) {
+            return Err(Error::Device {
+                device: self.device.to_string(),
+                reason: format!(
+                    "reservation `{}` was made by another memory manager",
+                    self.name
+                ),
+            });
+        }
+        mm.book_reservation(self.id, &self.name, self.device, bytes)?;
         self.bytes = self.bytes.saturating_add(bytes);
         Ok(())
     }
@@ -207,24 +268,22 @@ impl MemoryReservation<'_> {
     /// Returns `bytes` (at most all it holds).
     pub fn shrink(&mut self, bytes: ByteSize) {
         let bytes = bytes.min(self.bytes);
-        self.mm
-            .ledger
+        self.ledger
             .release_reserved(self.id, self.device, bytes, false);
         self.bytes = self.bytes.saturating_sub(bytes);
     }
 }
 
-impl Drop for MemoryReservation<'_> {
+impl Drop for MemoryReservation {
     fn drop(&mut self) {
-        self.mm
-            .ledger
+        self.ledger
             .release_reserved(self.id, self.device, self.bytes, true);
     }
 }
 
-impl Drop for KeepGuard<'_> {
+impl Drop for KeepGuard {
     fn drop(&mut self) {
-        let mut kept = self.mm.kept.lock();
+        let mut kept = self.kept.lock();
         if let Some(n) = kept.get_mut(&self.model) {
             *n = n.saturating_sub(1);
             if *n == 0 {
