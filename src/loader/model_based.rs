@@ -886,8 +886,7 @@ impl World {
                 let i = *r % self.reservations.len();
                 let bytes = ByteSize::kib(*kib);
                 let mut taken = self.reservations.remove(i);
-                let grown =
-                    self.reserve_checked(&ctx(), |w| taken.0.grow(&w.mm, bytes).map(|()| ()))?;
+                let grown = self.reserve_checked(&ctx(), |w| taken.0.grow(&w.mm, bytes))?;
                 if grown.is_some() {
                     taken.2 = taken.2.saturating_add(bytes);
                 }
