@@ -689,3 +689,40 @@ fn the_manager_asks_the_estimators_and_retries_a_step_that_ran_out_of_memory() {
     assert!(matches!(err, Error::NotLoaded { .. }));
     assert_eq!(calls, 1);
 }
+
+#[test]
+fn a_model_partly_evicted_by_another_load_streams_with_prefetch() {
+    // A loaded fully (no streamer); B's load takes part of A's room; A's next forwards stream the
+    // evicted weights through a prefetching streamer, with A's bits.
+    let budget = ByteSize::kib(200);
+    let mm = small_manager(budget, &["--async-offload", "2"]);
+    let a = mlp(6, 64, 11); // 96 KiB
+    let reference = forward(&a, 6, 64);
+    let r = mm.load_model_gpu(&a).unwrap();
+    assert!(r.models[0].full);
+    assert!(
+        residency::offload::streamer_of(&a).is_none(),
+        "fully loaded: nothing streams"
+    );
+    let b = mlp(8, 64, 12); // 128 KiB
+    let r = mm.load_model_gpu(&b).unwrap();
+    assert!(
+        r.evicted
+            .iter()
+            .any(|e| e.name == a.model().name() && !e.fully),
+        "{r}"
+    );
+    assert!(
+        residency::offload::streamer_of(&a).is_some(),
+        "partly evicted: it streams"
+    );
+    for _ in 0..3 {
+        assert_eq!(forward(&a, 6, 64), reference);
+        assert!(mm.ledger(CPU) <= budget);
+    }
+    assert!(
+        mm.transfer_stats().prefetch_hits > 0,
+        "{:?}",
+        mm.transfer_stats()
+    );
+}

@@ -121,6 +121,12 @@ impl MemoryManager {
                 for &i in indices {
                     drop_copy(&model, i, undo);
                 }
+                // Partly evicted, its weights now stream: with prefetch, like a partial load.
+                if model.stream_hook().is_none() && !indices.is_empty() {
+                    undo.hooks.push((Arc::clone(&model), None));
+                    let patcher = inner.registry[pos].patcher.clone();
+                    self.give_streamer(&patcher, ByteSize::ZERO);
+                }
             }
         }
         if unloaded > 0 {

@@ -82,15 +82,50 @@ pub(crate) struct Named {
     pub(crate) bytes: ByteSize,
 }
 
+/// What the driver says is free on a device, asked at each booking (a GPU without a budget).
+pub(crate) type FreeProbe = Arc<dyn Fn() -> Option<ByteSize> + Send + Sync>;
+
 /// Per-device in-flight bytes, bounds and peaks.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Ledger {
     books: Mutex<Vec<Book>>,
+    /// Devices whose bookings must also fit what the driver says is free (a leaf lock, never
+    /// held while a probe runs or with `books`).
+    probes: Mutex<Vec<(DeviceId, FreeProbe)>>,
     /// Every live reservation by id (a leaf lock, like `books`, never held with it).
     named: Mutex<Vec<Named>>,
 }
 
+impl std::fmt::Debug for Ledger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ledger")
+            .field("books", &*self.books.lock())
+            .field("named", &*self.named.lock())
+            .finish()
+    }
+}
+
 impl Ledger {
+    /// Makes every booking on `device` (prefetch, cached casts) also fit within what `probe`
+    /// says is free: memory the engine allocated outside the manager is respected on a GPU
+    /// whose total is not a budget.
+    pub(crate) fn set_free_probe(&self, device: DeviceId, probe: FreeProbe) {
+        let mut probes = self.probes.lock();
+        probes.retain(|(d, _)| *d != device);
+        probes.push((device, probe));
+    }
+
+    /// What `device`'s probe says is free, when it has one that answers.
+    fn probed_free(&self, device: DeviceId) -> Option<ByteSize> {
+        let probe = self
+            .probes
+            .lock()
+            .iter()
+            .find(|(d, _)| *d == device)
+            .map(|(_, p)| Arc::clone(p))?;
+        probe()
+    }
+
     fn with<R>(&self, device: DeviceId, f: impl FnOnce(&mut Book) -> R) -> R {
         let mut books = self.books.lock();
         let pos = match books.iter().position(|b| b.device == device) {
@@ -219,6 +254,11 @@ impl Ledger {
         bytes: ByteSize,
         keep_free: ByteSize,
     ) -> bool {
+        if let Some(free) = self.probed_free(device) {
+            if bytes.saturating_add(keep_free) > free {
+                return false;
+            }
+        }
         self.with(device, |b| {
             if (column == Column::Cached && b.total.is_none()) || !b.fits(bytes, keep_free) {
                 return false;
@@ -337,6 +377,32 @@ mod tests {
         casts.release(D, ByteSize(20));
         assert_eq!(l.cached(D), ByteSize::ZERO);
         assert_eq!(l.in_flight(D), ByteSize(20));
+    }
+
+    #[test]
+    fn a_probed_device_books_within_what_the_driver_says_is_free() {
+        let l = Arc::new(Ledger::default());
+        l.note(D, ByteSize(10), Some(ByteSize(100)));
+        let free = Arc::new(std::sync::atomic::AtomicU64::new(30));
+        let f = Arc::clone(&free);
+        l.set_free_probe(
+            D,
+            Arc::new(move || Some(ByteSize(f.load(std::sync::atomic::Ordering::Relaxed)))),
+        );
+        // The total would allow 90; the driver says 30 are free (the engine holds the rest).
+        assert!(!l.try_reserve(D, ByteSize(31), ByteSize::ZERO));
+        assert!(
+            !l.try_reserve(D, ByteSize(25), ByteSize(10)),
+            "keep-free counts too"
+        );
+        assert!(l.try_reserve(D, ByteSize(30), ByteSize::ZERO));
+        assert!(!l.cast_column().try_reserve(D, ByteSize(40), ByteSize::ZERO));
+        free.store(80, std::sync::atomic::Ordering::Relaxed);
+        assert!(l.cast_column().try_reserve(D, ByteSize(40), ByteSize::ZERO));
+        assert!(
+            !l.try_reserve(D, ByteSize(21), ByteSize::ZERO),
+            "then the total binds"
+        );
     }
 
     #[test]

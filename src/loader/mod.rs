@@ -297,6 +297,15 @@ impl MemoryManager {
                 .with_devices(devices),
         );
         let ledger = Arc::new(Ledger::default());
+        // A GPU whose total is not a budget: prefetch and cached casts also fit what the driver
+        // says is free, so memory the engine allocated outside the manager is respected.
+        for gpu in &policy.hardware().gpus {
+            let device = DeviceId::Cuda(gpu.ordinal);
+            if policy.is_scheduled(device) && !policy.is_budgeted(device) {
+                let n = gpu.ordinal;
+                ledger.set_free_probe(device, Arc::new(move || crate::vram::driver_free_memory(n)));
+            }
+        }
         MemoryManager {
             policy,
             host,
@@ -697,6 +706,12 @@ impl MemoryManager {
             crate::offload::attach_streamer(m, None);
             return;
         }
+        self.give_streamer(m, options.memory_required);
+    }
+
+    /// Attaches a prefetching streamer to `m`'s model (reusing its own when it has one of this
+    /// manager's), its bytes in flight booked in the ledger keeping `keep_free` free.
+    fn give_streamer(&self, m: &ModelPatcher, keep_free: ByteSize) {
         let streamer = match crate::offload::streamer_of(m) {
             Some(s) if Arc::ptr_eq(s.engine(), &self.engine) => s,
             _ => Arc::new(Streamer::new(
@@ -706,7 +721,7 @@ impl MemoryManager {
             )),
         };
         let gate: Arc<dyn PrefetchGate> = self.ledger.clone();
-        streamer.set_gate(Some((gate, options.memory_required)));
+        streamer.set_gate(Some((gate, keep_free)));
         crate::offload::attach_streamer(m, Some(streamer));
     }
 
