@@ -157,7 +157,25 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         );
     }
     let mode = pick_operations(args.storage, Some(Dtype::F32), device, false, false);
-    mm.load_models_gpu(std::slice::from_ref(&patcher), LoadOptions::default())?;
+    // The manager asks the model's estimator what a forward over the longest sentence needs and
+    // keeps that free.
+    patcher.set_memory_estimator(config.memory_estimator(Dtype::F32));
+    let longest = args
+        .sentences
+        .iter()
+        .map(|s| {
+            tokenizer
+                .encode(s.as_str(), true)
+                .map(|e| e.get_ids().len())
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?
+        .into_iter()
+        .max()
+        .unwrap_or(1);
+    mm.load_models_gpu(
+        std::slice::from_ref(&patcher),
+        LoadOptions::default().with_input_shape(&[1, longest]),
+    )?;
     let bert = Bert::new(&patcher, mode, &config)?.with_options(BertOptions {
         attention: args.attention,
         ..BertOptions::default()

@@ -726,3 +726,32 @@ fn a_model_partly_evicted_by_another_load_streams_with_prefetch() {
         mm.transfer_stats()
     );
 }
+
+#[test]
+fn bert_estimates_one_layer_of_activations_and_the_manager_keeps_it_free() {
+    let config = residency::models::bert::BertConfig::minilm_l6();
+    let est = config.memory_estimator(Dtype::F32);
+    // 2 × 16 tokens: 6 × [.., 384] + 2 × [.., 1536] in f32, plus 2 × [2, 12, 16, 16] f32 scores.
+    let want = 2 * 16 * (6 * 384 + 2 * 1536) * 4 + 2 * 2 * 12 * 16 * 16 * 4;
+    assert_eq!(est(&[2, 16]), ByteSize(want as u64));
+    assert!(
+        est(&[1, 512]) > est(&[1, 256]).saturating_add(est(&[1, 256])),
+        "scores grow as seq²"
+    );
+    let mut m = cpu_patcher(virtual_model("bert-sized", &[GIB; 4]));
+    m.set_memory_estimator(config.memory_estimator(Dtype::F32));
+    let mm = manager(ByteSize::gib(5), &[]);
+    let by_shape = mm
+        .plan(
+            std::slice::from_ref(&m),
+            LoadOptions::default().with_input_shape(&[64, 512]),
+        )
+        .unwrap();
+    let by_hand = mm
+        .plan(
+            std::slice::from_ref(&m),
+            LoadOptions::default().with_memory_required(est(&[64, 512])),
+        )
+        .unwrap();
+    assert_eq!(by_shape.models, by_hand.models);
+}

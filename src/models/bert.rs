@@ -63,6 +63,35 @@ impl BertConfig {
         }
     }
 
+    /// The activation memory a forward over token ids of shape `[batch, seq]` needs when
+    /// computing in `compute`: one layer's live buffers at once (layers run one after another) —
+    /// about six `[batch, seq, hidden]` and two `[batch, seq, intermediate]` tensors in the
+    /// compute dtype, and the attention scores and probabilities `[batch, heads, seq, seq]` in
+    /// f32 — for [`crate::patcher::ModelPatcher::set_memory_estimator`], so that
+    /// `LoadOptions::with_input_shape(&[batch, seq])` keeps that much free.
+    pub fn memory_estimator(&self, compute: Dtype) -> crate::patcher::MemoryEstimator {
+        let (h, i, heads) = (
+            self.hidden_size as u64,
+            self.intermediate_size as u64,
+            self.num_attention_heads as u64,
+        );
+        let width = compute.size_in_bytes() as u64;
+        std::sync::Arc::new(move |shape: &[usize]| {
+            let (b, s) = match shape {
+                [b, s, ..] => (*b as u64, *s as u64),
+                [s] => (1, *s as u64),
+                _ => (1, 1),
+            };
+            let tokens = b.saturating_mul(s);
+            let dense = tokens.saturating_mul(6 * h + 2 * i).saturating_mul(width);
+            let scores = b
+                .saturating_mul(heads)
+                .saturating_mul(s.saturating_mul(s))
+                .saturating_mul(4 * 2);
+            crate::size::ByteSize(dense.saturating_add(scores))
+        })
+    }
+
     /// Parses a Hugging Face `config.json`. Only `hidden_act = "gelu"` (the exact, erf form) is
     /// supported.
     ///
