@@ -575,3 +575,46 @@ fn clean_weights_of_a_lazy_model_are_host_tensors_for_tools_and_patch_math() {
     }
     assert!(tier.peak() <= ByteSize::kib(40));
 }
+
+#[test]
+fn an_eager_read_racing_a_truncation_is_a_typed_error_never_a_signal() {
+    // The eager reader reads by positioned reads (no memory map): a file cut short while it is
+    // read gives `Error::File` naming it and a tensor, or reads whole; the process never gets a
+    // SIGBUS (a mapped read did, in 18–31 of 60 attempts).
+    let dir = tempfile::tempdir().unwrap();
+    let good = write_mlp(dir.path(), "race", 3);
+    let bytes = std::fs::read(&good).unwrap();
+    let path = dir.path().join("victim.safetensors");
+    let (mut ok, mut typed) = (0, 0);
+    for attempt in 0..60u64 {
+        std::fs::write(&path, &bytes).unwrap();
+        let cutter = {
+            let path = path.clone();
+            let keep = (bytes.len() as u64 / 2) + attempt * 97 % 4096;
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_micros(attempt * 13 % 200));
+                let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+                f.set_len(keep).unwrap();
+            })
+        };
+        match Model::from_safetensors("race", &[&path]) {
+            Ok(m) => {
+                ok += 1;
+                assert_eq!(m.len(), 2 * LAYERS);
+            }
+            Err(e) => {
+                typed += 1;
+                let msg = e.to_string();
+                assert!(matches!(e, Error::File { .. }), "{msg}");
+                assert!(msg.contains("victim.safetensors"), "{msg}");
+                assert!(msg.contains("tensor `") || msg.contains("header"), "{msg}");
+            }
+        }
+        cutter.join().unwrap();
+    }
+    assert_eq!(ok + typed, 60);
+    assert!(
+        typed > 0,
+        "the truncation raced some reads ({ok} read whole)"
+    );
+}

@@ -230,6 +230,8 @@ pub(super) fn read_range(
         DType::F16 => read_typed::<half::f16>(wf, start, shape, key)?,
         DType::BF16 => read_typed::<half::bf16>(wf, start, shape, key)?,
         DType::U8 => read_typed::<u8>(wf, start, shape, key)?,
+        DType::U32 => read_typed::<u32>(wf, start, shape, key)?,
+        DType::I64 => read_typed::<i64>(wf, start, shape, key)?,
         // candle's own `float8::F8E4M3` (a `float8` version we do not depend on), named by
         // inference from its storage variant.
         DType::F8E4M3 => read_as_variant(wf, start, shape, key, CpuStorage::F8E4M3)?,
