@@ -151,7 +151,62 @@ fn summary() {
     }
 }
 
+/// Scheduling cost per weight as models grow (mixture-of-experts checkpoints store tens of
+/// thousands of tensors): 10 models of `n` weights (64 GiB each, virtual), a budget for 5 beside
+/// one more load's headroom, cycling through all ten so every call evicts; and a pure `plan()`.
+/// Returns (µs per weight of an evicting load, µs per weight of a plan).
+fn scaling(n: usize) -> (f64, f64) {
+    let weight = (64u64 << 30) / n as u64 / 4 * 4;
+    let model_bytes = weight * n as u64;
+    let mm = manager(ByteSize(
+        5 * model_bytes + model_bytes * 11 / 10 + 1_300_000_000,
+    ));
+    let models: Vec<ModelPatcher> = (0..10)
+        .map(|i| {
+            let m = virtual_model(&format!("s{i}"), &vec![weight; n]);
+            ModelPatcher::new(Arc::new(m), DeviceId::Cpu, DeviceId::Cpu)
+        })
+        .collect();
+    for m in &models {
+        mm.load_model_gpu(m).expect("warm-up load");
+    }
+    let rounds = 3;
+    let t = std::time::Instant::now();
+    let mut evicting = 0;
+    for _ in 0..rounds {
+        for m in &models {
+            let r = mm
+                .load_models_gpu(std::slice::from_ref(m), LoadOptions::default())
+                .expect("cycle load");
+            evicting += usize::from(!r.evicted.is_empty());
+        }
+    }
+    assert_eq!(evicting, rounds * models.len(), "every call evicts");
+    let load = t.elapsed().as_secs_f64() / (rounds * models.len()) as f64 / n as f64 * 1e6;
+    let t = std::time::Instant::now();
+    for m in &models {
+        mm.plan(std::slice::from_ref(m), LoadOptions::default())
+            .expect("plan");
+    }
+    let plan = t.elapsed().as_secs_f64() / models.len() as f64 / n as f64 * 1e6;
+    (load, plan)
+}
+
 fn main() {
+    println!("scheduling cost per weight (10 models of N weights, every load evicting):");
+    println!(
+        "{:>8} {:>22} {:>16} {:>22}",
+        "N", "evicting load µs/wt", "plan µs/wt", "vs N = 1000 (load, plan)"
+    );
+    let base = scaling(1000);
+    for n in [1000, 10_000, 100_000] {
+        let (load, plan) = if n == 1000 { base } else { scaling(n) };
+        println!(
+            "{n:>8} {load:>22.3} {plan:>16.3} {:>14.2} {:>7.2}",
+            load / base.0,
+            plan / base.1
+        );
+    }
     let mut c = Criterion::default()
         .sample_size(10)
         .warm_up_time(Duration::from_secs(1))

@@ -398,10 +398,17 @@ impl<'a> Planner<'a> {
             // A whole model gives up everything or nothing.
             let (indices, freed, fully) = if smart && !e.model().is_whole() {
                 let dropped = selection::unload(&self.victims[v].remaining, missing);
+                // A mask by weight index: `contains` on the list made this O(weights²).
+                let mut is_dropped = vec![false; e.model().len()];
+                for &i in &dropped {
+                    if let Some(d) = is_dropped.get_mut(i) {
+                        *d = true;
+                    }
+                }
                 let remaining = &mut self.victims[v].remaining;
                 let mut freed = ByteSize::ZERO;
                 remaining.retain(|&(i, b, _)| {
-                    let drop = dropped.contains(&i);
+                    let drop = is_dropped.get(i).copied().unwrap_or(false);
                     if drop {
                         freed = freed.saturating_add(b);
                     }
