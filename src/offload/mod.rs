@@ -51,6 +51,22 @@ pub fn fetch_weight(patcher: &ModelPatcher, key: &str) -> Result<(Tensor, bool)>
         model: model.name().to_string(),
         key: key.to_string(),
     })?;
+    fetch_weight_at(patcher, index)
+}
+
+/// [`fetch_weight`] by slot index (what a layer that resolved its key once holds): no key
+/// lookup on the hot path.
+///
+/// # Errors
+/// As [`fetch_weight`]; an index out of range is [`Error::UnknownWeight`].
+pub fn fetch_weight_at(patcher: &ModelPatcher, index: usize) -> Result<(Tensor, bool)> {
+    let model = patcher.model();
+    if index >= model.len() {
+        return Err(Error::UnknownWeight {
+            model: model.name().to_string(),
+            key: format!("(index {index} of {} weights)", model.len()),
+        });
+    }
     model.record_use(index);
     if let Some(t) = patcher.resident_tensor(index) {
         return Ok((t, false));

@@ -283,7 +283,7 @@ fn prepare_weight(
     mode: OpsMode,
     device: &Device,
 ) -> Result<Tensor> {
-    let (t, streamed) = crate::offload::fetch_weight(patcher, &w.key)?;
+    let (t, streamed) = crate::offload::fetch_weight_at(patcher, w.index)?;
     let cache = if streamed {
         None
     } else {

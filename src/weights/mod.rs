@@ -359,6 +359,8 @@ pub struct Model {
     metadata: Option<Arc<GgufMetadata>>,
     state: RwLock<Residency>,
     forward_order: Mutex<ForwardOrder>,
+    /// Set once the forward order is complete: every later fetch skips the order's lock.
+    order_complete: std::sync::atomic::AtomicBool,
     skipped: Vec<String>,
     stream_hook: RwLock<Option<StreamHook>>,
     /// The manual-cast cache attached by the memory manager (an `ops::CastCache`), if any.
@@ -528,6 +530,7 @@ impl Model {
                 seen: vec![false; n],
                 complete: false,
             }),
+            order_complete: std::sync::atomic::AtomicBool::new(false),
             skipped,
             stream_hook: RwLock::new(None),
             cast_hook: RwLock::new(None),
@@ -767,12 +770,17 @@ impl Model {
     /// Records that weight `index` was fetched by a forward. The first forward's order is kept;
     /// a weight seen again marks the order complete (the next forward has begun).
     pub fn record_use(&self, index: usize) {
+        // Free once the order is complete (after the second forward's first fetch): no lock.
+        if self.order_complete.load(Ordering::Acquire) {
+            return;
+        }
         let mut fo = self.forward_order.lock();
         if fo.complete || index >= fo.seen.len() {
             return;
         }
         if fo.seen[index] {
             fo.complete = true;
+            self.order_complete.store(true, Ordering::Release);
             return;
         }
         fo.seen[index] = true;
@@ -784,6 +792,7 @@ impl Model {
         let mut fo = self.forward_order.lock();
         if !fo.order.is_empty() {
             fo.complete = true;
+            self.order_complete.store(true, Ordering::Release);
         }
     }
 

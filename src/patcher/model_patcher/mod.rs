@@ -179,6 +179,9 @@ pub struct ModelPatcher {
     attachments: Arc<HashMap<String, Arc<dyn Any + Send + Sync>>>,
     estimator: Option<MemoryEstimator>,
     wrappers: Arc<HashMap<String, Vec<WeightWrapper>>>,
+    /// Every weight's fingerprint, computed once per patch set and options (every change
+    /// clears it: those take `&mut self`).
+    fingerprints: std::sync::OnceLock<Arc<[Fingerprint]>>,
 }
 
 /// The fingerprint of an unpatched weight resident in `dtype`: the hash of the dtype alone, as
@@ -212,6 +215,7 @@ impl Clone for ModelPatcher {
             attachments: Arc::clone(&self.attachments),
             estimator: self.estimator.clone(),
             wrappers: Arc::clone(&self.wrappers),
+            fingerprints: self.fingerprints.clone(),
         }
     }
 }
@@ -262,18 +266,21 @@ impl ModelPatcher {
             attachments: Arc::new(HashMap::new()),
             estimator: None,
             wrappers: Arc::new(HashMap::new()),
+            fingerprints: std::sync::OnceLock::new(),
         }
     }
 
     /// Sets the compute dtype (manual cast); resident copies are kept in it.
     pub fn with_compute_dtype(mut self, dtype: Option<Dtype>) -> Self {
         self.options.compute_dtype = dtype;
+        self.fingerprints = std::sync::OnceLock::new();
         self
     }
 
     /// Sets how DoRA normalises (default: the paper's form).
     pub fn with_dora_norm(mut self, dora: DoraNorm) -> Self {
         self.options.dora = dora;
+        self.fingerprints = std::sync::OnceLock::new();
         self
     }
 
@@ -373,6 +380,7 @@ impl ModelPatcher {
             chain.extend(new.iter().cloned());
             adapters::patched_shape(key, slot.shape(), &chain)?;
         }
+        self.fingerprints = std::sync::OnceLock::new();
         let set = Arc::make_mut(&mut self.patches);
         set.version = NEXT_PATCH_ID.fetch_add(1, Ordering::Relaxed);
         let mut matched = Vec::with_capacity(staged.len());
@@ -425,6 +433,7 @@ impl ModelPatcher {
     /// ([`PatcherOptions::requantize_patched`]).
     pub fn with_requantized_patches(mut self, on: bool) -> Self {
         self.options.requantize_patched = on;
+        self.fingerprints = std::sync::OnceLock::new();
         self
     }
 
@@ -440,6 +449,7 @@ impl ModelPatcher {
     /// Removes every patch (the clone then computes the clean model).
     pub fn clear_patches(&mut self) {
         self.patches = Arc::new(PatchSet::default());
+        self.fingerprints = std::sync::OnceLock::new();
     }
 
     /// The dtype weight `index` is kept in when resident (the compute dtype, else storage). A
@@ -465,6 +475,20 @@ impl ModelPatcher {
     /// patches (they apply to its dequantized value at use), so its fingerprint is its format's
     /// alone: switching between a model and its LoRA clone moves none of its quantized weights.
     pub fn fingerprint(&self, index: usize) -> Fingerprint {
+        if self.patches.is_empty() {
+            // A table lookup already; no vector for a model without patches.
+            return self.compute_fingerprint(index);
+        }
+        let all = self.fingerprints.get_or_init(|| {
+            (0..self.model.len())
+                .map(|i| self.compute_fingerprint(i))
+                .collect()
+        });
+        all[index]
+    }
+
+    /// [`ModelPatcher::fingerprint`], computed.
+    fn compute_fingerprint(&self, index: usize) -> Fingerprint {
         let slot = &self.model.slots()[index];
         if let Some(ggml) = slot.quantized() {
             let mut h = std::collections::hash_map::DefaultHasher::new();
