@@ -230,15 +230,8 @@ fn main() {
         println!("{rss} {faults}");
         return;
     }
-    let root = std::env::var_os("RESIDENCY_BENCH_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    let dir = match tempfile::tempdir_in(&root) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("cannot create a directory in {}: {e}", root.display());
-            return;
-        }
+    let Some(dir) = common::bench_dir() else {
+        return;
     };
     let mut c = Criterion::default().configure_from_args();
     bench(&mut c, dir.path());

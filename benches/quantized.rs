@@ -12,24 +12,15 @@
 //!
 //! `RESIDENCY_BENCH_DIR` says where the model files go (default: the temp dir).
 
+mod common;
+
 #[path = "../tests/ported/quantized_llama.rs"]
 #[allow(dead_code, unused_imports, clippy::all)]
 mod quantized_llama;
 
-/// The port's `candle`: candle-core with `quantized` replaced by residency's mirror.
-mod candle {
-    pub use candle_core::*;
-    pub mod quantized {
-        pub use residency::quantized::*;
-    }
-}
+include!("../tests/ported/shim.rs");
 
-/// The port's `crate::utils`: candle-transformers' own.
-mod utils {
-    pub use candle_transformers::utils::*;
-}
-
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -275,15 +266,8 @@ fn main() {
         }
         return;
     }
-    let root = std::env::var_os("RESIDENCY_BENCH_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    let dir = match tempfile::tempdir_in(&root) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("cannot create a directory in {}: {e}", root.display());
-            return;
-        }
+    let Some(dir) = common::bench_dir() else {
+        return;
     };
     let mut c = Criterion::default().configure_from_args();
     bench(&mut c, dir.path());

@@ -5,18 +5,10 @@
 #[path = "../examples/pipeline/main.rs"]
 mod pipeline;
 
-/// The example's prompt model (candle-transformers' `quantized_llama`, ported by its `use`
-/// lines) names `crate::candle` and `crate::utils`: the example's root provides them, and so
-/// must this one.
-mod candle {
-    pub use candle_core::*;
-    pub mod quantized {
-        pub use residency::quantized::*;
-    }
-}
-mod utils {
-    pub use candle_transformers::utils::*;
-}
+// The example's prompt model (candle-transformers' `quantized_llama`, ported by its `use`
+// lines) names `crate::candle` and `crate::utils`: the example's root provides them, and so must
+// this one.
+include!("ported/shim.rs");
 
 fn run(cache: &std::path::Path, flags: &[&str]) -> pipeline::PipelineReport {
     let mut raw: Vec<String> = vec![
@@ -115,7 +107,8 @@ fn a_simulated_gpu_gives_the_cpu_checksums_with_lanes_prefetch_and_a_clean_check
         assert_eq!(device, "sim:0");
         assert_eq!(
             stats.violations, 0,
-            "{flags:?}: the sim's checker found misuse"
+            "{flags:?}: the sim's checker found misuse: {:?}",
+            r.findings
         );
         assert!(
             stats.copies > 0 && stats.bytes.bytes() > 0,

@@ -45,18 +45,7 @@ fn reference_model_runs_and_is_deterministic() {
 // The port: candle-transformers' `quantized_llama.rs` with its `use` lines changed, on a model
 // read by residency and scheduled by its memory manager.
 
-/// The port's `candle`: candle-core, with `quantized` replaced by residency's managed mirror.
-mod candle {
-    pub use candle_core::*;
-    pub mod quantized {
-        pub use residency::quantized::*;
-    }
-}
-
-/// The port's `crate::utils`: candle-transformers' own.
-mod utils {
-    pub use candle_transformers::utils::*;
-}
+include!("ported/shim.rs");
 
 #[path = "ported/quantized_llama.rs"]
 #[allow(dead_code, clippy::all)]

@@ -56,6 +56,7 @@ fn record(name: &str, d: std::time::Duration, iters: u64) {
 }
 
 /// The median recorded seconds per iteration of `name` (NaN when nothing was recorded).
+#[allow(dead_code)]
 pub fn median_secs(name: &str) -> f64 {
     let t = TIMES.lock().map(|t| t.get(name).cloned()).ok().flatten();
     let mut v = t.unwrap_or_default();
@@ -64,4 +65,20 @@ pub fn median_secs(name: &str) -> f64 {
     }
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
+}
+
+/// A fresh directory for a bench's files under `RESIDENCY_BENCH_DIR` (default: the temp dir),
+/// or `None` (said on stderr) when it cannot be made.
+#[allow(dead_code)]
+pub fn bench_dir() -> Option<tempfile::TempDir> {
+    let root = std::env::var_os("RESIDENCY_BENCH_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    match tempfile::tempdir_in(&root) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("cannot create a directory in {}: {e}", root.display());
+            None
+        }
+    }
 }

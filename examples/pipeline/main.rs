@@ -38,18 +38,7 @@ mod models;
 mod quantized_llama;
 mod report;
 
-/// The ported model's `candle`: candle-core with `quantized` replaced by residency's mirror.
-mod candle {
-    pub use candle_core::*;
-    pub mod quantized {
-        pub use residency::quantized::*;
-    }
-}
-
-/// The ported model's `crate::utils`: candle-transformers' own.
-mod utils {
-    pub use candle_transformers::utils::*;
-}
+include!("../../tests/ported/shim.rs");
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -246,6 +235,14 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         models,
         evictions,
         transfers: mm.transfer_stats(),
+        findings: mm
+            .transfer_engine()
+            .devices()
+            .sims()
+            .iter()
+            .flat_map(|s| s.violations())
+            .map(|v| format!("{v:?}"))
+            .collect(),
         sims: mm
             .transfer_engine()
             .devices()

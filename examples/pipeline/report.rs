@@ -26,6 +26,8 @@ pub struct PipelineReport {
     pub transfers: residency::offload::TransferSnapshot,
     /// Per simulated GPU: its name, spec and what it did.
     pub sims: Vec<(String, String, residency::device::SimStats)>,
+    /// The simulated GPUs' checker findings, described (empty when clean).
+    pub findings: Vec<String>,
     pub host: residency::weights::HostStats,
     /// Each reservation the run took (`MemoryManager::reserve_named`) and its largest size.
     pub reservations: Vec<(String, ByteSize)>,
@@ -220,6 +222,12 @@ pub fn to_table(r: &PipelineReport) -> String {
             st.compute_waited_ns as f64 / 1e6,
             st.hidden() * 100.0,
             if st.violations == 0 { "clean".to_string() } else { format!("{} findings", st.violations) },
+        ));
+    }
+    for f in &r.findings {
+        s.push_str(&format!(
+            "  checker finding: {f}
+"
         ));
     }
     s

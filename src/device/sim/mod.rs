@@ -18,8 +18,9 @@
 //! - **Checker** (compute-sanitizer's rules): [`SimGpu::violations`] lists every host range
 //!   unlocked, freed or written while a queued copy has yet to read it, every device buffer handed
 //!   to compute before the copy writing it completed or by a thread that never waited on it (no
-//!   wait on an event recorded after the copy, no synchronize of its stream), every device buffer freed under queued
-//!   work, and (asked by [`SimGpu::leaks`]) device or page-locked memory still allocated. Each
+//!   wait on an event recorded after the copy, no synchronize of its stream), every device buffer freed under work
+//!   queued on another stream than its own (a free is ordered after its own stream's work, as
+//!   CUDA's stream-ordered free is), and (asked by [`SimGpu::leaks`]) device or page-locked memory still allocated. Each
 //!   names the stream, the operation and the buffer. The sim never lets a violation become
 //!   undefined behaviour of the test process: it records it, then waits for the copy before
 //!   letting the memory go. Freed sim page-locked buffers are poisoned (all bytes `0xFF`, NaN
@@ -68,7 +69,8 @@ pub enum ViolationKind {
     WrittenUnderCopy,
     /// A device buffer handed to compute before the copy writing it completed.
     ReadBeforeWritten,
-    /// A device buffer freed while queued work still wrote it.
+    /// A device buffer freed while work queued on another stream than its own still wrote it (a
+    /// free is ordered after its own stream's work, as CUDA's stream-ordered free is).
     DeviceFreedUnderWork,
     /// Device or page-locked memory still allocated when everything was dropped.
     Leak,

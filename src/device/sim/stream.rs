@@ -199,6 +199,7 @@ impl SimStream {
             }),
             id,
             gpu,
+            stream: self.core.id,
         })
     }
 
@@ -496,6 +497,10 @@ pub struct SimBuffer {
     mem: Arc<DevMem>,
     id: u64,
     gpu: Arc<SimGpu>,
+    /// The stream it was allocated on: freeing it is ordered after that stream's work, as
+    /// CUDA's stream-ordered free (`cuMemFreeAsync` on the allocating stream, which cudarc's
+    /// `CudaSlice` drop uses) is.
+    stream: u64,
 }
 
 impl std::fmt::Debug for SimBuffer {
@@ -553,11 +558,19 @@ impl SimBuffer {
 
 impl Drop for SimBuffer {
     fn drop(&mut self) {
-        if *self.mem.pending.lock() > 0 {
+        // A free is ordered after the work queued on the buffer's own stream (stream-ordered
+        // free; the memory lives until that work is done): work still queued on another stream
+        // is a finding.
+        let other_stream = self
+            .mem
+            .written_by
+            .lock()
+            .is_some_and(|(stream, _)| stream != self.stream);
+        if *self.mem.pending.lock() > 0 && other_stream {
             self.gpu.violation(
                 ViolationKind::DeviceFreedUnderWork,
                 None,
-                "freeing a device buffer",
+                "freeing a device buffer under work queued on another stream",
                 format!("device buffer ({})", self.size()),
             );
         }

@@ -156,7 +156,27 @@ fn handing_a_buffer_to_compute_before_its_copy_completed_is_reported() {
 }
 
 #[test]
-fn freeing_a_device_buffer_under_a_queued_copy_is_reported() {
+fn freeing_a_device_buffer_under_a_copy_on_another_stream_is_reported() {
+    let g = gpu(ByteSize::mib(1));
+    let (s, other) = (g.new_stream().unwrap(), g.new_stream().unwrap());
+    let open = gate(&other);
+    let host = vec![7u8; 1024];
+    let mut dst = buffer(&s, 1024);
+    // SAFETY: pageable memory.
+    unsafe { other.copy_htod(&host, &mut dst) }.unwrap();
+    drop(dst);
+    drop(open);
+    other.synchronize().unwrap();
+    let v = g.violations();
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert_eq!(v[0].kind, ViolationKind::DeviceFreedUnderWork);
+}
+
+#[test]
+fn freeing_a_device_buffer_under_a_copy_on_its_own_stream_is_stream_ordered() {
+    // CUDA's stream-ordered free (what cudarc's `CudaSlice` drop does on its allocating stream):
+    // the free happens after the stream's queued work, so a dropped prefetch whose copy is still
+    // queued is no misuse. The memory stays until the copy is done, and is then released.
     let g = gpu(ByteSize::mib(1));
     let s = g.new_stream().unwrap();
     let open = gate(&s);
@@ -167,9 +187,8 @@ fn freeing_a_device_buffer_under_a_queued_copy_is_reported() {
     drop(dst);
     drop(open);
     s.synchronize().unwrap();
-    let v = g.violations();
-    assert_eq!(v.len(), 1, "{v:?}");
-    assert_eq!(v[0].kind, ViolationKind::DeviceFreedUnderWork);
+    assert!(g.violations().is_empty(), "{:?}", g.violations());
+    assert!(g.leaks().is_empty(), "{:?}", g.leaks());
 }
 
 #[test]
