@@ -512,6 +512,17 @@ fn a_kept_model_is_never_evicted_and_guards_nest() {
         .iter()
         .all(|e| e.name != "A"));
     assert_eq!(a.model().resident_bytes(CPU), ByteSize::kib(32));
+    // A load that must be whole and needs the kept model's room fails, naming what holds it.
+    let c = kib_model("C", &[4 * KIB; 10]);
+    let err = mm
+        .load_models_gpu(
+            std::slice::from_ref(&c),
+            LoadOptions::default().with_force_full_load(true),
+        )
+        .unwrap_err();
+    assert!(err.is_retryable(), "{err}");
+    assert!(err.to_string().contains("kept model `A`"), "{err}");
+    assert_eq!(a.model().resident_bytes(CPU), ByteSize::kib(32));
     drop(inner);
     assert!(
         mm.free_memory(ByteSize::kib(60), CPU, &[])

@@ -272,6 +272,33 @@ pub(super) struct Planner<'a> {
 }
 
 impl<'a> Planner<'a> {
+    /// `model`'s name, followed by what holds room on `device` that no plan can take (kept
+    /// models, reservations), so an out-of-memory names them.
+    fn naming_holders(&self, model: &str, device: DeviceId) -> String {
+        let mut held: Vec<String> = self
+            .registry
+            .iter()
+            .filter(|e| e.model().name() != model && self.mm.is_kept(e.model().id()))
+            .filter_map(|e| {
+                let bytes = e.model().resident_bytes(device);
+                (bytes > ByteSize::ZERO)
+                    .then(|| format!("kept model `{}` ({bytes})", e.model().name()))
+            })
+            .collect();
+        held.extend(
+            self.mm
+                .reservations()
+                .into_iter()
+                .filter(|r| r.device == device && r.bytes > ByteSize::ZERO)
+                .map(|r| format!("reservation `{}` ({})", r.name, r.bytes)),
+        );
+        if held.is_empty() {
+            model.to_string()
+        } else {
+            format!("{model} (room held by {})", held.join(", "))
+        }
+    }
+
     pub(super) fn new(mm: &'a MemoryManager, inner: &'a Inner) -> Planner<'a> {
         Planner {
             mm,
@@ -606,7 +633,7 @@ impl MemoryManager {
                             }
                         } else {
                             PlanProblem::OutOfMemory {
-                                model: m.model().name().to_string(),
+                                model: p.naming_holders(m.model().name(), device),
                                 device,
                                 required: selection::wanted_bytes(views, &want)
                                     .saturating_sub(here),
@@ -615,7 +642,7 @@ impl MemoryManager {
                         });
                     } else if !shrink_to_fit(views, &mut want, total.saturating_sub(base)) {
                         problem = Some(PlanProblem::OutOfMemory {
-                            model: m.model().name().to_string(),
+                            model: p.naming_holders(m.model().name(), device),
                             device,
                             required: selection::wanted_bytes(views, &want).saturating_sub(here),
                             available: p.free(device),
