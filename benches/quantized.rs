@@ -108,27 +108,25 @@ fn prompt() -> Tensor {
         .unwrap()
 }
 
-/// One forward of the benchmark: the prompt, then `STEPS` cached steps on fixed tokens.
-fn run_candle(model: &mut candle_transformers::models::quantized_llama::ModelWeights) {
-    model.forward(&prompt(), 0).unwrap();
+/// One run of the benchmark through `forward` (a model's `forward(input, index_pos)`): the
+/// prompt, then `STEPS` cached steps on fixed tokens.
+fn run(mut forward: impl FnMut(&Tensor, usize) -> candle_core::Result<Tensor>) {
+    forward(&prompt(), 0).unwrap();
     for s in 0..STEPS {
         let t = Tensor::new(&[s as u32 + 3], &Device::Cpu)
             .unwrap()
             .unsqueeze(0)
             .unwrap();
-        model.forward(&t, PROMPT + s).unwrap();
+        forward(&t, PROMPT + s).unwrap();
     }
 }
 
+fn run_candle(model: &mut candle_transformers::models::quantized_llama::ModelWeights) {
+    run(|x, pos| model.forward(x, pos));
+}
+
 fn run_port(model: &mut quantized_llama::ModelWeights) {
-    model.forward(&prompt(), 0).unwrap();
-    for s in 0..STEPS {
-        let t = Tensor::new(&[s as u32 + 3], &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        model.forward(&t, PROMPT + s).unwrap();
-    }
+    run(|x, pos| model.forward(x, pos));
 }
 
 fn manager(args: &[&str]) -> MemoryManager {
