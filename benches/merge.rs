@@ -67,6 +67,42 @@ fn write_inputs(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// The conv checkpoint (few, large, 4-D weights, all patched): one 288 MiB `[4096, 2048, 3,
+/// 3]`, four 144 MiB `[2048, 2048, 3, 3]` and five 16 MiB `[4096, 1024]` f32 weights, a rank-16
+/// LoRA (LoCon layout: up `[out, 16, 1, 1]`, down `[16, in, 3, 3]`) on every one. Written into
+/// `dir` as `base.safetensors` and `lora.safetensors`; returns (base bytes, largest weight bytes).
+fn write_conv_inputs(dir: &Path) -> (u64, u64) {
+    let mut shapes: Vec<Vec<usize>> = vec![vec![4096, 2048, 3, 3]];
+    shapes.extend((0..4).map(|_| vec![2048, 2048, 3, 3]));
+    shapes.extend((0..5).map(|_| vec![4096, 1024]));
+    let mut base: HashMap<String, Tensor> = HashMap::new();
+    let mut lora: HashMap<String, Tensor> = HashMap::new();
+    for (i, shape) in shapes.iter().enumerate() {
+        let w = residency::float::uniform_tensor(shape, 400 + i as u64).expect("weight");
+        base.insert(format!("convs.{i}.weight"), w);
+        let mut up = vec![shape[0], RANK];
+        let mut down = vec![RANK];
+        down.extend_from_slice(&shape[1..]);
+        if shape.len() == 4 {
+            up.extend([1, 1]);
+        }
+        let module = format!("convs.{i}");
+        let up = residency::float::uniform_tensor(&up, 500 + i as u64).expect("up");
+        let down = residency::float::uniform_tensor(&down, 600 + i as u64).expect("down");
+        lora.insert(format!("{module}.lora_up.weight"), up);
+        lora.insert(format!("{module}.lora_down.weight"), down);
+        let alpha = Tensor::new(RANK as f32 / 2.0, &Device::Cpu).expect("alpha");
+        lora.insert(format!("{module}.alpha"), alpha);
+    }
+    candle_core::safetensors::save(&base, dir.join("base.safetensors")).expect("write base");
+    drop(base);
+    candle_core::safetensors::save(&lora, dir.join("lora.safetensors")).expect("write lora");
+    let bytes = std::fs::metadata(dir.join("base.safetensors"))
+        .map(|m| m.len())
+        .unwrap_or(0);
+    (bytes, 4096 * 2048 * 9 * 4)
+}
+
 fn config(dir: &Path, out: &str) -> MergeConfig {
     MergeConfig {
         model: dir.join("base.safetensors"),
@@ -216,6 +252,31 @@ fn bench(c: &mut Criterion, dir: &Path) {
             );
         }
         None => println!("  whole process: the child run failed"),
+    }
+
+    // The conv checkpoint: few, large 4-D weights, every one patched.
+    let conv = dir.join("conv");
+    if std::fs::create_dir_all(&conv).is_err() {
+        println!("  conv checkpoint: cannot create {}", conv.display());
+        return;
+    }
+    let (bytes, largest) = write_conv_inputs(&conv);
+    // SAFETY: as above.
+    unsafe { libc::sync() };
+    match child_merge(&conv) {
+        Some((wall, rss, _)) => {
+            let goal = 2 * largest + (64 << 20);
+            println!(
+                "  conv checkpoint {:.2} GiB f32 (10 weights, largest {:.0} MiB 4-D, all patched), whole process {:.2} s, peak RSS {:.0} MiB (goal <= 2 x largest + 64 MiB = {:.0} MiB: {})",
+                bytes as f64 / (1u64 << 30) as f64,
+                largest as f64 / (1u64 << 20) as f64,
+                wall.as_secs_f64(),
+                rss as f64 / (1u64 << 20) as f64,
+                goal as f64 / (1u64 << 20) as f64,
+                if rss <= goal { "met" } else { "not met" },
+            );
+        }
+        None => println!("  conv checkpoint: the child run failed"),
     }
 }
 
