@@ -27,7 +27,9 @@ use crate::vram::DeviceId;
 
 static NEXT_RESERVATION: AtomicU64 = AtomicU64::new(1);
 
-/// Room held on a device for memory that is not weights; see the [module docs](self).
+/// Room held on a device for memory that is not weights (a KV cache, a decode's activations):
+/// a column of the device's ledger that plans, loads, prefetch and the cast cache see as
+/// occupied and nothing evicts ([`MemoryManager::reserve`]).
 ///
 /// It does not borrow its manager (an engine's KV cache can own one): growing it takes the
 /// manager that made it ([`MemoryReservation::grow`]); shrinking and dropping need none.
