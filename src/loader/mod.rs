@@ -741,18 +741,36 @@ impl MemoryManager {
         let keep: Vec<u64> = keep_loaded.iter().map(|m| m.model().id()).collect();
         let mut inner = self.inner.lock();
         cleanup(&mut inner);
-        // Cached casts go first, before any model is evicted.
-        self.drop_casts(&inner, device);
-        let mut planner = plan::Planner::new(self, &inner);
-        planner.evict(required, device, &keep);
-        let (evictions, steps) = planner.into_evictions();
-        let mut undo = execute::Undo::new(&inner);
-        self.execute_evictions(&mut inner, &steps, &mut undo);
-        execute::log_evictions(&evictions);
-        self.refresh_ledger(&inner);
+        let evictions = self.make_room(&mut inner, required, device, &keep, false);
         let stale = Self::take_stale(&mut inner);
         drop(inner);
         drop(stale);
+        evictions
+    }
+
+    /// Frees memory on `device` towards more than `required` free: cached casts first, then the
+    /// planner's evictions of models not in `keep` (nor kept by a guard). With `all_or_nothing`
+    /// the evictions are carried out only when they reach `required` (a caller that fails
+    /// otherwise evicts nothing). Returns what was evicted. Runs under the manager lock.
+    fn make_room(
+        &self,
+        inner: &mut Inner,
+        required: ByteSize,
+        device: DeviceId,
+        keep: &[u64],
+        all_or_nothing: bool,
+    ) -> Vec<Eviction> {
+        self.drop_casts(inner, device);
+        let mut planner = plan::Planner::new(self, inner);
+        planner.evict(required, device, keep);
+        if all_or_nothing && planner.free(device) < required {
+            return Vec::new();
+        }
+        let (evictions, steps) = planner.into_evictions();
+        let mut undo = execute::Undo::new(inner);
+        self.execute_evictions(inner, &steps, &mut undo);
+        execute::log_evictions(&evictions);
+        self.refresh_ledger(inner);
         evictions
     }
 

@@ -19,7 +19,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::{cleanup, execute, plan, MemoryManager};
+use super::{cleanup, MemoryManager};
 use crate::error::{Error, Result};
 use crate::patcher::ModelPatcher;
 use crate::size::ByteSize;
@@ -190,24 +190,16 @@ impl MemoryManager {
             });
         }
         let mut inner = self.inner.lock();
+        // As during a load, no prefetch or cached cast books room on the device while the
+        // reservation is decided: the free figure checked below stays true until it is booked.
+        let _no_prefetch = self.ledger.loading(&[device]);
         cleanup(&mut inner);
         // The books learn what the cleanup dropped before the reservation is added to them.
         self.refresh_ledger(&inner);
         if self.free_in(&inner.registry, device) < bytes {
-            self.drop_casts(&inner, device);
-        }
-        if self.free_in(&inner.registry, device) < bytes {
-            // Evictions are planned first and carried out only when they make enough room: a
-            // reservation that cannot be had evicts nothing (I4).
-            let mut planner = plan::Planner::new(self, &inner);
-            planner.evict(bytes, device, &[]);
-            if planner.free(device) >= bytes {
-                let (evictions, steps) = planner.into_evictions();
-                let mut undo = execute::Undo::new(&inner);
-                self.execute_evictions(&mut inner, &steps, &mut undo);
-                execute::log_evictions(&evictions);
-                self.refresh_ledger(&inner);
-            }
+            // Evictions only when they make enough room: a reservation that cannot be had
+            // evicts nothing (I4).
+            self.make_room(&mut inner, bytes, device, &[], true);
         }
         let free = self.free_in(&inner.registry, device);
         if free < bytes {

@@ -47,11 +47,7 @@ impl Content {
             .slots()
             .iter()
             .map(|s| {
-                let ggml_dtype = s.quantized().unwrap_or(match s.dtype() {
-                    crate::float::Dtype::F16 => super::GgmlDType::F16,
-                    crate::float::Dtype::BF16 => super::GgmlDType::BF16,
-                    _ => super::GgmlDType::F32,
-                });
+                let ggml_dtype = s.quantized().unwrap_or_else(|| super::ggml_of(s.dtype()));
                 let info = TensorInfo {
                     ggml_dtype,
                     shape: candle_core::Shape::from(s.shape().to_vec()),

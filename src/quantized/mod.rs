@@ -103,7 +103,7 @@ pub(crate) enum Fetched {
 }
 
 /// The format a dense slot of `dtype` has in a GGUF file.
-fn ggml_of(dtype: Dtype) -> GgmlDType {
+pub(crate) fn ggml_of(dtype: Dtype) -> GgmlDType {
     match dtype {
         Dtype::F16 => GgmlDType::F16,
         Dtype::BF16 => GgmlDType::BF16,
@@ -316,7 +316,12 @@ impl QRef {
                 (Arc::new(q), true)
             }
         };
-        if patcher.patches().get(&self.key).is_empty() || patcher.requantizes(self.index) {
+        // Unpatched (an empty patch set: no key lookup), or patched into the blocks themselves.
+        let patches = patcher.patches();
+        if patches.is_empty()
+            || patches.get(&self.key).is_empty()
+            || patcher.requantizes(self.index)
+        {
             return Ok(Fetched::Quantized(q));
         }
         dense_patched(&patcher, self.index, &q, streamed).map(Fetched::Dense)

@@ -29,10 +29,10 @@ impl ModelPatcher {
         let index = self.index_of(key)?;
         let slot = &self.model.slots()[index];
         let w = match slot.quantized() {
-            Some(_) => self
-                .clean_qtensor(index, &slot.clean()?, &candle_core::Device::Cpu)?
-                .dequantize(&candle_core::Device::Cpu)
-                .map_err(|e| Error::tensor(format!("dequantizing `{key}`"), e))?,
+            Some(_) => self.dequantized(
+                index,
+                &self.clean_qtensor(index, &slot.clean()?, &candle_core::Device::Cpu)?,
+            )?,
             None => float::to_f32(&slot.clean()?, slot.dtype())?,
         };
         self.patch_f32(index, &w)
@@ -77,11 +77,14 @@ impl ModelPatcher {
         if !self.requantizes(index) {
             return self.dequantized_patched(index, q, dtype);
         }
+        cast_weight(&self.dequantized(index, q)?, Dtype::F32, dtype)
+    }
+
+    /// Quantized weight `index`'s blocks `q` dequantized to f32, on `q`'s device.
+    fn dequantized(&self, index: usize, q: &candle_core::quantized::QTensor) -> Result<Tensor> {
         let name = self.model.slots()[index].name();
-        let w = q
-            .dequantize(&q.device())
-            .map_err(|e| Error::tensor(format!("dequantizing `{name}`"), e))?;
-        cast_weight(&w, Dtype::F32, dtype)
+        q.dequantize(&q.device())
+            .map_err(|e| Error::tensor(format!("dequantizing `{name}`"), e))
     }
 
     /// Quantized weight `index` dense: `q` (its clean blocks) dequantized (in f32, on `q`'s
@@ -93,11 +96,7 @@ impl ModelPatcher {
         q: &candle_core::quantized::QTensor,
         dtype: Dtype,
     ) -> Result<Tensor> {
-        let slot = &self.model.slots()[index];
-        let w = q
-            .dequantize(&q.device())
-            .map_err(|e| Error::tensor(format!("dequantizing `{}`", slot.name()), e))?;
-        let patched = self.patch_f32(index, &w)?;
+        let patched = self.patch_f32(index, &self.dequantized(index, q)?)?;
         cast_weight(&patched, Dtype::F32, dtype)
     }
 
