@@ -192,6 +192,10 @@ fn the_port_computes_candles_bits_in_every_budget() {
             let got = ported_logits(&p, &tokens);
             assert_eq!(bits(&got), bits(&reference), "{what}, round {round}");
         }
+        // The GPU path on the simulated device: its checker saw no misuse.
+        for sim in mm.transfer_engine().devices().sims() {
+            assert!(sim.check().is_ok(), "{what}: {:?}", sim.check());
+        }
         let shown = mm.memory_report().to_string();
         assert!(shown.contains("in quantized blocks"), "{what}: {shown}");
         if let Some(cap) = mm.host_tier().budget() {
@@ -213,6 +217,7 @@ fn a_lora_on_quantized_weights_matches_dequantize_merge_dense_and_switches_back(
 
     let mm = manager_with(&["--vram-budget", "4GiB"]);
     let model = Arc::new(mm.read_gguf("tiny-llama", &path).unwrap());
+    let clean = model.clean_checksum().unwrap();
     let base = ModelPatcher::new(Arc::clone(&model), mm.compute_device(), DeviceId::Cpu);
     let keys = [
         "blk.0.attn_q.weight",
@@ -279,6 +284,8 @@ fn a_lora_on_quantized_weights_matches_dequantize_merge_dense_and_switches_back(
         stats.kept >= keys.len() as u64 && stats.hits > 0,
         "{stats:?}"
     );
+    // I1: the blocks in the model are the file's, whatever was patched, loaded and switched.
+    assert_eq!(model.clean_checksum().unwrap(), clean);
 }
 
 /// The port on a model whose weights `replaced` are dense f32 (the merged LoRA) and the rest the
