@@ -703,8 +703,10 @@ fn the_manager_asks_the_estimators_and_retries_a_step_that_ran_out_of_memory() {
 
 #[test]
 fn a_model_partly_evicted_by_another_load_streams_with_prefetch() {
-    // A loaded fully (no streamer); B's load takes part of A's room; A's next forwards stream the
-    // evicted weights through a prefetching streamer, with A's bits.
+    // A loaded fully (no streamer); B's load takes part of A's room and keeps 40 KiB free for its
+    // activations; A's next forwards stream the evicted weights through a prefetching streamer
+    // (in that free room: it keeps two of A's largest weights and the inference minimum free
+    // beside its prefetches), with A's bits.
     let budget = ByteSize::kib(200);
     let mm = small_manager(budget, &["--async-offload", "2"]);
     let a = mlp(6, 64, 11); // 96 KiB
@@ -716,7 +718,12 @@ fn a_model_partly_evicted_by_another_load_streams_with_prefetch() {
         "fully loaded: nothing streams"
     );
     let b = mlp(8, 64, 12); // 128 KiB
-    let r = mm.load_model_gpu(&b).unwrap();
+    let r = mm
+        .load_models_gpu(
+            std::slice::from_ref(&b),
+            LoadOptions::default().with_memory_required(ByteSize::kib(40)),
+        )
+        .unwrap();
     assert!(
         r.evicted
             .iter()

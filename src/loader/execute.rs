@@ -121,11 +121,22 @@ impl MemoryManager {
                 for &i in indices {
                     drop_copy(&model, i, undo);
                 }
-                // Partly evicted, its weights now stream: with prefetch, like a partial load.
+                // Partly evicted, its weights now stream: with prefetch, like a partial load. No
+                // plan left room for its prefetch window, so the prefetches keep free what a
+                // forward needs besides them: the weights in use (two of its largest, the one
+                // computing and the one just taken) and the default activation memory.
                 if model.stream_hook().is_none() && !indices.is_empty() {
                     undo.hooks.push((Arc::clone(&model), None));
                     let patcher = inner.registry[pos].patcher.clone();
-                    self.give_streamer(&patcher, ByteSize::ZERO);
+                    let largest = (0..model.len())
+                        .map(|i| patcher.resident_size(i))
+                        .max()
+                        .unwrap_or(ByteSize::ZERO);
+                    let (extra, min_required, _) =
+                        self.memory_to_keep_free(&super::LoadOptions::default());
+                    let keep_free = ByteSize::from_f64(extra.max(min_required).ceil())
+                        .saturating_add(largest.saturating_mul(2));
+                    self.give_streamer(&patcher, keep_free);
                 }
             }
         }
