@@ -126,7 +126,7 @@ pub fn attention_name(policy: &vram::Policy) -> String {
 pub struct ReadmeDoctests;
 
 pub use loader::{global, init_global, LoadOptions, LoadReport, MemoryManager, MemoryReport};
-pub use patcher::ModelPatcher;
+pub use patcher::{AutoMapOptions, DeviceMap, ModelPatcher, Target};
 pub use vram::{Config, DeviceId, Hardware};
 pub use weights::Model;
 

@@ -200,7 +200,9 @@ impl MemoryManager {
             let m = &all[*k];
             match self.load_planned(m, want, &mut undo) {
                 Ok(load) => {
-                    self.note_ledger(inner, m.load_device());
+                    for d in m.devices() {
+                        self.note_ledger(inner, d);
+                    }
                     report.models.push(load);
                 }
                 Err(e) => return Err(self.rollback(inner, undo, all, e)),
@@ -215,7 +217,7 @@ impl MemoryManager {
                     let e = Error::OutOfMemory {
                         model: all
                             .iter()
-                            .find(|m| m.load_device() == d.device)
+                            .find(|m| m.devices().contains(&d.device))
                             .map(|m| m.model().name().to_string())
                             .unwrap_or_default(),
                         device: d.device.to_string(),
@@ -249,13 +251,15 @@ impl MemoryManager {
     /// Makes exactly `want` resident for `m`: drops what the plan does not keep, then builds and
     /// commits the missing copies one by one.
     fn load_planned(&self, m: &ModelPatcher, want: &[bool], undo: &mut Undo) -> Result<ModelLoad> {
-        let device = m.load_device();
         let model = m.model();
+        m.note_devices(self.engine.devices());
         let fingerprints: Vec<Fingerprint> = (0..model.len()).map(|i| m.fingerprint(i)).collect();
+        // Each weight's device: the load device, or its mapped one in a split model.
+        let devices: Vec<DeviceId> = (0..model.len()).map(|i| m.weight_device(i)).collect();
         let keep = |s: &SlotResidency, i: usize| {
             want[i]
                 && matches!(s, SlotResidency::Resident { device: d, fingerprint, .. }
-                    if *d == device && *fingerprint == fingerprints[i])
+                    if *d == devices[i] && *fingerprint == fingerprints[i])
         };
         let to_drop: Vec<usize> = {
             let st = model.state();
@@ -278,6 +282,7 @@ impl MemoryManager {
         let mut moved = ByteSize::ZERO;
         for i in to_build {
             // The transfer path of a streamed weight: on a GPU through page-locked memory.
+            let device = devices[i];
             let tensor = self.engine.load_now(m, i)?;
             let (tensor, bytes) = m.resident_from(i, tensor, device)?;
             model.state_mut().set(
@@ -300,7 +305,7 @@ impl MemoryManager {
         let outcome = m.load_outcome();
         Ok(ModelLoad {
             name: model.name().to_string(),
-            device,
+            device: m.load_device(),
             resident: outcome.resident,
             streaming: outcome.streaming,
             moved,

@@ -69,7 +69,7 @@ use crate::vram::{Config, DeviceId, Hardware, Policy, VramState};
 use crate::weights::{HostTier, Model};
 
 use self::ledger::Ledger;
-pub use plan::{LoadPlan, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad};
+pub use plan::{LoadPlan, PlacedOn, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad};
 pub use report::{Eviction, LoadReport, LoadedModelInfo, MemoryReport, ModelLoad};
 pub use reserve::{KeepGuard, MemoryReservation, ReservationInfo};
 
@@ -571,7 +571,7 @@ impl MemoryManager {
                 m.model().name()
             );
         }
-        let mut devices: Vec<DeviceId> = all.iter().map(|m| m.load_device()).collect();
+        let mut devices: Vec<DeviceId> = all.iter().flat_map(|m| m.devices()).collect();
         devices.sort();
         devices.dedup();
         let _span = tracing::info_span!(
@@ -641,8 +641,7 @@ impl MemoryManager {
         }
         // With nothing to load, the plan evicts only to keep `extra_mem` (and the minimum) free.
         let (extra_mem, min_required, _) = self.memory_to_keep_free(options);
-        for m in all {
-            let d = m.load_device();
+        for d in all.iter().flat_map(|m| m.devices()) {
             if self.policy.is_scheduled(d) {
                 let free = self.free_in(&inner.registry, d);
                 if free <= ByteSize::from_f64(extra_mem) || free.as_f64() < min_required {
@@ -663,7 +662,7 @@ impl MemoryManager {
             report.models.push(ModelLoad {
                 name: m.model().name().to_string(),
                 device: m.load_device(),
-                resident: m.model().resident_bytes(m.load_device()),
+                resident: m.devices().iter().map(|&d| m.model().resident_bytes(d)).sum(),
                 streaming: ByteSize::ZERO,
                 moved: ByteSize::ZERO,
                 lazy_patched: 0,

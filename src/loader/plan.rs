@@ -62,6 +62,21 @@ pub struct PlannedLoad {
     /// Of the model's size, the bytes of quantized (GGUF) weights: their GGML blocks, counted
     /// as the blocks they are in `resident`, `streaming` and `to_move`.
     pub quantized: ByteSize,
+    /// Per device the model's weights are resident on (one entry unless the model is split by
+    /// a [`crate::DeviceMap`]): bytes resident and streaming there.
+    pub placed: Vec<PlacedOn>,
+}
+
+/// One device's part of a planned load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct PlacedOn {
+    /// The device.
+    pub device: DeviceId,
+    /// Bytes resident there after the load.
+    pub resident: ByteSize,
+    /// Bytes of weights mapped there that will stream to it at use.
+    pub streaming: ByteSize,
 }
 
 /// One device's ledger before and after a plan.
@@ -392,8 +407,9 @@ impl<'a> Planner<'a> {
             .iter()
             .enumerate()
             .filter(|(_, e)| {
+                // Any model with copies here, split models included (resident_of is checked
+                // below).
                 Self::held(e)
-                    && e.device == device
                     && !keep.contains(&e.model().id())
                     && !self.mm.is_kept(e.model().id())
             })
@@ -519,22 +535,33 @@ impl MemoryManager {
         let mut problem = self.host_problem(all);
         let mut p = Planner::new(self, inner);
         let (extra_mem, min_required, min_inf) = self.memory_to_keep_free(options);
+        let limits = (min_required, min_inf);
         let views: Vec<Vec<WeightView>> = all
             .iter()
             .map(|m| m.weight_views(m.load_device()))
             .collect();
-        let already: Vec<ByteSize> = views
+        // Each weight's device (a split model's weights differ) and whether it only ever
+        // streams (mapped to the host).
+        let placed: Vec<Vec<(DeviceId, bool)>> = all
             .iter()
-            .map(|v| {
-                v.iter()
-                    .filter(|w| w.current)
-                    .map(|w| w.on_device.unwrap_or(ByteSize::ZERO))
-                    .sum()
+            .map(|m| {
+                (0..m.model().len())
+                    .map(|i| (m.weight_device(i), m.streams_always(i)))
+                    .collect()
             })
             .collect();
+        // Bytes current on their device, per model and device.
+        let already_on = |k: usize, device: DeviceId| -> ByteSize {
+            views[k]
+                .iter()
+                .zip(&placed[k])
+                .filter(|(w, &(d, host))| w.current && d == device && !host)
+                .map(|(w, _)| w.on_device.unwrap_or(ByteSize::ZERO))
+                .sum()
+        };
 
         // Evictions, per device.
-        let mut devices: Vec<DeviceId> = all.iter().map(|m| m.load_device()).collect();
+        let mut devices: Vec<DeviceId> = all.iter().flat_map(|m| m.devices()).collect();
         devices.sort();
         devices.dedup();
         let keep: Vec<u64> = all.iter().map(|m| m.model().id()).collect();
@@ -543,11 +570,16 @@ impl MemoryManager {
             if !self.policy.is_scheduled(device) {
                 continue;
             }
-            let to_load: ByteSize = all
-                .iter()
-                .zip(&already)
-                .filter(|(m, _)| m.load_device() == device)
-                .map(|(m, a)| m.resident_model_size().saturating_sub(*a))
+            let to_load: ByteSize = (0..all.len())
+                .map(|k| {
+                    let size: ByteSize = views[k]
+                        .iter()
+                        .zip(&placed[k])
+                        .filter(|(_, &(d, host))| d == device && !host)
+                        .map(|(w, _)| w.size)
+                        .sum();
+                    size.saturating_sub(already_on(k, device))
+                })
                 .sum();
             let want = to_load.as_f64() * 1.1 + extra_mem;
             p.evict(ByteSize::from_f64(want), device, &keep);
@@ -556,7 +588,7 @@ impl MemoryManager {
             }
         }
 
-        // Budgets and residency, per model in load order.
+        // Budgets and residency, per model in load order and, for a split model, per device.
         let mut models = Vec::with_capacity(all.len());
         let mut host = PlannedHost {
             budget: self.host.budget(),
@@ -564,127 +596,112 @@ impl MemoryManager {
             from_disk: ByteSize::ZERO,
         };
         for (k, m) in all.iter().enumerate() {
-            let device = m.load_device();
-            let views = &views[k];
-            // A whole model (a managed module) cannot stream: it loads fully or not at all.
-            let whole = m.model().is_whole();
-            let novram = !whole
-                && self.policy.vram_state() == VramState::NoVram
-                && self.policy.is_scheduled(device);
-            let full = whole || (!novram && self.full_load(device, options));
-            let (mut want, budget) = if full {
-                (vec![true; views.len()], None)
-            } else if novram {
-                // ComfyUI gives this load a 0.1-byte budget: every castable weight streams, even
-                // with `force_full_load`.
-                (vec![false; views.len()], Some(ByteSize::ZERO))
-            } else {
-                let budget = weight_budget(
-                    p.free(device),
-                    already[k],
-                    min_required,
-                    min_inf,
-                    self.policy.weight_ratio(device),
-                );
-                let select = |budget: ByteSize| {
-                    if already[k] > ByteSize::ZERO {
-                        selection::grow(views, budget, options.force_patch_weights)
-                    } else {
-                        selection::from_scratch(views, budget, options.force_patch_weights, false)
-                    }
-                };
-                let mut want = select(budget);
-                let mut budget = budget;
-                // Room for the weights prefetched while this model streams (they are counted in
-                // the ledger): without it a partial load that takes every free byte (the 128 MiB
-                // floor on a small device) leaves prefetching nothing to work with.
-                // Shrinking the resident set can stream a larger weight than before, which
-                // needs more room: settle in a few rounds (each only shrinks the budget).
-                for _ in 0..4 {
-                    let room_after = p
-                        .free(device)
-                        .saturating_add(already[k])
-                        .saturating_sub(selection::wanted_bytes(views, &want));
-                    let needed = self.prefetch_room(views, &want, p.free(device), options);
-                    if room_after >= needed {
-                        break;
-                    }
-                    budget = budget.saturating_sub(needed.saturating_sub(room_after));
-                    want = select(budget);
-                }
-                (want, Some(budget))
+            let mut want = vec![false; views[k].len()];
+            let mut planned = PlannedLoad {
+                name: m.model().name().to_string(),
+                model_id: m.model().id(),
+                device: m.load_device(),
+                full: false,
+                weight_budget: None,
+                already_loaded: ByteSize::ZERO,
+                resident: ByteSize::ZERO,
+                streaming: ByteSize::ZERO,
+                to_move: ByteSize::ZERO,
+                to_drop: ByteSize::ZERO,
+                lazy_patched: 0,
+                quantized: m.model().quantized_size().0,
+                placed: Vec::new(),
             };
-            // What the ledger counts of this model now, per device.
+            let model_devices = m.devices();
             let counted = registered(&inner.registry, m.model());
-            let here: ByteSize = if counted {
-                m.model().resident_bytes(device)
-            } else {
-                ByteSize::ZERO
-            };
-            let budgeted = self.policy.is_budgeted(device);
-            let total = self.policy.total_memory(device);
-            let base = p.device(device).ledger.saturating_sub(here);
-            if budgeted && problem.is_none() {
-                let after = base.saturating_add(selection::wanted_bytes(views, &want));
-                if after > total {
-                    if full {
-                        let size = m.resident_model_size();
-                        problem = Some(if size > total {
-                            PlanProblem::BudgetExceeded {
-                                model: m.model().name().to_string(),
-                                device,
-                                required: size,
-                                budget: total,
-                            }
-                        } else {
-                            PlanProblem::OutOfMemory {
+            for &device in &model_devices {
+                // This device's weights, as the selection rules see them.
+                let indices: Vec<usize> = (0..views[k].len())
+                    .filter(|&i| placed[k][i] == (device, false))
+                    .collect();
+                let sub: Vec<WeightView> = indices.iter().map(|&i| views[k][i]).collect();
+                let already = already_on(k, device);
+                let (sub_want, budget) =
+                    self.plan_group(&mut p, m, device, &sub, already, options, limits);
+                // What the ledger counts of this model on the device now.
+                let here: ByteSize = if counted {
+                    m.model().resident_bytes(device)
+                } else {
+                    ByteSize::ZERO
+                };
+                let mut sub_want = sub_want;
+                let full = sub_want.iter().all(|&w| w);
+                let budgeted = self.policy.is_budgeted(device);
+                let total = self.policy.total_memory(device);
+                let base = p.device(device).ledger.saturating_sub(here);
+                if budgeted && problem.is_none() {
+                    let after = base.saturating_add(selection::wanted_bytes(&sub, &sub_want));
+                    if after > total {
+                        if budget.is_none() && full {
+                            let size: ByteSize = sub.iter().map(|w| w.size).sum();
+                            problem = Some(if size > total {
+                                PlanProblem::BudgetExceeded {
+                                    model: m.model().name().to_string(),
+                                    device,
+                                    required: size,
+                                    budget: total,
+                                }
+                            } else {
+                                PlanProblem::OutOfMemory {
+                                    model: p.naming_holders(m.model().name(), device),
+                                    device,
+                                    required: selection::wanted_bytes(&sub, &sub_want)
+                                        .saturating_sub(here),
+                                    available: p.free(device),
+                                }
+                            });
+                        } else if !shrink_to_fit(&sub, &mut sub_want, total.saturating_sub(base)) {
+                            problem = Some(PlanProblem::OutOfMemory {
                                 model: p.naming_holders(m.model().name(), device),
                                 device,
-                                required: selection::wanted_bytes(views, &want)
+                                required: selection::wanted_bytes(&sub, &sub_want)
                                     .saturating_sub(here),
                                 available: p.free(device),
-                            }
-                        });
-                    } else if !shrink_to_fit(views, &mut want, total.saturating_sub(base)) {
-                        problem = Some(PlanProblem::OutOfMemory {
-                            model: p.naming_holders(m.model().name(), device),
-                            device,
-                            required: selection::wanted_bytes(views, &want).saturating_sub(here),
-                            available: p.free(device),
-                        });
+                            });
+                        }
                     }
                 }
+                let resident = selection::wanted_bytes(&sub, &sub_want);
+                p.sub(device, here);
+                p.add(device, resident);
+                for (j, &i) in indices.iter().enumerate() {
+                    want[i] = sub_want[j];
+                }
+                let streaming: ByteSize = sub
+                    .iter()
+                    .zip(&sub_want)
+                    .filter(|(_, &w)| !w)
+                    .map(|(v, _)| v.size)
+                    .sum();
+                if device == m.load_device() {
+                    planned.weight_budget = budget;
+                }
+                planned.already_loaded = planned.already_loaded.saturating_add(already);
+                planned.resident = planned.resident.saturating_add(resident);
+                planned.placed.push(PlacedOn {
+                    device,
+                    resident,
+                    streaming,
+                });
             }
-            let resident = selection::wanted_bytes(views, &want);
-            p.sub(device, here);
-            p.add(device, resident);
-            let mut to_drop = ByteSize::ZERO;
+            // Copies on devices the model no longer uses are dropped.
             let st = m.model().state();
             for other in st.devices() {
-                if other != device {
+                if !model_devices.contains(&other) {
                     let bytes = st.bytes_on(other);
-                    to_drop = to_drop.saturating_add(bytes);
+                    planned.to_drop = planned.to_drop.saturating_add(bytes);
                     if counted {
                         p.sub(other, bytes);
                     }
                 }
             }
             drop(st);
-            let mut planned = PlannedLoad {
-                name: m.model().name().to_string(),
-                model_id: m.model().id(),
-                device,
-                full: want.iter().all(|&w| w),
-                weight_budget: budget,
-                already_loaded: already[k],
-                resident,
-                streaming: ByteSize::ZERO,
-                to_move: ByteSize::ZERO,
-                to_drop,
-                lazy_patched: 0,
-                quantized: m.model().quantized_size().0,
-            };
-            for (w, &wanted) in views.iter().zip(&want) {
+            for (w, &wanted) in views[k].iter().zip(&want) {
                 match (wanted, w.on_device, w.current) {
                     (true, _, true) => {}
                     (true, old, false) => {
@@ -704,7 +721,8 @@ impl MemoryManager {
                     }
                 }
             }
-            host.from_disk = host.from_disk.saturating_add(from_disk(m, views, &want));
+            planned.full = want.iter().all(|&w| w);
+            host.from_disk = host.from_disk.saturating_add(from_disk(m, &views[k], &want));
             models.push(planned);
             p.steps.push(Step::Load { k, want });
         }
@@ -728,6 +746,69 @@ impl MemoryManager {
             problem,
             steps: p.steps,
         })
+    }
+
+    /// Which of `views` (one model's weights on `device`; `already` of their bytes current
+    /// there) will be resident, and the weight budget of a partial load (`None`: full).
+    #[allow(clippy::too_many_arguments)]
+    fn plan_group(
+        &self,
+        p: &mut Planner<'_>,
+        m: &ModelPatcher,
+        device: DeviceId,
+        views: &[WeightView],
+        already: ByteSize,
+        options: &LoadOptions,
+        (min_required, min_inf): (f64, f64),
+    ) -> (Vec<bool>, Option<ByteSize>) {
+        // A whole model (a managed module) cannot stream: it loads fully or not at all.
+        let whole = m.model().is_whole();
+        let novram = !whole
+            && self.policy.vram_state() == VramState::NoVram
+            && self.policy.is_scheduled(device);
+        let full = whole || (!novram && self.full_load(device, options));
+        if full {
+            return (vec![true; views.len()], None);
+        }
+        if novram {
+            // ComfyUI gives this load a 0.1-byte budget: every castable weight streams, even
+            // with `force_full_load`.
+            return (vec![false; views.len()], Some(ByteSize::ZERO));
+        }
+        let budget = weight_budget(
+            p.free(device),
+            already,
+            min_required,
+            min_inf,
+            self.policy.weight_ratio(device),
+        );
+        let select = |budget: ByteSize| {
+            if already > ByteSize::ZERO {
+                selection::grow(views, budget, options.force_patch_weights)
+            } else {
+                selection::from_scratch(views, budget, options.force_patch_weights, false)
+            }
+        };
+        let mut want = select(budget);
+        let mut budget = budget;
+        // Room for the weights prefetched while this model streams (they are counted in the
+        // ledger): without it a partial load that takes every free byte (the 128 MiB floor on a
+        // small device) leaves prefetching nothing to work with. Shrinking the resident set can
+        // stream a larger weight than before, which needs more room: settle in a few rounds
+        // (each only shrinks the budget).
+        for _ in 0..4 {
+            let room_after = p
+                .free(device)
+                .saturating_add(already)
+                .saturating_sub(selection::wanted_bytes(views, &want));
+            let needed = self.prefetch_room(views, &want, p.free(device), options);
+            if room_after >= needed {
+                break;
+            }
+            budget = budget.saturating_sub(needed.saturating_sub(room_after));
+            want = select(budget);
+        }
+        (want, Some(budget))
     }
 
     /// Free memory a partial load leaves for streaming: the activation memory asked for plus

@@ -91,9 +91,11 @@ macro_rules! conv_layer {
                 match &self.held {
                     Held::Owned(l) => l.forward(x),
                     Held::Fetched(w) => {
-                        let x = input(w, x)?;
-                        let (weight, bias) = fetch(w, x.device())?;
-                        candle_nn::$name::new(weight, bias, self.config).forward(&x)
+                        super::held::on_weight_device(w, x, |x| {
+                            let x = input(w, x)?;
+                            let (weight, bias) = fetch(w, x.device())?;
+                            candle_nn::$name::new(weight, bias, self.config).forward(&x)
+                        })
                     }
                 }
             }

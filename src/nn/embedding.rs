@@ -63,8 +63,10 @@ impl Module for Embedding {
         match &self.held {
             Held::Owned(e) => e.forward(ids),
             Held::Fetched(w) => {
-                let (table, _) = fetch(w, ids.device())?;
-                candle_nn::Embedding::new(table, self.hidden_size).forward(ids)
+                super::held::on_weight_device(w, ids, |ids| {
+                    let (table, _) = fetch(w, ids.device())?;
+                    candle_nn::Embedding::new(table, self.hidden_size).forward(ids)
+                })
             }
         }
     }

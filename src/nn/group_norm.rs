@@ -69,7 +69,7 @@ impl Module for GroupNorm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match &self.held {
             Held::Owned(g) => g.forward(x),
-            Held::Fetched(w) => {
+            Held::Fetched(w) => super::held::on_weight_device(w, x, |x| {
                 let x = input(w, x)?;
                 let (weight, bias) = fetch(w, x.device())?;
                 let bias = match bias {
@@ -84,7 +84,7 @@ impl Module for GroupNorm {
                     self.eps,
                 )?
                 .forward(&x)
-            }
+            }),
         }
     }
 }

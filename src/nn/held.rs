@@ -24,6 +24,16 @@ pub(crate) fn fetch(
     cast_bias_weight(w, device, w.mode()).map_err(to_candle)
 }
 
+/// Runs `f` where `w`'s weight lives (a split model's remote layer: input moved there, output
+/// moved home; [`crate::ops::on_weight_device`]).
+pub(crate) fn on_weight_device(
+    w: &LayerWeights,
+    x: &Tensor,
+    f: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
+    crate::ops::on_weight_device(w, x, to_candle, f)
+}
+
 /// [`fetch`] on the patcher's load device: what accessors such as `Linear::weight` return.
 pub(crate) fn fetch_on_load_device(
     w: &LayerWeights,

@@ -127,11 +127,11 @@ impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match &self.held {
             Held::Owned(l) => l.forward(x),
-            Held::Fetched(w) => {
+            Held::Fetched(w) => super::held::on_weight_device(w, x, |x| {
                 let x = input(w, x)?;
                 let (weight, bias) = fetch(w, x.device())?;
                 layer_norm_forward(&x, &weight, bias.as_ref(), self.remove_mean, self.eps)
-            }
+            }),
         }
     }
 }
@@ -181,11 +181,11 @@ impl Module for RmsNorm {
         }
         match &self.0.held {
             Held::Owned(l) => candle_nn::ops::rms_norm(xs, l.weight(), self.0.eps as f32),
-            Held::Fetched(w) => {
+            Held::Fetched(w) => super::held::on_weight_device(w, xs, |xs| {
                 let xs = input(w, xs)?;
                 let (weight, _) = fetch(w, xs.device())?;
                 candle_nn::ops::rms_norm(&xs, &weight, self.0.eps as f32)
-            }
+            }),
         }
     }
 }

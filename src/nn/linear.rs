@@ -107,9 +107,11 @@ impl Module for Linear {
                         got: x.dims().to_vec(),
                     }));
                 }
-                let x = input(w, x)?;
-                let (weight, bias) = fetch(w, x.device())?;
-                candle_nn::Linear::new(weight, bias).forward(&x)
+                super::held::on_weight_device(w, x, |x| {
+                    let x = input(w, x)?;
+                    let (weight, bias) = fetch(w, x.device())?;
+                    candle_nn::Linear::new(weight, bias).forward(&x)
+                })
             }
         }
     }

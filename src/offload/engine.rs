@@ -416,7 +416,7 @@ fn stream_weight(
             .fetch_add(slot.bytes().bytes(), Ordering::Relaxed);
     }
     let dtype = patcher.resident_dtype(index);
-    let device = patcher.load_device();
+    let device = patcher.weight_device(index);
     let clean = slot.clean()?;
     let gpu = route.devices.gpu(device);
     let Some(gpu) = gpu.filter(|_| device.is_sim() || cfg!(feature = "cuda")) else {

@@ -39,6 +39,7 @@ pub use pinned::{default_limit, PinnedPool, PoolStats, StagingBuffer, MIN_CLASS}
 pub(crate) use prefetch::Reservation;
 pub use prefetch::{PrefetchGate, Streamer};
 pub use upload::copy_to_device;
+pub(crate) use upload::upload;
 
 use crate::error::{Error, Result};
 use crate::patcher::ModelPatcher;
@@ -77,8 +78,9 @@ pub fn fetch_weight_at(patcher: &ModelPatcher, index: usize) -> Result<(Tensor, 
     let t = match streamer {
         Some(s) => s.fetch(patcher, index)?,
         None => {
-            model.note_use_without_load(patcher.load_device());
-            patcher.materialize(index, patcher.resident_dtype(index), patcher.load_device())?
+            let device = patcher.weight_device(index);
+            model.note_use_without_load(device);
+            patcher.materialize(index, patcher.resident_dtype(index), device)?
         }
     };
     Ok((t, true))

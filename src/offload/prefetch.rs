@@ -160,7 +160,7 @@ impl Streamer {
             index,
             fingerprint: patcher.fingerprint(index),
             dtype: patcher.resident_dtype(index),
-            device: patcher.load_device(),
+            device: patcher.weight_device(index),
         }
     }
 

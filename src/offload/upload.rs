@@ -96,6 +96,14 @@ pub(crate) struct Copied {
     pub(crate) ready: Event,
 }
 
+impl Copied {
+    /// The copied tensor, for compute on `gpu`, once compute waited for its copy.
+    pub(crate) fn into_tensor_after_wait(self, gpu: &crate::device::Gpu) -> Result<Tensor> {
+        gpu.compute_wait(&self.ready)?;
+        self.buffer.into_tensor(&self.shape)
+    }
+}
+
 /// Copies a CPU tensor to `stream`'s device. The buffer may be used once the returned event
 /// completed (compute waits on it: [`crate::device::Gpu::compute_wait`]).
 pub(crate) fn upload(

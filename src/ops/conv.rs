@@ -118,6 +118,11 @@ impl Conv1d {
     }
     /// The forward pass with this crate's errors: `[B, in, L]` → `[B, out, L']`.
     pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+        super::on_weight_device(&self.weights, x, |e| e, |x| self.forward_here(x))
+    }
+
+    /// The forward on the device of the layer's weight.
+    fn forward_here(&self, x: &Tensor) -> Result<Tensor> {
         let c = self.config;
         conv_forward(&self.weights, c, x, 3, "conv1d", |x, w| {
             x.conv1d(w, c.padding, c.stride, c.dilation, c.groups)
@@ -149,6 +154,11 @@ impl Conv2d {
     }
     /// The forward pass with this crate's errors: `[B, in, H, W]` → `[B, out, H', W']`.
     pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+        super::on_weight_device(&self.weights, x, |e| e, |x| self.forward_here(x))
+    }
+
+    /// The forward on the device of the layer's weight.
+    fn forward_here(&self, x: &Tensor) -> Result<Tensor> {
         let c = self.config;
         conv_forward(&self.weights, c, x, 4, "conv2d", |x, w| {
             x.conv2d(w, c.padding, c.stride, c.dilation, c.groups)
@@ -181,6 +191,11 @@ impl ConvTranspose2d {
     }
     /// The forward pass with this crate's errors: `[B, in, H, W]` → `[B, out, H', W']`.
     pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+        super::on_weight_device(&self.weights, x, |e| e, |x| self.forward_here(x))
+    }
+
+    /// The forward on the device of the layer's weight.
+    fn forward_here(&self, x: &Tensor) -> Result<Tensor> {
         let s = &self.weights.weight.shape;
         check_input(&self.weights, x, 4, s[0])?;
         let x = self.weights.prepare_input(x)?;

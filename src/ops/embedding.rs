@@ -30,6 +30,11 @@ impl Embedding {
     /// The forward pass with this crate's errors: `ids` of any integer dtype and shape `[...]`
     /// give `[..., hidden]` in the compute dtype.
     pub fn try_forward(&self, ids: &Tensor) -> Result<Tensor> {
+        super::on_weight_device(&self.weights, ids, |e| e, |ids| self.forward_here(ids))
+    }
+
+    /// The forward on the device of the layer's weight.
+    fn forward_here(&self, ids: &Tensor) -> Result<Tensor> {
         if ids.dtype().is_float() {
             return Err(Error::UnsupportedDtype {
                 dtype: format!("{:?}", ids.dtype()),

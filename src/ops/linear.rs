@@ -29,6 +29,11 @@ impl Linear {
 
     /// The forward pass with this crate's errors. `x` is `[..., in]`; the output `[..., out]`.
     pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+        super::on_weight_device(&self.weights, x, |e| e, |x| self.forward_here(x))
+    }
+
+    /// The forward on the device of the layer's weight.
+    fn forward_here(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         if dims.last() != Some(&self.in_dim) {
             return Err(Error::ShapeMismatch {

@@ -63,6 +63,7 @@ mod conv;
 mod embedding;
 mod linear;
 mod norm;
+mod split;
 pub mod quant;
 #[cfg(test)]
 mod tests;
@@ -84,6 +85,8 @@ pub use conv::{Conv1d, Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig}
 pub use embedding::Embedding;
 pub use linear::Linear;
 pub use norm::{GroupNorm, LayerNorm, RmsNorm};
+pub(crate) use split::{on_device_of, on_weight_device};
+pub use split::{ActivationMoves, SplitStats};
 
 /// How a layer's weights meet the compute dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -222,6 +225,11 @@ pub struct LayerWeights {
 }
 
 impl LayerWeights {
+    /// The weight's slot index in its model.
+    pub(crate) fn weight_index(&self) -> usize {
+        self.weight.index
+    }
+
     /// The weight's key.
     pub fn weight_key(&self) -> &str {
         &self.weight.key
@@ -291,7 +299,7 @@ fn prepare_weight(
     };
     let t = match (cache, cast_key(patcher, w, mode)) {
         // A resident weight cast to another dtype: once, when the ledger has room for the copy.
-        (Some(cache), Some(key)) if cache.device() == patcher.load_device() => {
+        (Some(cache), Some(key)) if cache.device() == patcher.weight_device(w.index) => {
             cache.get_or_cast(w.index, key, || cast_step(patcher, w, t, mode))?
         }
         _ => cast_step(patcher, w, t, mode)?,
@@ -421,7 +429,7 @@ pub(crate) fn weight_outside_forward(weights: &LayerWeights, device: &Device) ->
         None => patcher.materialize(
             w.index,
             patcher.resident_dtype(w.index),
-            patcher.load_device(),
+            patcher.weight_device(w.index),
         )?,
     };
     finish_weight(&patcher, w, t, weights.mode, device)

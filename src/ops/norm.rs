@@ -55,6 +55,11 @@ impl LayerNorm {
     }
     /// The forward pass with this crate's errors: `[..., H]` → `[..., H]`.
     pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+        super::on_weight_device(&self.weights, x, |e| e, |x| self.forward_here(x))
+    }
+
+    /// The forward on the device of the layer's weight.
+    fn forward_here(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.weights.weight.shape[0];
         if x.dims().last() != Some(&h) {
             return Err(Error::ShapeMismatch {
@@ -112,6 +117,11 @@ impl GroupNorm {
     }
     /// The forward pass with this crate's errors.
     pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+        super::on_weight_device(&self.weights, x, |e| e, |x| self.forward_here(x))
+    }
+
+    /// The forward on the device of the layer's weight.
+    fn forward_here(&self, x: &Tensor) -> Result<Tensor> {
         let c = self.weights.weight.shape[0];
         let dims = x.dims().to_vec();
         if dims.len() < 2 || dims[1] != c {
@@ -168,6 +178,11 @@ impl RmsNorm {
     }
     /// The forward pass with this crate's errors: `[..., H]` → `[..., H]`.
     pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+        super::on_weight_device(&self.weights, x, |e| e, |x| self.forward_here(x))
+    }
+
+    /// The forward on the device of the layer's weight.
+    fn forward_here(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.weights.weight.shape[0];
         if x.dims().last() != Some(&h) {
             return Err(Error::ShapeMismatch {

@@ -13,6 +13,7 @@
 //! that asks for a patched weight gets the same bits.
 
 pub mod adapters;
+pub mod device_map;
 pub mod lora_file;
 mod model_patcher;
 pub(crate) mod selection;
@@ -29,6 +30,7 @@ pub mod lora {
     pub use super::lora_file::*;
 }
 
+pub use device_map::{AutoMapOptions, DeviceMap, Target};
 pub use adapters::{DoraNorm, GLora, LoHa, LoKr, Lora, Offset, Oft, Patch, PatchEntry};
 pub(crate) use model_patcher::{cast_weight, ResidencySignature};
 pub use model_patcher::{

@@ -183,16 +183,17 @@ impl QTensor {
             Inner::Quantized(r) => r
                 .source
                 .patcher()
-                .load_device()
+                .weight_device(r.index)
                 .to_candle()
                 .map_err(to_candle),
-            Inner::Dense(d) => d
-                .weights
-                .source()
-                .patcher()
-                .load_device()
-                .to_candle()
-                .map_err(to_candle),
+            Inner::Dense(d) => {
+                let source = d.weights.source();
+                let patcher = source.patcher();
+                patcher
+                    .weight_device(d.weights.weight_index())
+                    .to_candle()
+                    .map_err(to_candle)
+            }
         }
     }
 
@@ -244,7 +245,7 @@ impl QTensor {
                 &d.weights
                     .source()
                     .patcher()
-                    .load_device()
+                    .weight_device(d.weights.weight_index())
                     .to_candle()
                     .map_err(to_candle)?,
             )
@@ -281,9 +282,24 @@ impl QTensor {
     /// # Errors
     /// candle's errors, and those of the fetch.
     pub fn embedding(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        match self.fetch_for_forward(ids.device()).map_err(to_candle)? {
-            Fetched::Quantized(q) => q.embedding(ids),
-            Fetched::Dense(w) => cq::QMatMul::Tensor(w).embedding(ids),
+        self.on_weight_device(ids, |ids| {
+            match self.fetch_for_forward(ids.device()).map_err(to_candle)? {
+                Fetched::Quantized(q) => q.embedding(ids),
+                Fetched::Dense(w) => cq::QMatMul::Tensor(w).embedding(ids),
+            }
+        })
+    }
+
+    /// Runs `f` where the weight lives (a split model's remote layer; `crate::ops::split`).
+    fn on_weight_device(
+        &self,
+        x: &Tensor,
+        f: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        match &self.inner {
+            Inner::Owned(_) => f(x),
+            Inner::Quantized(r) => crate::ops::on_device_of(&r.source, r.index, x, to_candle, f),
+            Inner::Dense(d) => crate::ops::on_weight_device(&d.weights, x, to_candle, f),
         }
     }
 }
@@ -297,7 +313,7 @@ impl QRef {
         if record {
             model.record_use(self.index);
         }
-        let device = patcher.load_device();
+        let device = patcher.weight_device(self.index);
         let (q, streamed) = match patcher.resident_weight(self.index) {
             Some(ResidentWeight::Quantized(q)) => (q, false),
             _ => {
@@ -344,7 +360,7 @@ fn dense_patched(
         cast_cache_of(patcher.model())
     };
     match cache {
-        Some(cache) if cache.device() == patcher.load_device() => {
+        Some(cache) if cache.device() == patcher.weight_device(index) => {
             let key = CastKey {
                 generation: patcher.model().residency_generation(),
                 fingerprint: patcher.patch_fingerprint(index, compute),
@@ -432,6 +448,13 @@ impl Module for QMatMul {
         if let Some(m) = &self.owned {
             return m.forward(xs);
         }
+        self.weight.on_weight_device(xs, |xs| self.forward_here(xs))
+    }
+}
+
+impl QMatMul {
+    /// The forward on the device of the weight.
+    fn forward_here(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         match self
             .weight
             .fetch_for_forward(xs.device())

@@ -63,6 +63,10 @@ pub struct Config {
     /// `--vram-budget SIZE`: caps every device's total; on a machine without GPU it makes the CPU
     /// a budgeted compute device.
     pub vram_budget: Option<ByteSize>,
+    /// `--vram-budget 0=8GiB,1=12GiB`: a budget per GPU ordinal (`cuda:N`, or `sim:N` when
+    /// simulated GPUs are given), capping that device's total; devices not named keep
+    /// [`Config::vram_budget`] (or none). Repeated ordinals: the last wins.
+    pub vram_budgets: Vec<(usize, ByteSize)>,
     /// `--disable-smart-memory`: unload other models fully instead of partially.
     pub disable_smart_memory: bool,
     /// `--async-offload [N]`: number of transfer lanes (`Some(None)` = the flag without a number,
@@ -507,6 +511,25 @@ impl Config {
                     return Err(invalid(format!("`{value_str}` must be a non-negative number of GB")));
                 }
                 self.reserve_vram_gb = Some(gb);
+            }
+            Action::VramBudget if value_str.contains('=') => {
+                for part in value_str.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                    let (n, b) = part.split_once('=').ok_or_else(|| {
+                        invalid(format!("`{part}` is not GPU=SIZE (as in `0=8GiB,1=12GiB`)"))
+                    })?;
+                    let n: usize = n.trim().parse().map_err(|_| {
+                        invalid(format!("`{n}` in `{part}` is not a GPU number"))
+                    })?;
+                    let b: ByteSize = b
+                        .trim()
+                        .parse()
+                        .map_err(|e| invalid(format!("GPU {n}'s budget: {e}")))?;
+                    if b == ByteSize::ZERO {
+                        return Err(invalid(format!("GPU {n}'s budget must be more than 0 bytes")));
+                    }
+                    self.vram_budgets.retain(|(m, _)| *m != n);
+                    self.vram_budgets.push((n, b));
+                }
             }
             Action::VramBudget => {
                 let b: ByteSize = value_str.parse()?;

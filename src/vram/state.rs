@@ -342,6 +342,7 @@ impl Policy {
     /// CPU): its free memory is total − ledger rather than the driver's figure.
     pub fn is_budgeted(&self, device: DeviceId) -> bool {
         self.config.vram_budget.is_some()
+            || self.device_budget(device).is_some()
             || device.is_sim()
             || (device.is_cpu() && self.cpu_is_budgeted())
     }
@@ -358,10 +359,24 @@ impl Policy {
                 .unwrap_or(ByteSize::ZERO),
             DeviceId::Sim(n) => self.sim_capacity(n),
         };
-        match self.config.vram_budget {
+        match self.device_budget(device).or(self.config.vram_budget) {
             Some(b) => raw.min(b),
             None => raw,
         }
+    }
+
+    /// The budget `--vram-budget N=SIZE` gives this GPU, if any.
+    pub fn device_budget(&self, device: DeviceId) -> Option<ByteSize> {
+        let n = match device {
+            DeviceId::Cuda(n) | DeviceId::Sim(n) => n,
+            DeviceId::Cpu => return None,
+        };
+        self.config
+            .vram_budgets
+            .iter()
+            .rev()
+            .find(|(m, _)| *m == n)
+            .map(|(_, b)| *b)
     }
 
     /// Free memory as probed (driver free, or host available), capped by the budget; the memory
@@ -574,6 +589,31 @@ mod tests {
         assert!(p.is_budgeted(DeviceId::Cuda(0)));
         let p = policy(&["--vram-budget", "64GiB"], card(24));
         assert_eq!(p.total_memory(DeviceId::Cuda(0)), ByteSize::gib(24));
+    }
+
+    #[test]
+    fn vram_budget_per_device_caps_each_gpu_and_the_single_form_the_rest() {
+        let p = policy(
+            &["--sim-gpus", "3x16MiB", "--vram-budget", "0=4MiB,1=12MiB"],
+            card(24),
+        );
+        assert_eq!(p.total_memory(DeviceId::Sim(0)), ByteSize::mib(4));
+        assert_eq!(p.total_memory(DeviceId::Sim(1)), ByteSize::mib(12));
+        assert_eq!(p.total_memory(DeviceId::Sim(2)), ByteSize::mib(16));
+        // A budget above the device's capacity caps nothing; the single form covers the rest.
+        let p = policy(
+            &["--vram-budget", "1=64GiB", "--vram-budget", "6GiB"],
+            card(24),
+        );
+        assert_eq!(p.total_memory(DeviceId::Cuda(0)), ByteSize::gib(6));
+        assert!(p.is_budgeted(DeviceId::Cuda(0)));
+        let p = policy(&["--vram-budget", "0=3GiB"], card(24));
+        assert_eq!(p.total_memory(DeviceId::Cuda(0)), ByteSize::gib(3));
+        assert!(p.is_budgeted(DeviceId::Cuda(0)));
+        for bad in ["0=0", "x=1GiB", "0=lots", "=1GiB"] {
+            let e = Config::from_args(["--vram-budget", bad]).unwrap_err().to_string();
+            assert!(e.contains("--vram-budget"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -286,7 +286,7 @@ impl ModelPatcher {
                 fingerprint,
                 device,
                 ..
-            } if *fingerprint == fp && *device == self.load_device => Some(tensor.clone()),
+            } if *fingerprint == fp && *device == self.weight_device(index) => Some(tensor.clone()),
             _ => None,
         }
     }
@@ -324,7 +324,7 @@ impl ModelPatcher {
             return Ok((t.clone(), false));
         }
         if resident.is_none() && self.model.stream_hook().is_none() {
-            self.model.note_use_without_load(self.load_device);
+            self.model.note_use_without_load(self.weight_device(index));
         }
         let dtype = self.resident_dtype(index);
         match resident {
@@ -332,11 +332,12 @@ impl ModelPatcher {
                 Ok((self.dense_from_blocks(index, &q, dtype)?, false))
             }
             _ => {
-                let t = self.materialize(index, dtype, self.load_device)?;
+                let device = self.weight_device(index);
+                let t = self.materialize(index, dtype, device)?;
                 if self.model.slots()[index].quantized().is_none() {
                     return Ok((t, true));
                 }
-                let q = self.clean_qtensor(index, &t, &self.load_device.to_candle()?)?;
+                let q = self.clean_qtensor(index, &t, &device.to_candle()?)?;
                 Ok((self.dense_from_blocks(index, &q, dtype)?, true))
             }
         }

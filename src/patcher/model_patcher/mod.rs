@@ -132,7 +132,7 @@ pub struct PatcherOptions {
 
 /// What a patcher's resident copies depend on, for the whole model at once
 /// ([`ModelPatcher::residency_signature`]).
-pub(crate) type ResidencySignature = (u64, Option<Dtype>, DoraNorm, bool, DeviceId);
+pub(crate) type ResidencySignature = (u64, Option<Dtype>, DoraNorm, bool, DeviceId, u64);
 
 /// What a [`ModelPatcher::load`] or partial load did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -182,6 +182,8 @@ pub struct ModelPatcher {
     /// Every weight's fingerprint, computed once per patch set and options (every change
     /// clears it: those take `&mut self`).
     fingerprints: std::sync::OnceLock<Arc<[Fingerprint]>>,
+    /// A device map resolved against the model (a split model); shared by clones.
+    placement: Option<Arc<crate::patcher::device_map::Placement>>,
 }
 
 /// The fingerprint of an unpatched weight resident in `dtype`: the hash of the dtype alone, as
@@ -216,6 +218,7 @@ impl Clone for ModelPatcher {
             estimator: self.estimator.clone(),
             wrappers: Arc::clone(&self.wrappers),
             fingerprints: self.fingerprints.clone(),
+            placement: self.placement.clone(),
         }
     }
 }
@@ -267,6 +270,7 @@ impl ModelPatcher {
             estimator: None,
             wrappers: Arc::new(HashMap::new()),
             fingerprints: std::sync::OnceLock::new(),
+            placement: None,
         }
     }
 
@@ -297,6 +301,92 @@ impl ModelPatcher {
     /// The device this patcher computes on.
     pub fn load_device(&self) -> DeviceId {
         self.load_device
+    }
+
+    /// Splits the model across devices by `map` (docs/ARCHITECTURE.md §5.2): each weight a
+    /// rule maps to a device is resident there (within that device's budget) and the layer
+    /// using it computes there; weights mapped to [`crate::Target::Host`] always stream to the
+    /// load device; the rest stay on the load device. Clones share the map. An empty map undoes
+    /// a split.
+    pub fn with_device_map(mut self, map: crate::DeviceMap) -> Self {
+        self.placement = (!map.is_empty())
+            .then(|| crate::patcher::device_map::Placement::resolve(map, &self.model));
+        self
+    }
+
+    /// The device map, when the model is split.
+    pub fn device_map(&self) -> Option<&crate::DeviceMap> {
+        self.placement.as_ref().map(|p| &p.map)
+    }
+
+    /// The device weight `index` is resident on (and computes on) when resident: its mapped
+    /// device, else the load device.
+    pub fn weight_device(&self, index: usize) -> DeviceId {
+        match self
+            .placement
+            .as_ref()
+            .and_then(|p| p.targets.get(index).copied().flatten())
+        {
+            Some(crate::Target::Device(d)) => d,
+            _ => self.load_device,
+        }
+    }
+
+    /// Whether weight `index` is mapped to the host: never resident, streamed at every use.
+    pub fn streams_always(&self, index: usize) -> bool {
+        self.placement.as_ref().is_some_and(|p| {
+            p.targets.get(index).copied().flatten() == Some(crate::Target::Host)
+        })
+    }
+
+    /// Every device this patcher's weights are resident on when loaded: the load device and the
+    /// devices its map names, sorted.
+    pub fn devices(&self) -> Vec<DeviceId> {
+        let mut out = vec![self.load_device];
+        if let Some(p) = &self.placement {
+            out.extend(p.targets.iter().filter_map(|t| match t {
+                Some(crate::Target::Device(d)) => Some(*d),
+                _ => None,
+            }));
+        }
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// For a weight mapped to another device than the load device: (load device, its device,
+    /// the split's activation counters).
+    pub(crate) fn remote_weight(
+        &self,
+        index: usize,
+    ) -> Option<(DeviceId, DeviceId, &crate::ops::ActivationMoves)> {
+        let p = self.placement.as_ref()?;
+        match p.targets.get(index).copied().flatten() {
+            Some(crate::Target::Device(d)) if d != self.load_device => {
+                Some((self.load_device, d, &p.moves))
+            }
+            _ => None,
+        }
+    }
+
+    /// What the split model's forwards moved between devices (zero for an unsplit model).
+    pub fn split_stats(&self) -> crate::ops::SplitStats {
+        self.placement
+            .as_ref()
+            .map(|p| p.moves.snapshot())
+            .unwrap_or_default()
+    }
+
+    /// The placement's identity (0 when unsplit): part of the residency signature.
+    pub(crate) fn placement_id(&self) -> u64 {
+        self.placement.as_ref().map_or(0, |p| p.id)
+    }
+
+    /// Tells a split model's placement the manager's devices (for its activation copies).
+    pub(crate) fn note_devices(&self, devices: &crate::device::Devices) {
+        if let Some(p) = &self.placement {
+            p.moves.set_devices(devices);
+        }
     }
 
     /// The device clean weights live on.
@@ -426,6 +516,7 @@ impl ModelPatcher {
             self.options.dora,
             self.options.requantize_patched,
             self.load_device,
+            self.placement_id(),
         )
     }
 
@@ -569,7 +660,7 @@ impl ModelPatcher {
                     device,
                     bytes,
                     ..
-                } if *device == self.load_device && *fingerprint == self.fingerprint(i) => *bytes,
+                } if *device == self.weight_device(i) && *fingerprint == self.fingerprint(i) => *bytes,
                 _ => ByteSize::ZERO,
             })
             .sum()
@@ -594,7 +685,7 @@ impl ModelPatcher {
 
     fn is_current(&self, s: &SlotResidency, index: usize) -> bool {
         matches!(s, SlotResidency::Resident { fingerprint, device, .. }
-            if *device == self.load_device && *fingerprint == self.fingerprint(index))
+            if *device == self.weight_device(index) && *fingerprint == self.fingerprint(index))
     }
 
     /// Sets the activation-memory estimator used by [`ModelPatcher::memory_required`].

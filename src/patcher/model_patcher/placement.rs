@@ -68,6 +68,8 @@ impl ModelPatcher {
     pub(crate) fn weight_views(&self, device: DeviceId) -> Vec<WeightView> {
         let st = self.model.state();
         let patched_any = !self.patches.is_empty();
+        // A split model: each weight is viewed on its own device.
+        let placed = self.device_map().is_some() && device == self.load_device;
         (0..self.model.len())
             .map(|i| {
                 let (on_device, current) = match &st.slots()[i] {
@@ -76,7 +78,9 @@ impl ModelPatcher {
                         bytes,
                         fingerprint,
                         ..
-                    } if *d == device => (Some(*bytes), *fingerprint == self.fingerprint(i)),
+                    } if *d == if placed { self.weight_device(i) } else { device } => {
+                        (Some(*bytes), *fingerprint == self.fingerprint(i))
+                    }
                     _ => (None, false),
                 };
                 WeightView {
@@ -95,7 +99,11 @@ impl ModelPatcher {
     pub fn load_outcome(&self) -> LoadOutcome {
         let st = self.model.state();
         let mut out = LoadOutcome {
-            resident: st.bytes_on(self.load_device),
+            resident: self
+                .devices()
+                .into_iter()
+                .map(|d| st.bytes_on(d))
+                .sum(),
             ..LoadOutcome::default()
         };
         for i in 0..self.model.len() {

@@ -1,0 +1,120 @@
+//! The forward of a layer whose weights live on another device than the model's load device
+//! (a model split by a [`crate::DeviceMap`], docs/ARCHITECTURE.md §5.2).
+//!
+//! One rule keeps model code unchanged: activations live on the load device ("home"). A layer
+//! whose weight is mapped elsewhere moves its input there, computes there, and moves its output
+//! home. So every tensor model code holds (a residual, a cached key, a mask) is on one device, as
+//! in the unsplit run, and a port that works on one device works split; the price is two
+//! activation copies per remote layer instead of one per device boundary, small beside the
+//! weights that no longer stream (the point of a split).
+//!
+//! On CUDA a move is candle's `to_device`. On a simulated GPU a tensor is a CPU tensor either
+//! way, so a move is a real copy through the destination's stream (its modelled latency and
+//! bandwidth, its checker), read back as the tensor compute continues with: same bits, honest
+//! time. Every move is counted in the placement's [`ActivationMoves`]
+//! ([`crate::ModelPatcher::split_stats`]).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use candle_core::Tensor;
+
+use super::{LayerWeights, OpsSource};
+use crate::error::{Error, Result};
+use crate::size::ByteSize;
+use crate::vram::DeviceId;
+
+/// Activation traffic of a split model's forwards (shared by a patcher and its clones).
+#[derive(Debug, Default)]
+pub struct ActivationMoves {
+    bytes: AtomicU64,
+    moves: AtomicU64,
+    devices: std::sync::OnceLock<crate::device::Devices>,
+}
+
+impl ActivationMoves {
+    fn note(&self, bytes: u64) {
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.moves.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Tells the placement which simulated GPUs its devices are (the manager does at load).
+    pub(crate) fn set_devices(&self, devices: &crate::device::Devices) {
+        let _ = self.devices.set(devices.clone());
+    }
+
+    pub(crate) fn snapshot(&self) -> SplitStats {
+        SplitStats {
+            activation_bytes: ByteSize(self.bytes.load(Ordering::Relaxed)),
+            activation_moves: self.moves.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// What a split model's forwards moved between devices so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct SplitStats {
+    /// Bytes of activations copied between devices.
+    pub activation_bytes: ByteSize,
+    /// How many copies.
+    pub activation_moves: u64,
+}
+
+/// Runs `f` on the device of `weights`' weight: directly when it is the load device (every
+/// unsplit model), else with the input moved there and the output moved home.
+pub(crate) fn on_weight_device<E>(
+    weights: &LayerWeights,
+    x: &Tensor,
+    into: impl Fn(Error) -> E,
+    f: impl FnOnce(&Tensor) -> std::result::Result<Tensor, E>,
+) -> std::result::Result<Tensor, E> {
+    on_device_of(&weights.source, weights.weight.index, x, into, f)
+}
+
+/// [`on_weight_device`] for weight `index` of `source`'s patcher.
+pub(crate) fn on_device_of<E>(
+    source: &OpsSource,
+    index: usize,
+    x: &Tensor,
+    into: impl Fn(Error) -> E,
+    f: impl FnOnce(&Tensor) -> std::result::Result<Tensor, E>,
+) -> std::result::Result<Tensor, E> {
+    let patcher = source.patcher();
+    let Some((home, there, moves)) = patcher.remote_weight(index) else {
+        return f(x);
+    };
+    let xr = move_activation(x, home, there, moves).map_err(&into)?;
+    let y = f(&xr)?;
+    move_activation(&y, there, home, moves).map_err(into)
+}
+
+/// `x` (on `from`) copied to `to`.
+fn move_activation(
+    x: &Tensor,
+    from: DeviceId,
+    to: DeviceId,
+    moves: &ActivationMoves,
+) -> Result<Tensor> {
+    let bytes = (x.elem_count() * x.dtype().size_in_bytes()) as u64;
+    moves.note(bytes);
+    let ctx = |e| Error::tensor(format!("moving an activation from {from} to {to}"), e);
+    match to {
+        DeviceId::Sim(_) | DeviceId::Cpu if !from.is_sim() && !to.is_sim() => {
+            x.to_device(&to.to_candle()?).map_err(ctx)
+        }
+        DeviceId::Cuda(_) => x.to_device(&to.to_candle()?).map_err(ctx),
+        _ => {
+            // A simulated GPU: the copy runs on the destination's stream (the source's, when
+            // going home to the CPU), at its modelled bandwidth.
+            let via = if to.is_sim() { to } else { from };
+            let gpu = moves.devices.get().and_then(|d| d.gpu(via));
+            let Some(gpu) = gpu else {
+                return Ok(x.clone());
+            };
+            let stream = gpu.default_stream()?;
+            let stats = crate::offload::TransferStats::default();
+            let copied = crate::offload::upload(x, &stream, None, &stats, None)?;
+            copied.into_tensor_after_wait(&gpu)
+        }
+    }
+}
