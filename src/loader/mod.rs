@@ -400,6 +400,30 @@ impl MemoryManager {
         self.free_in(&self.inner.lock().registry, device)
     }
 
+    /// Every GPU this manager schedules (simulated GPUs when given, else CUDA devices), in
+    /// order, with the bytes of weights it could take now: its free memory less the minimum
+    /// inference memory. What [`crate::DeviceMap::auto`] fills:
+    /// `DeviceMap::auto(&patcher, &mm.device_budgets(), Default::default())`.
+    pub fn device_budgets(&self) -> Vec<(DeviceId, ByteSize)> {
+        let sims = self.engine.devices().sims().len();
+        let gpus: Vec<DeviceId> = if sims > 0 {
+            (0..sims).map(DeviceId::Sim).collect()
+        } else {
+            self.policy
+                .hardware()
+                .gpus
+                .iter()
+                .map(|g| DeviceId::Cuda(g.ordinal))
+                .filter(|&d| self.policy.is_scheduled(d))
+                .collect()
+        };
+        let min_inf = self.policy.minimum_inference_memory();
+        let inner = self.inner.lock();
+        gpus.into_iter()
+            .map(|d| (d, self.free_in(&inner.registry, d).saturating_sub(min_inf)))
+            .collect()
+    }
+
     fn resident_in(registry: &[Entry], device: DeviceId) -> ByteSize {
         registry
             .iter()

@@ -1,0 +1,330 @@
+//! Many devices: per-device budgets and ledgers, one model split across simulated GPUs by a
+//! `DeviceMap` (manual and auto), the split forward's bits, patches following their weights, and
+//! a failed load on the second device leaving both as they were.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{Device, Module, Tensor};
+use residency::device::SimFault;
+use residency::float::Dtype;
+use residency::loader::{LoadOptions, MemoryManager};
+use residency::nn as candle_nn;
+use residency::ops::OpsMode;
+use residency::patcher::{Lora, Patch};
+use residency::size::ByteSize;
+use residency::vram::{Config, DeviceId, Hardware};
+use residency::{DeviceMap, Model, ModelPatcher, Target};
+
+const VOCAB: usize = 64;
+const HIDDEN: usize = 64;
+const LAYERS: usize = 12;
+
+/// A residual MLP stack on `residency::nn` layers, as a candle-nn model is written: the
+/// residual `x + down(gelu(up(norm(x))))` crosses device boundaries when split.
+struct Net {
+    embed: candle_nn::Embedding,
+    layers: Vec<(candle_nn::RmsNorm, candle_nn::Linear, candle_nn::Linear)>,
+    head: candle_nn::Linear,
+}
+
+impl Net {
+    fn new(p: &ModelPatcher) -> Net {
+        let vb = candle_nn::VarBuilder::from_patcher(
+            p,
+            OpsMode::ManualCast {
+                compute: Dtype::F32,
+            },
+        )
+        .unwrap();
+        let layers = (0..LAYERS)
+            .map(|i| {
+                let vb = vb.pp("layers").pp(i);
+                (
+                    candle_nn::rms_norm(HIDDEN, 1e-5, vb.pp("norm")).unwrap(),
+                    candle_nn::linear(HIDDEN, 4 * HIDDEN, vb.pp("up")).unwrap(),
+                    candle_nn::linear_no_bias(4 * HIDDEN, HIDDEN, vb.pp("down")).unwrap(),
+                )
+            })
+            .collect();
+        Net {
+            embed: candle_nn::embedding(VOCAB, HIDDEN, vb.pp("embed")).unwrap(),
+            layers,
+            head: candle_nn::linear_no_bias(HIDDEN, VOCAB, vb.pp("head")).unwrap(),
+        }
+    }
+
+    fn forward(&self, ids: &Tensor) -> Vec<u32> {
+        let mut x = self.embed.forward(ids).unwrap();
+        for (norm, up, down) in &self.layers {
+            let h = up.forward(&norm.forward(&x).unwrap()).unwrap().gelu().unwrap();
+            x = (x + down.forward(&h).unwrap()).unwrap();
+        }
+        let y = self.head.forward(&x).unwrap();
+        common::f32s(&y).into_iter().map(f32::to_bits).collect()
+    }
+}
+
+fn write_model(dir: &Path) -> std::path::PathBuf {
+    let mut tensors: Vec<(String, Tensor, Dtype)> = Vec::new();
+    let mut seed = 1;
+    let mut t = |name: String, shape: &[usize]| {
+        seed += 1;
+        let x = (common::rand_tensor(shape, seed) * 0.2).unwrap();
+        tensors.push((name, x, Dtype::F32));
+    };
+    t("embed.weight".into(), &[VOCAB, HIDDEN]);
+    for i in 0..LAYERS {
+        t(format!("layers.{i}.norm.weight"), &[HIDDEN]);
+        t(format!("layers.{i}.up.weight"), &[4 * HIDDEN, HIDDEN]);
+        t(format!("layers.{i}.up.bias"), &[4 * HIDDEN]);
+        t(format!("layers.{i}.down.weight"), &[HIDDEN, 4 * HIDDEN]);
+    }
+    t("head.weight".into(), &[VOCAB, HIDDEN]);
+    let path = dir.join("net.safetensors");
+    residency::weights::save_safetensors(&path, &tensors, &Default::default()).unwrap();
+    path
+}
+
+fn ids() -> Tensor {
+    Tensor::new(&[[3u32, 17, 42, 5, 63, 0, 9, 31]], &Device::Cpu).unwrap()
+}
+
+/// A manager with `sims` simulated GPUs (`SIZE@BANDWIDTH` specs) and tiny fixed overheads.
+fn manager(sims: &[&str], extra: &[&str]) -> MemoryManager {
+    let mut args: Vec<String> = vec![
+        "--reserve-vram".into(),
+        "0".into(),
+        "--inference-memory".into(),
+        "1KiB".into(),
+    ];
+    for s in sims {
+        args.extend(["--sim-gpu".to_string(), s.to_string()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    MemoryManager::new(
+        Config::from_args(&args).unwrap(),
+        Hardware::cpu_only(ByteSize::gib(8)),
+    )
+    .unwrap()
+}
+
+fn patcher(path: &Path, device: DeviceId) -> ModelPatcher {
+    let model = Model::from_safetensors("net", &[path]).unwrap();
+    ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu).with_compute_dtype(Some(Dtype::F32))
+}
+
+fn assert_clean(mm: &MemoryManager) {
+    for sim in mm.transfer_engine().devices().sims() {
+        sim.check().unwrap();
+    }
+}
+
+/// Bytes of `p`'s weights resident on each of `devices`.
+fn resident_on(p: &ModelPatcher, devices: &[DeviceId]) -> Vec<ByteSize> {
+    devices
+        .iter()
+        .map(|&d| p.model().resident_bytes(d))
+        .collect()
+}
+
+#[test]
+fn a_model_three_times_a_device_runs_split_with_the_cpu_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path());
+
+    // The CPU run, unmanaged.
+    let cpu = patcher(&path, DeviceId::Cpu);
+    let expected = Net::new(&cpu).forward(&ids());
+    let size = cpu.resident_model_size();
+
+    // One large simulated device.
+    let mm = manager(&["64MiB@25GB/s"], &[]);
+    let one = patcher(&path, DeviceId::Sim(0));
+    mm.load_models_gpu(std::slice::from_ref(&one), LoadOptions::default())
+        .unwrap();
+    assert_eq!(Net::new(&one).forward(&ids()), expected, "one large device");
+    assert_clean(&mm);
+    drop(mm);
+
+    // Four devices, each a third of the model or less.
+    let device_size = ByteSize(size.bytes() / 3);
+    let spec = format!("{}B@25GB/s", device_size.bytes());
+    let mm = manager(&[&spec, &spec, &spec, &spec], &[]);
+    let devices: Vec<DeviceId> = (0..4).map(DeviceId::Sim).collect();
+    let base = patcher(&path, DeviceId::Sim(0));
+    let budgets = mm.device_budgets();
+    assert_eq!(budgets.len(), 4);
+    let map = DeviceMap::auto(&base, &budgets, Default::default());
+    let base = base.with_device_map(map);
+    let plan = mm
+        .plan(std::slice::from_ref(&base), LoadOptions::default())
+        .unwrap();
+    assert!(plan.fits(), "{:?}", plan.problem);
+    assert_eq!(plan.models[0].streaming, ByteSize::ZERO, "{plan:#?}");
+    assert!(plan.models[0].placed.len() >= 3, "{:?}", plan.models[0].placed);
+    let report = mm
+        .load_models_gpu(std::slice::from_ref(&base), LoadOptions::default())
+        .unwrap();
+    assert!(report.models[0].full);
+    let on = resident_on(&base, &devices);
+    assert_eq!(on.iter().copied().sum::<ByteSize>(), size);
+    for (d, bytes) in devices.iter().zip(&on) {
+        assert!(*bytes <= mm.get_total_memory(*d), "{d}: {bytes}");
+        assert!(mm.peak_ledger(*d) <= mm.get_total_memory(*d), "{d}");
+    }
+    assert!(on.iter().filter(|b| **b > ByteSize::ZERO).count() >= 3, "{on:?}");
+
+    let streamed_before = mm.transfer_stats().bytes_transferred;
+    let net = Net::new(&base);
+    assert_eq!(net.forward(&ids()), expected, "split across four devices");
+    assert_eq!(net.forward(&ids()), expected, "second forward");
+    assert_eq!(
+        mm.transfer_stats().bytes_transferred,
+        streamed_before,
+        "a split model that fits streams no weight"
+    );
+    let stats = base.split_stats();
+    assert!(stats.activation_moves > 0 && stats.activation_bytes > ByteSize::ZERO);
+    // Activations are small beside the weights that did not have to stream.
+    assert!(stats.activation_bytes < size, "{stats:?} vs {size}");
+    assert_clean(&mm);
+
+    // A LoRA clone is split the same way: only the patched weight moves, on its own device.
+    let key = "layers.7.up.weight";
+    let index = base.model().index_of(key).unwrap();
+    let device = base.weight_device(index);
+    assert_ne!(device, DeviceId::Sim(0), "layer 7 is on a later device");
+    let mut clone = base.clone();
+    let lora = Lora {
+        up: (common::rand_tensor(&[4 * HIDDEN, 2], 99) * 0.1).unwrap(),
+        down: (common::rand_tensor(&[2, HIDDEN], 98) * 0.1).unwrap(),
+        alpha: None,
+        mid: None,
+        dora_scale: None,
+    };
+    clone
+        .add_patches([(key, Patch::Lora(lora))], 1.0, 1.0)
+        .unwrap();
+    assert_eq!(clone.weight_device(index), device);
+    let before = resident_on(&base, &devices);
+    let report = mm
+        .load_models_gpu(std::slice::from_ref(&clone), LoadOptions::default())
+        .unwrap();
+    let weight_bytes = base.resident_size(index);
+    assert_eq!(report.models[0].moved, weight_bytes, "only the patched weight moves");
+    assert_eq!(resident_on(&clone, &devices), before, "every device holds what it held");
+    let patched = Net::new(&clone).forward(&ids());
+    assert_ne!(patched, expected);
+    // Unsplit, the same clone gives the same bits.
+    let unsplit = patcher(&path, DeviceId::Cpu);
+    let mut unsplit_clone = unsplit.clone();
+    let lora = Lora {
+        up: (common::rand_tensor(&[4 * HIDDEN, 2], 99) * 0.1).unwrap(),
+        down: (common::rand_tensor(&[2, HIDDEN], 98) * 0.1).unwrap(),
+        alpha: None,
+        mid: None,
+        dora_scale: None,
+    };
+    unsplit_clone
+        .add_patches([(key, Patch::Lora(lora))], 1.0, 1.0)
+        .unwrap();
+    assert_eq!(Net::new(&unsplit_clone).forward(&ids()), patched);
+    // Back to the base: again one weight.
+    let report = mm
+        .load_models_gpu(std::slice::from_ref(&base), LoadOptions::default())
+        .unwrap();
+    assert_eq!(report.models[0].moved, weight_bytes);
+    assert_eq!(Net::new(&base).forward(&ids()), expected);
+    assert_clean(&mm);
+}
+
+#[test]
+fn host_rules_stream_and_a_map_larger_than_a_device_streams_its_overflow() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path());
+    let expected = Net::new(&patcher(&path, DeviceId::Cpu)).forward(&ids());
+    let mm = manager(&["16MiB@25GB/s", "16MiB@25GB/s"], &[]);
+
+    // Layers 0-5 on sim:1, the head streamed from the host, the rest on sim:0.
+    let map = DeviceMap::parse("layers\\.[0-5]\\.=sim:1,head=host").unwrap();
+    let p = patcher(&path, DeviceId::Sim(0)).with_device_map(map);
+    let head = p.resident_size(p.model().index_of("head.weight").unwrap());
+    assert!(p.streams_always(p.model().index_of("head.weight").unwrap()));
+    let report = mm
+        .load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    assert_eq!(report.models[0].streaming, head);
+    assert!(!report.models[0].full);
+    let layer0 = p.model().index_of("layers.0.up.weight").unwrap();
+    assert_eq!(p.weight_device(layer0), DeviceId::Sim(1));
+    assert!(p.model().resident_bytes(DeviceId::Sim(1)) > ByteSize::ZERO);
+    let streamed = mm.transfer_stats().bytes_transferred;
+    assert_eq!(Net::new(&p).forward(&ids()), expected);
+    assert_eq!(mm.transfer_stats().bytes_transferred.saturating_sub(streamed), head, "only the head streamed");
+    assert_clean(&mm);
+    drop(p);
+
+    // Everything mapped to a device half the model's size: the overflow streams to it, within
+    // its budget, with the same bits.
+    let size = patcher(&path, DeviceId::Cpu).resident_model_size();
+    let half = format!("{}B", size.bytes() / 2);
+    let mm = manager(&["16MiB", &half], &[]);
+    let p = patcher(&path, DeviceId::Sim(0)).with_device_map(DeviceMap::new().prefix("layers", Target::Device(DeviceId::Sim(1))));
+    let report = mm
+        .load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    assert!(report.models[0].streaming > ByteSize::ZERO);
+    assert_eq!(Net::new(&p).forward(&ids()), expected);
+    assert!(mm.peak_ledger(DeviceId::Sim(1)) <= mm.get_total_memory(DeviceId::Sim(1)));
+    assert_clean(&mm);
+}
+
+#[test]
+fn a_full_load_that_overruns_the_second_device_changes_nothing_on_either() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path());
+    let size = patcher(&path, DeviceId::Cpu).resident_model_size();
+    let small = format!("{}B", size.bytes() / 4);
+    let mm = manager(&["16MiB", &small], &[]);
+    // Another model resident on both devices first.
+    let other = patcher(&path, DeviceId::Sim(0))
+        .with_device_map(DeviceMap::parse("layers.0.=sim:1").unwrap());
+    mm.load_models_gpu(std::slice::from_ref(&other), LoadOptions::default())
+        .unwrap();
+    let ledgers = |mm: &MemoryManager| [mm.ledger(DeviceId::Sim(0)), mm.ledger(DeviceId::Sim(1))];
+    let before = ledgers(&mm);
+
+    let p = patcher(&path, DeviceId::Sim(0))
+        .with_device_map(DeviceMap::new().prefix("layers", Target::Device(DeviceId::Sim(1))));
+    let e = mm
+        .load_models_gpu(
+            std::slice::from_ref(&p),
+            LoadOptions::default().with_force_full_load(true),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sim:1"), "{e}");
+    assert_eq!(ledgers(&mm), before);
+    assert_eq!(p.model().resident_bytes(DeviceId::Sim(0)), ByteSize::ZERO);
+
+    // A driver fault on the second device mid-load: rolled back on both.
+    let p = patcher(&path, DeviceId::Sim(0))
+        .with_device_map(DeviceMap::parse("layers.1[01].=sim:1").unwrap());
+    let sim1 = &mm.transfer_engine().devices().sims()[1];
+    sim1.inject(SimFault::Alloc, 1);
+    let e = mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default());
+    assert!(e.is_err(), "the injected fault fails the load");
+    sim1.disarm();
+    assert_eq!(ledgers(&mm), before, "both devices as they were");
+    assert_eq!(p.model().resident_bytes(DeviceId::Sim(0)), ByteSize::ZERO);
+    assert_eq!(p.model().resident_bytes(DeviceId::Sim(1)), ByteSize::ZERO);
+    // And it loads once the fault is gone, giving the CPU bits.
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    let expected = Net::new(&patcher(&path, DeviceId::Cpu)).forward(&ids());
+    assert_eq!(Net::new(&p).forward(&ids()), expected);
+    assert_clean(&mm);
+}
