@@ -328,3 +328,82 @@ fn a_full_load_that_overruns_the_second_device_changes_nothing_on_either() {
     assert_eq!(Net::new(&p).forward(&ids()), expected);
     assert_clean(&mm);
 }
+
+/// A model of `bytes` f32 weights named `name.w{i}` (4 weights).
+fn sized_model(name: &str, bytes: u64) -> ModelPatcher {
+    let per = (bytes / 4 / 4) as usize;
+    let tensors: Vec<(String, Tensor)> = (0..4)
+        .map(|i| (format!("w{i}"), common::rand_tensor(&[per], i as u64 + 1)))
+        .collect();
+    let model = Model::from_tensors(name, tensors).unwrap();
+    ModelPatcher::new(Arc::new(model), DeviceId::Sim(0), DeviceId::Cpu)
+}
+
+#[test]
+fn auto_placement_prefers_residency_then_room_then_the_cheapest_eviction() {
+    let mm = manager(&["4MiB", "4MiB"], &[]);
+    let a = sized_model("a", 2 << 20).with_auto_device();
+    let b = sized_model("b", 2 << 20).with_auto_device();
+    // Both empty: the most free memory, ties to the lowest ordinal.
+    let plan = mm.plan(std::slice::from_ref(&a), LoadOptions::default()).unwrap();
+    assert_eq!(plan.models[0].device, DeviceId::Sim(0));
+    assert_eq!(a.load_device(), DeviceId::Sim(0), "a plan changes nothing");
+    mm.load_models_gpu(std::slice::from_ref(&a), LoadOptions::default())
+        .unwrap();
+    assert_eq!(a.load_device(), DeviceId::Sim(0));
+    // b goes where there is room without evicting a.
+    let plan = mm.plan(std::slice::from_ref(&b), LoadOptions::default()).unwrap();
+    assert_eq!(plan.models[0].device, DeviceId::Sim(1));
+    assert!(plan.evictions.is_empty());
+    mm.load_models_gpu(std::slice::from_ref(&b), LoadOptions::default())
+        .unwrap();
+    assert_eq!(b.load_device(), DeviceId::Sim(1));
+    assert_eq!(a.model().resident_bytes(DeviceId::Sim(0)), ByteSize::mib(2));
+    // A reload stays put and moves nothing; a clone shares the choice.
+    let report = mm
+        .load_models_gpu(std::slice::from_ref(&a), LoadOptions::default())
+        .unwrap();
+    assert_eq!(report.models[0].moved, ByteSize::ZERO);
+    assert_eq!(report.models[0].device, DeviceId::Sim(0));
+    assert_eq!(a.clone().load_device(), DeviceId::Sim(0));
+
+    // c (3 MiB) fits nowhere: it goes where eviction costs least. Keep a: only b can go.
+    let c = sized_model("c", 3 << 20).with_auto_device();
+    let _keep = mm.keep(&a);
+    let plan = mm.plan(std::slice::from_ref(&c), LoadOptions::default()).unwrap();
+    assert_eq!(plan.models[0].device, DeviceId::Sim(1), "{plan:#?}");
+    assert!(plan.evictions.iter().all(|e| e.name == "b"), "{plan:#?}");
+    mm.load_models_gpu(std::slice::from_ref(&c), LoadOptions::default())
+        .unwrap();
+    assert_eq!(c.load_device(), DeviceId::Sim(1));
+    assert_eq!(a.model().resident_bytes(DeviceId::Sim(0)), ByteSize::mib(2));
+    for d in [DeviceId::Sim(0), DeviceId::Sim(1)] {
+        assert!(mm.peak_ledger(d) <= mm.get_total_memory(d));
+    }
+    assert_clean(&mm);
+}
+
+#[test]
+fn per_device_budgets_bound_each_ledger_and_reports_show_every_device() {
+    let mm = manager(&["64MiB", "64MiB"], &["--vram-budget", "0=3MiB,1=5MiB"]);
+    assert_eq!(mm.get_total_memory(DeviceId::Sim(0)), ByteSize::mib(3));
+    assert_eq!(mm.get_total_memory(DeviceId::Sim(1)), ByteSize::mib(5));
+    let a = sized_model("a", 4 << 20);
+    let b = sized_model("b", 4 << 20).with_auto_device();
+    // a (4 MiB) on sim:0 (3 MiB budget) loads partially; b is placed on sim:1, where it fits.
+    let ra = mm
+        .load_models_gpu(std::slice::from_ref(&a), LoadOptions::default())
+        .unwrap();
+    assert!(!ra.models[0].full);
+    assert!(mm.ledger(DeviceId::Sim(0)) <= ByteSize::mib(3));
+    let rb = mm
+        .load_models_gpu(std::slice::from_ref(&b), LoadOptions::default())
+        .unwrap();
+    assert_eq!(rb.models[0].device, DeviceId::Sim(1));
+    assert!(rb.models[0].full);
+    let report = mm.memory_report();
+    let text = report.to_string();
+    assert!(text.contains("sim:0") && text.contains("sim:1"), "{text}");
+    assert!(text.contains("3.00 MiB") && text.contains("5.00 MiB"), "{text}");
+    assert_clean(&mm);
+}

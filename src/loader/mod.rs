@@ -50,6 +50,7 @@
 
 mod execute;
 mod ledger;
+mod placement;
 #[cfg(test)]
 mod model_based;
 pub mod plan;
@@ -586,7 +587,7 @@ impl MemoryManager {
         models: &[ModelPatcher],
         options: LoadOptions,
     ) -> Result<LoadReport> {
-        let all = expand(models);
+        let mut all = expand(models);
         let options = options.resolved(&all);
         for m in &all {
             tracing::info!(
@@ -609,7 +610,22 @@ impl MemoryManager {
         let mut inner = self.inner.lock();
         let _no_prefetch = self.ledger.loading(&devices);
         cleanup(&mut inner);
+        let placed = self.place_auto(&inner, &mut all);
+        // A placed model may go to a device not closed above: close it too.
+        let _no_prefetch_placed = (!placed.is_empty()).then(|| {
+            let mut more: Vec<DeviceId> = all.iter().flat_map(|m| m.devices()).collect();
+            more.retain(|d| !devices.contains(d));
+            more.sort();
+            more.dedup();
+            self.ledger.loading(&more)
+        });
+        let record_placement = || {
+            for (m, d) in &placed {
+                m.set_auto_device(*d);
+            }
+        };
         if let Some(report) = self.reload_noop(&mut inner, &all, &options) {
+            record_placement();
             for m in &all {
                 self.attach_cast_cache(m, &options);
             }
@@ -630,6 +646,9 @@ impl MemoryManager {
                     Some(problem) => Err(problem.to_error()),
                     None => self.execute(&mut inner, &plan, &all, &options),
                 });
+        if result.is_ok() {
+            record_placement();
+        }
         self.refresh_ledger(&inner);
         let stale = Self::take_stale(&mut inner);
         drop(inner);

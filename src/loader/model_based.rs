@@ -89,9 +89,29 @@ fn model_tensors(m: usize) -> Vec<(String, Tensor, Dtype)> {
 /// A handle on model `m`: model 0 keeps resident copies in f32 (its bf16 weights are widened at
 /// load), model 1 keeps them as stored, so its f32 layers cast its bf16 weights at use — through
 /// the manual-cast cache when the ledger has room.
-fn patcher_for(model: Arc<Model>, m: usize, device: DeviceId) -> ModelPatcher {
+fn patcher_for(model: Arc<Model>, m: usize, device: DeviceId, split: bool) -> ModelPatcher {
     let compute = (m == 0).then_some(Dtype::F32);
-    ModelPatcher::new(model, device, CPU).with_compute_dtype(compute)
+    let p = ModelPatcher::new(model, device, CPU).with_compute_dtype(compute);
+    if split && m == 1 {
+        // Model 1 split across both simulated GPUs: its first layer on `sim:0`, the rest on
+        // its load device `sim:1`, its last bias always streamed from the host.
+        p.with_device_map(
+            crate::DeviceMap::new()
+                .prefix("l0", crate::Target::Device(DeviceId::Sim(0)))
+                .prefix("l2.bias", crate::Target::Host),
+        )
+    } else {
+        p
+    }
+}
+
+/// Where weight `key` of model `m` is resident when it is, in a split case.
+fn mapped_device(m: usize, key: &str, devices: [DeviceId; 2]) -> DeviceId {
+    if m == 1 && key.starts_with("l0.") {
+        devices[0]
+    } else {
+        devices[m]
+    }
 }
 
 fn f32_bits(t: &Tensor) -> Vec<u32> {
@@ -282,6 +302,8 @@ struct World {
     reservations: Vec<(super::MemoryReservation, usize, ByteSize)>,
     /// Live keep guards and the id of the model each keeps.
     kept: Vec<(super::KeepGuard, u64)>,
+    /// Two simulated GPUs and model 1 split across both by a device map (half of those cases).
+    split: bool,
 }
 
 /// Simulated GPUs for a case: how many (1 or 2), each copy's fixed cost in µs and the seed of its
@@ -352,7 +374,9 @@ impl World {
             sims,
             reservations: Vec::new(),
             kept: Vec::new(),
+            split: false,
         };
+        world.split = world.sims.len() == 2 && sim.is_some_and(|(_, _, seed)| seed % 2 == 0);
         let models = [Arc::new(world.read(0)), Arc::new(world.read(1))];
         for (m, model) in models.iter().enumerate() {
             world.models[m] = Arc::downgrade(model);
@@ -360,7 +384,7 @@ impl World {
             world.checksums[m] = model.clean_checksum().unwrap();
         }
         for (m, model) in models.into_iter().enumerate() {
-            world.slots[m] = Some((patcher_for(model, m, world.devices[m]), m));
+            world.slots[m] = Some((patcher_for(model, m, world.devices[m], world.split), m));
         }
         world
     }
@@ -488,6 +512,18 @@ impl World {
             for i in 0..model.len() {
                 if let Some(SlotResidency::Resident { device, bytes, .. }) = model.residency_of(i) {
                     let d = usize::from(Some(device) == self.second_device());
+                    if self.split {
+                        let key = model.slots()[i].name();
+                        prop_assert_eq!(
+                            device,
+                            mapped_device(m, key, self.devices),
+                            "{}: m{} `{}` off its mapped device",
+                            ctx(),
+                            m,
+                            key
+                        );
+                        prop_assert!(key != "l2.bias" || m != 1, "{}: a host weight is resident", ctx());
+                    }
                     prop_assert!(
                         device == self.devices[d],
                         "{}: m{} resident on {}",
@@ -613,7 +649,10 @@ impl World {
                     }
                 };
                 let device = self.devices[*model];
-                self.set_slot(*slot, Some((patcher_for(arc, *model, device), *model)));
+                self.set_slot(
+                    *slot,
+                    Some((patcher_for(arc, *model, device, self.split), *model)),
+                );
             }
             Op::Clone { from, to } => {
                 if let Some((p, m)) = self.patcher(*from) {

@@ -517,9 +517,10 @@ impl MemoryManager {
     /// not have. A request that is valid but does not fit is an `Ok` plan with a
     /// [`LoadPlan::problem`].
     pub fn plan(&self, models: &[ModelPatcher], options: LoadOptions) -> Result<LoadPlan> {
-        let all = super::expand(models);
+        let mut all = super::expand(models);
         let options = options.resolved(&all);
         let inner = self.inner.lock();
+        self.place_auto(&inner, &mut all);
         self.plan_locked(&inner, &all, &options)
     }
 

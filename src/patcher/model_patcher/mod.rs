@@ -184,6 +184,36 @@ pub struct ModelPatcher {
     fingerprints: std::sync::OnceLock<Arc<[Fingerprint]>>,
     /// A device map resolved against the model (a split model); shared by clones.
     placement: Option<Arc<crate::patcher::device_map::Placement>>,
+    /// The load device, when the manager chooses it ([`ModelPatcher::with_auto_device`]):
+    /// shared by clones, set by each load.
+    auto_device: Option<Arc<AtomicDevice>>,
+}
+
+/// A [`DeviceId`] the manager can change under shared handles.
+#[derive(Debug)]
+pub(crate) struct AtomicDevice(std::sync::atomic::AtomicU64);
+
+impl AtomicDevice {
+    fn encode(d: DeviceId) -> u64 {
+        match d {
+            DeviceId::Cpu => u64::MAX,
+            DeviceId::Cuda(n) => (n as u64) << 1,
+            DeviceId::Sim(n) => ((n as u64) << 1) | 1,
+        }
+    }
+    fn new(d: DeviceId) -> AtomicDevice {
+        AtomicDevice(std::sync::atomic::AtomicU64::new(Self::encode(d)))
+    }
+    fn get(&self) -> DeviceId {
+        match self.0.load(Ordering::Acquire) {
+            u64::MAX => DeviceId::Cpu,
+            v if v & 1 == 1 => DeviceId::Sim((v >> 1) as usize),
+            v => DeviceId::Cuda((v >> 1) as usize),
+        }
+    }
+    fn set(&self, d: DeviceId) {
+        self.0.store(Self::encode(d), Ordering::Release);
+    }
 }
 
 /// The fingerprint of an unpatched weight resident in `dtype`: the hash of the dtype alone, as
@@ -219,6 +249,7 @@ impl Clone for ModelPatcher {
             wrappers: Arc::clone(&self.wrappers),
             fingerprints: self.fingerprints.clone(),
             placement: self.placement.clone(),
+            auto_device: self.auto_device.clone(),
         }
     }
 }
@@ -243,7 +274,7 @@ impl fmt::Debug for ModelPatcher {
             .field("id", &self.id)
             .field("parent", &self.parent)
             .field("patched_keys", &self.patches.len())
-            .field("load_device", &self.load_device)
+            .field("load_device", &self.load_device())
             .field("offload_device", &self.offload_device)
             .field("options", &self.options)
             .finish()
@@ -271,6 +302,7 @@ impl ModelPatcher {
             wrappers: Arc::new(HashMap::new()),
             fingerprints: std::sync::OnceLock::new(),
             placement: None,
+            auto_device: None,
         }
     }
 
@@ -298,9 +330,43 @@ impl ModelPatcher {
         &self.model
     }
 
-    /// The device this patcher computes on.
+    /// The device this patcher computes on (for one the manager places, where its last load put
+    /// it).
     pub fn load_device(&self) -> DeviceId {
-        self.load_device
+        match &self.auto_device {
+            Some(d) => d.get(),
+            None => self.load_device,
+        }
+    }
+
+    /// Leaves the load device to the memory manager (docs/ARCHITECTURE.md §5.1): each load puts
+    /// the model where it is already resident, else on the GPU where it fits with the least
+    /// eviction, else where eviction costs least — decided in [`crate::MemoryManager::plan`]
+    /// and shown there. The device given to [`ModelPatcher::new`] is where it starts. Clones
+    /// share the choice (they share the model's resident copies).
+    pub fn with_auto_device(mut self) -> Self {
+        self.auto_device = Some(Arc::new(AtomicDevice::new(self.load_device())));
+        self
+    }
+
+    /// Whether the manager chooses the load device.
+    pub fn is_auto_device(&self) -> bool {
+        self.auto_device.is_some()
+    }
+
+    /// This handle fixed on `device` (what a plan decided for an auto-placed patcher).
+    pub(crate) fn placed_on(&self, device: DeviceId) -> ModelPatcher {
+        let mut p = self.same_handle();
+        p.auto_device = None;
+        p.load_device = device;
+        p
+    }
+
+    /// Records the manager's choice for an auto-placed patcher (and its clones).
+    pub(crate) fn set_auto_device(&self, device: DeviceId) {
+        if let Some(d) = &self.auto_device {
+            d.set(device);
+        }
     }
 
     /// Splits the model across devices by `map` (docs/ARCHITECTURE.md §5.2): each weight a
@@ -328,7 +394,7 @@ impl ModelPatcher {
             .and_then(|p| p.targets.get(index).copied().flatten())
         {
             Some(crate::Target::Device(d)) => d,
-            _ => self.load_device,
+            _ => self.load_device(),
         }
     }
 
@@ -342,7 +408,7 @@ impl ModelPatcher {
     /// Every device this patcher's weights are resident on when loaded: the load device and the
     /// devices its map names, sorted.
     pub fn devices(&self) -> Vec<DeviceId> {
-        let mut out = vec![self.load_device];
+        let mut out = vec![self.load_device()];
         if let Some(p) = &self.placement {
             out.extend(p.targets.iter().filter_map(|t| match t {
                 Some(crate::Target::Device(d)) => Some(*d),
@@ -362,8 +428,8 @@ impl ModelPatcher {
     ) -> Option<(DeviceId, DeviceId, &crate::ops::ActivationMoves)> {
         let p = self.placement.as_ref()?;
         match p.targets.get(index).copied().flatten() {
-            Some(crate::Target::Device(d)) if d != self.load_device => {
-                Some((self.load_device, d, &p.moves))
+            Some(crate::Target::Device(d)) if d != self.load_device() => {
+                Some((self.load_device(), d, &p.moves))
             }
             _ => None,
         }
@@ -515,7 +581,7 @@ impl ModelPatcher {
             self.options.compute_dtype,
             self.options.dora,
             self.options.requantize_patched,
-            self.load_device,
+            self.load_device(),
             self.placement_id(),
         )
     }

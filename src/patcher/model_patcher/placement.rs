@@ -25,6 +25,7 @@ impl ModelPatcher {
         full_load: bool,
     ) -> Result<LoadOutcome> {
         self.load_device = device;
+        self.auto_device = None;
         let views = self.weight_views(device);
         let want = selection::from_scratch(&views, budget, force_patch_weights, full_load);
         self.apply_plan(&want)
@@ -57,6 +58,7 @@ impl ModelPatcher {
         force_patch_weights: bool,
     ) -> Result<(ByteSize, LoadOutcome)> {
         self.load_device = device;
+        self.auto_device = None;
         let views = self.weight_views(device);
         let want = selection::grow(&views, extra, force_patch_weights);
         let before = self.model.resident_bytes(device);
@@ -69,7 +71,7 @@ impl ModelPatcher {
         let st = self.model.state();
         let patched_any = !self.patches.is_empty();
         // A split model: each weight is viewed on its own device.
-        let placed = self.device_map().is_some() && device == self.load_device;
+        let placed = self.device_map().is_some() && device == self.load_device();
         (0..self.model.len())
             .map(|i| {
                 let (on_device, current) = match &st.slots()[i] {
@@ -166,13 +168,22 @@ impl ModelPatcher {
     /// builds every missing or stale copy first, then commits under the model lock. On error
     /// nothing has changed.
     fn apply_plan(&self, want: &[bool]) -> Result<LoadOutcome> {
-        let device = self.load_device;
+        // Each weight on its own device (a split model's differ); weights mapped to the host
+        // are never resident.
+        let devices: Vec<DeviceId> = (0..self.model.len())
+            .map(|i| self.weight_device(i))
+            .collect();
+        let want: Vec<bool> = want
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| w && !self.streams_always(i))
+            .collect();
         // The patcher cannot change during this call, so each fingerprint is computed once.
         let fingerprints: Vec<Fingerprint> =
             (0..self.model.len()).map(|i| self.fingerprint(i)).collect();
         let current = |s: &SlotResidency, i: usize| {
             matches!(s, SlotResidency::Resident { fingerprint, device: d, .. }
-                if *d == device && *fingerprint == fingerprints[i])
+                if *d == devices[i] && *fingerprint == fingerprints[i])
         };
         let snapshot: Vec<bool> = {
             let st = self.model.state();
@@ -185,8 +196,8 @@ impl ModelPatcher {
         let mut built: Vec<(usize, ResidentWeight, Fingerprint, ByteSize)> = Vec::new();
         for (i, &w) in want.iter().enumerate() {
             if w && !snapshot[i] {
-                let t = self.materialize(i, self.resident_dtype(i), device)?;
-                let (t, bytes) = self.resident_from(i, t, device)?;
+                let t = self.materialize(i, self.resident_dtype(i), devices[i])?;
+                let (t, bytes) = self.resident_from(i, t, devices[i])?;
                 built.push((i, t, fingerprints[i], bytes));
             }
         }
@@ -204,14 +215,14 @@ impl ModelPatcher {
             let new = SlotResidency::Resident {
                 tensor,
                 fingerprint,
-                device,
+                device: devices[i],
                 bytes,
             };
             if let SlotResidency::Resident { bytes: old, .. } = st.set(i, new) {
                 out.freed = out.freed.saturating_add(old);
             }
         }
-        out.resident = st.bytes_on(device);
+        out.resident = self.devices().into_iter().map(|d| st.bytes_on(d)).sum();
         for i in 0..self.model.len() {
             if !current(&st.slots()[i], i) {
                 out.streaming = out.streaming.saturating_add(self.resident_size(i));
