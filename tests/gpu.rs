@@ -336,10 +336,13 @@ mod scenario {
         for sim in mm.transfer_engine().devices().sims() {
             sim.check().expect("the sim's checker found misuse");
             // A lane may still be finishing a prefetch the unload dropped (its buffer is freed
-            // when the copy completes): a leak is what is still allocated after that.
+            // when the copy completes, and its staging buffer goes back to the pool, which the
+            // unload above may have trimmed before): a leak is what is still allocated after
+            // that, with the pool trimmed again (`cleanup_models` trims it).
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
             while !sim.leaks().is_empty() && std::time::Instant::now() < deadline {
                 std::thread::sleep(std::time::Duration::from_millis(5));
+                mm.cleanup_models();
             }
             assert!(sim.leaks().is_empty(), "{:?}", sim.leaks());
         }
