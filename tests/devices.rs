@@ -59,7 +59,11 @@ impl Net {
     fn forward(&self, ids: &Tensor) -> Vec<u32> {
         let mut x = self.embed.forward(ids).unwrap();
         for (norm, up, down) in &self.layers {
-            let h = up.forward(&norm.forward(&x).unwrap()).unwrap().gelu().unwrap();
+            let h = up
+                .forward(&norm.forward(&x).unwrap())
+                .unwrap()
+                .gelu()
+                .unwrap();
             x = (x + down.forward(&h).unwrap()).unwrap();
         }
         let y = self.head.forward(&x).unwrap();
@@ -164,7 +168,11 @@ fn a_model_three_times_a_device_runs_split_with_the_cpu_bits() {
         .unwrap();
     assert!(plan.fits(), "{:?}", plan.problem);
     assert_eq!(plan.models[0].streaming, ByteSize::ZERO, "{plan:#?}");
-    assert!(plan.models[0].placed.len() >= 3, "{:?}", plan.models[0].placed);
+    assert!(
+        plan.models[0].placed.len() >= 3,
+        "{:?}",
+        plan.models[0].placed
+    );
     let report = mm
         .load_models_gpu(std::slice::from_ref(&base), LoadOptions::default())
         .unwrap();
@@ -175,7 +183,10 @@ fn a_model_three_times_a_device_runs_split_with_the_cpu_bits() {
         assert!(*bytes <= mm.get_total_memory(*d), "{d}: {bytes}");
         assert!(mm.peak_ledger(*d) <= mm.get_total_memory(*d), "{d}");
     }
-    assert!(on.iter().filter(|b| **b > ByteSize::ZERO).count() >= 3, "{on:?}");
+    assert!(
+        on.iter().filter(|b| **b > ByteSize::ZERO).count() >= 3,
+        "{on:?}"
+    );
 
     let streamed_before = mm.transfer_stats().bytes_transferred;
     let net = Net::new(&base);
@@ -214,8 +225,15 @@ fn a_model_three_times_a_device_runs_split_with_the_cpu_bits() {
         .load_models_gpu(std::slice::from_ref(&clone), LoadOptions::default())
         .unwrap();
     let weight_bytes = base.resident_size(index);
-    assert_eq!(report.models[0].moved, weight_bytes, "only the patched weight moves");
-    assert_eq!(resident_on(&clone, &devices), before, "every device holds what it held");
+    assert_eq!(
+        report.models[0].moved, weight_bytes,
+        "only the patched weight moves"
+    );
+    assert_eq!(
+        resident_on(&clone, &devices),
+        before,
+        "every device holds what it held"
+    );
     let patched = Net::new(&clone).forward(&ids());
     assert_ne!(patched, expected);
     // Unsplit, the same clone gives the same bits.
@@ -263,7 +281,13 @@ fn host_rules_stream_and_a_map_larger_than_a_device_streams_its_overflow() {
     assert!(p.model().resident_bytes(DeviceId::Sim(1)) > ByteSize::ZERO);
     let streamed = mm.transfer_stats().bytes_transferred;
     assert_eq!(Net::new(&p).forward(&ids()), expected);
-    assert_eq!(mm.transfer_stats().bytes_transferred.saturating_sub(streamed), head, "only the head streamed");
+    assert_eq!(
+        mm.transfer_stats()
+            .bytes_transferred
+            .saturating_sub(streamed),
+        head,
+        "only the head streamed"
+    );
     assert_clean(&mm);
     drop(p);
 
@@ -272,7 +296,8 @@ fn host_rules_stream_and_a_map_larger_than_a_device_streams_its_overflow() {
     let size = patcher(&path, DeviceId::Cpu).resident_model_size();
     let half = format!("{}B", size.bytes() / 2);
     let mm = manager(&["16MiB", &half], &[]);
-    let p = patcher(&path, DeviceId::Sim(0)).with_device_map(DeviceMap::new().prefix("layers", Target::Device(DeviceId::Sim(1))));
+    let p = patcher(&path, DeviceId::Sim(0))
+        .with_device_map(DeviceMap::new().prefix("layers", Target::Device(DeviceId::Sim(1))));
     let report = mm
         .load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
         .unwrap();
@@ -345,14 +370,18 @@ fn auto_placement_prefers_residency_then_room_then_the_cheapest_eviction() {
     let a = sized_model("a", 2 << 20).with_auto_device();
     let b = sized_model("b", 2 << 20).with_auto_device();
     // Both empty: the most free memory, ties to the lowest ordinal.
-    let plan = mm.plan(std::slice::from_ref(&a), LoadOptions::default()).unwrap();
+    let plan = mm
+        .plan(std::slice::from_ref(&a), LoadOptions::default())
+        .unwrap();
     assert_eq!(plan.models[0].device, DeviceId::Sim(0));
     assert_eq!(a.load_device(), DeviceId::Sim(0), "a plan changes nothing");
     mm.load_models_gpu(std::slice::from_ref(&a), LoadOptions::default())
         .unwrap();
     assert_eq!(a.load_device(), DeviceId::Sim(0));
     // b goes where there is room without evicting a.
-    let plan = mm.plan(std::slice::from_ref(&b), LoadOptions::default()).unwrap();
+    let plan = mm
+        .plan(std::slice::from_ref(&b), LoadOptions::default())
+        .unwrap();
     assert_eq!(plan.models[0].device, DeviceId::Sim(1));
     assert!(plan.evictions.is_empty());
     mm.load_models_gpu(std::slice::from_ref(&b), LoadOptions::default())
@@ -370,7 +399,9 @@ fn auto_placement_prefers_residency_then_room_then_the_cheapest_eviction() {
     // c (3 MiB) fits nowhere: it goes where eviction costs least. Keep a: only b can go.
     let c = sized_model("c", 3 << 20).with_auto_device();
     let _keep = mm.keep(&a);
-    let plan = mm.plan(std::slice::from_ref(&c), LoadOptions::default()).unwrap();
+    let plan = mm
+        .plan(std::slice::from_ref(&c), LoadOptions::default())
+        .unwrap();
     assert_eq!(plan.models[0].device, DeviceId::Sim(1), "{plan:#?}");
     assert!(plan.evictions.iter().all(|e| e.name == "b"), "{plan:#?}");
     mm.load_models_gpu(std::slice::from_ref(&c), LoadOptions::default())
@@ -404,6 +435,86 @@ fn per_device_budgets_bound_each_ledger_and_reports_show_every_device() {
     let report = mm.memory_report();
     let text = report.to_string();
     assert!(text.contains("sim:0") && text.contains("sim:1"), "{text}");
-    assert!(text.contains("3.00 MiB") && text.contains("5.00 MiB"), "{text}");
+    assert!(
+        text.contains("3.00 MiB") && text.contains("5.00 MiB"),
+        "{text}"
+    );
+    assert_clean(&mm);
+}
+
+/// Layers `(out, in)` as bf16 weights and f32 biases, named `l{i}.weight` / `l{i}.bias`.
+fn layered_model(name: &str, layers: &[(usize, usize)]) -> Model {
+    let mut t = Vec::new();
+    for (l, &(o, i)) in layers.iter().enumerate() {
+        let w = residency::float::from_f32(
+            &common::rand_tensor(&[o, i], l as u64),
+            Dtype::BF16,
+            residency::float::Rounding::Nearest,
+        )
+        .unwrap();
+        t.push((format!("l{l}.weight"), w, Dtype::BF16));
+        t.push((
+            format!("l{l}.bias"),
+            common::rand_tensor(&[o], 50 + l as u64),
+            Dtype::F32,
+        ));
+    }
+    Model::from_typed_tensors(name, t).unwrap()
+}
+
+#[test]
+fn eviction_on_one_device_never_counts_copies_on_another() {
+    // Found by the model-based test: victims were keyed by model only, so a model partly
+    // evicted on sim:0 was "evicted" on sim:1 too, its sim:0 bytes counted as room there, and
+    // the split model's load overran sim:1's budget.
+    let mm = manager(
+        &["12KiB", "12KiB"],
+        &["--vram-budget", "12KiB", "--disable-async-offload"],
+    );
+    let _r = mm.reserve(DeviceId::Sim(1), ByteSize::kib(4)).unwrap();
+    let a = ModelPatcher::new(
+        Arc::new(layered_model(
+            "a",
+            &[(32, 32), (48, 32), (32, 48), (16, 32)],
+        )),
+        DeviceId::Sim(0),
+        DeviceId::Cpu,
+    )
+    .with_compute_dtype(Some(Dtype::F32));
+    mm.load_models_gpu(std::slice::from_ref(&a), LoadOptions::default())
+        .unwrap();
+    assert!(a.model().resident_bytes(DeviceId::Sim(0)) > ByteSize::ZERO);
+    let b = ModelPatcher::new(
+        Arc::new(layered_model("b", &[(64, 32), (64, 64), (32, 64)])),
+        DeviceId::Sim(1),
+        DeviceId::Cpu,
+    )
+    .with_device_map(
+        DeviceMap::new()
+            .prefix("l0", Target::Device(DeviceId::Sim(0)))
+            .prefix("l2.bias", Target::Host),
+    );
+    let plan = mm
+        .plan(std::slice::from_ref(&b), LoadOptions::default())
+        .unwrap();
+    assert!(
+        plan.evictions.iter().all(|e| e.device == DeviceId::Sim(0)),
+        "{:?}",
+        plan.evictions
+    );
+    let after = plan
+        .devices
+        .iter()
+        .find(|d| d.device == DeviceId::Sim(1))
+        .unwrap()
+        .ledger_after;
+    assert!(after <= ByteSize::kib(12), "{after}");
+    mm.load_models_gpu(std::slice::from_ref(&b), LoadOptions::default())
+        .unwrap();
+    assert_eq!(mm.ledger(DeviceId::Sim(1)), after);
+    assert!(
+        a.model().resident_bytes(DeviceId::Sim(0)) > ByteSize::ZERO,
+        "a keeps part of its copies"
+    );
     assert_clean(&mm);
 }

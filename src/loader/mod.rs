@@ -50,9 +50,9 @@
 
 mod execute;
 mod ledger;
-mod placement;
 #[cfg(test)]
 mod model_based;
+mod placement;
 pub mod plan;
 mod report;
 mod reserve;
@@ -705,7 +705,11 @@ impl MemoryManager {
             report.models.push(ModelLoad {
                 name: m.model().name().to_string(),
                 device: m.load_device(),
-                resident: m.devices().iter().map(|&d| m.model().resident_bytes(d)).sum(),
+                resident: m
+                    .devices()
+                    .iter()
+                    .map(|&d| m.model().resident_bytes(d))
+                    .sum(),
                 streaming: ByteSize::ZERO,
                 moved: ByteSize::ZERO,
                 lazy_patched: 0,

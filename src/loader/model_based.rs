@@ -522,7 +522,11 @@ impl World {
                             m,
                             key
                         );
-                        prop_assert!(key != "l2.bias" || m != 1, "{}: a host weight is resident", ctx());
+                        prop_assert!(
+                            key != "l2.bias" || m != 1,
+                            "{}: a host weight is resident",
+                            ctx()
+                        );
                     }
                     prop_assert!(
                         device == self.devices[d],

@@ -71,10 +71,7 @@ impl MemoryManager {
                 .zip(&added)
                 .map(|(&d, a)| self.free_in(&inner.registry, d).saturating_sub(*a))
                 .collect();
-            let need = |k: usize| {
-                size.saturating_sub(current[k])
-                    .saturating_add(min_inf)
-            };
+            let need = |k: usize| size.saturating_sub(current[k]).saturating_add(min_inf);
             let chosen = best(&current, |c| *c > ByteSize::ZERO, |k| current[k])
                 .or_else(|| best(&devices, |_| true, |k| free[k]).filter(|&k| free[k] >= need(k)))
                 .or_else(|| {
@@ -89,8 +86,7 @@ impl MemoryManager {
                         .map(|(_, k)| k)
                 })
                 .unwrap_or_else(|| {
-                    best(&devices, |_| true, |k| self.policy.total_memory(devices[k]))
-                        .unwrap_or(0)
+                    best(&devices, |_| true, |k| self.policy.total_memory(devices[k])).unwrap_or(0)
                 });
             added[chosen] = added[chosen].saturating_add(size.saturating_sub(current[chosen]));
             tracing::debug!(model = m.model().name(), device = %devices[chosen], "placed");
@@ -114,7 +110,11 @@ impl MemoryManager {
 }
 
 /// The index among `items` passing `ok` with the largest `key`, ties to the lowest index.
-fn best<T, K: Ord>(items: &[T], ok: impl Fn(&T) -> bool, key: impl Fn(usize) -> K) -> Option<usize> {
+fn best<T, K: Ord>(
+    items: &[T],
+    ok: impl Fn(&T) -> bool,
+    key: impl Fn(usize) -> K,
+) -> Option<usize> {
     let mut out: Option<(usize, K)> = None;
     for (k, item) in items.iter().enumerate() {
         if !ok(item) {

@@ -269,9 +269,11 @@ impl DeviceProjection {
     }
 }
 
-/// A registry entry chosen for eviction: its copies on the eviction device not yet dropped.
+/// A registry entry chosen for eviction on one device: its copies there not yet dropped. A
+/// model split across devices is a victim per device; `gone` (unloaded fully) is model-wide.
 struct Victim {
     model_id: u64,
+    device: DeviceId,
     remaining: Vec<(usize, ByteSize, bool)>,
     gone: bool,
 }
@@ -378,11 +380,16 @@ impl<'a> Planner<'a> {
 
     fn victim(&mut self, e: &Entry, device: DeviceId) -> usize {
         let id = e.model().id();
-        if let Some(p) = self.victims.iter().position(|v| v.model_id == id) {
+        if let Some(p) = self
+            .victims
+            .iter()
+            .position(|v| v.model_id == id && v.device == device)
+        {
             return p;
         }
         self.victims.push(Victim {
             model_id: id,
+            device,
             remaining: e.model().state().resident_on(device),
             gone: false,
         });
@@ -391,11 +398,26 @@ impl<'a> Planner<'a> {
 
     /// Projected resident bytes of entry `e` on `device`.
     fn resident_of(&self, e: &Entry, device: DeviceId) -> ByteSize {
-        match self.victims.iter().find(|v| v.model_id == e.model().id()) {
-            Some(v) if v.gone => ByteSize::ZERO,
+        let id = e.model().id();
+        if self.victims.iter().any(|v| v.model_id == id && v.gone) {
+            return ByteSize::ZERO;
+        }
+        match self
+            .victims
+            .iter()
+            .find(|v| v.model_id == id && v.device == device)
+        {
             Some(v) => v.remaining.iter().map(|r| r.1).sum(),
             None => e.model().resident_bytes(device),
         }
+    }
+
+    /// Whether entry `e` keeps copies on a device other than `device` in the plan so far.
+    fn elsewhere(&self, e: &Entry, device: DeviceId) -> bool {
+        let devices = e.model().state().devices();
+        devices
+            .into_iter()
+            .any(|d| d != device && self.resident_of(e, d) > ByteSize::ZERO)
     }
 
     /// Plans evicting models on `device` (not in `keep`, by model id) until more than `required`
@@ -409,9 +431,7 @@ impl<'a> Planner<'a> {
             .filter(|(_, e)| {
                 // Any model with copies here, split models included (resident_of is checked
                 // below).
-                Self::held(e)
-                    && !keep.contains(&e.model().id())
-                    && !self.mm.is_kept(e.model().id())
+                Self::held(e) && !keep.contains(&e.model().id()) && !self.mm.is_kept(e.model().id())
             })
             .filter_map(|(i, e)| {
                 let resident = self.resident_of(e, device);
@@ -457,7 +477,9 @@ impl<'a> Planner<'a> {
                     }
                     !drop
                 });
-                (dropped, freed, remaining.is_empty())
+                let empty = remaining.is_empty();
+                // A split model that keeps copies on another device stays registered.
+                (dropped, freed, empty && !self.elsewhere(e, device))
             } else {
                 let all: Vec<usize> = self.victims[v].remaining.iter().map(|r| r.0).collect();
                 let freed = self.victims[v].remaining.iter().map(|r| r.1).sum();
@@ -466,13 +488,20 @@ impl<'a> Planner<'a> {
             };
             self.sub(device, freed);
             if fully {
-                self.victims[v].gone = true;
-                // A model unloaded fully loses its copies on every device.
+                // A model unloaded fully loses its copies on every device (what the plan has
+                // not already taken from them).
                 for other in e.model().state().devices() {
                     if other != device {
-                        let bytes = e.model().resident_bytes(other);
+                        let bytes = self.resident_of(e, other);
                         self.sub(other, bytes);
                     }
+                }
+                for other in self
+                    .victims
+                    .iter_mut()
+                    .filter(|o| o.model_id == e.model().id())
+                {
+                    other.gone = true;
                 }
             }
             self.evictions.push(Eviction {
@@ -723,7 +752,9 @@ impl MemoryManager {
                 }
             }
             planned.full = want.iter().all(|&w| w);
-            host.from_disk = host.from_disk.saturating_add(from_disk(m, &views[k], &want));
+            host.from_disk = host
+                .from_disk
+                .saturating_add(from_disk(m, &views[k], &want));
             models.push(planned);
             p.steps.push(Step::Load { k, want });
         }

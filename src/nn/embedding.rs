@@ -62,12 +62,10 @@ impl Module for Embedding {
     fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         match &self.held {
             Held::Owned(e) => e.forward(ids),
-            Held::Fetched(w) => {
-                super::held::on_weight_device(w, ids, |ids| {
-                    let (table, _) = fetch(w, ids.device())?;
-                    candle_nn::Embedding::new(table, self.hidden_size).forward(ids)
-                })
-            }
+            Held::Fetched(w) => super::held::on_weight_device(w, ids, |ids| {
+                let (table, _) = fetch(w, ids.device())?;
+                candle_nn::Embedding::new(table, self.hidden_size).forward(ids)
+            }),
         }
     }
 }

@@ -63,8 +63,8 @@ mod conv;
 mod embedding;
 mod linear;
 mod norm;
-mod split;
 pub mod quant;
+mod split;
 #[cfg(test)]
 mod tests;
 

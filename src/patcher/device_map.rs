@@ -105,7 +105,8 @@ impl DeviceMap {
     /// without a dot matches only at a component boundary, so `layers.1` does not take
     /// `layers.10`).
     pub fn prefix(mut self, prefix: &str, target: Target) -> DeviceMap {
-        self.rules.push((Matcher::Prefix(prefix.to_string()), target));
+        self.rules
+            .push((Matcher::Prefix(prefix.to_string()), target));
         self
     }
 
@@ -200,9 +201,7 @@ impl DeviceMap {
     ) -> DeviceMap {
         let model = patcher.model();
         let names: Vec<&str> = model.slots().iter().map(|s| s.name()).collect();
-        let sizes: Vec<ByteSize> = (0..model.len())
-            .map(|i| patcher.resident_size(i))
-            .collect();
+        let sizes: Vec<ByteSize> = (0..model.len()).map(|i| patcher.resident_size(i)).collect();
         let (order, complete) = model.forward_order();
         let rank = complete.then(|| {
             let mut r = vec![usize::MAX; names.len()];
@@ -382,7 +381,10 @@ mod tests {
     #[test]
     fn parse_reads_prefixes_regexes_and_host() {
         let map = DeviceMap::parse("blk\\.[0-3]\\.=sim:1, output=host,token_embd=sim:0").unwrap();
-        assert_eq!(map.target_of("blk.2.attn_q.weight"), Some(Target::Device(B)));
+        assert_eq!(
+            map.target_of("blk.2.attn_q.weight"),
+            Some(Target::Device(B))
+        );
         assert_eq!(map.target_of("blk.4.attn_q.weight"), None);
         assert_eq!(map.target_of("output.weight"), Some(Target::Host));
         assert_eq!(map.target_of("token_embd.weight"), Some(Target::Device(A)));
@@ -413,7 +415,12 @@ mod tests {
         let keys: Vec<&str> = g.iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(
             keys,
-            ["lm_head.", "model.embed.", "model.layers.2.", "model.layers.10."]
+            [
+                "lm_head.",
+                "model.embed.",
+                "model.layers.2.",
+                "model.layers.10."
+            ]
         );
         assert_eq!(g[2].1, ByteSize(2));
         // The recorded forward order wins over names.
@@ -438,7 +445,9 @@ mod tests {
         // each device's bytes within one (largest) group of its proportional share.
         let mut seed = 7u64;
         let mut next = |m: u64| {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (seed >> 33) % m
         };
         for _ in 0..500 {
@@ -449,7 +458,12 @@ mod tests {
                 .map(|d| (DeviceId::Sim(d), ByteSize(1 + next(8000))))
                 .collect();
             let out = fill(&sizes, &budgets);
-            let largest = sizes.iter().max().copied().unwrap_or(ByteSize::ZERO).as_f64();
+            let largest = sizes
+                .iter()
+                .max()
+                .copied()
+                .unwrap_or(ByteSize::ZERO)
+                .as_f64();
             let total: f64 = sizes.iter().map(|s| s.as_f64()).sum();
             let capacity: f64 = budgets.iter().map(|b| b.1.as_f64()).sum();
             for (d, budget) in &budgets {

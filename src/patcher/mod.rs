@@ -30,8 +30,8 @@ pub mod lora {
     pub use super::lora_file::*;
 }
 
-pub use device_map::{AutoMapOptions, DeviceMap, Target};
 pub use adapters::{DoraNorm, GLora, LoHa, LoKr, Lora, Offset, Oft, Patch, PatchEntry};
+pub use device_map::{AutoMapOptions, DeviceMap, Target};
 pub(crate) use model_patcher::{cast_weight, ResidencySignature};
 pub use model_patcher::{
     LoadOutcome, MemoryEstimator, ModelPatcher, PatchKey, PatchSet, PatcherOptions, SetEntry,

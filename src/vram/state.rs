@@ -611,7 +611,9 @@ mod tests {
         assert_eq!(p.total_memory(DeviceId::Cuda(0)), ByteSize::gib(3));
         assert!(p.is_budgeted(DeviceId::Cuda(0)));
         for bad in ["0=0", "x=1GiB", "0=lots", "=1GiB"] {
-            let e = Config::from_args(["--vram-budget", bad]).unwrap_err().to_string();
+            let e = Config::from_args(["--vram-budget", bad])
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("--vram-budget"), "{bad}: {e}");
         }
     }

@@ -400,9 +400,9 @@ impl ModelPatcher {
 
     /// Whether weight `index` is mapped to the host: never resident, streamed at every use.
     pub fn streams_always(&self, index: usize) -> bool {
-        self.placement.as_ref().is_some_and(|p| {
-            p.targets.get(index).copied().flatten() == Some(crate::Target::Host)
-        })
+        self.placement
+            .as_ref()
+            .is_some_and(|p| p.targets.get(index).copied().flatten() == Some(crate::Target::Host))
     }
 
     /// Every device this patcher's weights are resident on when loaded: the load device and the
@@ -726,7 +726,9 @@ impl ModelPatcher {
                     device,
                     bytes,
                     ..
-                } if *device == self.weight_device(i) && *fingerprint == self.fingerprint(i) => *bytes,
+                } if *device == self.weight_device(i) && *fingerprint == self.fingerprint(i) => {
+                    *bytes
+                }
                 _ => ByteSize::ZERO,
             })
             .sum()

@@ -80,7 +80,13 @@ impl ModelPatcher {
                         bytes,
                         fingerprint,
                         ..
-                    } if *d == if placed { self.weight_device(i) } else { device } => {
+                    } if *d
+                        == if placed {
+                            self.weight_device(i)
+                        } else {
+                            device
+                        } =>
+                    {
                         (Some(*bytes), *fingerprint == self.fingerprint(i))
                     }
                     _ => (None, false),
@@ -101,11 +107,7 @@ impl ModelPatcher {
     pub fn load_outcome(&self) -> LoadOutcome {
         let st = self.model.state();
         let mut out = LoadOutcome {
-            resident: self
-                .devices()
-                .into_iter()
-                .map(|d| st.bytes_on(d))
-                .sum(),
+            resident: self.devices().into_iter().map(|d| st.bytes_on(d)).sum(),
             ..LoadOutcome::default()
         };
         for i in 0..self.model.len() {
