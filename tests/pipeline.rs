@@ -124,6 +124,44 @@ fn a_simulated_gpu_gives_the_cpu_checksums_with_lanes_prefetch_and_a_clean_check
 }
 
 #[test]
+fn split_across_two_simulated_gpus_the_main_job_gives_the_cpu_checksums() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = run(dir.path(), &["--vram-budget", "256MiB"]);
+    let sums =
+        |r: &pipeline::PipelineReport| r.prompts.iter().map(|p| p.checksum).collect::<Vec<_>>();
+    // Auto maps within two 16 MiB devices (the denoiser alone is larger than one), and a
+    // manual map sending the denoiser's blocks 1 and 2 to the second device.
+    for flags in [
+        &["--sim-gpus", "2x16MiB@25GB/s", "--device-map", "auto"][..],
+        &[
+            "--sim-gpus",
+            "2x16MiB@25GB/s",
+            "--device-map",
+            "blocks\\.[12]\\.=sim:1",
+        ][..],
+    ] {
+        let r = run(dir.path(), flags);
+        assert_eq!(sums(&r), sums(&reference), "{flags:?}");
+        assert_eq!(r.sims.len(), 2);
+        for (device, _, stats) in &r.sims {
+            assert_eq!(stats.violations, 0, "{flags:?} {device}: {:?}", r.findings);
+            assert!(stats.copies > 0, "{flags:?}: {device} copied nothing");
+        }
+        assert!(r.peak <= r.budget, "{flags:?}");
+        for (name, peak, budget) in &r.other_devices {
+            assert!(
+                peak <= budget,
+                "{flags:?}: {name} peak {peak} over {budget}"
+            );
+        }
+        assert!(
+            r.split.activation_moves > 0,
+            "{flags:?}: layers ran on the second device"
+        );
+    }
+}
+
+#[test]
 fn default_budget_streams_evicts_and_moves_only_lora_weights() {
     let dir = tempfile::tempdir().unwrap();
     let r = run(dir.path(), &[]);

@@ -51,7 +51,7 @@ use residency::loader::{LoadOptions, MemoryManager};
 use residency::patcher::{lora_file, ModelPatcher};
 use residency::vram::{Config, DeviceId, Hardware};
 use residency::weights::{HostTier, Model};
-use residency::{ByteSize, Result};
+use residency::{ByteSize, DeviceMap, Result};
 
 use checkpoints::{build_checkpoints, weight};
 use models::{Decoder, Denoiser, PromptModel, TextEncoder, H, HEADS, LATENT_C, LATENT_HW};
@@ -67,6 +67,9 @@ pub struct PipelineArgs {
     pub cache: PathBuf,
     pub config: Config,
     pub quiet: bool,
+    /// `--device-map auto|RULES`: every model split across the GPUs (simulated ones with
+    /// `--sim-gpus`), by `DeviceMap::auto` within each device's budget, or by the rules.
+    pub device_map: Option<String>,
 }
 
 /// Runs the pipeline.
@@ -121,6 +124,18 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     }));
     let de = ModelPatcher::new(de_model, device, offload);
     let pm = ModelPatcher::new(pm_model, device, offload);
+    // Split every model across the GPUs when asked (before the LoRA clone, which shares it).
+    let split = |p: ModelPatcher| -> Result<ModelPatcher> {
+        Ok(match args.device_map.as_deref() {
+            None => p,
+            Some("auto") => {
+                let map = DeviceMap::auto(&p, &mm.device_budgets(), Default::default());
+                p.with_device_map(map)
+            }
+            Some(rules) => p.with_device_map(DeviceMap::parse(rules)?),
+        })
+    };
+    let (te, base, de, pm) = (split(te)?, split(base)?, split(de)?, split(pm)?);
     let mut styled = base.clone();
     let lora = lora_file::load(
         args.cache.join("style_lora.safetensors"),
@@ -252,6 +267,19 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
             .collect(),
         host: mm.host_tier().stats(),
         reservations: vec![("prompt_lm kv-cache".to_string(), kv_peak)],
+        other_devices: mm
+            .device_budgets()
+            .into_iter()
+            .filter(|(d, _)| *d != device)
+            .map(|(d, _)| (d.to_string(), mm.peak_ledger(d), mm.get_total_memory(d)))
+            .collect(),
+        split: [&pm, &te, &base, &de].iter().map(|p| p.split_stats()).fold(
+            residency::ops::SplitStats::default(),
+            |a, s| residency::ops::SplitStats {
+                activation_bytes: a.activation_bytes.saturating_add(s.activation_bytes),
+                activation_moves: a.activation_moves + s.activation_moves,
+            },
+        ),
         memory: mm.memory_report().to_string(),
         total_ms: t_start.elapsed().as_secs_f64() * 1e3,
     })
@@ -308,6 +336,7 @@ pub fn parse_args(raw: &[String]) -> std::result::Result<PipelineArgs, String> {
         cache: PathBuf::from(".cache/pipeline"),
         config: Config::default(),
         quiet: false,
+        device_map: None,
     };
     let mut rest = Vec::new();
     let mut i = 0;
@@ -352,6 +381,14 @@ pub fn parse_args(raw: &[String]) -> std::result::Result<PipelineArgs, String> {
                 a.quiet = true;
                 i += 1;
             }
+            "--device-map" => {
+                let spec = value(i)?;
+                if spec != "auto" {
+                    DeviceMap::parse(&spec).map_err(|e| e.to_string())?;
+                }
+                a.device_map = Some(spec);
+                i += 2;
+            }
             "--help" | "-h" => return Err(HELP.into()),
             _ => {
                 rest.push(raw[i].clone());
@@ -366,7 +403,7 @@ pub fn parse_args(raw: &[String]) -> std::result::Result<PipelineArgs, String> {
 /// What `parse_args` returns for `--help` (main prints the usage and exits 0).
 const HELP: &str = "--help";
 
-const USAGE: &str = "usage: pipeline [--prompts N] [--steps N] [--seed S] [--json FILE] [--cache DIR] [--quiet] [residency flags]";
+const USAGE: &str = "usage: pipeline [--prompts N] [--steps N] [--seed S] [--json FILE] [--cache DIR] [--quiet] [--device-map auto|RULES] [residency flags]";
 
 #[allow(dead_code)]
 fn main() {

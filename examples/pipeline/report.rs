@@ -31,6 +31,10 @@ pub struct PipelineReport {
     pub host: residency::weights::HostStats,
     /// Each reservation the run took (`MemoryManager::reserve_named`) and its largest size.
     pub reservations: Vec<(String, ByteSize)>,
+    /// Activations moved between devices by split models (`--device-map`).
+    pub split: residency::ops::SplitStats,
+    /// Every GPU beside the compute device when there are several: name, peak ledger, budget.
+    pub other_devices: Vec<(String, ByteSize, ByteSize)>,
     pub memory: String,
     pub total_ms: f64,
 }
@@ -49,6 +53,7 @@ struct Json<'a> {
     transfers: &'a residency::offload::TransferSnapshot,
     sims: Vec<JsonSim<'a>>,
     reservations: Vec<JsonReservation<'a>>,
+    split: &'a residency::ops::SplitStats,
 }
 
 /// A reservation the run took: its name and largest size.
@@ -154,6 +159,7 @@ pub fn to_json(r: &PipelineReport) -> String {
                 peak_bytes: peak.bytes(),
             })
             .collect(),
+        split: &r.split,
     };
     serde_json::to_string(&json).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
 }
@@ -175,6 +181,15 @@ pub fn to_table(r: &PipelineReport) -> String {
         ));
     }
     s.push_str(&format!("peak ledger {} of budget {}\n", r.peak, r.budget));
+    for (name, peak, budget) in &r.other_devices {
+        s.push_str(&format!("peak ledger {name} {peak} of budget {budget}\n"));
+    }
+    if r.split.activation_moves > 0 {
+        s.push_str(&format!(
+            "split: {} activation copies between devices ({})\n",
+            r.split.activation_moves, r.split.activation_bytes
+        ));
+    }
     for (name, peak) in &r.reservations {
         s.push_str(&format!("reservation {name}: up to {peak}\n"));
     }

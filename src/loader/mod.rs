@@ -875,14 +875,24 @@ impl MemoryManager {
         inner
             .registry
             .iter()
-            .map(|e| LoadedModelInfo {
-                name: e.model().name().to_string(),
-                model_id: e.model().id(),
-                device: e.device,
-                resident: e.model().resident_bytes(e.device),
-                size: e.patcher.resident_model_size(),
-                outside_handles: e.outside_handles(),
-                quantized: e.model().quantized_size().0,
+            .map(|e| {
+                let placed: Vec<(DeviceId, ByteSize)> = e
+                    .model()
+                    .state()
+                    .devices()
+                    .into_iter()
+                    .map(|d| (d, e.model().resident_bytes(d)))
+                    .collect();
+                LoadedModelInfo {
+                    name: e.model().name().to_string(),
+                    model_id: e.model().id(),
+                    device: e.device,
+                    resident: placed.iter().map(|p| p.1).sum(),
+                    size: e.patcher.resident_model_size(),
+                    outside_handles: e.outside_handles(),
+                    quantized: e.model().quantized_size().0,
+                    placed,
+                }
             })
             .collect()
     }
@@ -891,8 +901,12 @@ impl MemoryManager {
     pub fn memory_report(&self) -> MemoryReport {
         let models = self.loaded_models();
         let inner = self.inner.lock();
-        let mut devices: Vec<DeviceId> = models.iter().map(|m| m.device).collect();
+        let mut devices: Vec<DeviceId> = models
+            .iter()
+            .flat_map(|m| std::iter::once(m.device).chain(m.placed.iter().map(|p| p.0)))
+            .collect();
         devices.push(self.policy.compute_device());
+        devices.extend(self.placement_devices());
         devices.sort();
         devices.dedup();
         let devices = devices

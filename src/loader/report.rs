@@ -122,6 +122,9 @@ pub struct LoadedModelInfo {
     pub outside_handles: usize,
     /// Of `size`, the bytes of quantized (GGUF) weights, in their GGML blocks.
     pub quantized: ByteSize,
+    /// Resident bytes per device holding any (a model split by a [`crate::DeviceMap`] has
+    /// several; `resident` is their sum).
+    pub placed: Vec<(DeviceId, ByteSize)>,
 }
 
 /// One device's memory.
@@ -228,6 +231,14 @@ impl fmt::Display for MemoryReport {
                     " ({} of its {} in quantized blocks)",
                     m.quantized, m.size
                 )?;
+            }
+            if m.placed.len() > 1 {
+                let parts: Vec<String> = m
+                    .placed
+                    .iter()
+                    .map(|(d, b)| format!("{b} on {d}"))
+                    .collect();
+                write!(f, " (split: {})", parts.join(", "))?;
             }
             writeln!(f)?;
         }

@@ -48,6 +48,9 @@ fn with_host_bytes<R>(t: &Tensor, f: impl FnOnce(usize, usize) -> R) -> Option<R
         CpuStorage::F64(v) => span(v, start, end),
         CpuStorage::U8(v) => span(v, start, end),
         CpuStorage::F8E4M3(v) => span(v, start, end),
+        // Token ids and positions (activations a split model moves between devices).
+        CpuStorage::U32(v) => span(v, start, end),
+        CpuStorage::I64(v) => span(v, start, end),
         _ => None,
     }?;
     Some(f(addr, len))
