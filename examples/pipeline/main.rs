@@ -274,8 +274,8 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
             .map(|(d, _)| (d.to_string(), mm.peak_ledger(d), mm.get_total_memory(d)))
             .collect(),
         split: [&pm, &te, &base, &de].iter().map(|p| p.split_stats()).fold(
-            residency::ops::SplitStats::default(),
-            |a, s| residency::ops::SplitStats {
+            residency::patcher::SplitStats::default(),
+            |a, s| residency::patcher::SplitStats {
                 activation_bytes: a.activation_bytes.saturating_add(s.activation_bytes),
                 activation_moves: a.activation_moves + s.activation_moves,
             },

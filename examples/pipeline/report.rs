@@ -32,7 +32,7 @@ pub struct PipelineReport {
     /// Each reservation the run took (`MemoryManager::reserve_named`) and its largest size.
     pub reservations: Vec<(String, ByteSize)>,
     /// Activations moved between devices by split models (`--device-map`).
-    pub split: residency::ops::SplitStats,
+    pub split: residency::patcher::SplitStats,
     /// Every GPU beside the compute device when there are several: name, peak ledger, budget.
     pub other_devices: Vec<(String, ByteSize, ByteSize)>,
     pub memory: String,
@@ -53,7 +53,7 @@ struct Json<'a> {
     transfers: &'a residency::offload::TransferSnapshot,
     sims: Vec<JsonSim<'a>>,
     reservations: Vec<JsonReservation<'a>>,
-    split: &'a residency::ops::SplitStats,
+    split: &'a residency::patcher::SplitStats,
 }
 
 /// A reservation the run took: its name and largest size.

@@ -86,7 +86,6 @@ pub use embedding::Embedding;
 pub use linear::Linear;
 pub use norm::{GroupNorm, LayerNorm, RmsNorm};
 pub(crate) use split::{on_device_of, on_weight_device};
-pub use split::{ActivationMoves, SplitStats};
 
 /// How a layer's weights meet the compute dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

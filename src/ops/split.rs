@@ -11,54 +11,15 @@
 //! On CUDA a move is candle's `to_device`. On a simulated GPU a tensor is a CPU tensor either
 //! way, so a move is a real copy through the destination's stream (its modelled latency and
 //! bandwidth, its checker), read back as the tensor compute continues with: same bits, honest
-//! time. Every move is counted in the placement's [`ActivationMoves`]
+//! time. Every move is counted in the placement's activation counters
 //! ([`crate::ModelPatcher::split_stats`]).
-
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::Tensor;
 
 use super::{LayerWeights, OpsSource};
 use crate::error::{Error, Result};
-use crate::size::ByteSize;
+use crate::patcher::device_map::ActivationMoves;
 use crate::vram::DeviceId;
-
-/// Activation traffic of a split model's forwards (shared by a patcher and its clones).
-#[derive(Debug, Default)]
-pub struct ActivationMoves {
-    bytes: AtomicU64,
-    moves: AtomicU64,
-    devices: std::sync::OnceLock<crate::device::Devices>,
-}
-
-impl ActivationMoves {
-    fn note(&self, bytes: u64) {
-        self.bytes.fetch_add(bytes, Ordering::Relaxed);
-        self.moves.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Tells the placement which simulated GPUs its devices are (the manager does at load).
-    pub(crate) fn set_devices(&self, devices: &crate::device::Devices) {
-        let _ = self.devices.set(devices.clone());
-    }
-
-    pub(crate) fn snapshot(&self) -> SplitStats {
-        SplitStats {
-            activation_bytes: ByteSize(self.bytes.load(Ordering::Relaxed)),
-            activation_moves: self.moves.load(Ordering::Relaxed),
-        }
-    }
-}
-
-/// What a split model's forwards moved between devices so far.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-pub struct SplitStats {
-    /// Bytes of activations copied between devices.
-    pub activation_bytes: ByteSize,
-    /// How many copies.
-    pub activation_moves: u64,
-}
 
 /// Runs `f` on the device of `weights`' weight: directly when it is the load device (every
 /// unsplit model), else with the input moved there and the output moved home.
@@ -107,7 +68,7 @@ fn move_activation(
             // A simulated GPU: the copy runs on the destination's stream (the source's, when
             // going home to the CPU), at its modelled bandwidth.
             let via = if to.is_sim() { to } else { from };
-            let gpu = moves.devices.get().and_then(|d| d.gpu(via));
+            let gpu = moves.gpu(via);
             let Some(gpu) = gpu else {
                 return Ok(x.clone());
             };

@@ -332,6 +332,50 @@ pub(crate) fn fill(sizes: &[ByteSize], budgets: &[(DeviceId, ByteSize)]) -> Vec<
     out
 }
 
+/// Activation traffic of a split model's forwards (shared by a patcher and its clones).
+#[derive(Debug, Default)]
+pub struct ActivationMoves {
+    bytes: std::sync::atomic::AtomicU64,
+    moves: std::sync::atomic::AtomicU64,
+    devices: std::sync::OnceLock<crate::device::Devices>,
+}
+
+impl ActivationMoves {
+    pub(crate) fn note(&self, bytes: u64) {
+        self.bytes
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        self.moves
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Tells the placement which simulated GPUs its devices are (the manager does at load).
+    pub(crate) fn set_devices(&self, devices: &crate::device::Devices) {
+        let _ = self.devices.set(devices.clone());
+    }
+
+    /// The simulated or CUDA GPU behind `device`, when the manager told this placement.
+    pub(crate) fn gpu(&self, device: DeviceId) -> Option<crate::device::Gpu> {
+        self.devices.get().and_then(|d| d.gpu(device))
+    }
+
+    pub(crate) fn snapshot(&self) -> SplitStats {
+        SplitStats {
+            activation_bytes: ByteSize(self.bytes.load(std::sync::atomic::Ordering::Relaxed)),
+            activation_moves: self.moves.load(std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+}
+
+/// What a split model's forwards moved between devices so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct SplitStats {
+    /// Bytes of activations copied between devices.
+    pub activation_bytes: ByteSize,
+    /// How many copies.
+    pub activation_moves: u64,
+}
+
 /// A map resolved against one model: the target of every weight, shared by a patcher and its
 /// clones, with the activation traffic of split forwards.
 #[derive(Debug)]
@@ -340,7 +384,7 @@ pub(crate) struct Placement {
     /// Per weight: its target (`None`: the load device).
     pub(crate) targets: Box<[Option<Target>]>,
     pub(crate) id: u64,
-    pub(crate) moves: crate::ops::ActivationMoves,
+    pub(crate) moves: ActivationMoves,
 }
 
 static NEXT_PLACEMENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -356,7 +400,7 @@ impl Placement {
             map,
             targets,
             id: NEXT_PLACEMENT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            moves: crate::ops::ActivationMoves::default(),
+            moves: ActivationMoves::default(),
         })
     }
 }

@@ -31,7 +31,7 @@ pub mod lora {
 }
 
 pub use adapters::{DoraNorm, GLora, LoHa, LoKr, Lora, Offset, Oft, Patch, PatchEntry};
-pub use device_map::{AutoMapOptions, DeviceMap, Target};
+pub use device_map::{AutoMapOptions, DeviceMap, SplitStats, Target};
 pub(crate) use model_patcher::{cast_weight, ResidencySignature};
 pub use model_patcher::{
     LoadOutcome, MemoryEstimator, ModelPatcher, PatchKey, PatchSet, PatcherOptions, SetEntry,

@@ -425,7 +425,11 @@ impl ModelPatcher {
     pub(crate) fn remote_weight(
         &self,
         index: usize,
-    ) -> Option<(DeviceId, DeviceId, &crate::ops::ActivationMoves)> {
+    ) -> Option<(
+        DeviceId,
+        DeviceId,
+        &crate::patcher::device_map::ActivationMoves,
+    )> {
         let p = self.placement.as_ref()?;
         match p.targets.get(index).copied().flatten() {
             Some(crate::Target::Device(d)) if d != self.load_device() => {
@@ -436,7 +440,7 @@ impl ModelPatcher {
     }
 
     /// What the split model's forwards moved between devices (zero for an unsplit model).
-    pub fn split_stats(&self) -> crate::ops::SplitStats {
+    pub fn split_stats(&self) -> crate::patcher::SplitStats {
         self.placement
             .as_ref()
             .map(|p| p.moves.snapshot())
