@@ -115,7 +115,7 @@ fn bench(c: &mut Criterion) {
     let device = ByteSize(size.bytes() / 2 + (1 << 20));
     for bandwidth in ["2GB/s", "25GB/s"] {
         let resident = Setup::new(
-            &format!("1x{}MiB@{bandwidth}", 4 * size.bytes() >> 20),
+            &format!("1x{}MiB@{bandwidth}", (4 * size.bytes()) >> 20),
             false,
         );
         let one = format!("1x{}B@{bandwidth}", device.bytes());
