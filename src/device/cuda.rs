@@ -41,7 +41,9 @@ pub(crate) fn default_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> 
     Ok(ctx.default_stream())
 }
 
-/// `len` zeroed bytes of page-locked, write-combined host memory.
+/// `len` zeroed bytes of page-locked, write-combined host memory, portable: page-locked for every
+/// context (a staging buffer of the compute device's pool feeds copies to every GPU of a split
+/// model; under unified addressing the driver implies it, the flag says so everywhere).
 pub(crate) fn alloc_host(
     ctx: &Arc<CudaContext>,
     len: usize,
@@ -49,7 +51,9 @@ pub(crate) fn alloc_host(
     let ordinal = ctx.ordinal();
     // SAFETY: the memory is zeroed below before the slice is handed out, so no byte is ever read
     // uninitialised.
-    let mut mem = unsafe { ctx.alloc_pinned::<u8>(len) }.map_err(|e| {
+    let flags = cudarc::driver::sys::CU_MEMHOSTALLOC_WRITECOMBINED
+        | cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE;
+    let mut mem = unsafe { ctx.alloc_pinned_with_flags::<u8>(len, flags) }.map_err(|e| {
         oom_or(
             ordinal,
             "allocating a staging buffer",

@@ -464,13 +464,14 @@ impl Devices {
 
     /// One simulated GPU per spec.
     pub fn simulated(specs: &[SimSpec]) -> Devices {
-        Devices::new(
-            specs
-                .iter()
-                .enumerate()
-                .map(|(i, s)| SimGpu::new(i, *s))
-                .collect(),
-        )
+        let sims: Vec<Arc<SimGpu>> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| SimGpu::new(i, *s))
+            .collect();
+        // One machine: page-locked memory of any of them is page-locked for all (portable).
+        SimGpu::link(&sims);
+        Devices::new(sims)
     }
 
     /// The GPU behind `id`; `None` for the CPU, a CUDA device without a usable driver, or a

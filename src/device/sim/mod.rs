@@ -142,6 +142,9 @@ pub struct SimGpu {
     jitter: AtomicU64,
     default_stream: Mutex<Option<SimStream>>,
     me: Weak<SimGpu>,
+    /// The other simulated GPUs of its set ([`crate::device::Devices::simulated`]): page-locked
+    /// memory of any of them is page-locked for all (CUDA's portable memory).
+    peers: std::sync::OnceLock<Vec<Weak<SimGpu>>>,
     copies: AtomicU64,
     copied_bytes: AtomicU64,
     copy_ns: AtomicU64,
@@ -196,11 +199,48 @@ impl SimGpu {
             jitter: AtomicU64::new(spec.jitter_seed.unwrap_or(0)),
             default_stream: Mutex::new(None),
             me: me.clone(),
+            peers: std::sync::OnceLock::new(),
             copies: AtomicU64::new(0),
             copied_bytes: AtomicU64::new(0),
             copy_ns: AtomicU64::new(0),
             waited_ns: AtomicU64::new(0),
         })
+    }
+
+    /// Makes `gpus` one set: each one's page-locked memory (host buffers and registered
+    /// ranges) is page-locked for the others too, as CUDA's portable memory is for every
+    /// context. A copy on one reads another's page-locked memory when it executes, and that
+    /// memory's owner tracks the read (its checker reports an unlock or free under it).
+    pub fn link(gpus: &[Arc<SimGpu>]) {
+        for g in gpus {
+            let peers = gpus
+                .iter()
+                .filter(|p| !Arc::ptr_eq(p, g))
+                .map(Arc::downgrade)
+                .collect();
+            let _ = g.peers.set(peers);
+        }
+    }
+
+    /// The simulated GPU (this one or a peer) whose page-locked memory holds all of
+    /// `addr..addr + len`, with what [`SimGpu::queue_host_read`] returns there.
+    pub(crate) fn queue_portable_read(
+        &self,
+        addr: usize,
+        len: usize,
+        stream: u64,
+    ) -> Option<(Weak<SimGpu>, u64, Option<Arc<stream::HostMem>>)> {
+        if let Some((range, keep)) = self.queue_host_read(addr, len, stream) {
+            return Some((self.me.clone(), range, keep));
+        }
+        for peer in self.peers.get().into_iter().flatten() {
+            if let Some(p) = peer.upgrade() {
+                if let Some((range, keep)) = p.queue_host_read(addr, len, stream) {
+                    return Some((peer.clone(), range, keep));
+                }
+            }
+        }
+        None
     }
 
     /// Its id.

@@ -21,6 +21,8 @@ enum Src {
     /// even if the buffer is dropped meanwhile; a dropped buffer reads as poison).
     Locked {
         addr: usize,
+        /// The simulated GPU whose page-locked memory it is (this one, or a peer).
+        owner: std::sync::Weak<SimGpu>,
         range: u64,
         keep: Option<Arc<HostMem>>,
     },
@@ -213,8 +215,13 @@ impl SimStream {
             return Err(gpu.injected("enqueuing a copy"));
         }
         let addr = src.as_ptr() as usize;
-        let source = match gpu.queue_host_read(addr, src.len(), self.core.id) {
-            Some((range, keep)) => Src::Locked { addr, range, keep },
+        let source = match gpu.queue_portable_read(addr, src.len(), self.core.id) {
+            Some((owner, range, keep)) => Src::Locked {
+                addr,
+                owner,
+                range,
+                keep,
+            },
             None => Src::Staged(src.to_vec()),
         };
         *dst.mem.pending.lock() += 1;
@@ -284,7 +291,12 @@ impl Core {
                 let t0 = std::time::Instant::now();
                 std::thread::sleep(time);
                 match &src {
-                    Src::Locked { addr, range, keep } => {
+                    Src::Locked {
+                        addr,
+                        owner,
+                        range,
+                        keep,
+                    } => {
                         let poisoned = keep
                             .as_ref()
                             .is_some_and(|k| k.freed.load(Ordering::Acquire));
@@ -305,7 +317,7 @@ impl Core {
                                 )
                             };
                         }
-                        if let Some(gpu) = self.gpu.upgrade() {
+                        if let Some(gpu) = owner.upgrade() {
                             gpu.host_read_done(*range, self.id);
                         }
                     }

@@ -439,3 +439,58 @@ fn an_event_re_recorded_elsewhere_does_not_order_a_wait_after_the_first_copy() {
     assert_eq!(other.join().unwrap(), vec![4u8; 256]);
     assert_eq!(g.violations().len(), 1, "{:?}", g.violations());
 }
+
+#[test]
+fn page_locked_memory_of_one_simulated_gpu_is_page_locked_for_its_peers() {
+    // Portable memory: a copy on sim:1 from memory sim:0 page-locked reads it when it executes,
+    // and sim:0 tracks that read (unlocking under it is reported and waited for there).
+    let set = [
+        SimGpu::new(0, SimSpec::new(ByteSize::mib(1))),
+        SimGpu::new(1, SimSpec::new(ByteSize::mib(1))),
+    ];
+    SimGpu::link(&set);
+    let (owner, other) = (&set[0], &set[1]);
+    let s = other.new_stream().unwrap();
+    let mut host = vec![1u8; 4096];
+    owner
+        .register_host(host.as_ptr() as usize, host.len())
+        .unwrap();
+    let open = gate(&s);
+    let mut dst = buffer(&s, 4096);
+    // SAFETY: `host` outlives the copy (unregistering below waits for it); it is written on
+    // purpose, to observe when the copy reads.
+    unsafe { s.copy_htod(&host, &mut dst) }.unwrap();
+    host.fill(2);
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(20));
+        drop(open);
+    });
+    owner.unregister_host(host.as_ptr() as usize).unwrap();
+    release.join().unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(take(dst, 4096), vec![2u8; 4096], "read when executed");
+    let v = owner.violations();
+    assert_eq!(
+        (v.len(), v[0].kind),
+        (1, ViolationKind::UnlockedUnderCopy),
+        "{v:?}"
+    );
+    assert!(other.check().is_ok());
+
+    // Not linked: another GPU's page-locked memory is pageable to it (read at the call).
+    let lone = SimGpu::new(2, SimSpec::new(ByteSize::mib(1)));
+    let s = lone.new_stream().unwrap();
+    let mut host = vec![1u8; 4096];
+    owner
+        .register_host(host.as_ptr() as usize, host.len())
+        .unwrap();
+    let open = gate(&s);
+    let mut dst = buffer(&s, 4096);
+    // SAFETY: as above; the copy is staged at the call.
+    unsafe { s.copy_htod(&host, &mut dst) }.unwrap();
+    host.fill(2);
+    drop(open);
+    s.synchronize().unwrap();
+    owner.unregister_host(host.as_ptr() as usize).unwrap();
+    assert_eq!(take(dst, 4096), vec![1u8; 4096], "staged at the call");
+}
