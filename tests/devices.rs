@@ -518,3 +518,70 @@ fn eviction_on_one_device_never_counts_copies_on_another() {
     );
     assert_clean(&mm);
 }
+
+#[test]
+fn reports_never_wait_for_a_load_and_loads_on_two_devices_run_from_two_threads() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+    // Each copy takes 250 ms: a load of four weights holds the manager for a second.
+    let mut config = Config::from_args(["--reserve-vram", "0", "--inference-memory", "1KiB"])
+        .unwrap()
+        .with_transfer_lanes(0);
+    for _ in 0..2 {
+        config = config.with_sim_gpu(
+            residency::vram::SimSpec::new(ByteSize::mib(16))
+                .with_latency(Duration::from_millis(250)),
+        );
+    }
+    let mm = Arc::new(MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(8))).unwrap());
+    let before = sized_model("before", 64 << 10);
+    mm.load_models_gpu(std::slice::from_ref(&before), LoadOptions::default())
+        .unwrap();
+    let a = sized_model("a", 1 << 20);
+    let b = {
+        let p = sized_model("b", 1 << 20);
+        ModelPatcher::new(Arc::clone(p.model()), DeviceId::Sim(1), DeviceId::Cpu)
+    };
+    let done = Arc::new(AtomicBool::new(false));
+    let sim0 = Arc::clone(&mm.transfer_engine().devices().sims()[0]);
+    let copies_before = sim0.stats().copies;
+    let loads: Vec<_> = [a.clone(), b.clone()]
+        .into_iter()
+        .map(|p| {
+            let (mm, done) = (Arc::clone(&mm), Arc::clone(&done));
+            std::thread::spawn(move || {
+                let r = mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default());
+                done.store(true, Ordering::SeqCst);
+                r.map(|r| r.models[0].moved)
+            })
+        })
+        .collect();
+    // Once a load's first copy ran, it holds the manager lock for its other copies.
+    while sim0.stats().copies == copies_before
+        && mm.transfer_engine().devices().sims()[1].stats().copies == 0
+    {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let report = mm.memory_report();
+    let ledger = mm.ledger(DeviceId::Sim(0));
+    let free = mm.get_free_memory(DeviceId::Sim(0));
+    let loaded = mm.loaded_models();
+    assert!(
+        !done.load(Ordering::SeqCst),
+        "the reports returned while a load was running"
+    );
+    assert!(loaded.iter().any(|m| m.name == "before"), "{loaded:?}");
+    assert!(ledger >= ByteSize(64 << 10));
+    assert_eq!(free, ByteSize::mib(16).saturating_sub(ledger));
+    assert!(report.to_string().contains("before"));
+    for l in loads {
+        assert_eq!(l.join().unwrap().unwrap(), ByteSize::mib(1));
+    }
+    assert_eq!(mm.ledger(DeviceId::Sim(1)), ByteSize::mib(1));
+    assert_eq!(
+        mm.ledger(DeviceId::Sim(0)),
+        ByteSize::mib(1).saturating_add(ByteSize(64 << 10))
+    );
+    assert_eq!(mm.loaded_models().len(), 3);
+    assert_clean(&mm);
+}

@@ -38,10 +38,13 @@
 //! | 9 | `weights::PinnedWeight::fences` | the events of the copies out of a pinned weight, one per stream (leaf) |
 //! | 10 | `Model::derived` | a managed model's module built from its resident copies (leaf; the module is dropped outside every lock) |
 //! | 11 | `device::SimGpu` books (and its condition variable) | a simulated GPU's allocations, page-locked ranges, faults and findings (leaf; released before any wait) |
+//! | 13 | `MemoryManager::view` | the registry as reports read it, published when the manager lock is released (leaf; held for an `Arc` clone or a swap) |
 //!
 //! The manager lock is held while a load is planned and executed, which serializes loads (that
 //! is what keeps the plan's figures true while it is carried out); it is never held while calling
 //! a model's memory estimator or any other user code.
+//! Reports (`ledger`, `get_free_memory`, `loaded_models`, `memory_report`) do not take it: they
+//! read the registry view and each model's resident bytes live.
 //!
 //! The host tier ([`MemoryManager::host_tier`]) has a ledger of its own: host copies of lazily
 //! read weights held plus bytes being read, bounded by `--ram-budget`. Its lock is taken inside
@@ -244,13 +247,61 @@ pub struct MemoryManager {
     /// Models kept by [`KeepGuard`]s: model id → live guards (a leaf lock).
     kept: Arc<Mutex<std::collections::HashMap<u64, usize>>>,
     inner: Mutex<Inner>,
+    /// The registry as reports read it: published whenever the manager lock is released
+    /// ([`InnerGuard`]), so `ledger`, `get_free_memory`, `loaded_models` and `memory_report`
+    /// never wait for a load (a leaf lock, held for an `Arc` clone).
+    view: Mutex<Arc<[ViewEntry]>>,
+}
+
+/// A registry entry as reports see it: membership and order as of the last release of the
+/// manager lock; each model's resident bytes are read live.
+#[derive(Clone)]
+struct ViewEntry {
+    model: std::sync::Weak<Model>,
+    device: DeviceId,
+    size: ByteSize,
+}
+
+/// The manager lock; releasing it publishes the registry view.
+struct InnerGuard<'a> {
+    guard: parking_lot::MutexGuard<'a, Inner>,
+    view: &'a Mutex<Arc<[ViewEntry]>>,
+}
+
+impl std::ops::Deref for InnerGuard<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for InnerGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.guard
+    }
+}
+
+impl Drop for InnerGuard<'_> {
+    fn drop(&mut self) {
+        let entries: Arc<[ViewEntry]> = self
+            .guard
+            .registry
+            .iter()
+            .map(|e| ViewEntry {
+                model: Arc::downgrade(e.model()),
+                device: e.device,
+                size: e.patcher.resident_model_size(),
+            })
+            .collect();
+        *self.view.lock() = entries;
+    }
 }
 
 impl std::fmt::Debug for MemoryManager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryManager")
             .field("vram_state", &self.policy.vram_state())
-            .field("loaded", &self.inner.lock().registry.len())
+            .field("loaded", &self.view.lock().len())
             .finish()
     }
 }
@@ -320,6 +371,7 @@ impl MemoryManager {
                 pool,
                 unloaded: Vec::new(),
             }),
+            view: Mutex::new(Arc::from(Vec::new())),
         }
     }
 
@@ -385,9 +437,27 @@ impl MemoryManager {
     }
 
     /// The ledger of `device`: bytes resident there across registered models, plus bytes of
-    /// prefetched weights in flight.
+    /// prefetched weights in flight, cached casts and reservations. Never waits for a load in
+    /// progress: the registry is read as of the last manager call, each model's bytes live.
     pub fn ledger(&self, device: DeviceId) -> ByteSize {
-        self.ledger_in(&self.inner.lock().registry, device)
+        self.ledger_from(self.viewed_resident(device), device)
+    }
+
+    /// The manager lock (releasing it publishes the registry view reports read).
+    fn lock_inner(&self) -> InnerGuard<'_> {
+        InnerGuard {
+            guard: self.inner.lock(),
+            view: &self.view,
+        }
+    }
+
+    /// Resident bytes on `device` of the models in the registry view.
+    fn viewed_resident(&self, device: DeviceId) -> ByteSize {
+        let view = Arc::clone(&self.view.lock());
+        view.iter()
+            .filter_map(|e| e.model.upgrade())
+            .map(|m| m.resident_bytes(device))
+            .sum()
     }
 
     /// The device's total as the scheduler sees it (budget-capped).
@@ -396,9 +466,11 @@ impl MemoryManager {
     }
 
     /// Free memory on `device`: total − ledger on a budgeted device; the driver's figure on an
-    /// unbudgeted GPU; host available RAM otherwise.
+    /// unbudgeted GPU; host available RAM otherwise. Never waits for a load (as
+    /// [`MemoryManager::ledger`]).
     pub fn get_free_memory(&self, device: DeviceId) -> ByteSize {
-        self.free_in(&self.inner.lock().registry, device)
+        let ledger = self.ledger_from(self.viewed_resident(device), device);
+        self.free_with(ledger, device)
     }
 
     /// Every GPU this manager schedules (simulated GPUs when given, else CUDA devices), in
@@ -419,7 +491,7 @@ impl MemoryManager {
                 .collect()
         };
         let min_inf = self.policy.minimum_inference_memory();
-        let inner = self.inner.lock();
+        let inner = self.lock_inner();
         gpus.into_iter()
             .map(|d| (d, self.free_in(&inner.registry, d).saturating_sub(min_inf)))
             .collect()
@@ -433,7 +505,12 @@ impl MemoryManager {
     }
 
     fn ledger_in(&self, registry: &[Entry], device: DeviceId) -> ByteSize {
-        Self::resident_in(registry, device)
+        self.ledger_from(Self::resident_in(registry, device), device)
+    }
+
+    /// `resident` plus the ledger's columns on `device`: in flight, cached casts, reservations.
+    fn ledger_from(&self, resident: ByteSize, device: DeviceId) -> ByteSize {
+        resident
             .saturating_add(self.ledger.in_flight(device))
             .saturating_add(self.ledger.cached(device))
             .saturating_add(self.ledger.reserved(device))
@@ -495,23 +572,19 @@ impl MemoryManager {
     }
 
     fn free_in(&self, registry: &[Entry], device: DeviceId) -> ByteSize {
+        self.free_with(self.ledger_in(registry, device), device)
+    }
+
+    /// Free memory on `device` when its ledger is `ledger`.
+    fn free_with(&self, ledger: ByteSize, device: DeviceId) -> ByteSize {
         if self.policy.is_budgeted(device) {
-            return self
-                .policy
-                .total_memory(device)
-                .saturating_sub(self.ledger_in(registry, device));
+            return self.policy.total_memory(device).saturating_sub(ledger);
         }
         match device {
-            DeviceId::Cuda(n) => crate::vram::driver_free_memory(n).unwrap_or_else(|| {
-                self.policy
-                    .probed_free(device)
-                    .saturating_sub(self.ledger_in(registry, device))
-            }),
+            DeviceId::Cuda(n) => crate::vram::driver_free_memory(n)
+                .unwrap_or_else(|| self.policy.probed_free(device).saturating_sub(ledger)),
             DeviceId::Cpu => self.policy.hardware().host.available,
-            DeviceId::Sim(_) => self
-                .policy
-                .probed_free(device)
-                .saturating_sub(self.ledger_in(registry, device)),
+            DeviceId::Sim(_) => self.policy.probed_free(device).saturating_sub(ledger),
         }
     }
 
@@ -607,7 +680,7 @@ impl MemoryManager {
             memory_required = options.memory_required.bytes(),
         )
         .entered();
-        let mut inner = self.inner.lock();
+        let mut inner = self.lock_inner();
         let _no_prefetch = self.ledger.loading(&devices);
         cleanup(&mut inner);
         let placed = self.place_auto(&inner, &mut all);
@@ -785,7 +858,7 @@ impl MemoryManager {
         keep_loaded: &[&ModelPatcher],
     ) -> Vec<Eviction> {
         let keep: Vec<u64> = keep_loaded.iter().map(|m| m.model().id()).collect();
-        let mut inner = self.inner.lock();
+        let mut inner = self.lock_inner();
         cleanup(&mut inner);
         let evictions = self.make_room(&mut inner, required, device, &keep, false);
         let stale = Self::take_stale(&mut inner);
@@ -822,7 +895,7 @@ impl MemoryManager {
 
     /// Unloads every model from every device; the registry is emptied.
     pub fn unload_all_models(&self) -> usize {
-        let mut inner = self.inner.lock();
+        let mut inner = self.lock_inner();
         let n = inner.registry.len();
         let entries: Vec<Entry> = inner.registry.drain(..).collect();
         for e in entries {
@@ -852,7 +925,7 @@ impl MemoryManager {
 
     /// Drops registry entries no patcher outside holds, and releases every weight pin.
     pub fn cleanup_models(&self) {
-        let mut inner = self.inner.lock();
+        let mut inner = self.lock_inner();
         cleanup(&mut inner);
         for e in &inner.registry {
             e.patcher.unpin_all_weights();
@@ -869,38 +942,39 @@ impl MemoryManager {
         drop(stale);
     }
 
-    /// The registered models, most recently used first.
+    /// The registered models, most recently used first, as of the last manager call (each one's
+    /// resident bytes live). Never waits for a load in progress.
     pub fn loaded_models(&self) -> Vec<LoadedModelInfo> {
-        let inner = self.inner.lock();
-        inner
-            .registry
-            .iter()
-            .map(|e| {
-                let placed: Vec<(DeviceId, ByteSize)> = e
-                    .model()
+        let view = Arc::clone(&self.view.lock());
+        view.iter()
+            .filter_map(|e| {
+                let model = e.model.upgrade()?;
+                let placed: Vec<(DeviceId, ByteSize)> = model
                     .state()
                     .devices()
                     .into_iter()
-                    .map(|d| (d, e.model().resident_bytes(d)))
+                    .map(|d| (d, model.resident_bytes(d)))
                     .collect();
-                LoadedModelInfo {
-                    name: e.model().name().to_string(),
-                    model_id: e.model().id(),
+                Some(LoadedModelInfo {
+                    name: model.name().to_string(),
+                    model_id: model.id(),
                     device: e.device,
                     resident: placed.iter().map(|p| p.1).sum(),
-                    size: e.patcher.resident_model_size(),
-                    outside_handles: e.outside_handles(),
-                    quantized: e.model().quantized_size().0,
+                    size: e.size,
+                    // The registry's reference and the one upgraded here are not outside.
+                    outside_handles: Arc::strong_count(&model).saturating_sub(2),
+                    quantized: model.quantized_size().0,
                     placed,
-                }
+                })
             })
             .collect()
     }
 
-    /// Per device budget, ledger and peak, and per model resident/streaming bytes.
+    /// A report of every device's memory and every loaded model, for people (`Display`) and
+    /// programs (its fields). Read from the registry as of the last manager call (each model's
+    /// resident bytes live): it never waits for a load in progress.
     pub fn memory_report(&self) -> MemoryReport {
         let models = self.loaded_models();
-        let inner = self.inner.lock();
         let mut devices: Vec<DeviceId> = models
             .iter()
             .flat_map(|m| std::iter::once(m.device).chain(m.placed.iter().map(|p| p.0)))
@@ -915,11 +989,11 @@ impl MemoryManager {
                 device: d,
                 total: self.policy.total_memory(d),
                 budgeted: self.policy.is_budgeted(d),
-                ledger: self.ledger_in(&inner.registry, d),
+                ledger: self.ledger(d),
                 cached_casts: self.cached_in(d),
                 reserved: self.ledger.reserved(d),
                 peak: self.ledger.peak(d),
-                free: self.free_in(&inner.registry, d),
+                free: self.get_free_memory(d),
             })
             .collect();
         let pool = self.engine.pool().map(|p| p.stats()).unwrap_or_default();

@@ -548,7 +548,7 @@ impl MemoryManager {
     pub fn plan(&self, models: &[ModelPatcher], options: LoadOptions) -> Result<LoadPlan> {
         let mut all = super::expand(models);
         let options = options.resolved(&all);
-        let inner = self.inner.lock();
+        let inner = self.lock_inner();
         self.place_auto(&inner, &mut all);
         self.plan_locked(&inner, &all, &options)
     }

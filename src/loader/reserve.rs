@@ -189,7 +189,7 @@ impl MemoryManager {
                 ),
             });
         }
-        let mut inner = self.inner.lock();
+        let mut inner = self.lock_inner();
         // As during a load, no prefetch or cached cast books room on the device while the
         // reservation is decided: the free figure checked below stays true until it is booked.
         let _no_prefetch = self.ledger.loading(&[device]);
