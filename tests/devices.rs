@@ -585,3 +585,21 @@ fn reports_never_wait_for_a_load_and_loads_on_two_devices_run_from_two_threads()
     assert_eq!(mm.loaded_models().len(), 3);
     assert_clean(&mm);
 }
+
+#[test]
+fn a_model_managed_whole_refuses_a_device_map_that_splits_it() {
+    let mm = manager(&["16MiB", "16MiB"], &[]);
+    let p = sized_model("whole", 64 << 10).with_device_map(DeviceMap::parse("w0=sim:1").unwrap());
+    let managed = residency::managed::Managed::new(p, |vb| vb.get(4096, "w0"));
+    let before = mm.ledger(DeviceId::Sim(1));
+    let e = mm
+        .load_models_gpu(
+            std::slice::from_ref(managed.patcher()),
+            LoadOptions::default(),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("loaded whole") && e.contains("whole"), "{e}");
+    assert_eq!(mm.ledger(DeviceId::Sim(1)), before);
+    assert!(mm.loaded_models().is_empty());
+}

@@ -521,3 +521,87 @@ fn embeddings_on_the_gpu_match_reference_and_are_identical_across_budgets() {
     }
     check_runs("GPU f32", &cases, &runs, 0.9999);
 }
+
+#[test]
+fn split_across_two_simulated_gpus_minilm_gives_the_cpu_bits() {
+    // The real model on two GPUs of two thirds of it each: `DeviceMap::auto` places its layer groups
+    // in order (the word embeddings, half the model, are one group); a LoRA clone of the split
+    // model is split the same way.
+    let cases = fixture();
+    let ids: Vec<Vec<u32>> = cases.iter().map(|c| c.ids.clone()).collect();
+    let cpu = base_patcher(Dtype::F32);
+    let (expected, _) = embed(&cpu, Budget::Full, &ids);
+    cpu.detach();
+    let size = cpu.resident_model_size();
+    let device = ByteSize(size.bytes() * 2 / 3);
+    let spec = format!("2x{}B@25GB/s", device.bytes());
+    let mm = MemoryManager::new(
+        residency::vram::Config::from_args([
+            "--sim-gpus",
+            spec.as_str(),
+            "--reserve-vram",
+            "0",
+            "--inference-memory",
+            "8MiB",
+        ])
+        .unwrap(),
+        residency::vram::Hardware::cpu_only(ByteSize::gib(8)),
+    )
+    .unwrap();
+    let m = bert::load_model(
+        &model_dir().join("model.safetensors"),
+        "all-MiniLM-L6-v2",
+        Dtype::F32,
+    )
+    .unwrap();
+    let p = ModelPatcher::new(
+        Arc::new(m),
+        residency::DeviceId::Sim(0),
+        residency::DeviceId::Cpu,
+    );
+    let map = residency::DeviceMap::auto(&p, &mm.device_budgets(), Default::default());
+    let p = p.with_device_map(map);
+    let report = mm
+        .load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    assert!(report.models[0].full, "{report:?}");
+    for d in 0..2 {
+        let d = residency::DeviceId::Sim(d);
+        assert!(
+            mm.ledger(d) > ByteSize::ZERO && mm.ledger(d) <= device,
+            "{d}"
+        );
+    }
+    let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
+    let mode = OpsMode::ManualCast {
+        compute: Dtype::F32,
+    };
+    let (t, mask) = batch(&ids);
+    let got = Bert::new(&p, mode, &config)
+        .unwrap()
+        .embed(&t, &mask, None)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    assert_eq!(bits(&got), bits(&expected), "split vs CPU");
+    assert!(p.split_stats().activation_moves > 0);
+    let clone = attention_lora(&p, 1.0);
+    mm.load_models_gpu(std::slice::from_ref(&clone), LoadOptions::default())
+        .unwrap();
+    let patched = Bert::new(&clone, mode, &config)
+        .unwrap()
+        .embed(&t, &mask, None)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let unsplit = attention_lora(&cpu, 1.0);
+    let (unsplit, _) = embed(&unsplit, Budget::Full, &ids);
+    assert_eq!(
+        bits(&patched),
+        bits(&unsplit),
+        "the LoRA clone, split vs CPU"
+    );
+    for sim in mm.transfer_engine().devices().sims() {
+        assert!(sim.check().is_ok(), "{:?}", sim.check());
+    }
+}

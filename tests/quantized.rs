@@ -208,6 +208,42 @@ fn the_port_computes_candles_bits_in_every_budget() {
 }
 
 #[test]
+fn the_port_computes_candles_bits_split_across_two_simulated_gpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-llama.gguf");
+    write_tiny_llama(&path);
+    let reference = reference_logits(&path, &PROMPT, STEPS);
+    let tokens = tokens_of(&reference);
+    for rules in ["auto", "blk\\.1\\.=sim:1,output=host"] {
+        let mm = manager_with(&["--sim-gpus", "2x64MiB@25GB/s"]);
+        let model = mm.read_gguf("tiny-llama", &path).unwrap();
+        let p = ModelPatcher::new(Arc::new(model), DeviceId::Sim(0), DeviceId::Cpu);
+        let map = match rules {
+            "auto" => residency::DeviceMap::auto(
+                &p,
+                &[
+                    (DeviceId::Sim(0), ByteSize(p.model_size().bytes() / 2)),
+                    (DeviceId::Sim(1), ByteSize::mib(64)),
+                ],
+                Default::default(),
+            ),
+            rules => residency::DeviceMap::parse(rules).unwrap(),
+        };
+        let p = p.with_device_map(map);
+        mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+            .unwrap();
+        assert!(mm.ledger(DeviceId::Sim(1)) > ByteSize::ZERO, "{rules}");
+        assert!(mm.ledger(DeviceId::Sim(0)) > ByteSize::ZERO, "{rules}");
+        let got = ported_logits(&p, &tokens);
+        assert_eq!(bits(&got), bits(&reference), "{rules}");
+        assert!(p.split_stats().activation_moves > 0, "{rules}");
+        for sim in mm.transfer_engine().devices().sims() {
+            assert!(sim.check().is_ok(), "{rules}: {:?}", sim.check());
+        }
+    }
+}
+
+#[test]
 fn a_lora_on_quantized_weights_matches_dequantize_merge_dense_and_switches_back() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny-llama.gguf");

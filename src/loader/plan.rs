@@ -902,6 +902,19 @@ impl MemoryManager {
 
     /// The checks that can fail for a reason other than memory, made before anything moves.
     fn validate_request(&self, m: &ModelPatcher) -> Result<()> {
+        if m.model().is_whole()
+            && (m.devices().len() > 1
+                || m.device_map()
+                    .is_some_and(|_| (0..m.model().len()).any(|i| m.streams_always(i))))
+        {
+            return Err(Error::Device {
+                device: m.load_device().to_string(),
+                reason: format!(
+                    "`{}` is loaded whole (a `Managed` model: one candle module computing on one device), so it cannot be split by a device map; port its layers with `residency::nn` to split it, or drop the map",
+                    m.model().name()
+                ),
+            });
+        }
         if let DeviceId::Cuda(n) = m.load_device() {
             if self.policy.hardware().gpu(n).is_none() {
                 return Err(Error::Device {

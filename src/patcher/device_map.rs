@@ -296,7 +296,13 @@ fn group_weights(
 /// balanced share of devices `0..=j` (the budgets' shares of the model, or the budgets
 /// themselves when the model is larger than them all). The rest go to the host.
 pub(crate) fn fill(sizes: &[ByteSize], budgets: &[(DeviceId, ByteSize)]) -> Vec<Target> {
-    let total: f64 = sizes.iter().map(|s| s.as_f64()).sum();
+    // Groups larger than every device never take a share.
+    let largest_budget = budgets.iter().map(|b| b.1).max().unwrap_or(ByteSize::ZERO);
+    let total: f64 = sizes
+        .iter()
+        .filter(|s| **s <= largest_budget)
+        .map(|s| s.as_f64())
+        .sum();
     let capacity: f64 = budgets.iter().map(|b| b.1.as_f64()).sum();
     let scale = if capacity > total && capacity > 0.0 {
         total / capacity
@@ -309,6 +315,22 @@ pub(crate) fn fill(sizes: &[ByteSize], budgets: &[(DeviceId, ByteSize)]) -> Vec<
     let mut before = 0.0f64; // bytes placed on devices before `j`
     let mut cum_share = budgets.first().map_or(0.0, |b| b.1.as_f64() * scale);
     for &size in sizes {
+        // A group larger than every device still to fill streams from the host, and uses up
+        // none of them.
+        let fits_somewhere = budgets[j.min(budgets.len())..]
+            .iter()
+            .enumerate()
+            .any(|(k, b)| {
+                size <= if k == 0 {
+                    b.1.saturating_sub(used)
+                } else {
+                    b.1
+                }
+            });
+        if !fits_somewhere {
+            out.push(Target::Host);
+            continue;
+        }
         let mut placed = None;
         while j < budgets.len() {
             let placed_so_far = before + used.as_f64();
@@ -542,5 +564,24 @@ mod tests {
         let sizes = [ByteSize(60), ByteSize(60), ByteSize(60)];
         let out = fill(&sizes, &[(A, ByteSize(100)), (B, ByteSize(70))]);
         assert_eq!(out, [Target::Device(A), Target::Device(B), Target::Host]);
+    }
+
+    #[test]
+    fn a_group_too_large_for_every_device_streams_and_the_rest_still_fill_them() {
+        // MiniLM's word embeddings are larger than any third of the model: they stream, the
+        // layers after them are still placed (found by the MiniLM split test).
+        let sizes = [
+            ByteSize(5),
+            ByteSize(500),
+            ByteSize(40),
+            ByteSize(40),
+            ByteSize(40),
+        ];
+        let out = fill(&sizes, &[(A, ByteSize(80)), (B, ByteSize(80))]);
+        assert_eq!(out[1], Target::Host);
+        assert!(
+            out.iter().filter(|t| **t != Target::Host).count() == 4,
+            "{out:?}"
+        );
     }
 }
