@@ -603,3 +603,29 @@ fn a_model_managed_whole_refuses_a_device_map_that_splits_it() {
     assert_eq!(mm.ledger(DeviceId::Sim(1)), before);
     assert!(mm.loaded_models().is_empty());
 }
+
+#[test]
+fn a_reserve_per_device_shapes_budgets_and_placement() {
+    // sim:1 keeps 32 MiB in reserve: its budget for weights is half of sim:0's, and a 40 MiB
+    // model the manager places goes where it fits with its reserve kept free.
+    let mm = manager(&["64MiB", "64MiB"], &["--reserve-vram", "0=0,1=0.03125"]);
+    let budgets = mm.device_budgets();
+    assert_eq!(
+        budgets[0].1,
+        ByteSize::mib(64).saturating_sub(ByteSize::kib(1))
+    );
+    assert_eq!(
+        budgets[1].1,
+        ByteSize::mib(32).saturating_sub(ByteSize::kib(1))
+    );
+    let big = sized_model("big", 40 << 20).with_auto_device();
+    // Put a small model on sim:0 first: by free memory alone sim:1 would win.
+    let small = sized_model("small", 4 << 20);
+    mm.load_models_gpu(std::slice::from_ref(&small), LoadOptions::default())
+        .unwrap();
+    let plan = mm
+        .plan(std::slice::from_ref(&big), LoadOptions::default())
+        .unwrap();
+    assert_eq!(plan.models[0].device, DeviceId::Sim(0), "{plan:#?}");
+    assert!(plan.fits());
+}

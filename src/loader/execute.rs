@@ -132,8 +132,8 @@ impl MemoryManager {
                         .map(|i| patcher.resident_size(i))
                         .max()
                         .unwrap_or(ByteSize::ZERO);
-                    let (extra, min_required, _) =
-                        self.memory_to_keep_free(&super::LoadOptions::default());
+                    let (extra, min_required, _) = self
+                        .memory_to_keep_free(&super::LoadOptions::default(), patcher.load_device());
                     let keep_free = ByteSize::from_f64(extra.max(min_required).ceil())
                         .saturating_add(largest.saturating_mul(2));
                     self.give_streamer(&patcher, keep_free);
@@ -173,9 +173,9 @@ impl MemoryManager {
         }
         // 2. Cached casts give up the room the plan needs (it planned them as free), then
         // evictions.
-        let (extra_mem, min_required, _) = self.memory_to_keep_free(options);
-        let keep_free = ByteSize::from_f64(extra_mem.max(min_required).ceil());
         for d in &plan.devices {
+            let (extra_mem, min_required, _) = self.memory_to_keep_free(options, d.device);
+            let keep_free = ByteSize::from_f64(extra_mem.max(min_required).ceil());
             let cached = self.cached_in(d.device);
             if cached > ByteSize::ZERO
                 && d.ledger_after

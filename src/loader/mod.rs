@@ -490,10 +490,12 @@ impl MemoryManager {
                 .filter(|&d| self.policy.is_scheduled(d))
                 .collect()
         };
-        let min_inf = self.policy.minimum_inference_memory();
         let inner = self.lock_inner();
         gpus.into_iter()
-            .map(|d| (d, self.free_in(&inner.registry, d).saturating_sub(min_inf)))
+            .map(|d| {
+                let min_inf = self.policy.minimum_inference_memory_on(d);
+                (d, self.free_in(&inner.registry, d).saturating_sub(min_inf))
+            })
             .collect()
     }
 
@@ -548,7 +550,7 @@ impl MemoryManager {
         if !self.policy.is_scheduled(device) {
             return;
         }
-        let (extra_mem, min_required, _) = self.memory_to_keep_free(options);
+        let (extra_mem, min_required, _) = self.memory_to_keep_free(options, device);
         let keep_free =
             ByteSize::from_f64(extra_mem.max(min_required).ceil()).saturating_add(ByteSize(1));
         match crate::ops::cast_cache_of(m.model()) {
@@ -756,8 +758,8 @@ impl MemoryManager {
             }
         }
         // With nothing to load, the plan evicts only to keep `extra_mem` (and the minimum) free.
-        let (extra_mem, min_required, _) = self.memory_to_keep_free(options);
         for d in all.iter().flat_map(|m| m.devices()) {
+            let (extra_mem, min_required, _) = self.memory_to_keep_free(options, d);
             if self.policy.is_scheduled(d) {
                 let free = self.free_in(&inner.registry, d);
                 if free <= ByteSize::from_f64(extra_mem) || free.as_f64() < min_required {
@@ -797,10 +799,11 @@ impl MemoryManager {
 
     /// ComfyUI's figures of memory to keep free for a load: `extra_mem = max(minimum inference
     /// memory, memory_required + reserve)`, the minimum (`max(minimum inference memory, given +
-    /// reserve)` when given, else `extra_mem`), and the minimum inference memory itself.
-    fn memory_to_keep_free(&self, options: &LoadOptions) -> (f64, f64, f64) {
-        let reserve = self.policy.reserve().as_f64();
-        let min_inf = self.policy.minimum_inference_memory_f64();
+    /// reserve)` when given, else `extra_mem`), and the minimum inference memory itself — with
+    /// `device`'s reserve.
+    fn memory_to_keep_free(&self, options: &LoadOptions, device: DeviceId) -> (f64, f64, f64) {
+        let reserve = self.policy.reserve_on(device).as_f64();
+        let min_inf = self.policy.minimum_inference_memory_on_f64(device);
         let extra_mem = min_inf.max(options.memory_required.as_f64() + reserve);
         let min_required = match options.minimum_memory_required {
             Some(m) => min_inf.max(m.as_f64() + reserve),

@@ -56,7 +56,6 @@ impl MemoryManager {
         }
         let in_call: Vec<u64> = all.iter().map(|m| m.model().id()).collect();
         let mut added: Vec<ByteSize> = vec![ByteSize::ZERO; devices.len()];
-        let min_inf = self.policy.minimum_inference_memory();
         for m in all.iter_mut() {
             if !m.is_auto_device() {
                 continue;
@@ -71,9 +70,15 @@ impl MemoryManager {
                 .zip(&added)
                 .map(|(&d, a)| self.free_in(&inner.registry, d).saturating_sub(*a))
                 .collect();
-            let need = |k: usize| size.saturating_sub(current[k]).saturating_add(min_inf);
+            let need = |k: usize| {
+                size.saturating_sub(current[k])
+                    .saturating_add(self.policy.minimum_inference_memory_on(devices[k]))
+            };
             let chosen = best(&current, |c| *c > ByteSize::ZERO, |k| current[k])
-                .or_else(|| best(&devices, |_| true, |k| free[k]).filter(|&k| free[k] >= need(k)))
+                .or_else(|| {
+                    let fits: Vec<bool> = (0..devices.len()).map(|k| free[k] >= need(k)).collect();
+                    best(&fits, |&f| f, |k| free[k])
+                })
                 .or_else(|| {
                     (0..devices.len())
                         .filter_map(|k| {

@@ -564,8 +564,8 @@ impl MemoryManager {
         }
         let mut problem = self.host_problem(all);
         let mut p = Planner::new(self, inner);
-        let (extra_mem, min_required, min_inf) = self.memory_to_keep_free(options);
-        let limits = (min_required, min_inf);
+        // What to keep free, per device (its own reserve).
+        let keep_free = |device: DeviceId| self.memory_to_keep_free(options, device);
         let views: Vec<Vec<WeightView>> = all
             .iter()
             .map(|m| m.weight_views(m.load_device()))
@@ -611,6 +611,7 @@ impl MemoryManager {
                     size.saturating_sub(already_on(k, device))
                 })
                 .sum();
+            let (extra_mem, min_required, _) = keep_free(device);
             let want = to_load.as_f64() * 1.1 + extra_mem;
             p.evict(ByteSize::from_f64(want), device, &keep);
             if p.free(device).as_f64() < min_required {
@@ -651,8 +652,7 @@ impl MemoryManager {
                     .collect();
                 let sub: Vec<WeightView> = indices.iter().map(|&i| views[k][i]).collect();
                 let already = already_on(k, device);
-                let (sub_want, budget) =
-                    self.plan_group(&mut p, m, device, &sub, already, options, limits);
+                let (sub_want, budget) = self.plan_group(&mut p, m, device, &sub, already, options);
                 // What the ledger counts of this model on the device now.
                 let here: ByteSize = if counted {
                     m.model().resident_bytes(device)
@@ -791,8 +791,8 @@ impl MemoryManager {
         views: &[WeightView],
         already: ByteSize,
         options: &LoadOptions,
-        (min_required, min_inf): (f64, f64),
     ) -> (Vec<bool>, Option<ByteSize>) {
+        let (_, min_required, min_inf) = self.memory_to_keep_free(options, device);
         // A whole model (a managed module) cannot stream: it loads fully or not at all.
         let whole = m.model().is_whole();
         let novram = !whole

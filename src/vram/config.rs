@@ -60,6 +60,9 @@ pub struct Config {
     pub vram_mode: Option<VramMode>,
     /// `--reserve-vram GB`: replaces the default reserve.
     pub reserve_vram_gb: Option<f64>,
+    /// `--reserve-vram 0=1.5,1=0.5`: a reserve per GPU ordinal (GB), replacing the default (or
+    /// [`Config::reserve_vram_gb`]) on that device.
+    pub reserve_vram_gbs: Vec<(usize, f64)>,
     /// `--vram-budget SIZE`: caps every device's total; on a machine without GPU it makes the CPU
     /// a budgeted compute device.
     pub vram_budget: Option<ByteSize>,
@@ -502,6 +505,27 @@ impl Config {
         seen.push(name);
         match action {
             Action::Mode(m) => self.vram_mode = Some(m),
+            Action::ReserveVram if value_str.contains('=') => {
+                for part in value_str.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                    let (n, gb) = part.split_once('=').ok_or_else(|| {
+                        invalid(format!("`{part}` is not GPU=GB (as in `0=1.5,1=0.5`)"))
+                    })?;
+                    let n: usize = n.trim().parse().map_err(|_| {
+                        invalid(format!("`{n}` in `{part}` is not a GPU number"))
+                    })?;
+                    let gb: f64 = gb
+                        .trim()
+                        .parse()
+                        .map_err(|_| invalid(format!("`{gb}` in `{part}` is not a number of GB")))?;
+                    if !gb.is_finite() || gb < 0.0 {
+                        return Err(invalid(format!(
+                            "GPU {n}'s reserve must be a non-negative number of GB"
+                        )));
+                    }
+                    self.reserve_vram_gbs.retain(|(m, _)| *m != n);
+                    self.reserve_vram_gbs.push((n, gb));
+                }
+            }
             Action::ReserveVram => {
                 let gb: f64 = value_str
                     .trim()

@@ -417,14 +417,46 @@ impl Policy {
         }
     }
 
+    /// The reserve on `device`: its own `--reserve-vram N=GB` when given, else
+    /// [`Policy::reserve`].
+    pub fn reserve_on(&self, device: DeviceId) -> ByteSize {
+        let n = match device {
+            DeviceId::Cuda(n) | DeviceId::Sim(n) => n,
+            DeviceId::Cpu => return self.reserve(),
+        };
+        match self
+            .config
+            .reserve_vram_gbs
+            .iter()
+            .rev()
+            .find(|(m, _)| *m == n)
+        {
+            Some((_, gb)) => ByteSize::gib_f64(*gb),
+            None => self.reserve(),
+        }
+    }
+
     /// `0.8 GiB + reserve`, exact (the load formulas use the fractional value). `--inference-memory`
     /// replaces the 0.8 GiB.
     pub fn minimum_inference_memory_f64(&self) -> f64 {
-        let base = match self.config.inference_memory {
+        self.inference_base() + self.reserve().as_f64()
+    }
+
+    /// [`Policy::minimum_inference_memory_f64`] with `device`'s own reserve.
+    pub fn minimum_inference_memory_on_f64(&self, device: DeviceId) -> f64 {
+        self.inference_base() + self.reserve_on(device).as_f64()
+    }
+
+    /// [`Policy::minimum_inference_memory`] with `device`'s own reserve.
+    pub fn minimum_inference_memory_on(&self, device: DeviceId) -> ByteSize {
+        ByteSize::from_f64(self.minimum_inference_memory_on_f64(device))
+    }
+
+    fn inference_base(&self) -> f64 {
+        match self.config.inference_memory {
             Some(b) => b.as_f64(),
             None => 0.8 * GIB_F,
-        };
-        base + self.reserve().as_f64()
+        }
     }
 
     /// `0.8 GiB + reserve`, rounded down to bytes (1278423859 with the Linux default).
@@ -435,7 +467,8 @@ impl Policy {
     /// `0.88 × total − minimum_inference_memory`: what weights may take on `device`.
     pub fn maximum_vram_for_weights(&self, device: DeviceId) -> ByteSize {
         ByteSize::from_f64(
-            0.88 * self.total_memory(device).as_f64() - self.minimum_inference_memory_f64(),
+            0.88 * self.total_memory(device).as_f64()
+                - self.minimum_inference_memory_on_f64(device),
         )
     }
 
@@ -610,6 +643,23 @@ mod tests {
         let p = policy(&["--vram-budget", "0=3GiB"], card(24));
         assert_eq!(p.total_memory(DeviceId::Cuda(0)), ByteSize::gib(3));
         assert!(p.is_budgeted(DeviceId::Cuda(0)));
+        // A reserve per GPU; the rest keep the default.
+        let p = policy(
+            &["--sim-gpus", "2x16MiB", "--reserve-vram", "1=1.5"],
+            card(24),
+        );
+        assert_eq!(p.reserve_on(DeviceId::Sim(1)), ByteSize::gib_f64(1.5));
+        assert_eq!(p.reserve_on(DeviceId::Sim(0)), ByteSize::mib(400));
+        assert_eq!(
+            p.minimum_inference_memory_on(DeviceId::Sim(1)),
+            ByteSize::from_f64(0.8 * GIB_F + 1.5 * GIB_F)
+        );
+        for bad in ["1=-1", "x=1", "1=lots"] {
+            let e = Config::from_args(["--reserve-vram", bad])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("--reserve-vram"), "{bad}: {e}");
+        }
         for bad in ["0=0", "x=1GiB", "0=lots", "=1GiB"] {
             let e = Config::from_args(["--vram-budget", bad])
                 .unwrap_err()
