@@ -1,0 +1,560 @@
+//! What a run did, over time: a [`tracing_subscriber::Layer`] that records residency's spans and
+//! ledger counters, and writes them as a Chrome trace (Perfetto, `chrome://tracing`) or draws
+//! them as a timeline picture ([`Trace::timeline_svg`], `timeline.rs`).
+//!
+//! **What residency emits** (docs/ARCHITECTURE.md §12). Spans, at `debug` unless said: a load
+//! (`load_models_gpu`, `info`, with its `plan` and `execute` children: the models, each model's
+//! weight budget, the bytes to move and to evict, the ledger after), each eviction (`evict`:
+//! victim, device, bytes, and the reason — the load that needed the room, how much it needed and
+//! how much was free), each weight copy on a simulated GPU (`copy`: device, stream, bytes, and the
+//! source — `pinned_in_place`, `staged` or `pageable`; the span runs on the stream's worker while
+//! the copy *executes*, not while it is enqueued), each wait of compute on a copy (`copy_wait`)
+//! and on a lane (`lane_wait`), each weight a lane or an inline fetch builds (`transfer`), and
+//! host-tier reads (`host_read`). Events: prefetch `hit` / `miss`, host-tier `host_evict`,
+//! cast-cache `cast_kept` / `cast_dropped`, the attention backend chosen (`attention`).
+//!
+//! **Counters** are events of target [`COUNTER_TARGET`] with a `counter` field naming the series
+//! (`ledger`, `host`), a `device` field for a device ledger, and numeric columns: a device ledger
+//! reports `resident`, `in_flight`, `cached`, `reserved` and `budget` (0 when unbounded) each time
+//! its book changes (`loader/ledger.rs`), the host tier `held`, `reading` and `budget`
+//! (`weights/host.rs`). Each is emitted after the book's lock is released, and only when some
+//! subscriber wants it (`tracing::enabled!`), so with nobody listening a change costs one
+//! interest check.
+//!
+//! **Recording.** A [`Trace`] is the recording; [`Trace::layer`] is the layer to add to a
+//! `tracing_subscriber` registry (`registry().with(trace.layer())`), or [`Trace::install_global`]
+//! does that as the global default in one call. It must be global (or installed on every thread)
+//! to see the copies, which run on the simulated GPU's stream workers, and the lanes. Each
+//! thread is a track; its records are appended under one lock with the timestamp taken inside it,
+//! so on every track the records are in time order and every begin has its end (a span enters and
+//! exits on the same thread). Span fields recorded after entry are written on the end record too.
+//!
+//! **The Chrome file** ([`Trace::chrome_json`]): the JSON object format of the trace-event spec —
+//! `B`/`E` per span entry and exit, `i` per event, `C` per counter sample, `M` metadata naming the
+//! processes and threads. Process 1 is the host (the calling threads, lanes, the host tier's
+//! counter); each device is a process of its own holding its ledger counter and its streams'
+//! tracks (a simulated stream's worker thread is named `residency-<device>-stream<n>`). Times are
+//! microseconds since the trace began.
+//!
+//! Examples take `--trace FILE` (and candle's `--tracing`, which writes `trace-<seconds>.json`)
+//! and `--timeline FILE` through [`TraceArgs`].
+//!
+//! Lock: `Trace`'s record list is a leaf, taken by whichever thread emits, below every lock of the
+//! crate's table (an event can be emitted under any of them); nothing is called while it is held.
+
+mod args;
+mod timeline;
+
+pub use args::{TraceArgs, TraceSession};
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record as SpanRecord};
+use tracing::{Event, Subscriber};
+use tracing_subscriber::layer::Context;
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::Layer;
+
+/// The target of counter events (ledger samples), which the layer writes as counter tracks.
+pub const COUNTER_TARGET: &str = "residency::counter";
+
+/// A field value as recorded.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    /// An unsigned integer (bytes, counts).
+    U64(u64),
+    /// A signed integer.
+    I64(i64),
+    /// A float.
+    F64(f64),
+    /// A boolean.
+    Bool(bool),
+    /// Text (strings, and `Display` / `Debug` values).
+    Str(String),
+}
+
+impl Value {
+    /// The value as a number, if it is one.
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            Value::U64(v) => Some(v as f64),
+            Value::I64(v) => Some(v as f64),
+            Value::F64(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// The value as text (numbers printed).
+    pub fn text(&self) -> String {
+        match self {
+            Value::U64(v) => v.to_string(),
+            Value::I64(v) => v.to_string(),
+            Value::F64(v) => v.to_string(),
+            Value::Bool(v) => v.to_string(),
+            Value::Str(s) => s.clone(),
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        match self {
+            Value::U64(v) => (*v).into(),
+            Value::I64(v) => (*v).into(),
+            Value::F64(v) => serde_json::Number::from_f64(*v)
+                .map(serde_json::Value::Number)
+                .unwrap_or(serde_json::Value::Null),
+            Value::Bool(v) => (*v).into(),
+            Value::Str(s) => s.clone().into(),
+        }
+    }
+}
+
+/// Named field values.
+pub type Fields = Vec<(&'static str, Value)>;
+
+/// What happened at one moment on one track.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Kind {
+    /// A span was entered.
+    Begin,
+    /// A span was exited.
+    End,
+    /// An event.
+    Instant,
+    /// A counter sample: `name` is the series (`ledger sim:0`, `host`), the fields its columns.
+    Counter,
+}
+
+/// One record of a [`Trace`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    /// What it is.
+    pub kind: Kind,
+    /// Nanoseconds since the trace began.
+    pub ts_ns: u64,
+    /// The thread it happened on (see [`Trace::track_name`]).
+    pub track: u32,
+    /// The span's or event's name (an event's message when it has one); a counter's series.
+    pub name: String,
+    /// The target (module path) of its callsite.
+    pub target: String,
+    /// Its fields (for an end: every field the span holds by then).
+    pub fields: Fields,
+}
+
+impl Record {
+    /// The field named `name`.
+    pub fn field(&self, name: &str) -> Option<&Value> {
+        self.fields.iter().find(|(k, _)| *k == name).map(|(_, v)| v)
+    }
+
+    /// The field named `name` as a number.
+    pub fn number(&self, name: &str) -> Option<f64> {
+        self.field(name).and_then(Value::as_f64)
+    }
+}
+
+static NEXT_TRACK: AtomicU32 = AtomicU32::new(1);
+static TRACK_NAMES: Mutex<Vec<(u32, String)>> = Mutex::new(Vec::new());
+
+thread_local! {
+    static TRACK: Cell<u32> = const { Cell::new(0) };
+}
+
+/// This thread's track number (numbered, and named after the thread, at first use).
+fn current_track() -> u32 {
+    TRACK.with(|t| {
+        if t.get() == 0 {
+            let id = NEXT_TRACK.fetch_add(1, Ordering::Relaxed);
+            let thread = std::thread::current();
+            let name = thread
+                .name()
+                .map(str::to_string)
+                .unwrap_or_else(|| format!("thread {id}"));
+            TRACK_NAMES.lock().push((id, name));
+            t.set(id);
+        }
+        t.get()
+    })
+}
+
+struct Shared {
+    start: Instant,
+    records: Mutex<Vec<Record>>,
+}
+
+/// A recording of residency's spans, events and counters (see the module docs). Clones share it.
+#[derive(Clone)]
+pub struct Trace {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Trace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trace")
+            .field("records", &self.shared.records.lock().len())
+            .finish()
+    }
+}
+
+impl Default for Trace {
+    fn default() -> Self {
+        Trace::new()
+    }
+}
+
+impl Trace {
+    /// An empty recording; time 0 is now.
+    pub fn new() -> Trace {
+        Trace {
+            shared: Arc::new(Shared {
+                start: Instant::now(),
+                records: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    /// The layer that records into this trace, to add to a `tracing_subscriber` registry.
+    pub fn layer(&self) -> TraceLayer {
+        TraceLayer {
+            trace: self.clone(),
+        }
+    }
+
+    /// Makes a registry with this trace's layer the process's global default subscriber.
+    ///
+    /// # Errors
+    /// When a global default is set already (add [`Trace::layer`] to that one instead).
+    pub fn install_global(&self) -> Result<(), tracing::subscriber::SetGlobalDefaultError> {
+        use tracing_subscriber::layer::SubscriberExt;
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(self.layer()))
+    }
+
+    /// Every record so far, in the order they were taken (time order).
+    pub fn records(&self) -> Vec<Record> {
+        self.shared.records.lock().clone()
+    }
+
+    /// Forgets every record so far (time 0 stays where it was).
+    pub fn clear(&self) {
+        self.shared.records.lock().clear();
+    }
+
+    /// The name of a track: its thread's name, or `thread N`.
+    pub fn track_name(track: u32) -> String {
+        TRACK_NAMES
+            .lock()
+            .iter()
+            .find(|(id, _)| *id == track)
+            .map(|(_, n)| n.clone())
+            .unwrap_or_else(|| format!("thread {track}"))
+    }
+
+    fn push(&self, kind: Kind, name: String, target: &str, fields: Fields) {
+        let track = current_track();
+        let mut records = self.shared.records.lock();
+        // Taken under the lock: the list is in time order on every track.
+        let ts_ns = self.shared.start.elapsed().as_nanos() as u64;
+        records.push(Record {
+            kind,
+            ts_ns,
+            track,
+            name,
+            target: target.to_string(),
+            fields,
+        });
+    }
+
+    /// The trace as Chrome trace-event JSON (see the module docs for the layout).
+    pub fn chrome_json(&self) -> String {
+        chrome_json(&self.records())
+    }
+
+    /// The run as an SVG picture: per device, the ledger over time against its budget with loads
+    /// and evictions marked, and the compute, stream and lane tracks below (`timeline.rs`).
+    pub fn timeline_svg(&self) -> String {
+        timeline::svg(&self.records())
+    }
+}
+
+/// The device a track or counter belongs to, from its name: a simulated stream's worker
+/// (`residency-sim:0-stream3`) or a device ledger (`ledger sim:0`).
+fn device_of(name: &str) -> Option<&str> {
+    if let Some(rest) = name.strip_prefix("residency-") {
+        return rest.rsplit_once("-stream").map(|(d, _)| d);
+    }
+    name.strip_prefix("ledger ")
+}
+
+/// Chrome trace-event JSON of `records`.
+pub fn chrome_json(records: &[Record]) -> String {
+    use serde_json::{json, Map, Value as J};
+    let mut processes: Vec<String> = vec!["host".to_string()];
+    let mut pid_of = |device: Option<&str>| -> usize {
+        match device {
+            None => 1,
+            Some(d) => match processes.iter().position(|p| p == d) {
+                Some(i) => i + 1,
+                None => {
+                    processes.push(d.to_string());
+                    processes.len()
+                }
+            },
+        }
+    };
+    let mut tracks: HashMap<u32, (usize, String)> = HashMap::new();
+    let mut events: Vec<J> = Vec::with_capacity(records.len() + 16);
+    for r in records {
+        let (pid, _) = tracks
+            .entry(r.track)
+            .or_insert_with(|| {
+                let name = Trace::track_name(r.track);
+                (pid_of(device_of(&name)), name)
+            })
+            .clone();
+        let ts = r.ts_ns as f64 / 1e3;
+        let args: Map<String, J> = r
+            .fields
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.json()))
+            .collect();
+        let e = match r.kind {
+            Kind::Begin => {
+                json!({"ph": "B", "name": r.name, "cat": r.target, "ts": ts, "pid": pid, "tid": r.track, "args": args})
+            }
+            Kind::End => {
+                json!({"ph": "E", "name": r.name, "cat": r.target, "ts": ts, "pid": pid, "tid": r.track, "args": args})
+            }
+            Kind::Instant => {
+                json!({"ph": "i", "s": "t", "name": r.name, "cat": r.target, "ts": ts, "pid": pid, "tid": r.track, "args": args})
+            }
+            Kind::Counter => {
+                let numbers: Map<String, J> = r
+                    .fields
+                    .iter()
+                    .filter(|(k, v)| !matches!(*k, "counter" | "device") && v.as_f64().is_some())
+                    .map(|(k, v)| (k.to_string(), v.json()))
+                    .collect();
+                let cpid = pid_of(device_of(&r.name));
+                json!({"ph": "C", "name": r.name, "ts": ts, "pid": cpid, "tid": 0, "args": numbers})
+            }
+        };
+        events.push(e);
+    }
+    for (i, p) in processes.iter().enumerate() {
+        let name = if i == 0 {
+            "host".to_string()
+        } else {
+            format!("device {p}")
+        };
+        events.push(json!({"ph": "M", "name": "process_name", "pid": i + 1, "tid": 0, "args": {"name": name}}));
+    }
+    let mut names: Vec<(&u32, &(usize, String))> = tracks.iter().collect();
+    names.sort();
+    for (tid, (pid, name)) in names {
+        events.push(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}));
+    }
+    let doc = json!({"traceEvents": events, "displayTimeUnit": "ms"});
+    doc.to_string()
+}
+
+/// Records a span's or event's fields.
+#[derive(Default)]
+struct FieldVisitor {
+    fields: Fields,
+    message: Option<String>,
+}
+
+impl FieldVisitor {
+    fn set(&mut self, field: &Field, value: Value) {
+        let name = field.name();
+        if name == "message" {
+            self.message = Some(value.text());
+            return;
+        }
+        match self.fields.iter_mut().find(|(k, _)| *k == name) {
+            Some(slot) => slot.1 = value,
+            None => self.fields.push((name, value)),
+        }
+    }
+}
+
+impl Visit for FieldVisitor {
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        self.set(field, Value::U64(value));
+    }
+    fn record_i64(&mut self, field: &Field, value: i64) {
+        self.set(field, Value::I64(value));
+    }
+    fn record_f64(&mut self, field: &Field, value: f64) {
+        self.set(field, Value::F64(value));
+    }
+    fn record_bool(&mut self, field: &Field, value: bool) {
+        self.set(field, Value::Bool(value));
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.set(field, Value::Str(value.to_string()));
+    }
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        let mut s = String::new();
+        let _ = write!(s, "{value:?}");
+        self.set(field, Value::Str(s));
+    }
+}
+
+/// A span's fields, kept in its extensions.
+struct SpanFields(Fields);
+
+/// The `tracing_subscriber` layer of a [`Trace`].
+pub struct TraceLayer {
+    trace: Trace,
+}
+
+impl std::fmt::Debug for TraceLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TraceLayer").finish()
+    }
+}
+
+impl<S> Layer<S> for TraceLayer
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        let mut v = FieldVisitor::default();
+        attrs.record(&mut v);
+        if let Some(span) = ctx.span(id) {
+            span.extensions_mut().insert(SpanFields(v.fields));
+        }
+    }
+
+    fn on_record(&self, id: &Id, values: &SpanRecord<'_>, ctx: Context<'_, S>) {
+        if let Some(span) = ctx.span(id) {
+            let mut ext = span.extensions_mut();
+            if let Some(fields) = ext.get_mut::<SpanFields>() {
+                let mut v = FieldVisitor {
+                    fields: std::mem::take(&mut fields.0),
+                    message: None,
+                };
+                values.record(&mut v);
+                fields.0 = v.fields;
+            }
+        }
+    }
+
+    fn on_enter(&self, id: &Id, ctx: Context<'_, S>) {
+        if let Some(span) = ctx.span(id) {
+            let fields = span
+                .extensions()
+                .get::<SpanFields>()
+                .map(|f| f.0.clone())
+                .unwrap_or_default();
+            let meta = span.metadata();
+            self.trace
+                .push(Kind::Begin, meta.name().to_string(), meta.target(), fields);
+        }
+    }
+
+    fn on_exit(&self, id: &Id, ctx: Context<'_, S>) {
+        if let Some(span) = ctx.span(id) {
+            let fields = span
+                .extensions()
+                .get::<SpanFields>()
+                .map(|f| f.0.clone())
+                .unwrap_or_default();
+            let meta = span.metadata();
+            self.trace
+                .push(Kind::End, meta.name().to_string(), meta.target(), fields);
+        }
+    }
+
+    fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
+        let meta = event.metadata();
+        let mut v = FieldVisitor::default();
+        event.record(&mut v);
+        if meta.target() == COUNTER_TARGET {
+            let series = v
+                .fields
+                .iter()
+                .find(|(k, _)| *k == "counter")
+                .map(|(_, s)| s.text())
+                .unwrap_or_else(|| "counter".into());
+            let name = match v.fields.iter().find(|(k, _)| *k == "device") {
+                Some((_, d)) => format!("{series} {}", d.text()),
+                None => series,
+            };
+            self.trace.push(Kind::Counter, name, meta.target(), v.fields);
+            return;
+        }
+        let name = v.message.unwrap_or_else(|| meta.name().to_string());
+        self.trace.push(Kind::Instant, name, meta.target(), v.fields);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tracing_subscriber::layer::SubscriberExt;
+
+    fn recorded(f: impl FnOnce()) -> Trace {
+        let trace = Trace::new();
+        let subscriber = tracing_subscriber::registry().with(trace.layer());
+        tracing::subscriber::with_default(subscriber, f);
+        trace
+    }
+
+    #[test]
+    fn a_span_becomes_a_begin_and_an_end_with_its_late_fields() {
+        let trace = recorded(|| {
+            let span = tracing::info_span!("load", models = "a,b", moved = tracing::field::Empty);
+            let g = span.enter();
+            tracing::info!(bytes = 3u64, "inside");
+            span.record("moved", 42u64);
+            drop(g);
+        });
+        let r = trace.records();
+        assert_eq!(r.len(), 3);
+        assert_eq!((r[0].kind.clone(), r[0].name.as_str()), (Kind::Begin, "load"));
+        assert_eq!(r[0].field("models"), Some(&Value::Str("a,b".into())));
+        assert_eq!((r[1].kind.clone(), r[1].name.as_str()), (Kind::Instant, "inside"));
+        assert_eq!(r[1].number("bytes"), Some(3.0));
+        assert_eq!(r[2].kind, Kind::End);
+        assert_eq!(r[2].number("moved"), Some(42.0), "recorded after entry");
+        assert!(r.windows(2).all(|w| w[0].ts_ns <= w[1].ts_ns));
+    }
+
+    #[test]
+    fn counter_events_become_counter_samples_named_by_series_and_device() {
+        let trace = recorded(|| {
+            tracing::debug!(target: "residency::counter", counter = "ledger", device = "sim:0",
+                resident = 10u64, in_flight = 2u64, budget = 100u64);
+        });
+        let json: serde_json::Value = serde_json::from_str(&trace.chrome_json()).unwrap();
+        let events = json["traceEvents"].as_array().unwrap();
+        let c = events.iter().find(|e| e["ph"] == "C").unwrap();
+        assert_eq!(c["name"], "ledger sim:0");
+        assert_eq!(c["args"]["resident"], 10);
+        assert!(c["args"].get("device").is_none(), "only numbers are columns");
+        // The device's ledger sits in the device's own process, named so.
+        let pid = c["pid"].as_u64().unwrap();
+        assert!(pid > 1);
+        assert!(events.iter().any(|e| e["ph"] == "M"
+            && e["name"] == "process_name"
+            && e["pid"] == pid
+            && e["args"]["name"] == "device sim:0"));
+    }
+
+    #[test]
+    fn tracks_of_sim_streams_belong_to_their_device() {
+        assert_eq!(device_of("residency-sim:1-stream4"), Some("sim:1"));
+        assert_eq!(device_of("ledger cuda:0"), Some("cuda:0"));
+        assert_eq!(device_of("residency-lane-0"), None);
+        assert_eq!(device_of("main"), None);
+    }
+}
