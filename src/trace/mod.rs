@@ -283,6 +283,11 @@ impl Trace {
     }
 }
 
+/// The timeline picture of `records` (see [`Trace::timeline_svg`]).
+pub fn timeline_svg(records: &[Record]) -> String {
+    timeline::svg(records)
+}
+
 /// The device a track or counter belongs to, from its name: a simulated stream's worker
 /// (`residency-sim:0-stream3`) or a device ledger (`ledger sim:0`).
 fn device_of(name: &str) -> Option<&str> {
@@ -290,6 +295,21 @@ fn device_of(name: &str) -> Option<&str> {
         return rest.rsplit_once("-stream").map(|(d, _)| d);
     }
     name.strip_prefix("ledger ")
+}
+
+/// A track's name as a trace viewer shows it: `stream 3 (copies)` under its device, `lane 0
+/// (transfers)`, other threads by their own names.
+fn display_track(name: &str) -> String {
+    if let Some(lane) = name.strip_prefix("residency-lane-") {
+        return format!("lane {lane} (transfers)");
+    }
+    match name
+        .strip_prefix("residency-")
+        .and_then(|rest| rest.rsplit_once("-stream"))
+    {
+        Some((_, n)) => format!("stream {n} (copies)"),
+        None => name.to_string(),
+    }
 }
 
 /// Chrome trace-event JSON of `records`.
@@ -358,6 +378,7 @@ pub fn chrome_json(records: &[Record]) -> String {
     let mut names: Vec<(&u32, &(usize, String))> = tracks.iter().collect();
     names.sort();
     for (tid, (pid, name)) in names {
+        let name = display_track(name);
         events.push(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}));
     }
     let doc = json!({"traceEvents": events, "displayTimeUnit": "ms"});

@@ -24,13 +24,13 @@ use std::fmt::Write as _;
 use super::{Kind, Record, Trace};
 
 const WIDTH: f64 = 1200.0;
-const LEFT: f64 = 150.0;
+const LEFT: f64 = 170.0;
 const RIGHT: f64 = 20.0;
 const CHART_H: f64 = 150.0;
 const ROW_H: f64 = 16.0;
 
-/// Colours of the stacked columns, bottom first.
-const FILLS: [&str; 4] = ["#4e79a7", "#f28e2b", "#59a14f", "#9c9c9c"];
+/// Colours of the stacked columns, bottom first (opaque: each is drawn over the ones above it).
+const FILLS: [&str; 4] = ["#9dbcd9", "#f7c08a", "#a8d5a0", "#cfcfcf"];
 
 /// A counter series: its samples in time order (ns, columns), with the column names.
 struct Series {
@@ -264,7 +264,7 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
         }
         let _ = writeln!(
             c.svg,
-            r#"<polygon class="column" data-column="{}" points="{pts}" fill="{}" fill-opacity="0.55" stroke="none"/>"#,
+            r#"<polygon class="column" data-column="{}" points="{pts}" fill="{}" stroke="none"/>"#,
             s.columns[k],
             FILLS[k % FILLS.len()]
         );
@@ -315,7 +315,7 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
     for (k, col) in s.columns.iter().enumerate() {
         let _ = writeln!(
             c.svg,
-            r#"<rect x="{lx:.1}" y="{:.1}" width="9" height="9" fill="{}" fill-opacity="0.55"/><text x="{:.1}" y="{:.1}" font-size="10">{col}</text>"#,
+            r#"<rect x="{lx:.1}" y="{:.1}" width="9" height="9" fill="{}"/><text x="{:.1}" y="{:.1}" font-size="10">{col}</text>"#,
             top + 5.0,
             FILLS[k % FILLS.len()],
             lx + 12.0,
@@ -325,6 +325,8 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
     }
     // Loads and evictions.
     let device = s.name.strip_prefix("ledger ");
+    // Marks less than a label's width apart share a column of labels.
+    let mut group_x = f64::NEG_INFINITY;
     let mut n = 0usize;
     for r in records.iter().filter(|r| r.kind == Kind::Begin) {
         let (colour, text) = match r.name.as_str() {
@@ -347,8 +349,13 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
             _ => continue,
         };
         let x = c.x(r.ts_ns as f64);
-        let ty = top + 28.0 + (n % 6) as f64 * 11.0;
+        if x - group_x > 70.0 {
+            group_x = x;
+            n = 0;
+        }
         n += 1;
+        let shown = n <= 9;
+        let ty = top + 26.0 + (n.min(10) - 1) as f64 * 11.0;
         let why = match r.name.as_str() {
             "evict" => format!(
                 "evicted {} ({} bytes) for the load of {}: {} needed, {} free",
@@ -365,8 +372,8 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
             r#"<g class="mark {}"><title>{}</title><line x1="{x:.1}" y1="{top:.1}" x2="{x:.1}" y2="{bottom:.1}" stroke="{colour}" stroke-width="0.8" stroke-dasharray="2 2"/><text x="{:.1}" y="{ty:.1}" font-size="9" fill="{colour}">{}</text></g>"#,
             if r.name == "evict" { "evict" } else { "load" },
             escape(&why),
-            x + 2.0,
-            escape(&text)
+            group_x + 2.0,
+            if shown { escape(&text) } else if n == 10 { "…".to_string() } else { String::new() }
         );
     }
     bottom
@@ -472,29 +479,45 @@ fn lanes(c: &mut Canvas, spans: &[Interval<'_>], top: f64) -> f64 {
         // Waits are drawn over compute.
         bars.sort_by_key(|b| (b.colour == "#e15759", b.start));
         let px_ns = c.t_end / (WIDTH - LEFT - RIGHT);
-        let mut merged: Vec<(Bar, usize)> = Vec::new();
+        // Bars less than a pixel apart merge; a merged bar's opacity is the share of its extent
+        // they cover, so many short waits never paint as one long one.
+        let mut merged: Vec<(Bar, usize, u64)> = Vec::new();
         for b in bars {
+            let busy = b.end.saturating_sub(b.start);
             match merged.last_mut() {
-                Some((m, n))
+                Some((m, n, covered))
                     if m.colour == b.colour && (b.start as f64) < m.end as f64 + px_ns =>
                 {
+                    *covered += b.end.saturating_sub(b.start.max(m.end));
                     m.end = m.end.max(b.end);
                     *n += 1;
                 }
-                _ => merged.push((b, 1)),
+                _ => merged.push((b, 1, busy)),
             }
         }
-        for (b, n) in merged {
+        for (b, n, covered) in merged {
             let x0 = c.x(b.start as f64);
             let w = (c.x(b.end as f64) - x0).max(0.6);
-            let tip = if n > 1 {
-                format!("{} (+{} more)", b.tip, n - 1)
+            let extent = b.end.saturating_sub(b.start).max(1);
+            let opacity = if n > 1 {
+                (covered as f64 / extent as f64).clamp(0.2, 1.0)
             } else {
-                b.tip
+                1.0
+            };
+            let tip = if n > 1 {
+                format!(
+                    "{} and {} more: {:.0} % of {:.2} ms",
+                    b.tip,
+                    n - 1,
+                    opacity * 100.0,
+                    extent as f64 / 1e6
+                )
+            } else {
+                format!("{} ({:.3} ms)", b.tip, extent as f64 / 1e6)
             };
             let _ = writeln!(
                 c.svg,
-                r#"<rect x="{x0:.1}" y="{:.1}" width="{w:.1}" height="{:.1}" fill="{}"><title>{}</title></rect>"#,
+                r#"<rect x="{x0:.1}" y="{:.1}" width="{w:.1}" height="{:.1}" fill="{}" fill-opacity="{opacity:.2}"><title>{}</title></rect>"#,
                 y + 1.0,
                 ROW_H - 4.0,
                 b.colour,
