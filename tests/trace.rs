@@ -74,8 +74,8 @@ fn a_traced_run_is_a_well_formed_chrome_trace_whose_figures_match_the_reports() 
     let _serial = SERIAL.lock();
     let dir = tempfile::tempdir().unwrap();
     let (report, records) = traced_run(dir.path(), FLAGS);
-    let json: Value = serde_json::from_str(&residency::trace::chrome_json(&records))
-        .expect("the trace is JSON");
+    let json: Value =
+        serde_json::from_str(&residency::trace::chrome_json(&records)).expect("the trace is JSON");
     let events = json["traceEvents"]
         .as_array()
         .expect("the object format: traceEvents");
@@ -99,7 +99,11 @@ fn a_traced_run_is_a_well_formed_chrome_trace_whose_figures_match_the_reports() 
             "B" => stacks.entry(track).or_default().push(name),
             "E" => {
                 let open = stacks.entry(track).or_default().pop();
-                assert_eq!(open.as_deref(), Some(name.as_str()), "E without its B on {track:?}");
+                assert_eq!(
+                    open.as_deref(),
+                    Some(name.as_str()),
+                    "E without its B on {track:?}"
+                );
             }
             "i" | "C" => {}
             other => panic!("unexpected phase {other}"),
@@ -128,20 +132,35 @@ fn a_traced_run_is_a_well_formed_chrome_trace_whose_figures_match_the_reports() 
         }
         *samples.entry(name).or_default() += 1;
     }
-    assert!(samples.get("ledger sim:0").copied().unwrap_or(0) > 10, "{samples:?}");
-    assert!(samples.get("host").copied().unwrap_or(0) > 10, "{samples:?}");
+    assert!(
+        samples.get("ledger sim:0").copied().unwrap_or(0) > 10,
+        "{samples:?}"
+    );
+    assert!(
+        samples.get("host").copied().unwrap_or(0) > 10,
+        "{samples:?}"
+    );
 
     // The copy spans' bytes are what TransferStats counted, by source.
     let mut by_source = HashMap::<String, u64>::new();
-    for e in events.iter().filter(|e| e["ph"] == "B" && e["name"] == "copy") {
+    for e in events
+        .iter()
+        .filter(|e| e["ph"] == "B" && e["name"] == "copy")
+    {
         assert_eq!(e["args"]["device"], "sim:0");
         *by_source
             .entry(e["args"]["source"].as_str().unwrap().to_string())
             .or_default() += e["args"]["bytes"].as_u64().unwrap();
     }
     let t = report.transfers;
-    assert!(t.bytes_staged.bytes() > 0 && t.bytes_direct.bytes() > 0, "{t:?}");
-    assert_eq!(by_source.get("staged").copied().unwrap_or(0), t.bytes_staged.bytes());
+    assert!(
+        t.bytes_staged.bytes() > 0 && t.bytes_direct.bytes() > 0,
+        "{t:?}"
+    );
+    assert_eq!(
+        by_source.get("staged").copied().unwrap_or(0),
+        t.bytes_staged.bytes()
+    );
     assert_eq!(
         by_source.get("pinned_in_place").copied().unwrap_or(0),
         t.bytes_direct.bytes()
@@ -151,7 +170,10 @@ fn a_traced_run_is_a_well_formed_chrome_trace_whose_figures_match_the_reports() 
     let mut loads: HashMap<(u64, u64), Vec<String>> = HashMap::new();
     let mut evictions = 0;
     for e in events {
-        let track = (e["pid"].as_u64().unwrap_or(0), e["tid"].as_u64().unwrap_or(0));
+        let track = (
+            e["pid"].as_u64().unwrap_or(0),
+            e["tid"].as_u64().unwrap_or(0),
+        );
         match (e["ph"].as_str(), e["name"].as_str()) {
             (Some("B"), Some("load_models_gpu")) => loads
                 .entry(track)
@@ -169,14 +191,21 @@ fn a_traced_run_is_a_well_formed_chrome_trace_whose_figures_match_the_reports() 
                     Some(load),
                     "the eviction of {victim} names its load"
                 );
-                assert!(!load.split(',').any(|m| m == victim), "{victim} evicted for itself");
+                assert!(
+                    !load.split(',').any(|m| m == victim),
+                    "{victim} evicted for itself"
+                );
                 assert!(e["args"]["bytes"].as_u64().unwrap() > 0);
                 assert!(e["args"]["required"].as_u64().unwrap() > 0);
             }
             _ => {}
         }
     }
-    assert_eq!(evictions, report.evictions.len(), "one span per eviction reported");
+    assert_eq!(
+        evictions,
+        report.evictions.len(),
+        "one span per eviction reported"
+    );
     assert!(evictions > 0, "the budget makes the run evict");
 }
 
@@ -209,8 +238,12 @@ fn the_timeline_is_valid_svg_whose_ledger_line_never_crosses_its_budget_line() {
     let ledgers = lines("ledger");
     let budgets = lines("budget");
     for series in ["ledger sim:0", "host"] {
-        let ledger = ledgers.get(series).unwrap_or_else(|| panic!("{series} is drawn"));
-        let budget = budgets.get(series).unwrap_or_else(|| panic!("{series}'s budget"));
+        let ledger = ledgers
+            .get(series)
+            .unwrap_or_else(|| panic!("{series} is drawn"));
+        let budget = budgets
+            .get(series)
+            .unwrap_or_else(|| panic!("{series}'s budget"));
         assert!(ledger.len() > 10);
         for &(x, y) in ledger {
             // The budget line's height at x: its last point at or before x (SVG y grows down).
@@ -220,7 +253,10 @@ fn the_timeline_is_valid_svg_whose_ledger_line_never_crosses_its_budget_line() {
                 .last()
                 .unwrap_or(&budget[0])
                 .1;
-            assert!(y >= by - 1e-6, "{series}: ledger at ({x}, {y}) above budget {by}");
+            assert!(
+                y >= by - 1e-6,
+                "{series}: ledger at ({x}, {y}) above budget {by}"
+            );
         }
     }
     let marks = doc
@@ -260,7 +296,10 @@ fn screenshot(browser: &std::path::Path, dir: &std::path::Path, name: &str, svg:
             "--no-sandbox",
             "--disable-gpu",
             "--hide-scrollbars",
-            &format!("--user-data-dir={}", dir.join(format!("{name}-profile")).display()),
+            &format!(
+                "--user-data-dir={}",
+                dir.join(format!("{name}-profile")).display()
+            ),
             &format!("--screenshot={}", png.display()),
             "--window-size=1200,500",
             &format!("file://{}", file.display()),
@@ -284,7 +323,12 @@ fn headless_chromium_draws_the_timeline() {
     let _serial = SERIAL.lock();
     let dir = tempfile::tempdir().unwrap();
     let (_, records) = traced_run(dir.path(), FLAGS);
-    let shot = screenshot(&browser, dir.path(), "timeline", &residency::trace::timeline_svg(&records));
+    let shot = screenshot(
+        &browser,
+        dir.path(),
+        "timeline",
+        &residency::trace::timeline_svg(&records),
+    );
     assert_eq!(&shot[..8], b"\x89PNG\r\n\x1a\n", "a PNG");
     // A blank page of the same size compresses to almost nothing; the picture does not.
     let blank = screenshot(

@@ -202,7 +202,8 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         for s in 0..args.steps {
             let t = 1.0 - s as f32 / args.steps as f32;
             let eps = {
-                let _compute = tracing::info_span!("compute", model = "denoiser", step = s).entered();
+                let _compute =
+                    tracing::info_span!("compute", model = "denoiser", step = s).entered();
                 denoiser.forward(&x, t, &context)?
             };
             x = (x - (eps * (1.0 / args.steps as f64))?)?;

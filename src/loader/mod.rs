@@ -753,7 +753,8 @@ impl MemoryManager {
         let keep: Vec<u64> = keep_loaded.iter().map(|m| m.model().id()).collect();
         let mut inner = self.inner.lock();
         cleanup(&mut inner);
-        let _span = tracing::debug_span!("free_memory", %device, required = required.bytes()).entered();
+        let _span =
+            tracing::debug_span!("free_memory", %device, required = required.bytes()).entered();
         let evictions = self.make_room(&mut inner, required, device, &keep, false);
         let stale = Self::take_stale(&mut inner);
         drop(inner);
@@ -1009,7 +1010,14 @@ fn trace_plan(plan: &LoadPlan) {
     let ledgers = plan
         .devices
         .iter()
-        .map(|d| format!("{}={}/{}", d.device, d.ledger_after.bytes(), d.total.bytes()))
+        .map(|d| {
+            format!(
+                "{}={}/{}",
+                d.device,
+                d.ledger_after.bytes(),
+                d.total.bytes()
+            )
+        })
         .collect::<Vec<_>>()
         .join(",");
     let _span = tracing::debug_span!(

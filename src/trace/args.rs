@@ -155,7 +155,10 @@ mod tests {
     fn candle_tracing_spelling_names_a_file_like_tracing_chrome() {
         let (t, rest) = TraceArgs::take_from(&strings(&["--tracing", "--lowvram"])).unwrap();
         let name = t.trace.unwrap().display().to_string();
-        assert!(name.starts_with("trace-") && name.ends_with(".json"), "{name}");
+        assert!(
+            name.starts_with("trace-") && name.ends_with(".json"),
+            "{name}"
+        );
         assert_eq!(rest, strings(&["--lowvram"]));
     }
 

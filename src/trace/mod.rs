@@ -510,11 +510,13 @@ where
                 Some((_, d)) => format!("{series} {}", d.text()),
                 None => series,
             };
-            self.trace.push(Kind::Counter, name, meta.target(), v.fields);
+            self.trace
+                .push(Kind::Counter, name, meta.target(), v.fields);
             return;
         }
         let name = v.message.unwrap_or_else(|| meta.name().to_string());
-        self.trace.push(Kind::Instant, name, meta.target(), v.fields);
+        self.trace
+            .push(Kind::Instant, name, meta.target(), v.fields);
     }
 }
 
@@ -541,9 +543,15 @@ mod tests {
         });
         let r = trace.records();
         assert_eq!(r.len(), 3);
-        assert_eq!((r[0].kind.clone(), r[0].name.as_str()), (Kind::Begin, "load"));
+        assert_eq!(
+            (r[0].kind.clone(), r[0].name.as_str()),
+            (Kind::Begin, "load")
+        );
         assert_eq!(r[0].field("models"), Some(&Value::Str("a,b".into())));
-        assert_eq!((r[1].kind.clone(), r[1].name.as_str()), (Kind::Instant, "inside"));
+        assert_eq!(
+            (r[1].kind.clone(), r[1].name.as_str()),
+            (Kind::Instant, "inside")
+        );
         assert_eq!(r[1].number("bytes"), Some(3.0));
         assert_eq!(r[2].kind, Kind::End);
         assert_eq!(r[2].number("moved"), Some(42.0), "recorded after entry");
@@ -561,7 +569,10 @@ mod tests {
         let c = events.iter().find(|e| e["ph"] == "C").unwrap();
         assert_eq!(c["name"], "ledger sim:0");
         assert_eq!(c["args"]["resident"], 10);
-        assert!(c["args"].get("device").is_none(), "only numbers are columns");
+        assert!(
+            c["args"].get("device").is_none(),
+            "only numbers are columns"
+        );
         // The device's ledger sits in the device's own process, named so.
         let pid = c["pid"].as_u64().unwrap();
         assert!(pid > 1);

@@ -55,10 +55,7 @@ fn series(records: &[Record]) -> Vec<Series> {
         } else {
             vec!["resident", "in_flight", "cached", "reserved"]
         };
-        let values: Vec<f64> = columns
-            .iter()
-            .map(|c| r.number(c).unwrap_or(0.0))
-            .collect();
+        let values: Vec<f64> = columns.iter().map(|c| r.number(c).unwrap_or(0.0)).collect();
         let budget = r.number("budget").unwrap_or(0.0);
         by_name
             .entry(r.name.clone())
@@ -72,7 +69,11 @@ fn series(records: &[Record]) -> Vec<Series> {
     }
     let mut out: Vec<Series> = by_name
         .into_values()
-        .filter(|s| s.samples.iter().any(|(_, v, _)| v.iter().sum::<f64>() > 0.0))
+        .filter(|s| {
+            s.samples
+                .iter()
+                .any(|(_, v, _)| v.iter().sum::<f64>() > 0.0)
+        })
         .collect();
     out.sort_by_key(|s| (s.name == "host", s.name.clone()));
     out
@@ -335,8 +336,7 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
                 r.field("models").map(|v| v.text()).unwrap_or_default(),
             ),
             "evict"
-                if device.is_some()
-                    && r.field("device").map(|v| v.text()).as_deref() == device =>
+                if device.is_some() && r.field("device").map(|v| v.text()).as_deref() == device =>
             {
                 (
                     "#c0392b",
@@ -373,7 +373,13 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
             if r.name == "evict" { "evict" } else { "load" },
             escape(&why),
             group_x + 2.0,
-            if shown { escape(&text) } else if n == 10 { "…".to_string() } else { String::new() }
+            if shown {
+                escape(&text)
+            } else if n == 10 {
+                "…".to_string()
+            } else {
+                String::new()
+            }
         );
     }
     bottom
@@ -402,7 +408,9 @@ fn lanes(c: &mut Canvas, spans: &[Interval<'_>], top: f64) -> f64 {
                 "#76b7b2",
                 format!(
                     "compute {}",
-                    text(i, "model").or_else(|| text(i, "what")).unwrap_or_default()
+                    text(i, "model")
+                        .or_else(|| text(i, "what"))
+                        .unwrap_or_default()
                 ),
             ),
             "copy_wait" | "lane_wait" => (
@@ -611,17 +619,15 @@ mod tests {
         let mut r: Vec<Record> = (0..10_000u64)
             .map(|i| ledger(i * 100_000, if i == 5_001 { 100 } else { 10 }, 100))
             .collect();
-        r.push(rec(
-            Kind::Instant,
-            1_000_000_000,
-            "end",
-            Vec::new(),
-        ));
+        r.push(rec(Kind::Instant, 1_000_000_000, "end", Vec::new()));
         let svg = svg(&r);
         let ledger = points(&svg, "ledger");
         let budget = points(&svg, "budget");
         let top = ledger.iter().map(|p| p.1).fold(f64::MAX, f64::min);
-        assert!((top - budget[0].1).abs() < 0.05, "the spike reaches the budget line");
+        assert!(
+            (top - budget[0].1).abs() < 0.05,
+            "the spike reaches the budget line"
+        );
         assert!(ledger.len() < 6_000, "decimated: {} points", ledger.len());
     }
 

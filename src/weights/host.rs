@@ -557,8 +557,8 @@ impl HostTier {
         }
         drop(out);
         let r = {
-            let _span = tracing::debug_span!("host_read", model_id, index, bytes = bytes.bytes())
-                .entered();
+            let _span =
+                tracing::debug_span!("host_read", model_id, index, bytes = bytes.bytes()).entered();
             read()
         };
         let mut b = self.shared.books.lock();
