@@ -369,7 +369,7 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
         };
         let _ = writeln!(
             c.svg,
-            r#"<g class="mark {}"><title>{}</title><line x1="{x:.1}" y1="{top:.1}" x2="{x:.1}" y2="{bottom:.1}" stroke="{colour}" stroke-width="0.8" stroke-dasharray="2 2"/><text x="{:.1}" y="{ty:.1}" font-size="9" fill="{colour}">{}</text></g>"#,
+            r##"<g class="mark {}"><title>{}</title><line x1="{x:.1}" y1="{top:.1}" x2="{x:.1}" y2="{bottom:.1}" stroke="{colour}" stroke-width="0.8" stroke-dasharray="2 2"/><text x="{:.1}" y="{ty:.1}" font-size="9" fill="{colour}" stroke="#f7f7f7" stroke-width="2.5" paint-order="stroke">{}</text></g>"##,
             if r.name == "evict" { "evict" } else { "load" },
             escape(&why),
             group_x + 2.0,
