@@ -38,6 +38,7 @@
 //! | 9 | `weights::PinnedWeight::fences` | the events of the copies out of a pinned weight, one per stream (leaf) |
 //! | 10 | `Model::derived` | a managed model's module built from its resident copies (leaf; the module is dropped outside every lock) |
 //! | 11 | `device::SimGpu` books (and its condition variable) | a simulated GPU's allocations, page-locked ranges, faults and findings (leaf; released before any wait) |
+//! | 12 | `trace::Trace` records | a recording's records (leaf; an event may be emitted under any lock above, and nothing is called while it is held) |
 //!
 //! The manager lock is held while a load is planned and executed, which serializes loads (that
 //! is what keeps the plan's figures true while it is carried out); it is never held while calling
