@@ -14,32 +14,31 @@ include!("ported/shim.rs");
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
-use parking_lot::Mutex;
 use residency::trace::Trace;
 use serde_json::Value;
 
-/// One trace for the whole test binary, installed as the global subscriber (copies run on the
-/// simulated GPU's stream workers, transfers on lanes: a per-thread subscriber would miss them).
-/// Tests take `SERIAL` so that each sees only its own run.
-fn recorder() -> &'static Trace {
-    static TRACE: OnceLock<Trace> = OnceLock::new();
-    TRACE.get_or_init(|| {
-        let t = Trace::new();
-        t.install_global()
+/// The pipeline run once on a simulated GPU under a host budget, traced by a trace installed as
+/// the global subscriber (copies run on the simulated GPU's stream workers, transfers on lanes:
+/// a per-thread subscriber would miss them); its report and records, shared by the tests.
+fn traced() -> &'static (pipeline::PipelineReport, Vec<residency::trace::Record>) {
+    static RUN: OnceLock<(pipeline::PipelineReport, Vec<residency::trace::Record>)> =
+        OnceLock::new();
+    RUN.get_or_init(|| {
+        let trace = Trace::new();
+        trace
+            .install_global()
             .expect("no other global subscriber in this test binary");
-        t
+        let dir = tempfile::tempdir().unwrap();
+        traced_run(&trace, dir.path(), FLAGS)
     })
 }
 
-static SERIAL: Mutex<()> = Mutex::new(());
-
-/// The pipeline run on a simulated GPU under a host budget, traced; its report and trace.
+/// The pipeline run with `flags`, recorded by `trace`.
 fn traced_run(
+    trace: &Trace,
     dir: &std::path::Path,
     flags: &[&str],
 ) -> (pipeline::PipelineReport, Vec<residency::trace::Record>) {
-    let trace = recorder();
-    trace.clear();
     let mut raw: Vec<String> = ["--steps", "2", "--prompts", "2", "--quiet", "--cache"]
         .iter()
         .map(|s| s.to_string())
@@ -71,11 +70,9 @@ const FLAGS: &[&str] = &["--sim-gpu", "6MiB@25GB/s", "--ram-budget", "3MiB"];
 
 #[test]
 fn a_traced_run_is_a_well_formed_chrome_trace_whose_figures_match_the_reports() {
-    let _serial = SERIAL.lock();
-    let dir = tempfile::tempdir().unwrap();
-    let (report, records) = traced_run(dir.path(), FLAGS);
+    let (report, records) = traced();
     let json: Value =
-        serde_json::from_str(&residency::trace::chrome_json(&records)).expect("the trace is JSON");
+        serde_json::from_str(&residency::trace::chrome_json(records)).expect("the trace is JSON");
     let events = json["traceEvents"]
         .as_array()
         .expect("the object format: traceEvents");
@@ -113,8 +110,10 @@ fn a_traced_run_is_a_well_formed_chrome_trace_whose_figures_match_the_reports() 
         assert!(open.is_empty(), "spans never ended on {track:?}: {open:?}");
     }
 
-    // Counters never exceed their budgets: the sim's ledger and the host tier's.
+    // Counters never exceed their budgets: the sim's ledger and the host tier's. Every change of
+    // a book is a sample, so the highest sample is the peak the books kept.
     let mut samples = HashMap::<String, usize>::new();
+    let mut highest = HashMap::<String, u64>::new();
     for c in events.iter().filter(|e| e["ph"] == "C") {
         let a = &c["args"];
         let n = |k: &str| a[k].as_u64().unwrap_or(0);
@@ -130,8 +129,15 @@ fn a_traced_run_is_a_well_formed_chrome_trace_whose_figures_match_the_reports() 
         if budget > 0 {
             assert!(used <= budget, "{name} at {}: {used} > {budget}", c["ts"]);
         }
+        let h = highest.entry(name.clone()).or_default();
+        *h = (*h).max(used);
         *samples.entry(name).or_default() += 1;
     }
+    assert_eq!(
+        highest.get("ledger sim:0").copied(),
+        Some(report.peak.bytes())
+    );
+    assert_eq!(highest.get("host").copied(), Some(report.host.peak.bytes()));
     assert!(
         samples.get("ledger sim:0").copied().unwrap_or(0) > 10,
         "{samples:?}"
@@ -152,7 +158,7 @@ fn a_traced_run_is_a_well_formed_chrome_trace_whose_figures_match_the_reports() 
             .entry(e["args"]["source"].as_str().unwrap().to_string())
             .or_default() += e["args"]["bytes"].as_u64().unwrap();
     }
-    let t = report.transfers;
+    let t = &report.transfers;
     assert!(
         t.bytes_staged.bytes() > 0 && t.bytes_direct.bytes() > 0,
         "{t:?}"
@@ -223,10 +229,8 @@ fn points(node: roxmltree::Node<'_, '_>) -> Vec<(f64, f64)> {
 
 #[test]
 fn the_timeline_is_valid_svg_whose_ledger_line_never_crosses_its_budget_line() {
-    let _serial = SERIAL.lock();
-    let dir = tempfile::tempdir().unwrap();
-    let (_, records) = traced_run(dir.path(), FLAGS);
-    let svg = residency::trace::timeline_svg(&records);
+    let (_, records) = traced();
+    let svg = residency::trace::timeline_svg(records);
     let doc = roxmltree::Document::parse(&svg).expect("well-formed XML");
     assert_eq!(doc.root_element().tag_name().name(), "svg");
     let lines = |class: &str| -> HashMap<String, Vec<(f64, f64)>> {
@@ -320,14 +324,13 @@ fn headless_chromium_draws_the_timeline() {
         eprintln!("skipped: no chromium, chromium-browser or google-chrome on PATH");
         return;
     };
-    let _serial = SERIAL.lock();
     let dir = tempfile::tempdir().unwrap();
-    let (_, records) = traced_run(dir.path(), FLAGS);
+    let (_, records) = traced();
     let shot = screenshot(
         &browser,
         dir.path(),
         "timeline",
-        &residency::trace::timeline_svg(&records),
+        &residency::trace::timeline_svg(records),
     );
     assert_eq!(&shot[..8], b"\x89PNG\r\n\x1a\n", "a PNG");
     // A blank page of the same size compresses to almost nothing; the picture does not.
