@@ -172,6 +172,20 @@ fn a_traced_run_is_a_well_formed_chrome_trace_whose_figures_match_the_reports() 
         t.bytes_direct.bytes()
     );
 
+    // Every transfer on the sim says how its weight was copied (the field CUDA runs rely on).
+    let transfers: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["ph"] == "E" && e["name"] == "transfer")
+        .collect();
+    assert!(!transfers.is_empty());
+    for e in transfers {
+        let source = e["args"]["source"].as_str();
+        assert!(
+            matches!(source, Some("pinned_in_place" | "staged" | "pageable")),
+            "{e}"
+        );
+    }
+
     // Every eviction names the load that caused it: the models of the load span it ran in.
     let mut loads: HashMap<(u64, u64), Vec<String>> = HashMap::new();
     let mut evictions = 0;

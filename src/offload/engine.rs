@@ -413,7 +413,8 @@ fn stream_weight(
         model = patcher.model().name(),
         weight = slot.name(),
         bytes = slot.bytes().bytes(),
-        on_lane = lane.is_some()
+        on_lane = lane.is_some(),
+        source = tracing::field::Empty,
     )
     .entered();
     if route.streamed {

@@ -9,9 +9,11 @@
 //! how much was free), each weight copy on a simulated GPU (`copy`: device, stream, bytes, and the
 //! source — `pinned_in_place`, `staged` or `pageable`; the span runs on the stream's worker while
 //! the copy *executes*, not while it is enqueued), each wait of compute on a copy (`copy_wait`)
-//! and on a lane (`lane_wait`), each weight a lane or an inline fetch builds (`transfer`), and
-//! host-tier reads (`host_read`). Events: prefetch `hit` / `miss`, host-tier `host_evict`,
-//! cast-cache `cast_kept` / `cast_dropped`, the attention backend chosen (`attention`).
+//! and on a lane (`lane_wait`), each weight a lane or an inline fetch builds (`transfer`, with the
+//! `source` its copy took, on every backend), and host-tier reads (`host_read`). Events: prefetch
+//! `hit` / `miss`, host-tier `host_evict`, cast-cache `cast_kept` / `cast_dropped` /
+//! `cast_refused`, the attention backend chosen (`attention`). CUDA copies have no `copy` span:
+//! covering their execution would need timed events read back after the fact.
 //!
 //! **Counters** are events of target [`COUNTER_TARGET`] with a `counter` field naming the series
 //! (`ledger`, `host`), a `device` field for a device ledger, and numeric columns: a device ledger
