@@ -29,7 +29,8 @@
 //! to see the copies, which run on the simulated GPU's stream workers, and the lanes. Each
 //! thread is a track; its records are appended under one lock with the timestamp taken inside it,
 //! so on every track the records are in time order and every begin has its end (a span enters and
-//! exits on the same thread). Span fields recorded after entry are written on the end record too.
+//! exits on the same thread). Span fields recorded after entry are written on the end record
+//! (viewers merge a slice's begin and end arguments).
 //!
 //! **The Chrome file** ([`Trace::chrome_json`]): the JSON object format of the trace-event spec —
 //! `B`/`E` per span entry and exit, `i` per event, `C` per counter sample, `M` metadata naming the
@@ -42,13 +43,16 @@
 //! and `--timeline FILE` through [`TraceArgs`].
 //!
 //! Lock: `Trace`'s record list is a leaf, taken by whichever thread emits, below every lock of the
-//! crate's table (an event can be emitted under any of them); nothing is called while it is held.
+//! crate's table (an event can be emitted under any of them); nothing is called while it is held
+//! but the writers of this module, which also take the leaf list of thread names (never the other
+//! way round).
 
 mod args;
 mod timeline;
 
 pub use args::{TraceArgs, TraceSession};
 
+use std::borrow::Cow;
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -104,15 +108,22 @@ impl Value {
         }
     }
 
-    fn json(&self) -> serde_json::Value {
+    fn write_json(&self, out: &mut String) {
         match self {
-            Value::U64(v) => (*v).into(),
-            Value::I64(v) => (*v).into(),
-            Value::F64(v) => serde_json::Number::from_f64(*v)
-                .map(serde_json::Value::Number)
-                .unwrap_or(serde_json::Value::Null),
-            Value::Bool(v) => (*v).into(),
-            Value::Str(s) => s.clone().into(),
+            Value::U64(v) => {
+                let _ = write!(out, "{v}");
+            }
+            Value::I64(v) => {
+                let _ = write!(out, "{v}");
+            }
+            Value::F64(v) if v.is_finite() => {
+                let _ = write!(out, "{v}");
+            }
+            Value::F64(_) => out.push_str("null"),
+            Value::Bool(v) => {
+                let _ = write!(out, "{v}");
+            }
+            Value::Str(s) => quote(out, s),
         }
     }
 }
@@ -143,10 +154,10 @@ pub struct Record {
     /// The thread it happened on (see [`Trace::track_name`]).
     pub track: u32,
     /// The span's or event's name (an event's message when it has one); a counter's series.
-    pub name: String,
+    pub name: Cow<'static, str>,
     /// The target (module path) of its callsite.
-    pub target: String,
-    /// Its fields (for an end: every field the span holds by then).
+    pub target: &'static str,
+    /// Its fields (for an end: those recorded after the span was first entered).
     pub fields: Fields,
 }
 
@@ -258,7 +269,7 @@ impl Trace {
             .unwrap_or_else(|| format!("thread {track}"))
     }
 
-    fn push(&self, kind: Kind, name: String, target: &str, fields: Fields) {
+    fn push(&self, kind: Kind, name: Cow<'static, str>, target: &'static str, fields: Fields) {
         let track = current_track();
         let mut records = self.shared.records.lock();
         // Taken under the lock: the list is in time order on every track.
@@ -268,20 +279,21 @@ impl Trace {
             ts_ns,
             track,
             name,
-            target: target.to_string(),
+            target,
             fields,
         });
     }
 
-    /// The trace as Chrome trace-event JSON (see the module docs for the layout).
+    /// The trace as Chrome trace-event JSON (see the module docs for the layout). Threads that
+    /// emit meanwhile wait until it is written (the records are not copied).
     pub fn chrome_json(&self) -> String {
-        chrome_json(&self.records())
+        chrome_json(&self.shared.records.lock())
     }
 
     /// The run as an SVG picture: per device, the ledger over time against its budget with loads
     /// and evictions marked, and the compute, stream and lane tracks below (`timeline.rs`).
     pub fn timeline_svg(&self) -> String {
-        timeline::svg(&self.records())
+        timeline::svg(&self.shared.records.lock())
     }
 }
 
@@ -314,9 +326,9 @@ fn display_track(name: &str) -> String {
     }
 }
 
-/// Chrome trace-event JSON of `records`.
+/// Chrome trace-event JSON of `records`, written straight into one string (a run of a few
+/// seconds has tens of thousands of records; no tree of values is built).
 pub fn chrome_json(records: &[Record]) -> String {
-    use serde_json::{json, Map, Value as J};
     let mut processes: Vec<String> = vec!["host".to_string()];
     let mut pid_of = |device: Option<&str>| -> usize {
         match device {
@@ -331,43 +343,60 @@ pub fn chrome_json(records: &[Record]) -> String {
         }
     };
     let mut tracks: HashMap<u32, (usize, String)> = HashMap::new();
-    let mut events: Vec<J> = Vec::with_capacity(records.len() + 16);
+    let mut out = String::with_capacity(records.len() * 160 + 256);
+    out.push_str("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[");
+    let mut first = true;
     for r in records {
-        let (pid, _) = tracks
-            .entry(r.track)
-            .or_insert_with(|| {
-                let name = Trace::track_name(r.track);
-                (pid_of(device_of(&name)), name)
-            })
-            .clone();
-        let ts = r.ts_ns as f64 / 1e3;
-        let args: Map<String, J> = r
-            .fields
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.json()))
-            .collect();
-        let e = match r.kind {
-            Kind::Begin => {
-                json!({"ph": "B", "name": r.name, "cat": r.target, "ts": ts, "pid": pid, "tid": r.track, "args": args})
-            }
-            Kind::End => {
-                json!({"ph": "E", "name": r.name, "cat": r.target, "ts": ts, "pid": pid, "tid": r.track, "args": args})
-            }
-            Kind::Instant => {
-                json!({"ph": "i", "s": "t", "name": r.name, "cat": r.target, "ts": ts, "pid": pid, "tid": r.track, "args": args})
-            }
-            Kind::Counter => {
-                let numbers: Map<String, J> = r
-                    .fields
-                    .iter()
-                    .filter(|(k, v)| !matches!(*k, "counter" | "device") && v.as_f64().is_some())
-                    .map(|(k, v)| (k.to_string(), v.json()))
-                    .collect();
-                let cpid = pid_of(device_of(&r.name));
-                json!({"ph": "C", "name": r.name, "ts": ts, "pid": cpid, "tid": 0, "args": numbers})
+        let pid = match r.kind {
+            Kind::Counter => pid_of(device_of(&r.name)),
+            _ => {
+                tracks
+                    .entry(r.track)
+                    .or_insert_with(|| {
+                        let name = Trace::track_name(r.track);
+                        (pid_of(device_of(&name)), name)
+                    })
+                    .0
             }
         };
-        events.push(e);
+        let (ph, tid) = match r.kind {
+            Kind::Begin => ("B", r.track),
+            Kind::End => ("E", r.track),
+            Kind::Instant => ("i", r.track),
+            Kind::Counter => ("C", 0),
+        };
+        open_event(&mut out, &mut first);
+        let _ = write!(out, "\"ph\":\"{ph}\",\"name\":");
+        quote(&mut out, &r.name);
+        if r.kind != Kind::Counter {
+            out.push_str(",\"cat\":");
+            quote(&mut out, &r.target);
+        }
+        if r.kind == Kind::Instant {
+            out.push_str(",\"s\":\"t\"");
+        }
+        let _ = write!(
+            out,
+            ",\"ts\":{:.3},\"pid\":{pid},\"tid\":{tid},\"args\":{{",
+            r.ts_ns as f64 / 1e3
+        );
+        let mut first_arg = true;
+        for (k, v) in &r.fields {
+            // A counter's columns are its numbers; its series and device are in its name.
+            if r.kind == Kind::Counter
+                && (matches!(*k, "counter" | "device") || v.as_f64().is_none())
+            {
+                continue;
+            }
+            if !first_arg {
+                out.push(',');
+            }
+            first_arg = false;
+            quote(&mut out, k);
+            out.push(':');
+            v.write_json(&mut out);
+        }
+        out.push_str("}}");
     }
     for (i, p) in processes.iter().enumerate() {
         let name = if i == 0 {
@@ -375,16 +404,61 @@ pub fn chrome_json(records: &[Record]) -> String {
         } else {
             format!("device {p}")
         };
-        events.push(json!({"ph": "M", "name": "process_name", "pid": i + 1, "tid": 0, "args": {"name": name}}));
+        metadata(&mut out, &mut first, "process_name", i + 1, 0, &name);
     }
     let mut names: Vec<(&u32, &(usize, String))> = tracks.iter().collect();
     names.sort();
-    for (tid, (pid, name)) in names {
-        let name = display_track(name);
-        events.push(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}));
+    for (&tid, (pid, name)) in names {
+        metadata(
+            &mut out,
+            &mut first,
+            "thread_name",
+            *pid,
+            tid,
+            &display_track(name),
+        );
     }
-    let doc = json!({"traceEvents": events, "displayTimeUnit": "ms"});
-    doc.to_string()
+    out.push_str("]}\n");
+    out
+}
+
+/// Starts an event object in the trace's list.
+fn open_event(out: &mut String, first: &mut bool) {
+    if !*first {
+        out.push(',');
+    }
+    *first = false;
+    out.push_str("\n{");
+}
+
+/// A metadata event naming a process or thread.
+fn metadata(out: &mut String, first: &mut bool, what: &str, pid: usize, tid: u32, name: &str) {
+    open_event(out, first);
+    let _ = write!(
+        out,
+        "\"ph\":\"M\",\"name\":\"{what}\",\"pid\":{pid},\"tid\":{tid},\"args\":{{\"name\":"
+    );
+    quote(out, name);
+    out.push_str("}}");
+}
+
+/// `s` as a JSON string.
+fn quote(out: &mut String, s: &str) {
+    out.push('"');
+    for ch in s.chars() {
+        match ch {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
 }
 
 /// Records a span's or event's fields.
@@ -431,8 +505,13 @@ impl Visit for FieldVisitor {
     }
 }
 
-/// A span's fields, kept in its extensions.
-struct SpanFields(Fields);
+/// A span's fields, kept in its extensions: all of them, and those recorded since it was first
+/// entered (which its end records carry, as the begin records could not).
+struct SpanFields {
+    all: Fields,
+    entered: bool,
+    late: Fields,
+}
 
 /// The `tracing_subscriber` layer of a [`Trace`].
 pub struct TraceLayer {
@@ -453,7 +532,11 @@ where
         let mut v = FieldVisitor::default();
         attrs.record(&mut v);
         if let Some(span) = ctx.span(id) {
-            span.extensions_mut().insert(SpanFields(v.fields));
+            span.extensions_mut().insert(SpanFields {
+                all: v.fields,
+                entered: false,
+                late: Vec::new(),
+            });
         }
     }
 
@@ -462,25 +545,39 @@ where
             let mut ext = span.extensions_mut();
             if let Some(fields) = ext.get_mut::<SpanFields>() {
                 let mut v = FieldVisitor {
-                    fields: std::mem::take(&mut fields.0),
+                    fields: std::mem::take(&mut fields.all),
                     message: None,
                 };
                 values.record(&mut v);
-                fields.0 = v.fields;
+                fields.all = v.fields;
+                if fields.entered {
+                    let mut v = FieldVisitor {
+                        fields: std::mem::take(&mut fields.late),
+                        message: None,
+                    };
+                    values.record(&mut v);
+                    fields.late = v.fields;
+                }
             }
         }
     }
 
     fn on_enter(&self, id: &Id, ctx: Context<'_, S>) {
         if let Some(span) = ctx.span(id) {
-            let fields = span
-                .extensions()
-                .get::<SpanFields>()
-                .map(|f| f.0.clone())
-                .unwrap_or_default();
+            let fields = match span.extensions_mut().get_mut::<SpanFields>() {
+                Some(f) => {
+                    f.entered = true;
+                    f.all.clone()
+                }
+                None => Vec::new(),
+            };
             let meta = span.metadata();
-            self.trace
-                .push(Kind::Begin, meta.name().to_string(), meta.target(), fields);
+            self.trace.push(
+                Kind::Begin,
+                Cow::Borrowed(meta.name()),
+                meta.target(),
+                fields,
+            );
         }
     }
 
@@ -489,11 +586,11 @@ where
             let fields = span
                 .extensions()
                 .get::<SpanFields>()
-                .map(|f| f.0.clone())
+                .map(|f| f.late.clone())
                 .unwrap_or_default();
             let meta = span.metadata();
             self.trace
-                .push(Kind::End, meta.name().to_string(), meta.target(), fields);
+                .push(Kind::End, Cow::Borrowed(meta.name()), meta.target(), fields);
         }
     }
 
@@ -513,10 +610,10 @@ where
                 None => series,
             };
             self.trace
-                .push(Kind::Counter, name, meta.target(), v.fields);
+                .push(Kind::Counter, Cow::Owned(name), meta.target(), v.fields);
             return;
         }
-        let name = v.message.unwrap_or_else(|| meta.name().to_string());
+        let name = v.message.map_or(Cow::Borrowed(meta.name()), Cow::Owned);
         self.trace
             .push(Kind::Instant, name, meta.target(), v.fields);
     }
@@ -546,12 +643,12 @@ mod tests {
         let r = trace.records();
         assert_eq!(r.len(), 3);
         assert_eq!(
-            (r[0].kind.clone(), r[0].name.as_str()),
+            (r[0].kind.clone(), r[0].name.as_ref()),
             (Kind::Begin, "load")
         );
         assert_eq!(r[0].field("models"), Some(&Value::Str("a,b".into())));
         assert_eq!(
-            (r[1].kind.clone(), r[1].name.as_str()),
+            (r[1].kind.clone(), r[1].name.as_ref()),
             (Kind::Instant, "inside")
         );
         assert_eq!(r[1].number("bytes"), Some(3.0));
@@ -582,6 +679,22 @@ mod tests {
             && e["name"] == "process_name"
             && e["pid"] == pid
             && e["args"]["name"] == "device sim:0"));
+    }
+
+    #[test]
+    fn names_and_values_are_escaped_into_valid_json() {
+        let trace = recorded(|| {
+            tracing::info!(
+                model = "a \"quoted\"\\ name\n\u{1}",
+                ratio = f64::NAN,
+                "tab\there"
+            );
+        });
+        let json: serde_json::Value = serde_json::from_str(&trace.chrome_json()).unwrap();
+        let e = &json["traceEvents"][0];
+        assert_eq!(e["name"], "tab\there");
+        assert_eq!(e["args"]["model"], "a \"quoted\"\\ name\n\u{1}");
+        assert!(e["args"]["ratio"].is_null(), "NaN is not JSON");
     }
 
     #[test]

@@ -58,9 +58,9 @@ fn series(records: &[Record]) -> Vec<Series> {
         let values: Vec<f64> = columns.iter().map(|c| r.number(c).unwrap_or(0.0)).collect();
         let budget = r.number("budget").unwrap_or(0.0);
         by_name
-            .entry(r.name.clone())
+            .entry(r.name.to_string())
             .or_insert_with(|| Series {
-                name: r.name.clone(),
+                name: r.name.to_string(),
                 columns,
                 samples: Vec::new(),
             })
@@ -79,13 +79,24 @@ fn series(records: &[Record]) -> Vec<Series> {
     out
 }
 
-/// A span as an interval: its track, name, fields at its end, start and end (ns).
+/// A span as an interval: its track, name, begin and end records, start and end (ns).
 struct Interval<'a> {
     track: u32,
     name: &'a str,
-    end_record: &'a Record,
+    begin: &'a Record,
+    end_record: Option<&'a Record>,
     start: u64,
     end: u64,
+}
+
+impl Interval<'_> {
+    /// Field `f` as text: as recorded late (on the end), else at the start.
+    fn text(&self, f: &str) -> Option<String> {
+        self.end_record
+            .and_then(|r| r.field(f))
+            .or_else(|| self.begin.field(f))
+            .map(|v| v.text())
+    }
 }
 
 /// Every span interval, by pairing each begin with the next end on its track (spans nest on a
@@ -101,7 +112,8 @@ fn intervals(records: &[Record], t_end: u64) -> Vec<Interval<'_>> {
                     out.push(Interval {
                         track: r.track,
                         name: &b.name,
-                        end_record: r,
+                        begin: b,
+                        end_record: Some(r),
                         start: b.ts_ns,
                         end: r.ts_ns,
                     });
@@ -115,7 +127,8 @@ fn intervals(records: &[Record], t_end: u64) -> Vec<Interval<'_>> {
             out.push(Interval {
                 track,
                 name: &b.name,
-                end_record: b,
+                begin: b,
+                end_record: None,
                 start: b.ts_ns,
                 end: t_end,
             });
@@ -330,7 +343,7 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
     let mut group_x = f64::NEG_INFINITY;
     let mut n = 0usize;
     for r in records.iter().filter(|r| r.kind == Kind::Begin) {
-        let (colour, text) = match r.name.as_str() {
+        let (colour, text) = match r.name.as_ref() {
             "load_models_gpu" if device.is_some() => (
                 "#777",
                 r.field("models").map(|v| v.text()).unwrap_or_default(),
@@ -356,7 +369,7 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
         n += 1;
         let shown = n <= 9;
         let ty = top + 26.0 + (n.min(10) - 1) as f64 * 11.0;
-        let why = match r.name.as_str() {
+        let why = match r.name.as_ref() {
             "evict" => format!(
                 "evicted {} ({} bytes) for the load of {}: {} needed, {} free",
                 r.field("victim").map(|v| v.text()).unwrap_or_default(),
@@ -400,7 +413,7 @@ struct Bar {
 /// The lanes, their top at `top`; returns their bottom.
 fn lanes(c: &mut Canvas, spans: &[Interval<'_>], top: f64) -> f64 {
     let mut rows: BTreeMap<(u8, String), Vec<Bar>> = BTreeMap::new();
-    let text = |i: &Interval<'_>, f: &str| i.end_record.field(f).map(|v| v.text());
+    let text = |i: &Interval<'_>, f: &str| i.text(f);
     for i in spans {
         let (key, colour, tip) = match i.name {
             "compute" => (
@@ -574,8 +587,8 @@ mod tests {
             kind,
             ts_ns: ts,
             track: 1,
-            name: name.into(),
-            target: "t".into(),
+            name: name.to_string().into(),
+            target: "t",
             fields,
         }
     }
