@@ -370,7 +370,7 @@ pub fn chrome_json(records: &[Record]) -> String {
         quote(&mut out, &r.name);
         if r.kind != Kind::Counter {
             out.push_str(",\"cat\":");
-            quote(&mut out, &r.target);
+            quote(&mut out, r.target);
         }
         if r.kind == Kind::Instant {
             out.push_str(",\"s\":\"t\"");
