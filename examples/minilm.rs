@@ -5,8 +5,12 @@
 //! cargo run --release --example minilm -- [--model-dir DIR] [--storage-dtype f32|f16|bf16|fp8_e4m3fn]
 //!     [--vram-budget SIZE] [--ram-budget SIZE] [--lora FILE:STRENGTH]...
 //!     [--attention naive|split|subquad|auto]
+//!     [--trace FILE | --tracing] [--timeline FILE]
 //!     [residency flags: --novram, --lowvram, --reserve-vram 0, ...] "sentence" ...
 //! ```
+//!
+//! `--trace FILE` (or candle's `--tracing`) writes a Chrome trace of the run (Perfetto,
+//! `chrome://tracing`); `--timeline FILE` draws it as an SVG (`residency::trace`).
 //!
 //! Prints one JSON object per sentence (`{"sentence", "tokens", "embedding"}`, the embedding
 //! mean-pooled over the attention mask and L2-normalised) on stdout, and the memory report and
@@ -38,7 +42,8 @@ struct Args {
 }
 
 const USAGE: &str = "usage: minilm [--model-dir DIR] [--storage-dtype f32|f16|bf16|fp8_e4m3fn] \
-[--lora FILE:STRENGTH]... [--attention naive|split|subquad|auto] [residency flags, e.g. \
+[--lora FILE:STRENGTH]... [--attention naive|split|subquad|auto] [--trace FILE | --tracing] \
+[--timeline FILE] [residency flags, e.g. \
 --vram-budget 64MiB, --novram] \"sentence\" ...";
 
 fn parse_args(raw: Vec<String>) -> Result<Args, String> {
@@ -190,7 +195,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let n = ids.len();
         let t = Tensor::from_vec(ids, (1, n), &dev)?;
         let mask = Tensor::ones((1, n), candle_core::DType::U32, &dev)?;
-        let e = bert.embed(&t, &mask, None)?.squeeze(0)?.to_vec1::<f32>()?;
+        let e = {
+            let _compute = tracing::info_span!("compute", model = "minilm", tokens = n).entered();
+            bert.embed(&t, &mask, None)?.squeeze(0)?.to_vec1::<f32>()?
+        };
         let line = serde_json::json!({ "sentence": sentence, "tokens": n, "embedding": e });
         println!("{line}");
     }
@@ -217,14 +225,38 @@ fn peak_rss() -> Option<residency::ByteSize> {
 }
 
 fn main() {
-    let args = match parse_args(std::env::args().skip(1).collect()) {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let (trace, raw) = match residency::trace::TraceArgs::take_from(&raw) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    let args = match parse_args(raw) {
         Ok(a) => a,
         Err(msg) => {
             eprintln!("{msg}");
             std::process::exit(2);
         }
     };
-    if let Err(e) = run(args) {
+    let session = match trace.start() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
+    let result = run(args);
+    if let Some(session) = &session {
+        match session.finish() {
+            Ok(files) => files
+                .iter()
+                .for_each(|f| eprintln!("wrote {}", f.display())),
+            Err(e) => eprintln!("error: {e}"),
+        }
+    }
+    if let Err(e) = result {
         eprintln!("error: {e}");
         std::process::exit(1);
     }

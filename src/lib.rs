@@ -47,6 +47,8 @@
 //! [`quantized`] (candle's quantized API on managed GGUF weights; [`quantized_nn`],
 //! [`quantized_var_builder`]), [`attention`] (backends, memory plans, dispatcher) →
 //! [`loader`] (the memory manager, the global API) → [`models`] (BERT), [`tools`] (LoRA merging).
+//! [`trace`] (a leaf: recording residency's spans and ledger counters as a Chrome trace and a
+//! timeline picture) depends on nothing else in the crate.
 //!
 //! The design — memory tiers, the invariants and their tests, the load algorithm, the transfer
 //! path, the lock table, and where each lives — is in `docs/ARCHITECTURE.md`.
@@ -78,6 +80,7 @@ pub mod quantized_nn;
 pub mod quantized_var_builder;
 pub mod size;
 pub mod tools;
+pub mod trace;
 pub mod vram;
 pub mod weights;
 

@@ -5,9 +5,14 @@
 //!
 //! ```sh
 //! cargo run --release --example pipeline -- [--prompts N] [--steps N] [--seed S] [--json FILE]
-//!     [--cache DIR] [any residency flag: --vram-budget 64MiB --ram-budget 4MiB --novram
-//!     --async-offload 3 ...]
+//!     [--cache DIR] [--trace FILE | --tracing] [--timeline FILE] [any residency flag:
+//!     --vram-budget 64MiB --ram-budget 4MiB --novram --async-offload 3 ...]
 //! ```
+//!
+//! `--trace FILE` (or candle's `--tracing`) writes a Chrome trace of the run (open it in
+//! <https://ui.perfetto.dev> or `chrome://tracing`); `--timeline FILE` draws it as an SVG: each
+//! device's ledger against its budget with loads and evictions marked, and the copy and compute
+//! lanes below (`residency::trace`). Each model's forward is a `compute` span.
 //!
 //! With `--sim-gpu 64MiB@25GB/s` the models run on a simulated GPU (its memory is host memory,
 //! its copies run on stream workers at the modelled bandwidth, lanes and prefetch on as on a real
@@ -49,6 +54,7 @@ use candle_core::Tensor;
 use residency::float::{self, Dtype};
 use residency::loader::{LoadOptions, MemoryManager};
 use residency::patcher::{lora_file, ModelPatcher};
+use residency::trace::TraceArgs;
 use residency::vram::{Config, DeviceId, Hardware};
 use residency::weights::{HostTier, Model};
 use residency::{ByteSize, DeviceMap, Result};
@@ -70,6 +76,8 @@ pub struct PipelineArgs {
     /// `--device-map auto|RULES`: every model split across the GPUs (simulated ones with
     /// `--sim-gpus`), by `DeviceMap::auto` within each device's budget, or by the rules.
     pub device_map: Option<String>,
+    /// `--trace FILE` / `--tracing` / `--timeline FILE`.
+    pub trace: TraceArgs,
 }
 
 /// Runs the pipeline.
@@ -174,12 +182,18 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         let r = mm.load_models_gpu(std::slice::from_ref(&pm), LoadOptions::default())?;
         evictions.extend(r.evicted.clone());
         add_moved(&mut moved_per_model, &r);
-        let (expanded, kv) = prompt_model.expand(&prompt, &mm, device)?;
+        let (expanded, kv) = {
+            let _compute = tracing::info_span!("compute", model = "prompt_lm").entered();
+            prompt_model.expand(&prompt, &mm, device)?
+        };
         kv_peak = kv_peak.max(kv);
         let r = mm.load_models_gpu(std::slice::from_ref(&te), LoadOptions::default())?;
         evictions.extend(r.evicted.clone());
         add_moved(&mut moved_per_model, &r);
-        let context = text_encoder.forward(&expanded)?;
+        let context = {
+            let _compute = tracing::info_span!("compute", model = "text_encoder").entered();
+            text_encoder.forward(&expanded)?
+        };
         // 2. denoise
         let dn = if use_lora { &styled } else { &base };
         denoiser.source.set_patcher(dn)?;
@@ -202,7 +216,11 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         let t0 = Instant::now();
         for s in 0..args.steps {
             let t = 1.0 - s as f32 / args.steps as f32;
-            let eps = denoiser.forward(&x, t, &context)?;
+            let eps = {
+                let _compute =
+                    tracing::info_span!("compute", model = "denoiser", step = s).entered();
+                denoiser.forward(&x, t, &context)?
+            };
             x = (x - (eps * (1.0 / args.steps as f64))?)?;
             let elapsed = t0.elapsed().as_secs_f64();
             progress.step(i + 1, s + 1, args.steps, (s + 1) as f64 / elapsed.max(1e-9));
@@ -212,7 +230,10 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         let r = mm.load_models_gpu(std::slice::from_ref(&de), LoadOptions::default())?;
         evictions.extend(r.evicted.clone());
         add_moved(&mut moved_per_model, &r);
-        let image = decoder.forward(&x)?;
+        let image = {
+            let _compute = tracing::info_span!("compute", model = "decoder").entered();
+            decoder.forward(&x)?
+        };
         let checksum = checksum(&image)?;
         mm.cleanup_models();
         results.push(PromptResult {
@@ -337,7 +358,11 @@ pub fn parse_args(raw: &[String]) -> std::result::Result<PipelineArgs, String> {
         config: Config::default(),
         quiet: false,
         device_map: None,
+        trace: TraceArgs::default(),
     };
+    let (trace, raw) = TraceArgs::take_from(raw).map_err(|e| e.to_string())?;
+    a.trace = trace;
+    let raw = raw.as_slice();
     let mut rest = Vec::new();
     let mut i = 0;
     while i < raw.len() {
@@ -403,7 +428,7 @@ pub fn parse_args(raw: &[String]) -> std::result::Result<PipelineArgs, String> {
 /// What `parse_args` returns for `--help` (main prints the usage and exits 0).
 const HELP: &str = "--help";
 
-const USAGE: &str = "usage: pipeline [--prompts N] [--steps N] [--seed S] [--json FILE] [--cache DIR] [--quiet] [--device-map auto|RULES] [residency flags]";
+const USAGE: &str = "usage: pipeline [--prompts N] [--steps N] [--seed S] [--json FILE] [--cache DIR] [--quiet] [--device-map auto|RULES] [--trace FILE | --tracing] [--timeline FILE] [residency flags]";
 
 #[allow(dead_code)]
 fn main() {
@@ -419,7 +444,26 @@ fn main() {
             std::process::exit(2);
         }
     };
-    match run(&args) {
+    let session = match args.trace.start() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
+    let result = run(&args);
+    // Written whatever the outcome: a run that ran out of memory is what a timeline is for.
+    if let Some(session) = &session {
+        match session.finish() {
+            Ok(files) => {
+                for f in files {
+                    eprintln!("wrote {}", f.display());
+                }
+            }
+            Err(e) => eprintln!("error: {e}"),
+        }
+    }
+    match result {
         Ok(report) => {
             println!("{}", to_table(&report));
             println!("{}", report.memory);

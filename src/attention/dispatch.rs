@@ -287,6 +287,8 @@ pub fn select_backend(input: &DispatchInput) -> Backend {
             );
         }
     }
+    tracing::debug!(backend = %d.backend, requested = ?input.requested, fell_back = d.fallback.is_some(),
+        "attention");
     d.backend
 }
 

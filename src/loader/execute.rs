@@ -87,8 +87,18 @@ fn drop_copy(model: &Arc<Model>, index: usize, undo: &mut Undo) -> ByteSize {
 
 impl MemoryManager {
     /// Carries out the evictions of a plan (they cannot fail).
-    pub(super) fn execute_evictions(&self, inner: &mut Inner, steps: &[Step], undo: &mut Undo) {
+    /// `evictions` are the plan's, one per eviction step in the same order; `cause` names what
+    /// needed the room (the models being loaded), for the trace.
+    pub(super) fn execute_evictions(
+        &self,
+        inner: &mut Inner,
+        steps: &[Step],
+        evictions: &[super::Eviction],
+        cause: &str,
+        undo: &mut Undo,
+    ) {
         let mut unloaded = 0usize;
+        let mut why = evictions.iter();
         for step in steps {
             let Step::Evict {
                 model_id,
@@ -99,6 +109,18 @@ impl MemoryManager {
             else {
                 continue;
             };
+            let why = why.next();
+            let _span = tracing::debug_span!(
+                "evict",
+                victim = why.map_or("", |e| e.name.as_str()),
+                device = %why.map_or(String::new(), |e| e.device.to_string()),
+                bytes = why.map_or(0, |e| e.freed.bytes()),
+                fully = *fully,
+                load = cause,
+                required = why.map_or(0, |e| e.required.bytes()),
+                free = why.map_or(0, |e| e.free.bytes()),
+            )
+            .entered();
             let Some(pos) = inner
                 .registry
                 .iter()
@@ -186,8 +208,18 @@ impl MemoryManager {
                 self.drop_casts(inner, d.device);
             }
         }
-        self.execute_evictions(inner, &plan.steps, &mut undo);
+        let cause = if tracing::enabled!(tracing::Level::DEBUG) {
+            all.iter()
+                .map(|m| m.model().name())
+                .collect::<Vec<_>>()
+                .join(",")
+        } else {
+            String::new()
+        };
+        self.execute_evictions(inner, &plan.steps, &plan.evictions, &cause, &mut undo);
         log_evictions(&plan.evictions);
+        // The ledger as it stands after the evictions (a step its trace shows).
+        self.refresh_ledger(inner);
         // 3. Loads.
         let mut report = LoadReport {
             models: Vec::new(),

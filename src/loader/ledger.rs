@@ -15,6 +15,9 @@
 //! booked the same way in a column of their own, and only on a device with a bound. So on every
 //! device, at every moment, resident + in flight + cached ≤ total (docs/ARCHITECTURE.md §4.2).
 //!
+//! Every change of a book is a sample of the device's `ledger` counter (`residency::trace`),
+//! emitted after the lock is released, when a subscriber listens.
+//!
 //! Lock: `Ledger::books` is a leaf (rank 7 in the crate's lock table); it is taken inside a
 //! streamer's queue lock when a prefetch books or returns bytes, and never held across any call.
 
@@ -43,6 +46,25 @@ struct Book {
 }
 
 impl Book {
+    /// What a trace shows of the book: the four columns and the bound.
+    fn columns(&self) -> [u64; 5] {
+        [
+            self.resident.bytes(),
+            self.in_flight.bytes(),
+            self.cached.bytes(),
+            self.reserved.bytes(),
+            self.total.map_or(0, ByteSize::bytes),
+        ]
+    }
+
+    /// A sample of the device's ledger counter (`residency::trace`), after the books' lock is
+    /// released.
+    fn trace(&self) {
+        let [resident, in_flight, cached, reserved, budget] = self.columns();
+        tracing::debug!(target: "residency::counter", counter = "ledger", device = %self.device,
+            resident, in_flight, cached, reserved, budget);
+    }
+
     fn note_peak(&mut self) {
         self.peak = self.peak.max(self.ledger());
     }
@@ -144,7 +166,17 @@ impl Ledger {
                 books.len() - 1
             }
         };
-        f(&mut books[pos])
+        if !tracing::enabled!(target: "residency::counter", tracing::Level::DEBUG) {
+            return f(&mut books[pos]);
+        }
+        let before = books[pos];
+        let r = f(&mut books[pos]);
+        let after = books[pos];
+        drop(books);
+        if after.columns() != before.columns() {
+            after.trace();
+        }
+        r
     }
 
     /// Records `device`'s resident bytes (the registry's exact figure) and its bound.

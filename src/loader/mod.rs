@@ -38,6 +38,7 @@
 //! | 9 | `weights::PinnedWeight::fences` | the events of the copies out of a pinned weight, one per stream (leaf) |
 //! | 10 | `Model::derived` | a managed model's module built from its resident copies (leaf; the module is dropped outside every lock) |
 //! | 11 | `device::SimGpu` books (and its condition variable) | a simulated GPU's allocations, page-locked ranges, faults and findings (leaf; released before any wait) |
+//! | 12 | `trace::Trace` records | a recording's records (leaf; an event may be emitted under any lock above, and nothing is called while it is held) |
 //! | 13 | `MemoryManager::view` | the registry as reports read it, published when the manager lock is released (leaf; held for an `Arc` clone or a swap) |
 //!
 //! The manager lock is held while a load is planned and executed, which serializes loads (that
@@ -715,12 +716,24 @@ impl MemoryManager {
         inner
             .unloaded
             .extend(all.iter().map(|m| Arc::clone(m.model())));
-        let result =
-            self.plan_locked(&inner, &all, &options)
-                .and_then(|plan| match &plan.problem {
+        let result = self
+            .plan_locked(&inner, &all, &options)
+            .and_then(|plan| {
+                trace_plan(&plan);
+                match &plan.problem {
                     Some(problem) => Err(problem.to_error()),
-                    None => self.execute(&mut inner, &plan, &all, &options),
-                });
+                    None => {
+                        let _span = tracing::debug_span!(
+                            "execute",
+                            models = %plan.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(","),
+                            to_move = plan.bytes_to_move().bytes(),
+                            to_evict = plan.bytes_to_evict().bytes(),
+                        )
+                        .entered();
+                        self.execute(&mut inner, &plan, &all, &options)
+                    }
+                }
+            });
         if result.is_ok() {
             record_placement();
         }
@@ -863,6 +876,8 @@ impl MemoryManager {
         let keep: Vec<u64> = keep_loaded.iter().map(|m| m.model().id()).collect();
         let mut inner = self.lock_inner();
         cleanup(&mut inner);
+        let _span =
+            tracing::debug_span!("free_memory", %device, required = required.bytes()).entered();
         let evictions = self.make_room(&mut inner, required, device, &keep, false);
         let stale = Self::take_stale(&mut inner);
         drop(inner);
@@ -890,7 +905,7 @@ impl MemoryManager {
         }
         let (evictions, steps) = planner.into_evictions();
         let mut undo = execute::Undo::new(inner);
-        self.execute_evictions(inner, &steps, &mut undo);
+        self.execute_evictions(inner, &steps, &evictions, "free_memory", &mut undo);
         execute::log_evictions(&evictions);
         self.refresh_ledger(inner);
         evictions
@@ -1112,4 +1127,48 @@ fn manager_for(config: Config) -> MemoryManager {
             MemoryManager::with_policy(policy)
         }
     }
+}
+
+/// The plan of a load as a zero-length `plan` span (`residency::trace`): the models with their
+/// weight budgets and resident bytes, the bytes to move and to evict, each device's ledger after
+/// against its total, and the problem if it does not fit.
+fn trace_plan(plan: &LoadPlan) {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return;
+    }
+    let budgets = plan
+        .models
+        .iter()
+        .map(|m| match m.weight_budget {
+            Some(b) => format!("{}={}", m.name, b.bytes()),
+            None => format!("{}=full", m.name),
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    let ledgers = plan
+        .devices
+        .iter()
+        .map(|d| {
+            format!(
+                "{}={}/{}",
+                d.device,
+                d.ledger_after.bytes(),
+                d.total.bytes()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    let _span = tracing::debug_span!(
+        "plan",
+        models = %plan.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(","),
+        budgets = %budgets,
+        resident = plan.models.iter().map(|m| m.resident.bytes()).sum::<u64>(),
+        streaming = plan.models.iter().map(|m| m.streaming.bytes()).sum::<u64>(),
+        to_move = plan.bytes_to_move().bytes(),
+        to_evict = plan.bytes_to_evict().bytes(),
+        evictions = plan.evictions.len(),
+        ledgers = %ledgers,
+        fits = plan.fits(),
+    )
+    .entered();
 }

@@ -119,12 +119,14 @@ impl Pending {
             PendingState::Ready(r) => r?.into_tensor(),
             PendingState::Lane(rx) => {
                 let t0 = Instant::now();
+                let span = tracing::debug_span!("lane_wait", bytes = self.bytes.bytes()).entered();
                 let r = rx.recv().unwrap_or_else(|_| {
                     Err(Error::Device {
                         device: "transfer lane".into(),
                         reason: "the lane stopped before finishing the transfer".into(),
                     })
                 });
+                drop(span);
                 self.stats.waited(t0.elapsed().as_nanos() as u64);
                 r?.into_tensor()
             }
@@ -336,7 +338,7 @@ impl Arrived {
         match self {
             Arrived::Complete(t) => Ok(t),
             Arrived::Built { slot, ready, gpu } => {
-                gpu.compute_wait(&ready)?;
+                copy_wait(&gpu, &ready)?;
                 let built = slot.lock().take();
                 built.unwrap_or_else(|| {
                     Err(Error::Device {
@@ -346,7 +348,7 @@ impl Arrived {
                 })
             }
             Arrived::OnDevice { copied, gpu, cast } => {
-                gpu.compute_wait(&copied.ready)?;
+                copy_wait(&gpu, &copied.ready)?;
                 let t = copied.buffer.into_tensor(&copied.shape)?;
                 match cast {
                     None => Ok(t),
@@ -355,6 +357,12 @@ impl Arrived {
             }
         }
     }
+}
+
+/// Compute waits on a copy's event: a `copy_wait` span (`residency::trace`).
+fn copy_wait(gpu: &Gpu, ready: &crate::device::Event) -> Result<()> {
+    let _span = tracing::debug_span!("copy_wait", device = %gpu.id()).entered();
+    gpu.compute_wait(ready)
 }
 
 /// What a lane keeps between jobs: its own copy stream on each GPU it copied to.
@@ -405,7 +413,8 @@ fn stream_weight(
         model = patcher.model().name(),
         weight = slot.name(),
         bytes = slot.bytes().bytes(),
-        on_lane = lane.is_some()
+        on_lane = lane.is_some(),
+        source = tracing::field::Empty,
     )
     .entered();
     if route.streamed {

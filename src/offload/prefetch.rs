@@ -180,6 +180,7 @@ impl Streamer {
         let weight = match found {
             Some(f) => match f.pending.wait() {
                 Ok(t) => {
+                    tracing::debug!(model = patcher.model().name(), weight = index, "hit");
                     stats.hit();
                     t
                 }
@@ -187,6 +188,7 @@ impl Streamer {
                 // forward: the weight is fetched now, on this thread.
                 Err(e) => {
                     tracing::debug!(error = %e, weight = index, "a prefetch failed; fetching now");
+                    tracing::debug!(model = patcher.model().name(), weight = index, "miss");
                     stats.miss();
                     let t0 = std::time::Instant::now();
                     let t = self.engine.fetch_now(patcher, index)?;
@@ -195,6 +197,7 @@ impl Streamer {
                 }
             },
             None => {
+                tracing::debug!(model = patcher.model().name(), weight = index, "miss");
                 stats.miss();
                 let t0 = std::time::Instant::now();
                 let t = self.engine.fetch_now(patcher, index)?;

@@ -1,7 +1,9 @@
 //! Host→device copies of weights through the device interface ([`crate::device`]): straight from
 //! a host copy page-locked in place ([`crate::weights::PinnedWeight`]) where there is one,
 //! through a page-locked staging buffer where the pool has one, from pageable memory otherwise.
-//! The same code runs on CUDA and on the simulated GPU.
+//! The same code runs on CUDA and on the simulated GPU. Which of the three a copy took is recorded
+//! as the `source` of the enclosing `transfer` span (`residency::trace`): on CUDA, where no span
+//! covers a copy's execution, that span says how each weight was copied.
 
 use std::sync::atomic::Ordering;
 
@@ -64,6 +66,7 @@ fn copy_counted(
         // waits for the stream first).
         unsafe { stream.copy_htod(src, &mut dst) }?;
         p.record_copy(stream)?;
+        tracing::Span::current().record("source", "pinned_in_place");
         if let Some(stats) = stats.filter(|_| p.gpu().id() == stream.device()) {
             count(&stats.direct);
         }
@@ -77,6 +80,7 @@ fn copy_counted(
                     if let Some(stats) = stats {
                         count(&stats.staged);
                     }
+                    tracing::Span::current().record("source", "staged");
                     return Ok(dst);
                 }
             }
@@ -85,6 +89,7 @@ fn copy_counted(
     // SAFETY: not page-locked by anything residency holds for this device (a pinned weight is
     // passed as `pinned`), so the copy is pageable and reads `src` before returning.
     unsafe { stream.copy_htod(src, &mut dst) }?;
+    tracing::Span::current().record("source", "pageable");
     Ok(dst)
 }
 

@@ -143,7 +143,12 @@ impl CastCache {
     /// Drops every cached cast, returning its bytes to the ledger; returns how many bytes.
     pub(crate) fn clear(&self) -> ByteSize {
         let taken: Vec<Cached> = self.entries.lock().drain().map(|(_, c)| c).collect();
-        taken.iter().map(|c| c.reservation.bytes()).sum()
+        let bytes: ByteSize = taken.iter().map(|c| c.reservation.bytes()).sum();
+        if !taken.is_empty() {
+            tracing::debug!(device = %self.device, weights = taken.len(), bytes = bytes.bytes(),
+                reason = "cleared", "cast_dropped");
+        }
+        bytes
     }
 
     /// Takes out the entries made at another residency generation than `generation`.
@@ -157,6 +162,11 @@ impl CastCache {
                 .collect();
             keys.iter().filter_map(|i| entries.remove(i)).collect()
         };
+        if !stale.is_empty() {
+            let bytes: ByteSize = stale.iter().map(|c| c.reservation.bytes()).sum();
+            tracing::debug!(device = %self.device, weights = stale.len(), bytes = bytes.bytes(),
+                reason = "stale", "cast_dropped");
+        }
         stale.len()
     }
 
@@ -192,6 +202,7 @@ impl CastCache {
         let Some(reservation) = Reservation::take(&self.gate, self.device, bytes, keep_free) else {
             drop(entries);
             self.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(device = %self.device, weight = index, bytes = bytes.bytes(), "cast_refused");
             return Ok(tensor);
         };
         let cached = Cached {
@@ -204,6 +215,7 @@ impl CastCache {
         let replaced = entries.insert(index, cached);
         drop(entries);
         self.kept.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(device = %self.device, weight = index, bytes = bytes.bytes(), "cast_kept");
         drop(replaced);
         Ok(tensor)
     }

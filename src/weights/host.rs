@@ -53,6 +53,10 @@
 //! driver call or a wait on a copy: evicted copies and released pins are dropped after it is
 //! released. A read waiting for room waits on the tier's condition variable, which releases it.
 //!
+//! Trace (`residency::trace`): each read is a `host_read` span, each eviction a `host_evict`
+//! event, and the ledger a `host` counter (held, reading, budget), all emitted after the lock is
+//! released.
+//!
 //! Complexity: a hit is O(1); a read that evicts sorts the held copies, O(n log n).
 
 use std::collections::HashMap;
@@ -103,9 +107,39 @@ struct Books {
     hits: u64,
     evictions: u64,
     pin_failures: u64,
+    /// The budget in bytes (0: none), for the trace's counter.
+    budget: u64,
+}
+
+/// A sample of the host tier's counter (`residency::trace`), taken under the lock and emitted
+/// after it is released.
+#[derive(Debug, Clone, Copy)]
+struct HostSample {
+    held: u64,
+    reading: u64,
+    budget: u64,
+}
+
+impl HostSample {
+    fn emit(self) {
+        let HostSample {
+            held,
+            reading,
+            budget,
+        } = self;
+        tracing::debug!(target: "residency::counter", counter = "host", held, reading, budget);
+    }
 }
 
 impl Books {
+    fn sample(&self) -> HostSample {
+        HostSample {
+            held: self.held,
+            reading: self.reading,
+            budget: self.budget,
+        }
+    }
+
     fn note_peak(&mut self) {
         self.peak = self.peak.max(self.held + self.reading);
     }
@@ -116,6 +150,10 @@ impl Books {
             self.held -= c.bytes;
             self.evictions += 1;
             out.copies.push(c.tensor);
+            if tracing::enabled!(tracing::Level::DEBUG) {
+                out.evicted.push((key, c.bytes));
+                out.sample = Some(self.sample());
+            }
         }
         self.unpin(key, out);
     }
@@ -168,6 +206,20 @@ impl Books {
 struct Released {
     copies: Vec<Tensor>,
     pins: Vec<Arc<PinnedWeight>>,
+    /// Copies evicted, and the counter after, for the trace (only when a subscriber listens).
+    evicted: Vec<(Key, u64)>,
+    sample: Option<HostSample>,
+}
+
+impl Drop for Released {
+    fn drop(&mut self) {
+        for &((model_id, index), bytes) in &self.evicted {
+            tracing::debug!(model_id, index, bytes, "host_evict");
+        }
+        if let Some(s) = self.sample.take() {
+            s.emit();
+        }
+    }
 }
 
 struct Shared {
@@ -295,7 +347,10 @@ impl HostTier {
                     ByteSize::ZERO
                 },
                 gpu,
-                books: Mutex::new(Books::default()),
+                books: Mutex::new(Books {
+                    budget: budget.map_or(0, ByteSize::bytes),
+                    ..Books::default()
+                }),
                 room: Condvar::new(),
                 pin_warned: AtomicBool::new(false),
             }),
@@ -498,9 +553,14 @@ impl HostTier {
             }
             b.reading += need;
             b.note_peak();
+            out.sample = Some(b.sample());
         }
         drop(out);
-        let r = read();
+        let r = {
+            let _span =
+                tracing::debug_span!("host_read", model_id, index, bytes = bytes.bytes()).entered();
+            read()
+        };
         let mut b = self.shared.books.lock();
         b.reading -= need;
         let r = r.map(|t| {
@@ -527,8 +587,12 @@ impl HostTier {
             }
         });
         b.note_peak();
+        let sample = b.sample();
         drop(b);
         self.shared.room.notify_all();
+        if tracing::enabled!(target: "residency::counter", tracing::Level::DEBUG) {
+            sample.emit();
+        }
         r
     }
 

@@ -30,6 +30,18 @@ enum Src {
     Staged(Vec<u8>),
 }
 
+impl Src {
+    /// Where the bytes come from, as a trace names it: a host copy page-locked in place (a
+    /// registered range), a page-locked staging buffer (a sim host buffer), or pageable memory.
+    fn kind(&self) -> &'static str {
+        match self {
+            Src::Locked { keep: None, .. } => "pinned_in_place",
+            Src::Locked { keep: Some(_), .. } => "staged",
+            Src::Staged(_) => "pageable",
+        }
+    }
+}
+
 enum Op {
     Copy {
         src: Src,
@@ -94,7 +106,7 @@ impl SimStream {
         });
         let worker = Arc::clone(&core);
         std::thread::Builder::new()
-            .name(format!("residency-sim{}-stream{id}", core.device))
+            .name(format!("residency-{}-stream{id}", core.device))
             .spawn(move || worker.run())
             .map_err(|e| Error::Device {
                 device: gpu.id().to_string(),
@@ -288,6 +300,15 @@ impl Core {
     fn execute(&self, op: Op) {
         match op {
             Op::Copy { src, dst, time } => {
+                // The copy's execution, on this stream's track (residency::trace).
+                let _span = tracing::debug_span!(
+                    "copy",
+                    device = %self.device,
+                    stream = self.id,
+                    bytes = dst.len as u64,
+                    source = src.kind(),
+                )
+                .entered();
                 let t0 = std::time::Instant::now();
                 std::thread::sleep(time);
                 match &src {
