@@ -71,6 +71,17 @@ impl Net {
     }
 }
 
+/// A rank-2 LoRA for one `up` weight.
+fn style_lora() -> Lora {
+    Lora {
+        up: (common::rand_tensor(&[4 * HIDDEN, 2], 99) * 0.1).unwrap(),
+        down: (common::rand_tensor(&[2, HIDDEN], 98) * 0.1).unwrap(),
+        alpha: None,
+        mid: None,
+        dora_scale: None,
+    }
+}
+
 fn write_model(dir: &Path) -> std::path::PathBuf {
     let mut tensors: Vec<(String, Tensor, Dtype)> = Vec::new();
     let mut seed = 1;
@@ -209,13 +220,7 @@ fn a_model_three_times_a_device_runs_split_with_the_cpu_bits() {
     let device = base.weight_device(index);
     assert_ne!(device, DeviceId::Sim(0), "layer 7 is on a later device");
     let mut clone = base.clone();
-    let lora = Lora {
-        up: (common::rand_tensor(&[4 * HIDDEN, 2], 99) * 0.1).unwrap(),
-        down: (common::rand_tensor(&[2, HIDDEN], 98) * 0.1).unwrap(),
-        alpha: None,
-        mid: None,
-        dora_scale: None,
-    };
+    let lora = style_lora();
     clone
         .add_patches([(key, Patch::Lora(lora))], 1.0, 1.0)
         .unwrap();
@@ -239,13 +244,7 @@ fn a_model_three_times_a_device_runs_split_with_the_cpu_bits() {
     // Unsplit, the same clone gives the same bits.
     let unsplit = patcher(&path, DeviceId::Cpu);
     let mut unsplit_clone = unsplit.clone();
-    let lora = Lora {
-        up: (common::rand_tensor(&[4 * HIDDEN, 2], 99) * 0.1).unwrap(),
-        down: (common::rand_tensor(&[2, HIDDEN], 98) * 0.1).unwrap(),
-        alpha: None,
-        mid: None,
-        dora_scale: None,
-    };
+    let lora = style_lora();
     unsplit_clone
         .add_patches([(key, Patch::Lora(lora))], 1.0, 1.0)
         .unwrap();

@@ -479,18 +479,7 @@ impl MemoryManager {
     /// inference memory. What [`crate::DeviceMap::auto`] fills:
     /// `DeviceMap::auto(&patcher, &mm.device_budgets(), Default::default())`.
     pub fn device_budgets(&self) -> Vec<(DeviceId, ByteSize)> {
-        let sims = self.engine.devices().sims().len();
-        let gpus: Vec<DeviceId> = if sims > 0 {
-            (0..sims).map(DeviceId::Sim).collect()
-        } else {
-            self.policy
-                .hardware()
-                .gpus
-                .iter()
-                .map(|g| DeviceId::Cuda(g.ordinal))
-                .filter(|&d| self.policy.is_scheduled(d))
-                .collect()
-        };
+        let gpus = self.placement_devices();
         let inner = self.lock_inner();
         gpus.into_iter()
             .map(|d| {

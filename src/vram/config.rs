@@ -120,6 +120,30 @@ pub struct Config {
     pub sim_gpus: Vec<super::SimSpec>,
 }
 
+/// The `GPU=VALUE` parts of a per-GPU flag value (`0=8GiB,1=12GiB`), each GPU number parsed;
+/// `what` names the value in the error for a part without `=`.
+fn per_gpu<'v>(
+    value: &'v str,
+    what: &str,
+    invalid: &dyn Fn(String) -> Error,
+) -> Result<Vec<(usize, &'v str)>> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|part| {
+            let (n, v) = part
+                .split_once('=')
+                .ok_or_else(|| invalid(format!("`{part}` is not GPU={what}")))?;
+            let n: usize = n
+                .trim()
+                .parse()
+                .map_err(|_| invalid(format!("`{n}` in `{part}` is not a GPU number")))?;
+            Ok((n, v.trim()))
+        })
+        .collect()
+}
+
 /// What a flag does to the config. One table drives parsing, the environment and suggestions.
 #[derive(Clone, Copy)]
 enum Action {
@@ -506,17 +530,10 @@ impl Config {
         match action {
             Action::Mode(m) => self.vram_mode = Some(m),
             Action::ReserveVram if value_str.contains('=') => {
-                for part in value_str.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-                    let (n, gb) = part.split_once('=').ok_or_else(|| {
-                        invalid(format!("`{part}` is not GPU=GB (as in `0=1.5,1=0.5`)"))
-                    })?;
-                    let n: usize = n.trim().parse().map_err(|_| {
-                        invalid(format!("`{n}` in `{part}` is not a GPU number"))
-                    })?;
+                for (n, gb) in per_gpu(value_str, "GB", &invalid)? {
                     let gb: f64 = gb
-                        .trim()
                         .parse()
-                        .map_err(|_| invalid(format!("`{gb}` in `{part}` is not a number of GB")))?;
+                        .map_err(|_| invalid(format!("`{gb}` (GPU {n}) is not a number of GB")))?;
                     if !gb.is_finite() || gb < 0.0 {
                         return Err(invalid(format!(
                             "GPU {n}'s reserve must be a non-negative number of GB"
@@ -537,15 +554,8 @@ impl Config {
                 self.reserve_vram_gb = Some(gb);
             }
             Action::VramBudget if value_str.contains('=') => {
-                for part in value_str.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-                    let (n, b) = part.split_once('=').ok_or_else(|| {
-                        invalid(format!("`{part}` is not GPU=SIZE (as in `0=8GiB,1=12GiB`)"))
-                    })?;
-                    let n: usize = n.trim().parse().map_err(|_| {
-                        invalid(format!("`{n}` in `{part}` is not a GPU number"))
-                    })?;
+                for (n, b) in per_gpu(value_str, "SIZE", &invalid)? {
                     let b: ByteSize = b
-                        .trim()
                         .parse()
                         .map_err(|e| invalid(format!("GPU {n}'s budget: {e}")))?;
                     if b == ByteSize::ZERO {
