@@ -431,6 +431,14 @@ pub(crate) fn weight_outside_forward(weights: &LayerWeights, device: &Device) ->
             patcher.weight_device(w.index),
         )?,
     };
+    // A split model's parameter read by model code goes where the code asked (the load device),
+    // as an activation would.
+    let t = if patcher.remote_weight(w.index).is_some() && !t.device().same_device(device) {
+        t.to_device(device)
+            .map_err(|e| Error::tensor(format!("moving `{}` to {device:?}", w.key), e))?
+    } else {
+        t
+    };
     finish_weight(&patcher, w, t, weights.mode, device)
 }
 
