@@ -65,7 +65,13 @@ enum Matcher {
 impl Matcher {
     fn matches(&self, name: &str) -> bool {
         match self {
-            Matcher::Prefix(p) => name.starts_with(p.as_str()),
+            // At a component boundary: `layers.1` takes `layers.1.w`, not `layers.10.w`.
+            Matcher::Prefix(p) => {
+                name.starts_with(p.as_str())
+                    && (p.ends_with('.')
+                        || name.len() == p.len()
+                        || name[p.len()..].starts_with('.'))
+            }
             Matcher::Regex(r) => r.is_match(name),
         }
     }
@@ -156,15 +162,7 @@ impl DeviceMap {
     pub fn target_of(&self, name: &str) -> Option<Target> {
         self.rules
             .iter()
-            .find(|(m, _)| match m {
-                Matcher::Prefix(p) => {
-                    name.starts_with(p.as_str())
-                        && (p.ends_with('.')
-                            || name.len() == p.len()
-                            || name[p.len()..].starts_with('.'))
-                }
-                m => m.matches(name),
-            })
+            .find(|(m, _)| m.matches(name))
             .map(|(_, t)| *t)
     }
 

@@ -161,6 +161,10 @@ pub struct LoadOutcome {
 ///   Options, devices, attachments, weight wrappers and additional models are copied
 ///   (attachments and wrappers by `Arc`, copy-on-write).
 ///   The clone records its parent's id ([`ModelPatcher::parent_id`]).
+/// - A device map ([`ModelPatcher::with_device_map`]) is shared (resolved once, with its
+///   activation counters), so a clone is split the same way; the load device of a patcher the
+///   manager places ([`ModelPatcher::with_auto_device`]) is one cell shared by its clones, which
+///   share its resident copies.
 /// - Nothing a clone does changes the original's patches, and no patcher ever changes a clean
 ///   weight (I1, docs/ARCHITECTURE.md §4.1): patched values are always new tensors.
 /// - Resident copies belong to the model and carry the fingerprint of the patch list they were
