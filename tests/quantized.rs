@@ -222,8 +222,8 @@ fn the_port_computes_candles_bits_split_across_two_simulated_gpus() {
             "auto" => residency::DeviceMap::auto(
                 &p,
                 &[
-                    (DeviceId::Sim(0), ByteSize(p.model_size().bytes() / 2)),
-                    (DeviceId::Sim(1), ByteSize::mib(64)),
+                    (DeviceId::Sim(0), ByteSize(p.model_size().bytes() * 6 / 10)),
+                    (DeviceId::Sim(1), ByteSize(p.model_size().bytes() * 6 / 10)),
                 ],
                 Default::default(),
             ),
