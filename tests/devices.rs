@@ -628,3 +628,35 @@ fn a_reserve_per_device_shapes_budgets_and_placement() {
     assert_eq!(plan.models[0].device, DeviceId::Sim(0), "{plan:#?}");
     assert!(plan.fits());
 }
+
+#[test]
+fn placement_in_a_plan_is_the_placement_of_the_load() {
+    // Found by the model-based test: a plan counted a model nobody holds any more as using its
+    // device, the load (which drops such entries first) did not, and they placed differently.
+    let mm = manager(&["4MiB", "4MiB"], &[]);
+    let a = sized_model("a", 3 << 20).with_auto_device();
+    mm.load_models_gpu(std::slice::from_ref(&a), LoadOptions::default())
+        .unwrap();
+    assert_eq!(a.load_device(), DeviceId::Sim(0));
+    drop(a); // only the registry holds it now
+    let b = sized_model("b", 3 << 20).with_auto_device();
+    let planned = mm
+        .plan(std::slice::from_ref(&b), LoadOptions::default())
+        .unwrap();
+    let loaded = mm
+        .load_models_gpu(std::slice::from_ref(&b), LoadOptions::default())
+        .unwrap();
+    assert_eq!(planned.models[0].device, loaded.models[0].device);
+    assert_eq!(b.load_device(), loaded.models[0].device);
+
+    // Two handles of one model in one call load as one; both learn where it went.
+    let c = sized_model("c", 1 << 20).with_auto_device();
+    let c2 = ModelPatcher::new(Arc::clone(c.model()), DeviceId::Sim(0), DeviceId::Cpu)
+        .with_auto_device();
+    let r = mm
+        .load_models_gpu(&[c.clone(), c2.clone()], LoadOptions::default())
+        .unwrap();
+    assert_eq!(r.models.len(), 1);
+    assert_eq!(c.load_device(), r.models[0].device);
+    assert_eq!(c2.load_device(), r.models[0].device);
+}

@@ -684,9 +684,19 @@ impl MemoryManager {
             more.dedup();
             self.ledger.loading(&more)
         });
+        // Every handle of a placed model the caller passed learns where it went (two handles of
+        // one model in a call load as one, the last given).
         let record_placement = || {
             for (m, d) in &placed {
                 m.set_auto_device(*d);
+                for other in models
+                    .iter()
+                    .chain(models.iter().flat_map(|x| x.additional_models()))
+                {
+                    if Arc::ptr_eq(other.model(), m.model()) {
+                        other.set_auto_device(*d);
+                    }
+                }
             }
         };
         if let Some(report) = self.reload_noop(&mut inner, &all, &options) {

@@ -25,7 +25,9 @@
 //! host copies it holds, summed copy by copy, and it and its peak stay within the host budget.
 //!
 //! Half the cases run on simulated GPUs ([`crate::device::SimGpu`]) instead of the CPU — one
-//! (`sim:0`), or two with model 0 on `sim:0` and model 1 on `sim:1`, each with its own ledger and
+//! (`sim:0`), or two with model 0 on `sim:0` and model 1 on `sim:1` (in half of those, model 1
+//! split across both by a device map; in a quarter, both models placed by the manager, and each
+//! load checked to go where its plan said), each with its own ledger and
 //! budget checked as above, loads spanning both — with 0–4 lanes, copy latencies and jitter from the case's seed, and faults injected into device
 //! allocations, copies and event records as well as materializations. There the sim's checker
 //! must be clean after every step, and at the end of the case (every handle dropped, every model
@@ -89,9 +91,17 @@ fn model_tensors(m: usize) -> Vec<(String, Tensor, Dtype)> {
 /// A handle on model `m`: model 0 keeps resident copies in f32 (its bf16 weights are widened at
 /// load), model 1 keeps them as stored, so its f32 layers cast its bf16 weights at use — through
 /// the manual-cast cache when the ledger has room.
-fn patcher_for(model: Arc<Model>, m: usize, device: DeviceId, split: bool) -> ModelPatcher {
+fn patcher_for(
+    model: Arc<Model>,
+    m: usize,
+    device: DeviceId,
+    split: bool,
+    auto: bool,
+) -> ModelPatcher {
     let compute = (m == 0).then_some(Dtype::F32);
     let p = ModelPatcher::new(model, device, CPU).with_compute_dtype(compute);
+    // Placed by the manager: it starts on `device`, each load may move it.
+    let p = if auto { p.with_auto_device() } else { p };
     if split && m == 1 {
         // Model 1 split across both simulated GPUs: its first layer on `sim:0`, the rest on
         // its load device `sim:1`, its last bias always streamed from the host.
@@ -304,6 +314,9 @@ struct World {
     kept: Vec<(super::KeepGuard, u64)>,
     /// Two simulated GPUs and model 1 split across both by a device map (half of those cases).
     split: bool,
+    /// Two simulated GPUs and both models placed by the manager (`with_auto_device`; a quarter
+    /// of the unsplit two-GPU cases).
+    auto: bool,
 }
 
 /// Simulated GPUs for a case: how many (1 or 2), each copy's fixed cost in µs and the seed of its
@@ -375,8 +388,10 @@ impl World {
             reservations: Vec::new(),
             kept: Vec::new(),
             split: false,
+            auto: false,
         };
         world.split = world.sims.len() == 2 && sim.is_some_and(|(_, _, seed)| seed % 2 == 0);
+        world.auto = world.sims.len() == 2 && sim.is_some_and(|(_, _, seed)| seed % 4 == 1);
         let models = [Arc::new(world.read(0)), Arc::new(world.read(1))];
         for (m, model) in models.iter().enumerate() {
             world.models[m] = Arc::downgrade(model);
@@ -384,7 +399,10 @@ impl World {
             world.checksums[m] = model.clean_checksum().unwrap();
         }
         for (m, model) in models.into_iter().enumerate() {
-            world.slots[m] = Some((patcher_for(model, m, world.devices[m], world.split), m));
+            world.slots[m] = Some((
+                patcher_for(model, m, world.devices[m], world.split, world.auto),
+                m,
+            ));
         }
         world
     }
@@ -538,6 +556,17 @@ impl World {
                     on[d] = on[d].saturating_add(bytes);
                 }
             }
+            // An unsplit model's copies are all on one device (a load moves it whole).
+            if !(self.split && m == 1) {
+                prop_assert!(
+                    on[0] == ByteSize::ZERO || on[1] == ByteSize::ZERO,
+                    "{}: m{} resident on both devices ({} and {})",
+                    ctx(),
+                    m,
+                    on[0],
+                    on[1]
+                );
+            }
             let registered = loaded.iter().any(|e| e.model_id == model.id());
             if registered {
                 resident[0] = resident[0].saturating_add(on[0]);
@@ -655,7 +684,10 @@ impl World {
                 let device = self.devices[*model];
                 self.set_slot(
                     *slot,
-                    Some((patcher_for(arc, *model, device, self.split), *model)),
+                    Some((
+                        patcher_for(arc, *model, device, self.split, self.auto),
+                        *model,
+                    )),
                 );
             }
             Op::Clone { from, to } => {
@@ -800,6 +832,18 @@ impl World {
                                 "{}: plan and load disagree",
                                 ctx()
                             );
+                            // Placement: the load went where the plan said, and the patchers
+                            // now say so.
+                            for (planned, loaded) in plan.models.iter().zip(&report.models) {
+                                prop_assert_eq!(planned.device, loaded.device, "{}", ctx());
+                            }
+                            for p in &req {
+                                if let Some(l) =
+                                    report.models.iter().find(|l| l.name == p.model().name())
+                                {
+                                    prop_assert_eq!(p.load_device(), l.device, "{}", ctx());
+                                }
+                            }
                         }
                     }
                     Err(e) => {

@@ -68,7 +68,21 @@ impl MemoryManager {
             let free: Vec<ByteSize> = devices
                 .iter()
                 .zip(&added)
-                .map(|(&d, a)| self.free_in(&inner.registry, d).saturating_sub(*a))
+                .map(|(&d, a)| {
+                    // As the planner counts it: entries nobody holds are gone, and cached casts
+                    // are the first thing a load gives up (so `plan` and the load, which cleans
+                    // up first, place alike).
+                    let unheld: ByteSize = inner
+                        .registry
+                        .iter()
+                        .filter(|e| e.outside_handles() == 0)
+                        .map(|e| e.model().resident_bytes(d))
+                        .sum();
+                    self.free_in(&inner.registry, d)
+                        .saturating_add(unheld)
+                        .saturating_add(self.cached_in(d))
+                        .saturating_sub(*a)
+                })
                 .collect();
             let need = |k: usize| {
                 size.saturating_sub(current[k])
