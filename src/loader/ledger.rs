@@ -188,6 +188,12 @@ impl Ledger {
         });
     }
 
+    /// The whole ledger of `device` as the book has it: resident as of the manager's last step,
+    /// plus in flight, cached casts and reservations, read together (one consistent figure).
+    pub(crate) fn booked(&self, device: DeviceId) -> ByteSize {
+        self.with(device, |b| b.ledger())
+    }
+
     /// Bytes in flight on `device`.
     pub(crate) fn in_flight(&self, device: DeviceId) -> ByteSize {
         self.with(device, |b| b.in_flight)

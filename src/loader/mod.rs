@@ -44,8 +44,10 @@
 //! The manager lock is held while a load is planned and executed, which serializes loads (that
 //! is what keeps the plan's figures true while it is carried out); it is never held while calling
 //! a model's memory estimator or any other user code.
-//! Reports (`ledger`, `get_free_memory`, `loaded_models`, `memory_report`) do not take it: they
-//! read the registry view and each model's resident bytes live.
+//! `loaded_models` and `memory_report` do not take it: they read the registry view (each model's
+//! bytes live) and the ledger's books (each device's figure as of the last step). `ledger` and
+//! `get_free_memory` do, to be exact: summed mid-load they could mix a victim's copies before
+//! they were dropped with the copies built after them.
 //!
 //! The host tier ([`MemoryManager::host_tier`]) has a ledger of its own: host copies of lazily
 //! read weights held plus bytes being read, bounded by `--ram-budget`. Its lock is taken inside
@@ -249,8 +251,8 @@ pub struct MemoryManager {
     kept: Arc<Mutex<std::collections::HashMap<u64, usize>>>,
     inner: Mutex<Inner>,
     /// The registry as reports read it: published whenever the manager lock is released
-    /// ([`InnerGuard`]), so `ledger`, `get_free_memory`, `loaded_models` and `memory_report`
-    /// never wait for a load (a leaf lock, held for an `Arc` clone).
+    /// ([`InnerGuard`]), so `loaded_models` and `memory_report` never wait for a load (a leaf
+    /// lock, held for an `Arc` clone).
     view: Mutex<Arc<[ViewEntry]>>,
 }
 
@@ -438,10 +440,11 @@ impl MemoryManager {
     }
 
     /// The ledger of `device`: bytes resident there across registered models, plus bytes of
-    /// prefetched weights in flight, cached casts and reservations. Never waits for a load in
-    /// progress: the registry is read as of the last manager call, each model's bytes live.
+    /// prefetched weights in flight, cached casts and reservations. Exact: it waits for a load
+    /// in progress (a sum read mid-load could mix a victim's copies before they were dropped
+    /// with the new copies built after; [`MemoryManager::memory_report`] never waits).
     pub fn ledger(&self, device: DeviceId) -> ByteSize {
-        self.ledger_from(self.viewed_resident(device), device)
+        self.ledger_in(&self.lock_inner().registry, device)
     }
 
     /// The manager lock (releasing it publishes the registry view reports read).
@@ -452,26 +455,16 @@ impl MemoryManager {
         }
     }
 
-    /// Resident bytes on `device` of the models in the registry view.
-    fn viewed_resident(&self, device: DeviceId) -> ByteSize {
-        let view = Arc::clone(&self.view.lock());
-        view.iter()
-            .filter_map(|e| e.model.upgrade())
-            .map(|m| m.resident_bytes(device))
-            .sum()
-    }
-
     /// The device's total as the scheduler sees it (budget-capped).
     pub fn get_total_memory(&self, device: DeviceId) -> ByteSize {
         self.policy.total_memory(device)
     }
 
     /// Free memory on `device`: total − ledger on a budgeted device; the driver's figure on an
-    /// unbudgeted GPU; host available RAM otherwise. Never waits for a load (as
-    /// [`MemoryManager::ledger`]).
+    /// unbudgeted GPU; host available RAM otherwise. Exact, as [`MemoryManager::ledger`] (it
+    /// waits for a load in progress).
     pub fn get_free_memory(&self, device: DeviceId) -> ByteSize {
-        let ledger = self.ledger_from(self.viewed_resident(device), device);
-        self.free_with(ledger, device)
+        self.free_in(&self.lock_inner().registry, device)
     }
 
     /// Every GPU this manager schedules (simulated GPUs when given, else CUDA devices), in
@@ -988,8 +981,10 @@ impl MemoryManager {
     }
 
     /// A report of every device's memory and every loaded model, for people (`Display`) and
-    /// programs (its fields). Read from the registry as of the last manager call (each model's
-    /// resident bytes live): it never waits for a load in progress.
+    /// programs (its fields). It never waits for a load in progress: each device's ledger and free
+    /// memory are the ledger's book as of the manager's last step (one consistent figure per
+    /// device, within its budget), the models the registry as of the last manager call with
+    /// their resident bytes read live.
     pub fn memory_report(&self) -> MemoryReport {
         let models = self.loaded_models();
         let mut devices: Vec<DeviceId> = models
@@ -1006,11 +1001,11 @@ impl MemoryManager {
                 device: d,
                 total: self.policy.total_memory(d),
                 budgeted: self.policy.is_budgeted(d),
-                ledger: self.ledger(d),
+                ledger: self.ledger.booked(d),
                 cached_casts: self.cached_in(d),
                 reserved: self.ledger.reserved(d),
                 peak: self.ledger.peak(d),
-                free: self.get_free_memory(d),
+                free: self.free_with(self.ledger.booked(d), d),
             })
             .collect();
         let pool = self.engine.pool().map(|p| p.stats()).unwrap_or_default();
