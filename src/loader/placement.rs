@@ -56,6 +56,10 @@ impl MemoryManager {
         }
         let in_call: Vec<u64> = all.iter().map(|m| m.model().id()).collect();
         let mut added: Vec<ByteSize> = vec![ByteSize::ZERO; devices.len()];
+        // Free as the planner counts it: entries nobody holds are gone and cached casts are the
+        // first thing a load gives up (so `plan` and the load, which cleans up first, place
+        // alike).
+        let mut planner = super::plan::Planner::new(self, inner);
         for m in all.iter_mut() {
             if !m.is_auto_device() {
                 continue;
@@ -68,21 +72,7 @@ impl MemoryManager {
             let free: Vec<ByteSize> = devices
                 .iter()
                 .zip(&added)
-                .map(|(&d, a)| {
-                    // As the planner counts it: entries nobody holds are gone, and cached casts
-                    // are the first thing a load gives up (so `plan` and the load, which cleans
-                    // up first, place alike).
-                    let unheld: ByteSize = inner
-                        .registry
-                        .iter()
-                        .filter(|e| e.outside_handles() == 0)
-                        .map(|e| e.model().resident_bytes(d))
-                        .sum();
-                    self.free_in(&inner.registry, d)
-                        .saturating_add(unheld)
-                        .saturating_add(self.cached_in(d))
-                        .saturating_sub(*a)
-                })
+                .map(|(&d, a)| planner.free(d).saturating_sub(*a))
                 .collect();
             let need = |k: usize| {
                 size.saturating_sub(current[k])
@@ -116,15 +106,14 @@ impl MemoryManager {
     }
 
     /// Bytes of held, unkept models not in `in_call` resident on `device`: what eviction could
-    /// give up there.
+    /// give up there (cached casts are already counted free).
     fn evictable_on(&self, registry: &[Entry], device: DeviceId, in_call: &[u64]) -> ByteSize {
         registry
             .iter()
             .filter(|e| e.outside_handles() > 0)
             .filter(|e| !in_call.contains(&e.model().id()) && !self.is_kept(e.model().id()))
             .map(|e| e.model().resident_bytes(device))
-            .sum::<ByteSize>()
-            .saturating_add(self.cached_in(device))
+            .sum()
     }
 }
 

@@ -646,11 +646,17 @@ impl MemoryManager {
             let model_devices = m.devices();
             let counted = registered(&inner.registry, m.model());
             for &device in &model_devices {
-                // This device's weights, as the selection rules see them.
-                let indices: Vec<usize> = (0..views[k].len())
-                    .filter(|&i| placed[k][i] == (device, false))
-                    .collect();
-                let sub: Vec<WeightView> = indices.iter().map(|&i| views[k][i]).collect();
+                // This device's weights, as the selection rules see them: all of an unsplit
+                // model's (no copy), a split model's mapped here.
+                let indices: Option<Vec<usize>> = m.device_map().map(|_| {
+                    (0..views[k].len())
+                        .filter(|&i| placed[k][i] == (device, false))
+                        .collect()
+                });
+                let sub: std::borrow::Cow<[WeightView]> = match &indices {
+                    None => std::borrow::Cow::Borrowed(&views[k]),
+                    Some(ix) => ix.iter().map(|&i| views[k][i]).collect(),
+                };
                 let already = already_on(k, device);
                 let (sub_want, budget) = self.plan_group(&mut p, m, device, &sub, already, options);
                 // What the ledger counts of this model on the device now.
@@ -699,8 +705,13 @@ impl MemoryManager {
                 let resident = selection::wanted_bytes(&sub, &sub_want);
                 p.sub(device, here);
                 p.add(device, resident);
-                for (j, &i) in indices.iter().enumerate() {
-                    want[i] = sub_want[j];
+                match &indices {
+                    None => want.copy_from_slice(&sub_want),
+                    Some(ix) => {
+                        for (j, &i) in ix.iter().enumerate() {
+                            want[i] = sub_want[j];
+                        }
+                    }
                 }
                 let streaming: ByteSize = sub
                     .iter()

@@ -59,23 +59,18 @@ fn move_activation(
     let bytes = (x.elem_count() * x.dtype().size_in_bytes()) as u64;
     moves.note(bytes);
     let ctx = |e| Error::tensor(format!("moving an activation from {from} to {to}"), e);
-    match to {
-        DeviceId::Sim(_) | DeviceId::Cpu if !from.is_sim() && !to.is_sim() => {
-            x.to_device(&to.to_candle()?).map_err(ctx)
-        }
-        DeviceId::Cuda(_) => x.to_device(&to.to_candle()?).map_err(ctx),
-        _ => {
-            // A simulated GPU: the copy runs on the destination's stream (the source's, when
-            // going home to the CPU), at its modelled bandwidth.
-            let via = if to.is_sim() { to } else { from };
-            let gpu = moves.gpu(via);
-            let Some(gpu) = gpu else {
-                return Ok(x.clone());
-            };
-            let stream = gpu.default_stream()?;
-            let stats = crate::offload::TransferStats::default();
-            let copied = crate::offload::upload(x, &stream, None, &stats, None)?;
-            copied.into_tensor_after_wait(&gpu)
-        }
-    }
+    // Into a simulated GPU (or out of one to the CPU): a copy on its stream at its modelled
+    // bandwidth. Anything else: candle moves the tensor.
+    let sim = [to, from].into_iter().find(|d| d.is_sim());
+    let gpu = match sim {
+        Some(via) if !matches!(to, DeviceId::Cuda(_)) => moves.gpu(via),
+        _ => return x.to_device(&to.to_candle()?).map_err(ctx),
+    };
+    let Some(gpu) = gpu else {
+        return Ok(x.clone());
+    };
+    let stream = gpu.default_stream()?;
+    let stats = crate::offload::TransferStats::default();
+    let copied = crate::offload::upload(x, &stream, None, &stats, None)?;
+    copied.into_tensor_after_wait(&gpu)
 }

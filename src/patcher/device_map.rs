@@ -211,10 +211,9 @@ impl DeviceMap {
             r
         });
         let groups = group_weights(&names, &sizes, rank.as_deref(), options);
-        let sized: Vec<(String, ByteSize)> = groups.into_iter().collect();
-        let assignment = fill(&sized.iter().map(|g| g.1).collect::<Vec<_>>(), budgets);
+        let assignment = fill(&groups.iter().map(|g| g.1).collect::<Vec<_>>(), budgets);
         let mut map = DeviceMap::new();
-        for ((prefix, _), target) in sized.iter().zip(assignment) {
+        for ((prefix, _), target) in groups.iter().zip(assignment) {
             map = map.prefix(prefix, target);
         }
         map
@@ -282,10 +281,7 @@ fn group_weights(
     }
     let mut out: Vec<(String, ByteSize, usize)> =
         groups.into_iter().map(|(k, (b, r))| (k, b, r)).collect();
-    out.sort_by(|a, b| {
-        a.2.cmp(&b.2)
-            .then_with(|| natural_key(&a.0).cmp(&natural_key(&b.0)))
-    });
+    out.sort_by_cached_key(|(k, _, r)| (*r, natural_key(k)));
     out.into_iter().map(|(k, b, _)| (k, b)).collect()
 }
 
