@@ -69,6 +69,7 @@ pub mod error;
 pub(crate) mod fault;
 pub mod float;
 pub mod loader;
+pub(crate) mod lock;
 pub mod managed;
 pub mod models;
 pub mod nn;

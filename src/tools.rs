@@ -438,10 +438,15 @@ impl StreamingMerge<'_> {
                 .collect();
             let dora = self.patcher.options().dora;
             let merged = adapters::apply_owned(key, values, &t.shape, &chain, dora)?;
-            if target == Dtype::F32 {
-                return weights::write_le_bytes(&merged, sink);
+            let merged = if target == Dtype::F32 {
+                merged
+            } else {
+                float::from_f32(&merged, target, rounding_for(key, target))?
+            };
+            if self.scales_an_fp8_output(t) {
+                // Never write what the loader refuses: a merged or narrowed scale can reach 0.
+                weights::check_fp8_scale(self.name, key, &merged, target)?;
             }
-            let merged = float::from_f32(&merged, target, rounding_for(key, target))?;
             return weights::write_le_bytes(&merged, sink);
         }
         let patcher = self.one_weight_patcher(t)?;
@@ -455,6 +460,20 @@ impl StreamingMerge<'_> {
             )?
         };
         weights::write_le_bytes(&merged, sink)
+    }
+
+    /// Whether `t` is the per-tensor scale of a weight the merge writes as fp8.
+    fn scales_an_fp8_output(&self, t: &FileTensor) -> bool {
+        let Some(prefix) = t.name.strip_suffix(WEIGHT_SCALE_SUFFIX) else {
+            return false;
+        };
+        let weight = format!("{prefix}.weight");
+        self.base
+            .tensors()
+            .iter()
+            .find(|w| w.name == weight)
+            .and_then(|w| w.weight_dtype())
+            .is_some_and(|stored| self.target.unwrap_or(stored).is_fp8())
     }
 
     /// The per-tensor fp8 scale stored next to weight `t` (`<layer>.weight_scale`), if any.

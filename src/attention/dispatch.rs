@@ -5,9 +5,9 @@
 use std::collections::HashSet;
 use std::fmt;
 
+use crate::lock::{Mutex, Rank};
 use candle_core::Device;
 use once_cell::sync::Lazy;
-use parking_lot::Mutex;
 
 use super::plan::{block_bytes, AttentionShape};
 use crate::size::ByteSize;
@@ -292,7 +292,8 @@ pub fn select_backend(input: &DispatchInput) -> Backend {
     d.backend
 }
 
-static WARNED: Lazy<Mutex<HashSet<String>>> = Lazy::new(|| Mutex::new(HashSet::new()));
+static WARNED: Lazy<Mutex<HashSet<String>>> =
+    Lazy::new(|| Mutex::new(Rank::WarnLatch, HashSet::new()));
 
 /// True the first time `key` is seen in this process.
 pub(super) fn latch(key: String) -> bool {

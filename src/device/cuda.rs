@@ -169,6 +169,36 @@ impl CudaBuffer {
     }
 }
 
+impl CudaBuffer {
+    /// Drops the allocation (cudarc frees it in its stream's order), then runs `f` on that
+    /// stream after the free: a host function (`cuLaunchHostFunc`), which makes no CUDA call.
+    /// When the launch fails, `f` runs once the stream has been synchronized (or at once, with
+    /// an error logged, when that fails too).
+    pub(crate) fn free_then(self, f: Box<dyn FnOnce() + Send>) {
+        let stream = each!(&self, s => Arc::clone(s.stream()));
+        drop(self);
+        unsafe extern "C" fn run(data: *mut std::ffi::c_void) {
+            // SAFETY: `data` is the `Box<Box<dyn FnOnce() + Send>>` leaked below; the driver
+            // calls this exactly once.
+            let f = unsafe { Box::from_raw(data.cast::<Box<dyn FnOnce() + Send>>()) };
+            f();
+        }
+        let data = Box::into_raw(Box::new(f));
+        // SAFETY: `run` takes ownership of `data` when the launch succeeds; on failure it was
+        // not transferred and is reclaimed below.
+        let launched =
+            unsafe { sys::cuLaunchHostFunc(stream.cu_stream(), Some(run), data.cast()) }.result();
+        if let Err(e) = launched {
+            // SAFETY: the launch failed, so the driver never took `data`.
+            let f = unsafe { Box::from_raw(data) };
+            if let Err(sync) = stream.synchronize() {
+                tracing::error!(error = %e, sync = %sync, "a freed buffer's release could not be ordered after its free");
+            }
+            f();
+        }
+    }
+}
+
 /// A device buffer of `len` elements of `dtype`, allocated on `stream`.
 pub(crate) fn alloc(stream: &Arc<CudaStream>, dtype: DType, len: usize) -> Result<CudaBuffer> {
     let ordinal = stream.context().ordinal();

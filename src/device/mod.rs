@@ -77,7 +77,7 @@ impl Gpu {
     pub fn default_stream(&self) -> Result<Stream> {
         match self {
             Gpu::Cuda(ctx) => cuda::default_stream(ctx).map(Stream::Cuda),
-            Gpu::Sim(s) => Ok(Stream::Sim(s.default_stream())),
+            Gpu::Sim(s) => s.default_stream().map(Stream::Sim),
         }
     }
 
@@ -118,6 +118,7 @@ impl Gpu {
 
     /// Waits for all work on the device.
     pub fn synchronize(&self) -> Result<()> {
+        crate::lock::check_wait("a device synchronize");
         match self {
             Gpu::Cuda(ctx) => ctx
                 .synchronize()
@@ -195,6 +196,7 @@ impl Stream {
 
     /// Blocks until all work enqueued so far has completed.
     pub fn synchronize(&self) -> Result<()> {
+        crate::lock::check_wait("a stream synchronize");
         match self {
             Stream::Cuda(s) => s
                 .synchronize()
@@ -283,6 +285,7 @@ impl Event {
 
     /// Blocks until the latest recording has completed (at once when never recorded).
     pub fn synchronize(&self) -> Result<()> {
+        crate::lock::check_wait("an event");
         match self {
             Event::Cuda(e) => e
                 .synchronize()
@@ -316,9 +319,16 @@ fn mixed_backends(what: &str) -> Error {
 ///
 /// One event re-recorded on every stream would keep only the latest copy: the memory could be
 /// unlocked or overwritten under a copy still queued on another stream (F1, F2).
+///
+/// Each entry holds its stream: a stream is known by its handle (a CUDA stream by its
+/// `CUstream` pointer), and a destroyed stream's handle can be given to the next stream made, so
+/// a stream the fences still track is kept alive — the next stream can never be mistaken for
+/// it. A copy whose event could not be recorded is tracked by its stream alone: waiting
+/// synchronizes that stream. Nothing here waits while recording, so a lock held around
+/// [`Fences::record`] is never held across a device wait.
 #[derive(Default)]
 pub struct Fences {
-    by_stream: Vec<((DeviceId, usize), Event)>,
+    by_stream: Vec<(Stream, Option<Event>)>,
 }
 
 impl Fences {
@@ -328,28 +338,44 @@ impl Fences {
     }
 
     /// Records, after the copy just enqueued on `stream`, that the memory is read until then.
-    /// When recording fails the copy is still queued and nothing would track it, so this first
-    /// waits for `stream` (the memory is then no longer read) and returns the error.
+    /// When recording fails the copy is still queued: the stream itself is kept as its fence
+    /// (waiting synchronizes it), and the error is returned.
     pub fn record(&mut self, stream: &Stream) -> Result<()> {
         let key = stream.key();
-        let r = match self.by_stream.iter().find(|(k, _)| *k == key) {
-            Some((_, e)) => e.record(stream),
-            None => stream.record_event().map(|e| self.by_stream.push((key, e))),
+        let pos = self.by_stream.iter().position(|(s, _)| s.key() == key);
+        let recorded = match pos.and_then(|p| self.by_stream[p].1.as_ref()) {
+            Some(e) => e.record(stream).map(|()| None),
+            None => stream.record_event().map(Some),
         };
-        if let Err(e) = r {
-            if let Err(sync) = stream.synchronize() {
-                tracing::error!(error = %sync, "a copy's event could not be recorded nor its stream synchronized");
+        match (recorded, pos) {
+            (Ok(None), _) => Ok(()),
+            (Ok(Some(e)), Some(p)) => {
+                self.by_stream[p].1 = Some(e);
+                Ok(())
             }
-            return Err(e);
+            (Ok(Some(e)), None) => {
+                self.by_stream.push((stream.clone(), Some(e)));
+                Ok(())
+            }
+            (Err(e), p) => {
+                // An earlier event on this stream no longer covers the new copy: the stream does.
+                match p {
+                    Some(p) => self.by_stream[p].1 = None,
+                    None => self.by_stream.push((stream.clone(), None)),
+                }
+                Err(e)
+            }
         }
-        Ok(())
     }
 
     /// Blocks until every recorded copy has completed. On success the fences are empty; on a
     /// failure they are kept (the memory must then not be released).
     pub fn wait_all(&mut self) -> Result<()> {
-        while let Some((_, e)) = self.by_stream.last() {
-            e.synchronize()?;
+        while let Some((stream, event)) = self.by_stream.last() {
+            match event {
+                Some(e) => e.synchronize()?,
+                None => stream.synchronize()?,
+            }
             self.by_stream.pop();
         }
         Ok(())
@@ -430,6 +456,17 @@ impl DeviceBuffer {
         }
     }
 
+    /// Frees the buffer in its stream's order (as CUDA's stream-ordered free: after the work
+    /// queued on the stream it was allocated on), then runs `f` once that free has executed —
+    /// the memory is the device's again. Used to return a booking that covers the buffer only
+    /// when the device has the memory back.
+    pub(crate) fn free_then(self, f: Box<dyn FnOnce() + Send>) {
+        match self {
+            DeviceBuffer::Cuda(b) => b.free_then(f),
+            DeviceBuffer::Sim(b) => b.free_then(f),
+        }
+    }
+
     /// The buffer as a candle tensor of `shape` on its device, for compute. The caller must have
     /// made compute wait for the copy that filled it ([`Gpu::compute_wait`]); the sim's checker
     /// reports a buffer handed to compute before its copy completed.
@@ -438,6 +475,44 @@ impl DeviceBuffer {
             DeviceBuffer::Cuda(b) => b.into_tensor(shape),
             DeviceBuffer::Sim(b) => b.into_tensor(shape),
         }
+    }
+
+    /// [`DeviceBuffer::into_tensor`], with what keeps the memory the device's until it is
+    /// dropped: a resident copy's owner keeps the hold as long as the copy. On CUDA the tensor
+    /// owns its allocation (the hold is empty); a simulated GPU's tensors are host memory, so
+    /// the hold is what keeps the allocation in its books.
+    pub(crate) fn into_held_tensor(self, shape: &Shape) -> Result<(Tensor, DeviceHold)> {
+        match self {
+            DeviceBuffer::Cuda(b) => b.into_tensor(shape).map(|t| (t, DeviceHold::default())),
+            DeviceBuffer::Sim(b) => b
+                .into_held_tensor(shape)
+                .map(|(t, hold)| (t, DeviceHold(Some(Arc::new(hold))))),
+        }
+    }
+}
+
+/// Keeps a device allocation a tensor was made from in its device's books (a simulated GPU's;
+/// empty elsewhere) until dropped. Clones share it.
+#[derive(Clone, Default)]
+pub(crate) struct DeviceHold(Option<Arc<sim::SimBuffer>>);
+
+impl DeviceHold {
+    /// Drops the hold (a simulated GPU frees the allocation in its stream's order) and runs `f`
+    /// once the device has the memory back; at once when there is nothing held.
+    pub(crate) fn release_then(self, f: Box<dyn FnOnce() + Send>) {
+        match self.0.map(Arc::try_unwrap) {
+            Some(Ok(buffer)) => buffer.free_then(f),
+            // Still held by a clone, or nothing held: the memory is not this hold's to return.
+            Some(Err(_)) | None => f(),
+        }
+    }
+}
+
+impl std::fmt::Debug for DeviceHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("DeviceHold")
+            .field(&self.0.is_some())
+            .finish()
     }
 }
 

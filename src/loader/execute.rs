@@ -315,9 +315,9 @@ impl MemoryManager {
         for i in to_build {
             // The transfer path of a streamed weight: on a GPU through page-locked memory.
             let device = devices[i];
-            let tensor = self.engine.load_now(m, i)?;
+            let (tensor, hold) = self.engine.load_held(m, i)?;
             let (tensor, bytes) = m.resident_from(i, tensor, device)?;
-            model.state_mut().set(
+            model.state_mut().set_held(
                 i,
                 SlotResidency::Resident {
                     tensor,
@@ -325,6 +325,7 @@ impl MemoryManager {
                     device,
                     bytes,
                 },
+                hold,
             );
             undo.built.push(Built {
                 model: Arc::clone(model),
@@ -402,12 +403,14 @@ impl MemoryManager {
                     continue;
                 }
             }
-            match p
-                .materialize(d.index, p.resident_dtype(d.index), d.device)
-                .and_then(|t| p.resident_from(d.index, t, d.device))
-            {
-                Ok((tensor, bytes)) => {
-                    d.model.state_mut().set(
+            // The path a load builds copies by (on a GPU through page-locked memory, counted by
+            // a simulated GPU while resident).
+            match self.engine.load_held(p, d.index).and_then(|(t, hold)| {
+                p.resident_from(d.index, t, d.device)
+                    .map(|(t, bytes)| (t, bytes, hold))
+            }) {
+                Ok((tensor, bytes, hold)) => {
+                    d.model.state_mut().set_held(
                         d.index,
                         SlotResidency::Resident {
                             tensor,
@@ -415,6 +418,7 @@ impl MemoryManager {
                             device: d.device,
                             bytes,
                         },
+                        hold,
                     );
                 }
                 Err(e) => {

@@ -23,7 +23,7 @@
 
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use crate::lock::{Condvar, Mutex, Rank};
 
 use crate::offload::PrefetchGate;
 use crate::size::ByteSize;
@@ -108,9 +108,11 @@ pub(crate) struct Named {
 pub(crate) type FreeProbe = Arc<dyn Fn() -> Option<ByteSize> + Send + Sync>;
 
 /// Per-device in-flight bytes, bounds and peaks.
-#[derive(Default)]
 pub(crate) struct Ledger {
     books: Mutex<Vec<Book>>,
+    /// Signalled when in-flight bytes are returned (a cancelled prefetch's booking comes back
+    /// once its buffer's free executed).
+    returned: Condvar,
     /// Devices whose bookings must also fit what the driver says is free (a leaf lock, never
     /// held while a probe runs or with `books`).
     probes: Mutex<Vec<(DeviceId, FreeProbe)>>,
@@ -118,11 +120,25 @@ pub(crate) struct Ledger {
     named: Mutex<Vec<Named>>,
 }
 
+impl Default for Ledger {
+    fn default() -> Ledger {
+        Ledger {
+            books: Mutex::new(Rank::LedgerBooks, Vec::new()),
+            returned: Condvar::new(),
+            probes: Mutex::new(Rank::LedgerProbes, Vec::new()),
+            named: Mutex::new(Rank::LedgerNamed, Vec::new()),
+        }
+    }
+}
+
 impl std::fmt::Debug for Ledger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // One lock at a time: `named` ranks below `books`.
+        let named = format!("{:?}", &*self.named.lock());
+        let books = format!("{:?}", &*self.books.lock());
         f.debug_struct("Ledger")
-            .field("books", &*self.books.lock())
-            .field("named", &*self.named.lock())
+            .field("books", &format_args!("{books}"))
+            .field("named", &format_args!("{named}"))
             .finish()
     }
 }
@@ -292,14 +308,20 @@ impl Ledger {
         bytes: ByteSize,
         keep_free: ByteSize,
     ) -> bool {
-        if let Some(free) = self.probed_free(device) {
-            if bytes.saturating_add(keep_free) > free {
-                return false;
-            }
-        }
+        // The driver's figure is asked before the books are locked (a probe is a driver call),
+        // and checked under that lock against everything booked so far: the driver cannot know
+        // of a booking whose buffer is not allocated yet, so two bookings that each fit the same
+        // figure must not both pass. Bookings already allocated count twice: conservative.
+        let probed = self.probed_free(device);
         self.with(device, |b| {
             if (column == Column::Cached && b.total.is_none()) || !b.fits(bytes, keep_free) {
                 return false;
+            }
+            if let Some(free) = probed {
+                let booked = b.in_flight.saturating_add(b.cached);
+                if bytes.saturating_add(keep_free).saturating_add(booked) > free {
+                    return false;
+                }
             }
             let c = b.column(column);
             *c = c.saturating_add(bytes);
@@ -313,6 +335,33 @@ impl Ledger {
             let c = b.column(column);
             *c = c.saturating_sub(bytes);
         });
+        self.returned.notify_all();
+    }
+
+    /// Waits, at most `timeout`, until `device`'s in-flight bytes are at most `target`; whether
+    /// they are.
+    pub(crate) fn wait_in_flight(
+        &self,
+        device: DeviceId,
+        target: ByteSize,
+        timeout: std::time::Duration,
+    ) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut books = self.books.lock();
+        loop {
+            let now = books
+                .iter()
+                .find(|b| b.device == device)
+                .map_or(ByteSize::ZERO, |b| b.in_flight);
+            if now <= target {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            self.returned.wait_for(&mut books, left);
+        }
     }
 
     /// The gate cached manual casts book on (`ops::CastCache`).
@@ -441,6 +490,39 @@ mod tests {
             !l.try_reserve(D, ByteSize(21), ByteSize::ZERO),
             "then the total binds"
         );
+    }
+
+    #[test]
+    fn two_bookings_cannot_both_fit_one_driver_figure() {
+        // An unbudgeted GPU: the driver says 100 are free and says so again before either
+        // booking's buffer is allocated. Checked outside the books' lock, both fitted.
+        let l = Arc::new(Ledger::default());
+        l.note(D, ByteSize::ZERO, None);
+        l.set_free_probe(D, Arc::new(|| Some(ByteSize(100))));
+        assert!(l.try_reserve(D, ByteSize(60), ByteSize::ZERO));
+        assert!(
+            !l.try_reserve(D, ByteSize(60), ByteSize::ZERO),
+            "60 + 60 do not fit in the 100 the driver reported"
+        );
+        assert!(l.try_reserve(D, ByteSize(40), ByteSize::ZERO));
+        // From two threads at once: never more than the figure booked.
+        let l = Arc::new(Ledger::default());
+        l.note(D, ByteSize::ZERO, None);
+        l.set_free_probe(D, Arc::new(|| Some(ByteSize(100))));
+        let granted: u64 = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..8)
+                .map(|_| {
+                    s.spawn(|| {
+                        (0..50)
+                            .filter(|_| l.try_reserve(D, ByteSize(30), ByteSize::ZERO))
+                            .count() as u64
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert_eq!(granted, 3, "three 30-byte bookings fit in 100");
+        assert_eq!(l.in_flight(D), ByteSize(90));
     }
 
     #[test]

@@ -65,8 +65,8 @@ mod reserve;
 
 use std::sync::Arc;
 
+use crate::lock::{Mutex, Rank};
 use once_cell::sync::OnceCell;
-use parking_lot::Mutex;
 
 use crate::error::Result;
 use crate::offload::{PinnedPool, PrefetchGate, Streamer, TransferEngine, TransferSnapshot};
@@ -267,7 +267,7 @@ struct ViewEntry {
 
 /// The manager lock; releasing it publishes the registry view.
 struct InnerGuard<'a> {
-    guard: parking_lot::MutexGuard<'a, Inner>,
+    guard: crate::lock::MutexGuard<'a, Inner>,
     view: &'a Mutex<Arc<[ViewEntry]>>,
 }
 
@@ -366,15 +366,21 @@ impl MemoryManager {
             host,
             engine,
             cast_gate: Arc::new(ledger.cast_column()),
-            casts: Mutex::new(Vec::new()),
-            kept: Arc::new(Mutex::new(std::collections::HashMap::new())),
+            casts: Mutex::new(Rank::ManagerCasts, Vec::new()),
+            kept: Arc::new(Mutex::new(
+                Rank::KeepCounts,
+                std::collections::HashMap::new(),
+            )),
             ledger,
-            inner: Mutex::new(Inner {
-                registry: Vec::new(),
-                pool,
-                unloaded: Vec::new(),
-            }),
-            view: Mutex::new(Arc::from(Vec::new())),
+            inner: Mutex::new(
+                Rank::Manager,
+                Inner {
+                    registry: Vec::new(),
+                    pool,
+                    unloaded: Vec::new(),
+                },
+            ),
+            view: Mutex::new(Rank::ManagerView, Arc::from(Vec::new())),
         }
     }
 
@@ -827,13 +833,22 @@ impl MemoryManager {
     }
 
     /// A partially loaded model streams: give it a prefetching streamer whose bytes in flight
-    /// are booked in the ledger, keeping the activation memory the load asked for free.
+    /// are booked in the ledger, keeping free the activation memory the load asked for and its
+    /// largest streamed weight (a weight fetched on a miss, or the one compute holds, needs
+    /// device memory beside the prefetched ones — the simulated GPU, counting every buffer,
+    /// ran a forward out of memory when prefetches could take that room too).
     fn attach_streamer(&self, m: &ModelPatcher, load: &ModelLoad, options: &LoadOptions) {
         if load.full {
             crate::offload::attach_streamer(m, None);
             return;
         }
-        self.give_streamer(m, options.memory_required);
+        // On a GPU (a budgeted CPU streams from host memory: nothing to keep for it).
+        let largest_streamed = (0..m.model().len())
+            .filter(|&i| !m.weight_device(i).is_cpu() && m.resident_weight(i).is_none())
+            .map(|i| m.resident_size(i))
+            .max()
+            .unwrap_or(ByteSize::ZERO);
+        self.give_streamer(m, options.memory_required.saturating_add(largest_streamed));
     }
 
     /// Attaches a prefetching streamer to `m`'s model (reusing its own when it has one of this
@@ -890,6 +905,9 @@ impl MemoryManager {
         all_or_nothing: bool,
     ) -> Vec<Eviction> {
         self.drop_casts(inner, device);
+        if self.free_in(&inner.registry, device) < required {
+            self.cancel_prefetches(inner, device);
+        }
         let mut planner = plan::Planner::new(self, inner);
         planner.evict(required, device, keep);
         if all_or_nothing && planner.free(device) < required {
@@ -901,6 +919,30 @@ impl MemoryManager {
         execute::log_evictions(&evictions);
         self.refresh_ledger(inner);
         evictions
+    }
+
+    /// Cancels the unused prefetches bound for `device` (the second thing room is taken from,
+    /// after cached casts and before any model) and waits — under the manager lock, which may
+    /// wait — until their bookings came back: each returns once its buffer's free executed, so
+    /// the room is the device's before it is counted free.
+    fn cancel_prefetches(&self, inner: &Inner, device: DeviceId) {
+        let before = self.ledger.in_flight(device);
+        let cancelled: ByteSize = inner
+            .registry
+            .iter()
+            .filter_map(|e| crate::offload::streamer_of(&e.patcher))
+            .map(|s| s.cancel_on(device))
+            .sum();
+        if cancelled == ByteSize::ZERO {
+            return;
+        }
+        let target = before.saturating_sub(cancelled);
+        if !self
+            .ledger
+            .wait_in_flight(device, target, std::time::Duration::from_secs(10))
+        {
+            tracing::warn!(%device, %cancelled, "cancelled prefetches did not return their bookings in 10 s");
+        }
     }
 
     /// Unloads every model from every device; the registry is emptied.
@@ -959,12 +1001,17 @@ impl MemoryManager {
         view.iter()
             .filter_map(|e| {
                 let model = e.model.upgrade()?;
-                let placed: Vec<(DeviceId, ByteSize)> = model
-                    .state()
-                    .devices()
-                    .into_iter()
-                    .map(|d| (d, model.resident_bytes(d)))
-                    .collect();
+                // One read of the model's residency: a second read while holding the first
+                // waits behind a queued writer (a load evicting this model), which waits for
+                // the first read — the deadlock the lock checker refuses.
+                let placed: Vec<(DeviceId, ByteSize)> = {
+                    let state = model.state();
+                    state
+                        .devices()
+                        .into_iter()
+                        .map(|d| (d, state.bytes_on(d)))
+                        .collect()
+                };
                 Some(LoadedModelInfo {
                     name: model.name().to_string(),
                     model_id: model.id(),
@@ -985,7 +1032,18 @@ impl MemoryManager {
     /// memory are the ledger's book as of the manager's last step (one consistent figure per
     /// device, within its budget), the models the registry as of the last manager call with
     /// their resident bytes read live.
+    ///
+    /// With no call in flight (the manager lock free now) the books are brought up to date first,
+    /// so the report agrees with [`MemoryManager::ledger`]: a patcher's own
+    /// `partially_unload` changes residency without a manager call.
     pub fn memory_report(&self) -> MemoryReport {
+        if let Some(guard) = self.inner.try_lock() {
+            let inner = InnerGuard {
+                guard,
+                view: &self.view,
+            };
+            self.refresh_ledger(&inner);
+        }
         let models = self.loaded_models();
         let mut devices: Vec<DeviceId> = models
             .iter()

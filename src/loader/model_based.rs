@@ -1072,9 +1072,8 @@ impl World {
         } else if k % 2 == 1 {
             use crate::device::SimFault;
             let kind = [SimFault::Alloc, SimFault::Copy, SimFault::Record][(k / 2 % 3) as usize];
-            for sim in &self.sims {
-                sim.inject(kind, 0);
-            }
+            // One driver fault, on whichever device the call reaches first.
+            crate::device::SimGpu::inject_one_of(&self.sims, kind, 0);
         } else {
             fault::fail_after(k / 2);
         }

@@ -490,7 +490,10 @@ impl<'a> Planner<'a> {
             if fully {
                 // A model unloaded fully loses its copies on every device (what the plan has
                 // not already taken from them).
-                for other in e.model().state().devices() {
+                // The devices first: the guard of a `for`'s iterator expression lives through
+                // the loop, and `sub` may read this model's residency again.
+                let devices = e.model().state().devices();
+                for other in devices {
                     if other != device {
                         let bytes = self.resident_of(e, other);
                         self.sub(other, bytes);
@@ -731,17 +734,22 @@ impl MemoryManager {
                 });
             }
             // Copies on devices the model no longer uses are dropped.
-            let st = m.model().state();
-            for other in st.devices() {
-                if !model_devices.contains(&other) {
-                    let bytes = st.bytes_on(other);
-                    planned.to_drop = planned.to_drop.saturating_add(bytes);
-                    if counted {
-                        p.sub(other, bytes);
-                    }
+            // Read once, then released: `sub` may read every model's residency (a device the
+            // projection has not seen yet), this one's included.
+            let elsewhere: Vec<(DeviceId, ByteSize)> = {
+                let st = m.model().state();
+                st.devices()
+                    .into_iter()
+                    .filter(|d| !model_devices.contains(d))
+                    .map(|d| (d, st.bytes_on(d)))
+                    .collect()
+            };
+            for (other, bytes) in elsewhere {
+                planned.to_drop = planned.to_drop.saturating_add(bytes);
+                if counted {
+                    p.sub(other, bytes);
                 }
             }
-            drop(st);
             for (w, &wanted) in views[k].iter().zip(&want) {
                 match (wanted, w.on_device, w.current) {
                     (true, _, true) => {}
@@ -835,40 +843,52 @@ impl MemoryManager {
         let mut want = select(budget);
         let mut budget = budget;
         // Room for the weights prefetched while this model streams (they are counted in the
-        // ledger): without it a partial load that takes every free byte (the 128 MiB floor on a
-        // small device) leaves prefetching nothing to work with. Shrinking the resident set can
-        // stream a larger weight than before, which needs more room: settle in a few rounds
-        // (each only shrinks the budget).
-        for _ in 0..4 {
+        // ledger) and the one in use: without it a partial load that takes every free byte (the
+        // 128 MiB floor on a small device) leaves streaming nothing to work with. Shrinking the
+        // resident set can stream a larger weight than before, which needs more room: each
+        // round shrinks the selected bytes (not only the budget, which can stay above them for
+        // many rounds when weights are large) until the room is there or nothing is left.
+        for _ in 0..=views.len() {
+            let wanted = selection::wanted_bytes(views, &want);
             let room_after = p
                 .free(device)
                 .saturating_add(already)
-                .saturating_sub(selection::wanted_bytes(views, &want));
-            let needed = self.prefetch_room(views, &want, p.free(device), options);
-            if room_after >= needed {
+                .saturating_sub(wanted);
+            let needed = self.prefetch_room(views, &want, p.free(device), options, device);
+            if room_after >= needed || budget == ByteSize::ZERO {
                 break;
             }
-            budget = budget.saturating_sub(needed.saturating_sub(room_after));
+            budget = budget
+                .min(wanted)
+                .saturating_sub(needed.saturating_sub(room_after));
             want = select(budget);
         }
         (want, Some(budget))
     }
 
     /// Free memory a partial load leaves for streaming: the activation memory asked for plus
-    /// `depth` times the largest weight that will stream, when the engine prefetches — at most
+    /// `depth` times the largest weight that will stream (the prefetch window; on a GPU one
+    /// more, for the weight in use), when the engine prefetches — at most
     /// half of what is free, so the window never crowds out residency, but never less than the
     /// largest streamed weight itself (a forward holds the weight it computes with beside the
     /// prefetched ones; found by the model-based test on a simulated GPU, where less ran the
     /// forward out of device memory).
+    ///
+    /// On a GPU a streamed weight is device memory while it is copied and used, so the room for
+    /// the weight in use is left without prefetch too (the simulated GPU, once it counted every
+    /// resident copy, ran a lane-less forward out of memory beside a partial load that took
+    /// every free byte). A budgeted CPU streams from host memory and keeps ComfyUI's figures.
     fn prefetch_room(
         &self,
         views: &[WeightView],
         want: &[bool],
         free: ByteSize,
         options: &LoadOptions,
+        device: DeviceId,
     ) -> ByteSize {
         let depth = self.policy.config().prefetch_depth() as u64;
-        if self.engine.lanes() == 0 || depth == 0 {
+        let prefetching = self.engine.lanes() > 0 && depth > 0;
+        if !prefetching && device.is_cpu() {
             return ByteSize::ZERO;
         }
         let largest = views
@@ -881,7 +901,12 @@ impl MemoryManager {
         if largest == ByteSize::ZERO {
             return ByteSize::ZERO;
         }
-        ByteSize(largest.bytes().saturating_mul(depth))
+        if !prefetching {
+            return largest.saturating_add(options.memory_required);
+        }
+        // The window, and on a GPU the weight in use beside it.
+        let in_use = u64::from(!device.is_cpu());
+        ByteSize(largest.bytes().saturating_mul(depth + in_use))
             .saturating_add(options.memory_required)
             .min(ByteSize(free.bytes() / 2))
             .max(largest.saturating_add(options.memory_required))

@@ -58,7 +58,7 @@ pub struct ReservationInfo {
 /// the manager.
 #[derive(Debug)]
 pub struct KeepGuard {
-    kept: Arc<parking_lot::Mutex<std::collections::HashMap<u64, usize>>>,
+    kept: Arc<crate::lock::Mutex<std::collections::HashMap<u64, usize>>>,
     model: u64,
 }
 
@@ -109,18 +109,22 @@ impl MemoryManager {
             .collect()
     }
 
-    /// Keeps `patcher`'s model: no plan evicts it while the guard lives (guards nest).
+    /// Keeps `patcher`'s model: no plan evicts it while the guard lives (guards nest). Waits
+    /// for a load in progress: a load planned before the guard could otherwise evict the model
+    /// after this returned.
     pub fn keep(&self, patcher: &ModelPatcher) -> KeepGuard {
         let model = patcher.model().id();
+        let inner = self.lock_inner();
         *self.kept.lock().entry(model).or_insert(0) += 1;
+        drop(inner);
         KeepGuard {
             kept: Arc::clone(&self.kept),
             model,
         }
     }
 
-    /// Runs `f`; when it fails with a retryable out-of-memory, makes room on `device` and runs
-    /// it once more — the loop ComfyUI runs around VAE decodes, for any engine step. Room: the
+    /// Runs `f`; when it fails with a retryable out-of-memory, makes room on the device the
+    /// error names (`device` when it names none) and runs it once more — the loop ComfyUI runs around VAE decodes, for any engine step. Room: the
     /// bytes the error says were missing (an [`Error::OutOfMemory`] from the manager or from
     /// candle, converted), else every model not in `keep_loaded` and not kept; cached casts
     /// first, then models by the usual order; then the device's cache is trimmed.
@@ -135,6 +139,13 @@ impl MemoryManager {
     ) -> Result<T> {
         match f() {
             Err(e) if e.is_retryable() => {
+                // The device that ran out: an engine step may touch several.
+                let device = match &e {
+                    Error::OutOfMemory { device: named, .. } => {
+                        named.parse::<DeviceId>().unwrap_or(device)
+                    }
+                    _ => device,
+                };
                 let total = self.policy.total_memory(device);
                 let required = match &e {
                     Error::OutOfMemory {

@@ -66,8 +66,11 @@ pub(crate) fn bad_shape(what: String, expected: Vec<usize>, got: Vec<usize>) -> 
 /// Tensors handed out by managed accessors (`Embedding::embeddings`), by id, newest last: a
 /// layer later made with `new` on one of them is an unmanaged copy of a managed weight (the tied
 /// head mistake, docs/PORTING.md). Bounded: only the recent ones are remembered.
-static HANDED_OUT: parking_lot::Mutex<std::collections::VecDeque<(candle_core::TensorId, String)>> =
-    parking_lot::Mutex::new(std::collections::VecDeque::new());
+static HANDED_OUT: crate::lock::Mutex<std::collections::VecDeque<(candle_core::TensorId, String)>> =
+    crate::lock::Mutex::new(
+        crate::lock::Rank::NnHandedOut,
+        std::collections::VecDeque::new(),
+    );
 
 /// How many handed-out tensors are remembered.
 const HANDED_OUT_KEPT: usize = 64;

@@ -21,10 +21,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use crate::lock::{Mutex, Rank};
 use candle_core::Tensor;
-use parking_lot::Mutex;
 
 use super::pinned::PinnedPool;
+use super::prefetch::Reservation;
 use super::upload::{self, Copied};
 use crate::device::{Devices, Gpu, Stream};
 use crate::error::{Error, Result};
@@ -118,6 +119,7 @@ impl Pending {
         match self.state {
             PendingState::Ready(r) => r?.into_tensor(),
             PendingState::Lane(rx) => {
+                crate::lock::check_wait("a transfer lane");
                 let t0 = Instant::now();
                 let span = tracing::debug_span!("lane_wait", bytes = self.bytes.bytes()).entered();
                 let r = rx.recv().unwrap_or_else(|_| {
@@ -163,7 +165,7 @@ impl TransferEngine {
             (None, Vec::new())
         } else {
             let (tx, rx) = mpsc::channel::<Job>();
-            let rx = Arc::new(Mutex::new(rx));
+            let rx = Arc::new(Mutex::new(Rank::LaneJobs, rx));
             let workers = (0..lanes)
                 .map(|i| {
                     let rx = Arc::clone(&rx);
@@ -186,8 +188,8 @@ impl TransferEngine {
         };
         TransferEngine {
             lanes,
-            queue: Mutex::new(queue),
-            workers: Mutex::new(workers),
+            queue: Mutex::new(Rank::EngineQueue, queue),
+            workers: Mutex::new(Rank::EngineQueue, workers),
             pool,
             host: None,
             devices: Devices::default(),
@@ -244,11 +246,27 @@ impl TransferEngine {
 
     /// Starts materializing weight `index` of `patcher` on a lane (inline without lanes).
     pub fn submit(&self, patcher: &ModelPatcher, index: usize) -> Pending {
+        self.submit_booked(patcher, index, None)
+    }
+
+    /// [`TransferEngine::submit`] of a weight whose device bytes are booked by `booking` (a
+    /// prefetch's ledger reservation). The booking travels with the weight: it is returned when
+    /// the weight is handed to compute, or — when the weight is dropped unused — only once its
+    /// device buffer's free has executed (stream-ordered), so the ledger never counts memory
+    /// free that the device still holds.
+    pub(crate) fn submit_booked(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+        booking: Option<Reservation>,
+    ) -> Pending {
         let bytes = patcher.resident_size(index);
         let queue = self.queue.lock().clone();
         let Some(queue) = queue else {
+            let arrived = stream_weight(self.route(true), patcher, index, None)
+                .map(|a| a.with_booking(booking));
             return Pending {
-                state: PendingState::Ready(stream_weight(self.route(true), patcher, index, None)),
+                state: PendingState::Ready(arrived),
                 bytes,
                 stats: Arc::clone(&self.stats),
             };
@@ -267,7 +285,10 @@ impl TransferEngine {
                 stats: &stats,
                 streamed: true,
             };
-            let r = stream_weight(route, &patcher, index, Some(lane));
+            let r =
+                stream_weight(route, &patcher, index, Some(lane)).map(|a| a.with_booking(booking));
+            // A receiver that is gone drops the weight here: an unused weight retires (its
+            // booking returns after its buffer's free).
             let _ = tx.send(r);
         });
         if let Err(mpsc::SendError(job)) = queue.send(job) {
@@ -292,7 +313,18 @@ impl TransferEngine {
     /// candle's pageable `to_device` — on the calling thread's own stream. Not counted as a
     /// fetch, and not pinned in place (a resident weight copies nothing from the host).
     pub fn load_now(&self, patcher: &ModelPatcher, index: usize) -> Result<Tensor> {
-        stream_weight(self.route(false), patcher, index, None)?.into_tensor()
+        self.load_held(patcher, index).map(|(t, _)| t)
+    }
+
+    /// [`TransferEngine::load_now`], with what keeps the copy's device memory counted by its
+    /// device until dropped (a simulated GPU's books; empty on CUDA and the CPU): the resident
+    /// copy's owner keeps it as long as the copy.
+    pub(crate) fn load_held(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+    ) -> Result<(Tensor, crate::device::DeviceHold)> {
+        stream_weight(self.route(false), patcher, index, None)?.into_held_tensor()
     }
 }
 
@@ -300,7 +332,8 @@ impl Drop for TransferEngine {
     fn drop(&mut self) {
         self.queue.lock().take();
         let me = std::thread::current().id();
-        for w in self.workers.lock().drain(..) {
+        let workers: Vec<JoinHandle<()>> = self.workers.lock().drain(..).collect();
+        for w in workers {
             // The last handle to the engine can go away on one of its own lanes (a job's patcher
             // clone holding the model whose streamer holds the engine); a thread cannot join
             // itself, and that lane leaves its loop on its own once the queue is gone.
@@ -311,9 +344,17 @@ impl Drop for TransferEngine {
     }
 }
 
-/// A weight a lane or an inline fetch built: complete, or copied to a GPU (its copy completing
-/// on an event, and the exact widening cast left for after the copy).
-pub(crate) enum Arrived {
+/// A weight a lane or an inline fetch built, with the booking of its device bytes when it was
+/// prefetched. Handed to compute by [`Arrived::into_tensor`]; dropped unused, it retires: the
+/// device buffer is freed in its stream's order and the booking returned after that free.
+pub(crate) struct Arrived {
+    kind: Option<ArrivedKind>,
+    booking: Option<Reservation>,
+}
+
+/// What arrived: complete, or copied to a GPU (its copy completing on an event, and the exact
+/// widening cast left for after the copy).
+enum ArrivedKind {
     Complete(Tensor),
     OnDevice {
         copied: Copied,
@@ -321,39 +362,111 @@ pub(crate) enum Arrived {
         cast: Option<(Dtype, Dtype)>,
     },
     /// Built by a kernel queued on the copy's stream (the sim's cast after a copy): ready once
-    /// `ready` completed.
+    /// `ready` completed. The kernel keeps the copy's device buffer beside its result until the
+    /// weight is used or retired.
     Built {
-        slot: Arc<Mutex<Option<Result<Tensor>>>>,
+        slot: KernelSlot,
         ready: crate::device::Event,
         gpu: Gpu,
+        stream: crate::device::sim::SimStream,
     },
 }
 
+/// A kernel's result and the device buffer it was computed from.
+type KernelSlot = Arc<Mutex<Option<(Result<Tensor>, crate::device::sim::SimBuffer)>>>;
+
+impl From<ArrivedKind> for Arrived {
+    fn from(kind: ArrivedKind) -> Arrived {
+        Arrived {
+            kind: Some(kind),
+            booking: None,
+        }
+    }
+}
+
 impl Arrived {
+    fn with_booking(mut self, booking: Option<Reservation>) -> Arrived {
+        self.booking = booking;
+        self
+    }
+
     /// The weight, usable by the calling (compute) thread: on a GPU, compute is first made to
     /// wait on the copy's event (on CUDA the calling thread's stream waits — the compute side
     /// waits on that copy, never on the whole device, and the host does not block; the sim
     /// computes on the calling thread, which waits), then the buffer becomes a tensor and is cast.
-    fn into_tensor(self) -> Result<Tensor> {
-        match self {
-            Arrived::Complete(t) => Ok(t),
-            Arrived::Built { slot, ready, gpu } => {
+    /// A booking is returned here, once the copy's device memory is the device's again.
+    fn into_tensor(mut self) -> Result<Tensor> {
+        let booking = self.booking.take();
+        let (t, hold) = self.into_held_tensor()?;
+        // The booking covers the copy's device memory: returned once the device has it back
+        // (a simulated GPU frees it in stream order; on CUDA the tensor owns it from here and
+        // compute's memory is the activation headroom's).
+        hold.release_then(Box::new(move || drop(booking)));
+        Ok(t)
+    }
+
+    /// [`Arrived::into_tensor`], with what keeps the device memory counted by its device.
+    fn into_held_tensor(mut self) -> Result<(Tensor, crate::device::DeviceHold)> {
+        let kind = self.kind.take();
+        drop(self.booking.take());
+        match kind {
+            None => Err(Error::Device {
+                device: "transfer lane".into(),
+                reason: "a transferred weight was used twice".into(),
+            }),
+            Some(ArrivedKind::Complete(t)) => Ok((t, Default::default())),
+            Some(ArrivedKind::Built {
+                slot, ready, gpu, ..
+            }) => {
                 copy_wait(&gpu, &ready)?;
                 let built = slot.lock().take();
-                built.unwrap_or_else(|| {
-                    Err(Error::Device {
+                match built {
+                    Some((t, buffer)) => {
+                        drop(buffer);
+                        t.map(|t| (t, Default::default()))
+                    }
+                    None => Err(Error::Device {
                         device: gpu.id().to_string(),
                         reason: "a kernel's result was missing after its event completed".into(),
-                    })
-                })
-            }
-            Arrived::OnDevice { copied, gpu, cast } => {
-                copy_wait(&gpu, &copied.ready)?;
-                let t = copied.buffer.into_tensor(&copied.shape)?;
-                match cast {
-                    None => Ok(t),
-                    Some((from, to)) => crate::patcher::cast_weight(&t, from, to),
+                    }),
                 }
+            }
+            Some(ArrivedKind::OnDevice { copied, gpu, cast }) => {
+                copy_wait(&gpu, &copied.ready)?;
+                let (t, hold) = copied.buffer.into_held_tensor(&copied.shape)?;
+                match cast {
+                    None => Ok((t, hold)),
+                    // A cast makes a new tensor: the copy's memory is not the result's.
+                    Some((from, to)) => {
+                        crate::patcher::cast_weight(&t, from, to).map(|t| (t, Default::default()))
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Arrived {
+    fn drop(&mut self) {
+        let Some(kind) = self.kind.take() else {
+            return;
+        };
+        let booking = self.booking.take();
+        match kind {
+            ArrivedKind::Complete(_) => drop(booking),
+            ArrivedKind::OnDevice { copied, .. } => {
+                let Copied { buffer, .. } = copied;
+                buffer.free_then(Box::new(move || drop(booking)));
+            }
+            ArrivedKind::Built { slot, stream, .. } => {
+                // After the kernel (in stream order): free its buffer, then return the booking.
+                stream.launch(move || {
+                    let built = slot.lock().take();
+                    match built {
+                        Some((_, buffer)) => buffer.free_then(Box::new(move || drop(booking))),
+                        None => drop(booking),
+                    }
+                });
             }
         }
     }
@@ -432,7 +545,7 @@ fn stream_weight(
         // The CPU (or a CUDA device without the `cuda` feature, which candle then refuses).
         return patcher
             .materialize_from(index, &clean, dtype, device)
-            .map(Arrived::Complete);
+            .map(|t| ArrivedKind::Complete(t).into());
     };
     let (host, cast_after_copy) = patcher.host_part(index, &clean, dtype, device)?;
     // Copied straight from its host copy when what is copied is the clean host copy itself (no
@@ -441,7 +554,10 @@ fn stream_weight(
     // waits for it.
     let own_bytes = crate::weights::host_bytes(&host) == crate::weights::host_bytes(&clean);
     let pin = match route.host {
-        Some(tier) if own_bytes && route.streamed => patcher.model().pin_clean(index, tier, &clean),
+        Some(tier) if own_bytes && route.streamed => patcher
+            .model()
+            .pin_clean(index, tier, &clean)
+            .or_else(|| patcher.model().existing_pin(index)),
         _ if own_bytes => patcher.model().existing_pin(index),
         _ => None,
     };
@@ -462,21 +578,34 @@ fn stream_weight(
     if let (Stream::Sim(sim_stream), Some((from, to))) = (&stream, cast) {
         // The widening cast as a kernel on the copy's stream, after the copy (a GPU runs it on
         // the device; the sim's stream worker stands in for it), so compute only waits.
-        let built = Arc::new(Mutex::new(None));
+        let built: KernelSlot = Arc::new(Mutex::new(Rank::KernelResult, None));
         let out = Arc::clone(&built);
         let Copied { buffer, shape, .. } = copied;
+        let crate::device::DeviceBuffer::Sim(buffer) = buffer else {
+            return Err(Error::Device {
+                device: gpu.id().to_string(),
+                reason: "a simulated stream's copy landed in a CUDA buffer".into(),
+            });
+        };
         sim_stream.launch(move || {
-            let r = buffer
-                .into_tensor(&shape)
-                .and_then(|t| crate::patcher::cast_weight(&t, from, to));
-            *out.lock() = Some(r);
+            let (r, buffer) = match buffer.into_held_tensor(&shape) {
+                Ok((t, buffer)) => (crate::patcher::cast_weight(&t, from, to), buffer),
+                Err(e) => {
+                    *out.lock() = None;
+                    tracing::error!(error = %e, "a kernel could not read its copy");
+                    return;
+                }
+            };
+            *out.lock() = Some((r, buffer));
         });
         let ready = stream.record_event()?;
-        return Ok(Arrived::Built {
+        return Ok(ArrivedKind::Built {
             slot: built,
             ready,
             gpu,
-        });
+            stream: sim_stream.clone(),
+        }
+        .into());
     }
-    Ok(Arrived::OnDevice { copied, gpu, cast })
+    Ok(ArrivedKind::OnDevice { copied, gpu, cast }.into())
 }

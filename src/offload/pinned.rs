@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use crate::lock::{Mutex, Rank};
 
 use crate::device::{DeviceBuffer, Fences, Gpu, HostBuffer, Stream};
 use crate::error::Result;
@@ -158,7 +158,7 @@ impl PinnedPool {
     fn build(limit: ByteSize, gpu: Option<Gpu>) -> PinnedPool {
         PinnedPool {
             shared: Arc::new(Shared {
-                inner: Mutex::new(PoolInner::default()),
+                inner: Mutex::new(Rank::StagingPool, PoolInner::default()),
                 limit,
                 gpu,
                 pin_failed: AtomicBool::new(false),
@@ -204,6 +204,10 @@ impl PinnedPool {
                 pool: self.clone(),
             });
         }
+        // Idle buffers freed to make room: dropped after the lock is released, since freeing a
+        // page-locked buffer waits for the copies still reading it (a lane or a report must
+        // never wait on a copy for the pool's lock).
+        let mut released = Vec::new();
         if inner.allocated + class as u64 > self.shared.limit.bytes() {
             // Make room from idle buffers of other classes before giving up.
             let mut freed = 0u64;
@@ -211,7 +215,10 @@ impl PinnedPool {
             for c in classes {
                 while inner.allocated - freed + class as u64 > self.shared.limit.bytes() {
                     match inner.free.get_mut(&c).and_then(Vec::pop) {
-                        Some(_) => freed += c as u64,
+                        Some(mem) => {
+                            freed += c as u64;
+                            released.push(mem);
+                        }
                         None => break,
                     }
                 }
@@ -219,11 +226,14 @@ impl PinnedPool {
             inner.allocated -= freed;
             if inner.allocated + class as u64 > self.shared.limit.bytes() {
                 self.shared.fallbacks.fetch_add(1, Ordering::Relaxed);
+                drop(inner);
+                drop(released);
                 return None;
             }
         }
         inner.allocated += class as u64;
         drop(inner);
+        drop(released);
         let mem = self.create(class);
         self.shared.created.fetch_add(1, Ordering::Relaxed);
         Some(StagingBuffer {
@@ -257,6 +267,8 @@ impl PinnedPool {
     }
 
     /// Frees every idle buffer (called when models are dropped). Returns the bytes released.
+    /// The buffers are freed after the pool's lock is released (each waits for the copies still
+    /// reading it), so nothing else waits on those copies for the lock.
     pub fn trim(&self) -> ByteSize {
         let mut inner = self.shared.inner.lock();
         let idle: u64 = inner
@@ -264,8 +276,10 @@ impl PinnedPool {
             .iter()
             .map(|(c, v)| *c as u64 * v.len() as u64)
             .sum();
-        inner.free.clear();
+        let released = std::mem::take(&mut inner.free);
         inner.allocated -= idle;
+        drop(inner);
+        drop(released);
         ByteSize(idle)
     }
 

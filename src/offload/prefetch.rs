@@ -21,8 +21,8 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use crate::lock::{Mutex, Rank};
 use candle_core::Tensor;
-use parking_lot::Mutex;
 
 use super::engine::{Pending, TransferEngine};
 use crate::error::Result;
@@ -40,10 +40,11 @@ struct FetchKey {
     device: DeviceId,
 }
 
+/// A prefetched weight; its ledger booking travels inside `pending` (returned when the weight
+/// is used, or after its device buffer's free when it is dropped unused).
 struct InFlight {
     key: FetchKey,
     pending: Pending,
-    _reservation: Option<Reservation>,
 }
 
 /// Where prefetched bytes are booked: the memory manager's ledger implements it.
@@ -120,8 +121,8 @@ impl Streamer {
             engine,
             depth: AtomicUsize::new(depth),
             cap: AtomicU64::new(cap.bytes()),
-            gate: Mutex::new(None),
-            inflight: Mutex::new(VecDeque::new()),
+            gate: Mutex::new(Rank::StreamerGate, None),
+            inflight: Mutex::new(Rank::StreamerQueue, VecDeque::new()),
         }
     }
 
@@ -152,7 +153,21 @@ impl Streamer {
     }
     /// Drops every prefetched weight.
     pub fn clear(&self) {
-        self.inflight.lock().clear();
+        let dropped = std::mem::take(&mut *self.inflight.lock());
+        drop(dropped);
+    }
+
+    /// Drops the prefetched weights bound for `device`; returns their bytes. Their bookings
+    /// come back once each one's device buffer is freed (stream-ordered).
+    pub fn cancel_on(&self, device: DeviceId) -> ByteSize {
+        let dropped: Vec<InFlight> = {
+            let mut q = self.inflight.lock();
+            let (gone, kept): (Vec<InFlight>, Vec<InFlight>) =
+                q.drain(..).partition(|f| f.key.device == device);
+            q.extend(kept);
+            gone
+        };
+        dropped.iter().map(|f| f.pending.bytes()).sum()
     }
 
     fn key(patcher: &ModelPatcher, index: usize) -> FetchKey {
@@ -249,12 +264,8 @@ impl Streamer {
                 },
                 None => None,
             };
-            let pending = self.engine.submit(patcher, next);
-            q.push_back(InFlight {
-                key,
-                pending,
-                _reservation: reservation,
-            });
+            let pending = self.engine.submit_booked(patcher, next, reservation);
+            q.push_back(InFlight { key, pending });
         }
         // Never hold more than a few rounds of unused prefetches (a branch not taken).
         while q.len() > 2 * depth + 2 {

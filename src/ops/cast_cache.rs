@@ -32,8 +32,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::lock::{Mutex, Rank};
 use candle_core::Tensor;
-use parking_lot::Mutex;
 
 use crate::error::Result;
 use crate::float::Dtype;
@@ -99,7 +99,7 @@ impl CastCache {
             gate,
             device,
             keep_free: AtomicU64::new(keep_free.bytes()),
-            entries: Mutex::new(HashMap::new()),
+            entries: Mutex::new(Rank::CastCache, HashMap::new()),
             hits: AtomicU64::new(0),
             kept: AtomicU64::new(0),
             refused: AtomicU64::new(0),
@@ -249,13 +249,20 @@ pub(crate) fn attach_cast_cache(
 mod tests {
     use super::*;
     use candle_core::Device;
-    use parking_lot::Mutex as PlMutex;
 
-    /// A gate with a bound, counting what it booked.
-    #[derive(Default)]
+    /// A gate with a bound, counting what it booked (ranked as the ledger it stands in for).
     struct Books {
         total: u64,
-        booked: PlMutex<u64>,
+        booked: Mutex<u64>,
+    }
+
+    impl Books {
+        fn new(total: u64) -> Books {
+            Books {
+                total,
+                booked: Mutex::new(Rank::LedgerBooks, 0),
+            }
+        }
     }
 
     impl PrefetchGate for Books {
@@ -287,10 +294,7 @@ mod tests {
 
     #[test]
     fn a_cast_is_kept_within_the_bound_and_served_until_its_key_changes() {
-        let books = Arc::new(Books {
-            total: 100,
-            ..Default::default()
-        });
+        let books = Arc::new(Books::new(100));
         let gate: Arc<dyn PrefetchGate> = books.clone();
         let c = CastCache::new(gate, DeviceId::Cpu, ByteSize(20));
         let mut casts = 0;
@@ -336,10 +340,7 @@ mod tests {
 
     /// A cache keeping nothing free, on a gate bounded at `total` bytes.
     fn cache(total: u64) -> (Arc<Books>, CastCache) {
-        let books = Arc::new(Books {
-            total,
-            ..Default::default()
-        });
+        let books = Arc::new(Books::new(total));
         let gate: Arc<dyn PrefetchGate> = books.clone();
         (books, CastCache::new(gate, DeviceId::Cpu, ByteSize::ZERO))
     }

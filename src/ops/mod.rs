@@ -70,8 +70,8 @@ mod tests;
 
 use std::sync::Arc;
 
+use crate::lock::{Rank, RwLock};
 use candle_core::{DType, Device, Tensor};
-use parking_lot::RwLock;
 
 use crate::error::{Error, Result};
 use crate::float::{self, Dtype};
@@ -168,7 +168,7 @@ impl OpsSource {
     /// A source fetching through a clone of `patcher` (sharing its model, patches and wrappers).
     pub fn new(patcher: &ModelPatcher) -> Self {
         OpsSource {
-            patcher: Arc::new(RwLock::new(Arc::new(patcher.clone()))),
+            patcher: Arc::new(RwLock::new(Rank::OpsPatcher, Arc::new(patcher.clone()))),
         }
     }
 

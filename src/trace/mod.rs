@@ -60,7 +60,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use parking_lot::Mutex;
+use crate::lock::{Mutex, Rank};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record as SpanRecord};
 use tracing::{Event, Subscriber};
@@ -174,7 +174,7 @@ impl Record {
 }
 
 static NEXT_TRACK: AtomicU32 = AtomicU32::new(1);
-static TRACK_NAMES: Mutex<Vec<(u32, String)>> = Mutex::new(Vec::new());
+static TRACK_NAMES: Mutex<Vec<(u32, String)>> = Mutex::new(Rank::TrackNames, Vec::new());
 
 thread_local! {
     static TRACK: Cell<u32> = const { Cell::new(0) };
@@ -228,7 +228,7 @@ impl Trace {
         Trace {
             shared: Arc::new(Shared {
                 start: Instant::now(),
-                records: Mutex::new(Vec::new()),
+                records: Mutex::new(Rank::Trace, Vec::new()),
             }),
         }
     }

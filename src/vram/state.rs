@@ -4,9 +4,9 @@ use std::fmt;
 
 use std::collections::HashMap;
 
+use crate::lock::{Mutex, Rank};
 use candle_core::Device;
 use once_cell::sync::Lazy;
-use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::size::ByteSize;
@@ -16,7 +16,7 @@ use super::probe::{Hardware, Os, Vendor};
 
 /// One candle device per CUDA ordinal (lock rank 5: a leaf).
 static CANDLE_DEVICES: Lazy<Mutex<HashMap<usize, Device>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
+    Lazy::new(|| Mutex::new(Rank::CandleDevices, HashMap::new()));
 
 /// A device the scheduler keeps a ledger for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

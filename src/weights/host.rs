@@ -63,8 +63,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use crate::lock::{Condvar, Mutex, Rank};
 use candle_core::Tensor;
-use parking_lot::{Condvar, Mutex};
 
 use super::pin::PinnedWeight;
 use crate::device::Gpu;
@@ -100,6 +100,9 @@ struct Books {
     /// Weights with a resident copy, and its device.
     resident: HashMap<Key, DeviceId>,
     pins: HashMap<Key, Arc<PinnedWeight>>,
+    /// Weights a thread is page-locking now: another thread streaming the same weight waits
+    /// for that pin instead of copying from memory that is about to be page-locked.
+    pinning: std::collections::HashSet<Key>,
     /// Bytes pinned, including pins being made.
     pinned: u64,
     reads: u64,
@@ -347,10 +350,13 @@ impl HostTier {
                     ByteSize::ZERO
                 },
                 gpu,
-                books: Mutex::new(Books {
-                    budget: budget.map_or(0, ByteSize::bytes),
-                    ..Books::default()
-                }),
+                books: Mutex::new(
+                    Rank::HostTier,
+                    Books {
+                        budget: budget.map_or(0, ByteSize::bytes),
+                        ..Books::default()
+                    },
+                ),
                 room: Condvar::new(),
                 pin_warned: AtomicBool::new(false),
             }),
@@ -474,7 +480,16 @@ impl HostTier {
 
     /// Weight `key` gained (`Some(device)`) or lost (`None`) its resident copy. A weight resident
     /// on a GPU is unpinned: its uses no longer copy from the host. Called under `Model::state`.
-    pub(crate) fn note_resident(&self, model_id: u64, index: usize, device: Option<DeviceId>) {
+    ///
+    /// Returns the pin released when the weight became GPU-resident: the caller drops it once it
+    /// holds no lock (unpinning waits for the last copy out of the weight).
+    #[must_use = "a released pin must be dropped outside every lock"]
+    pub(crate) fn note_resident(
+        &self,
+        model_id: u64,
+        index: usize,
+        device: Option<DeviceId>,
+    ) -> Vec<Arc<PinnedWeight>> {
         let key = (model_id, index);
         let mut out = Released::default();
         {
@@ -492,8 +507,8 @@ impl HostTier {
             }
         }
         // Unpinning waits for the last copy from the weight (long done: the weight just became
-        // resident from a copy ordered after it) outside the tier's lock.
-        drop(out);
+        // resident from a copy ordered after it): the caller drops the pin outside its locks.
+        std::mem::take(&mut out.pins)
     }
 
     /// The host copy of weight `index` of model `model_id`: held, or read now by `read` (which
@@ -626,6 +641,12 @@ impl HostTier {
         let key = (model_id, index);
         {
             let mut b = self.shared.books.lock();
+            // Pinned once: a second thread streaming the same weight waits for the first's pin
+            // (the driver would refuse a second registration, and a copy from the bytes then
+            // runs from page-locked memory that the winner's fences do not track).
+            while b.pinning.contains(&key) {
+                self.shared.room.wait(&mut b);
+            }
             if let Some(p) = b.pins.get(&key) {
                 return Some(Arc::clone(p));
             }
@@ -633,11 +654,14 @@ impl HostTier {
                 return None;
             }
             b.pinned += len;
+            b.pinning.insert(key);
         }
         let pinned = PinnedWeight::lock(tensor, gpu.clone());
         let mut out = Released::default();
         let mut b = self.shared.books.lock();
         b.pinned -= len;
+        b.pinning.remove(&key);
+        self.shared.room.notify_all();
         let pin = match pinned {
             Ok(p) => Arc::new(p),
             Err(e) => {
@@ -768,13 +792,22 @@ mod tests {
         Tensor::full(v, n, &candle_core::Device::Cpu).unwrap()
     }
 
+    /// `count` tensors of `n` f32 each, views of one buffer two pages apart (separate
+    /// allocations may share a page, which the driver locks only once).
+    fn spaced(n: usize, count: usize) -> Vec<Tensor> {
+        let gap = 2 * 4096 / 4;
+        let all = big((n + gap) * count, 0.0);
+        (0..count)
+            .map(|i| all.narrow(0, i * (n + gap), n).unwrap())
+            .collect()
+    }
+
     #[test]
     fn pins_stay_within_the_pin_budget_and_fail_softly_beyond_it() {
         let (locker, gpu) = sim();
         let tier = HostTier::with_pinning(None, ByteSize::mib(2), gpu);
-        let a = big(256 * 1024, 1.0); // 1 MiB
-        let b = big(256 * 1024, 2.0);
-        let c = big(256 * 1024, 3.0);
+        let views = spaced(256 * 1024, 3); // 1 MiB each
+        let (a, b, c) = (&views[0], &views[1], &views[2]);
         let pa = tier.try_pin(1, 0, &a, false).expect("within budget");
         assert!(tier.try_pin(1, 1, &b, false).is_some());
         assert_eq!(tier.pinned(), ByteSize::mib(2));
@@ -791,15 +824,44 @@ mod tests {
         assert!(tier.try_pin(1, 3, &big(16, 0.0), false).is_none());
         assert_eq!(locker.registered_host().len(), 2);
         // Becoming resident on a GPU unpins; on the CPU it does not.
-        tier.note_resident(1, 1, Some(DeviceId::Cpu));
+        drop(tier.note_resident(1, 1, Some(DeviceId::Cpu)));
         assert_eq!(tier.pinned(), ByteSize::mib(2));
-        tier.note_resident(1, 1, Some(DeviceId::Cuda(0)));
+        drop(tier.note_resident(1, 1, Some(DeviceId::Cuda(0))));
         assert_eq!(tier.pinned(), ByteSize::mib(1));
         assert_eq!(locker.registered_host().len(), 1);
         // Dropping the model unpins the rest.
         tier.forget_model(1);
         assert_eq!(tier.pinned(), ByteSize::ZERO);
         assert!(locker.registered_host().is_empty());
+    }
+
+    #[test]
+    fn threads_streaming_one_weight_pin_it_once_and_share_the_pin() {
+        // Both threads used to pass "no pin yet": the second registration was refused and its
+        // copy went out from memory page-locked by the first, untracked by its fences.
+        for trial in 0..60 {
+            let (locker, gpu) = sim();
+            let tier = HostTier::with_pinning(None, ByteSize::gib(1), gpu);
+            let w = big(256 * 1024, trial as f32);
+            let start = std::sync::Barrier::new(2);
+            let (a, b) = std::thread::scope(|s| {
+                let pin = || {
+                    start.wait();
+                    tier.try_pin(1, 0, &w, false)
+                };
+                let a = s.spawn(pin);
+                let b = s.spawn(pin);
+                (a.join().unwrap(), b.join().unwrap())
+            });
+            let (a, b) = (
+                a.expect("pinned"),
+                b.expect("the other thread's pin, shared"),
+            );
+            assert!(Arc::ptr_eq(&a, &b), "trial {trial}: one pin for both");
+            assert_eq!(tier.stats().pin_failures, 0, "trial {trial}");
+            assert_eq!(locker.registered_host().len(), 1);
+            assert_eq!(tier.pinned(), ByteSize::mib(1));
+        }
     }
 
     #[test]

@@ -34,10 +34,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::lock::{Mutex, Rank, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use candle_core::quantized::QTensor;
 use candle_core::Tensor;
 use once_cell::sync::OnceCell;
-use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::error::{Error, Result};
 use crate::float::Dtype;
@@ -198,6 +198,13 @@ pub(crate) struct Residency {
     generation: u64,
     /// The host tier told when a weight gains or loses its resident copy, and the model's id.
     host: Option<(HostTier, u64)>,
+    /// What keeps each resident copy's device memory in its device's books (a simulated GPU
+    /// counts a resident copy until the residency drops it).
+    holds: Vec<crate::device::DeviceHold>,
+    /// Pins released by changes made under the write lock, dropped after it is released
+    /// ([`StateMut`]): unpinning waits for the copies out of the weight, and no forward may wait
+    /// on a copy for this model's residency lock.
+    released: Vec<Arc<PinnedWeight>>,
 }
 
 impl Residency {
@@ -208,6 +215,8 @@ impl Residency {
             totals: Vec::new(),
             generation: 0,
             host: None,
+            holds: vec![crate::device::DeviceHold::default(); len],
+            released: Vec::new(),
         }
     }
 
@@ -216,9 +225,24 @@ impl Residency {
         &self.slots
     }
 
-    /// Sets weight `index`'s residency and returns the previous one.
+    /// Sets weight `index`'s residency, keeping `hold` with it (what keeps the copy's device
+    /// memory counted by its device), and returns the previous one.
+    pub(crate) fn set_held(
+        &mut self,
+        index: usize,
+        new: SlotResidency,
+        hold: crate::device::DeviceHold,
+    ) -> SlotResidency {
+        let old = self.set(index, new);
+        self.holds[index] = hold;
+        old
+    }
+
+    /// Sets weight `index`'s residency and returns the previous one (the previous copy's device
+    /// hold is dropped with it).
     pub(crate) fn set(&mut self, index: usize, new: SlotResidency) -> SlotResidency {
         self.generation += 1;
+        self.holds[index] = crate::device::DeviceHold::default();
         if let SlotResidency::Resident { device, bytes, .. } = &new {
             let t = self.total_mut(*device);
             t.1 += bytes.bytes();
@@ -235,7 +259,8 @@ impl Residency {
         };
         if old_device != new_device {
             if let Some((tier, id)) = &self.host {
-                tier.note_resident(*id, index, new_device);
+                let released = tier.note_resident(*id, index, new_device);
+                self.released.extend(released);
             }
         }
         if let SlotResidency::Resident { device, bytes, .. } = &old {
@@ -300,6 +325,38 @@ impl Residency {
     }
 }
 
+/// The residency write lock of a model. Released pins are dropped after the lock is released.
+pub(crate) struct StateMut<'a>(Option<RwLockWriteGuard<'a, Residency>>);
+
+impl std::ops::Deref for StateMut<'_> {
+    type Target = Residency;
+    fn deref(&self) -> &Residency {
+        self.0
+            .as_deref()
+            .unwrap_or_else(|| unreachable!("held until dropped"))
+    }
+}
+
+impl std::ops::DerefMut for StateMut<'_> {
+    fn deref_mut(&mut self) -> &mut Residency {
+        self.0
+            .as_deref_mut()
+            .unwrap_or_else(|| unreachable!("held until dropped"))
+    }
+}
+
+impl Drop for StateMut<'_> {
+    fn drop(&mut self) {
+        let released = self
+            .0
+            .as_mut()
+            .map(|g| std::mem::take(&mut g.released))
+            .unwrap_or_default();
+        drop(self.0.take());
+        drop(released);
+    }
+}
+
 /// The suffix of a per-tensor scale stored next to a quantized weight: `<layer>.weight` (fp8) is
 /// scaled by the f32 scalar `<layer>.weight_scale` (see [`crate::ops`]).
 pub const WEIGHT_SCALE_SUFFIX: &str = ".weight_scale";
@@ -317,24 +374,32 @@ fn check_scales(model: &str, slots: &[Slot], index: &HashMap<String, usize>) -> 
         if !scaled {
             continue;
         }
-        let bad = |reason: String| Error::BadWeight {
-            model: model.to_string(),
-            key: s.name.clone(),
-            reason,
-        };
-        if s.numel() != 1 {
-            return Err(bad(format!(
-                "a per-tensor scale must hold one value, not shape {:?}",
-                s.shape
-            )));
-        }
-        let v = crate::float::to_f32(&s.clean()?, s.dtype)?
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(|e| Error::tensor(format!("reading `{}`", s.name), e))?[0];
-        if !v.is_finite() || v == 0.0 {
-            return Err(bad(format!("scale {v} is not a finite non-zero number")));
-        }
+        check_fp8_scale(model, &s.name, &s.clean()?, s.dtype)?;
+    }
+    Ok(())
+}
+
+/// Refuses a per-tensor fp8 scale (`key`, stored as `dtype`) that is not one finite, non-zero
+/// value: [`Error::BadWeight`] naming the model and key. The loader and `lora_merge` (which must
+/// never write what the loader refuses) share it.
+pub(crate) fn check_fp8_scale(model: &str, key: &str, scale: &Tensor, dtype: Dtype) -> Result<()> {
+    let bad = |reason: String| Error::BadWeight {
+        model: model.to_string(),
+        key: key.to_string(),
+        reason,
+    };
+    if scale.elem_count() != 1 {
+        return Err(bad(format!(
+            "a per-tensor scale must hold one value, not shape {:?}",
+            scale.dims()
+        )));
+    }
+    let v = crate::float::to_f32(scale, dtype)?
+        .flatten_all()
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(|e| Error::tensor(format!("reading `{key}`"), e))?[0];
+    if !v.is_finite() || v == 0.0 {
+        return Err(bad(format!("scale {v} is not a finite non-zero number")));
     }
     Ok(())
 }
@@ -524,19 +589,22 @@ impl Model {
             numel,
             quantized,
             metadata: None,
-            state: RwLock::new(residency),
-            forward_order: Mutex::new(ForwardOrder {
-                order: Vec::new(),
-                seen: vec![false; n],
-                complete: false,
-            }),
+            state: RwLock::new(Rank::ModelState, residency),
+            forward_order: Mutex::new(
+                Rank::ForwardOrder,
+                ForwardOrder {
+                    order: Vec::new(),
+                    seen: vec![false; n],
+                    complete: false,
+                },
+            ),
             order_complete: std::sync::atomic::AtomicBool::new(false),
             skipped,
-            stream_hook: RwLock::new(None),
-            cast_hook: RwLock::new(None),
+            stream_hook: RwLock::new(Rank::StreamHook, None),
+            cast_hook: RwLock::new(Rank::StreamHook, None),
             whole: std::sync::atomic::AtomicBool::new(false),
             used_unloaded: std::sync::atomic::AtomicBool::new(false),
-            derived: Mutex::new(None),
+            derived: Mutex::new(Rank::Derived, None),
             host,
         })
     }
@@ -763,8 +831,8 @@ impl Model {
     pub(crate) fn state(&self) -> RwLockReadGuard<'_, Residency> {
         self.state.read()
     }
-    pub(crate) fn state_mut(&self) -> RwLockWriteGuard<'_, Residency> {
-        self.state.write()
+    pub(crate) fn state_mut(&self) -> StateMut<'_> {
+        StateMut(Some(self.state.write()))
     }
 
     /// Records that weight `index` was fetched by a forward. The first forward's order is kept;

@@ -17,8 +17,8 @@
 //! Lock: `PinnedWeight::fences` is a leaf (rank 9 in the crate's lock table), held to record an
 //! event and while dropping, never while another lock is taken.
 
+use crate::lock::{Mutex, Rank};
 use candle_core::{CpuStorage, Storage, Tensor};
-use parking_lot::Mutex;
 
 use crate::device::{Fences, Gpu, Stream};
 use crate::error::Result;
@@ -93,7 +93,7 @@ impl PinnedWeight {
             addr,
             len,
             gpu,
-            fences: Mutex::new(Fences::new()),
+            fences: Mutex::new(Rank::PinFences, Fences::new()),
         })
     }
 

@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex};
+use crate::lock::{Condvar, Mutex, Rank};
 
 use crate::error::{Error, Result};
 use crate::size::ByteSize;
@@ -56,6 +56,10 @@ pub enum SimFault {
     Record,
     /// Page-locking host memory in place.
     Register,
+    /// Synchronizing a stream (fails before waiting).
+    Synchronize,
+    /// Creating a stream (its worker thread cannot be started).
+    Stream,
 }
 
 /// The kind of a checker finding.
@@ -102,6 +106,9 @@ impl fmt::Display for Violation {
     }
 }
 
+/// The host page size the driver locks memory by.
+const PAGE: usize = 4096;
+
 /// A host range the sim's copies may read asynchronously.
 struct HostRange {
     addr: usize,
@@ -118,6 +125,10 @@ struct HostRange {
 struct Alloc {
     bytes: u64,
     label: String,
+    /// The stream it was allocated on (its free is queued there).
+    stream: u64,
+    /// Its free is queued and has yet to execute.
+    freeing: bool,
 }
 
 #[derive(Default)]
@@ -127,7 +138,24 @@ struct State {
     allocs: HashMap<u64, Alloc>,
     hosts: HashMap<u64, HostRange>,
     faults: HashMap<SimFault, u64>,
+    /// Faults armed on several devices as one ([`SimGpu::inject_one_of`]): spent once any of
+    /// them fired.
+    shared_faults: HashMap<SimFault, Arc<std::sync::atomic::AtomicBool>>,
     violations: Vec<Violation>,
+    /// Handles of destroyed streams, given to the next streams made (a CUDA stream's handle is
+    /// its `CUstream` pointer, which the driver reuses once the stream is destroyed).
+    free_stream_keys: Vec<u64>,
+    /// The next stream handle never given out.
+    next_stream_key: u64,
+    /// Every stream whose worker may still run (a device synchronize waits for each).
+    streams: Vec<stream::StreamWatch>,
+    /// Per stream: bytes of frees queued there that have yet to execute. An allocation on the
+    /// same stream may reuse them (CUDA's stream-ordered allocator does); another stream gets
+    /// them only once the free executes.
+    freeing: HashMap<u64, u64>,
+    /// Per stream: bytes of queued frees already handed to a new allocation on that stream
+    /// (they leave `used` when the allocation was made, not again when the free executes).
+    reused: HashMap<u64, u64>,
 }
 
 /// A simulated GPU (see the module docs). Made by [`SimGpu::new`]; the memory manager makes one
@@ -193,11 +221,11 @@ impl SimGpu {
         Arc::new_cyclic(|me| SimGpu {
             ordinal,
             spec,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(Rank::SimGpu, State::default()),
             read_done: Condvar::new(),
             next_id: AtomicU64::new(1),
             jitter: AtomicU64::new(spec.jitter_seed.unwrap_or(0)),
-            default_stream: Mutex::new(None),
+            default_stream: Mutex::new(Rank::SimDefaultStream, None),
             me: me.clone(),
             peers: std::sync::OnceLock::new(),
             copies: AtomicU64::new(0),
@@ -301,12 +329,28 @@ impl SimGpu {
 
     /// Makes the `k`-th call of kind `fault` from now (0 = the next) fail, once.
     pub fn inject(&self, fault: SimFault, k: u64) {
-        self.state.lock().faults.insert(fault, k);
+        let mut st = self.state.lock();
+        st.faults.insert(fault, k);
+        st.shared_faults.remove(&fault);
+    }
+
+    /// Arms one driver fault on whichever of `gpus` reaches its `k`-th such call first: once it
+    /// fired on one, the others no longer fail (a single fault, wherever a call lands — the
+    /// rollback that follows it on another device is not failed by a second one).
+    pub fn inject_one_of(gpus: &[Arc<SimGpu>], fault: SimFault, k: u64) {
+        let spent = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        for g in gpus {
+            let mut st = g.state.lock();
+            st.faults.insert(fault, k);
+            st.shared_faults.insert(fault, Arc::clone(&spent));
+        }
     }
 
     /// Cancels every pending injected fault.
     pub fn disarm(&self) {
-        self.state.lock().faults.clear();
+        let mut st = self.state.lock();
+        st.faults.clear();
+        st.shared_faults.clear();
     }
 
     /// Every checker finding so far.
@@ -363,29 +407,67 @@ impl SimGpu {
             .me
             .upgrade()
             .ok_or_else(|| self.error("the device is gone"))?;
-        SimStream::spawn(gpu, self.next_id())
-    }
-
-    /// The stream inline copies use (made on first use).
-    pub fn default_stream(&self) -> SimStream {
-        let mut s = self.default_stream.lock();
-        if let Some(s) = &*s {
-            return s.clone();
+        if self.fault(SimFault::Stream) {
+            return Err(self.injected("creating a stream"));
         }
-        let made = self
-            .new_stream()
-            .unwrap_or_else(|_| unreachable!("self is alive"));
-        *s = Some(made.clone());
+        let key = {
+            let mut st = self.state.lock();
+            st.free_stream_keys.pop().unwrap_or_else(|| {
+                st.next_stream_key += 1;
+                st.next_stream_key
+            })
+        };
+        let made = SimStream::spawn(Arc::clone(&gpu), self.next_id(), key);
+        if made.is_err() {
+            gpu.release_stream_key(key);
+        }
         made
     }
 
-    /// Waits for the default stream (the others are waited on by their owners' fences).
-    pub fn synchronize(&self) -> Result<()> {
-        let s = self.default_stream.lock().clone();
-        if let Some(s) = s {
-            s.synchronize()?;
+    /// A destroyed stream's handle, free for the next stream (as the driver reuses a destroyed
+    /// stream's pointer).
+    pub(super) fn release_stream_key(&self, key: u64) {
+        self.state.lock().free_stream_keys.push(key);
+    }
+
+    /// The stream inline copies use (made on first use).
+    ///
+    /// # Errors
+    /// [`Error::Device`] when its worker cannot be started (the next call tries again).
+    pub fn default_stream(&self) -> Result<SimStream> {
+        let mut s = self.default_stream.lock();
+        if let Some(s) = &*s {
+            return Ok(s.clone());
         }
+        let made = self.new_stream()?;
+        *s = Some(made.clone());
+        Ok(made)
+    }
+
+    /// Waits for the work queued so far on every stream of the device, destroyed streams whose
+    /// work is still running included (CUDA's device synchronize, `cuCtxSynchronize`); a
+    /// stream's own [`SimStream::synchronize`] waits for that stream only.
+    pub fn synchronize(&self) -> Result<()> {
+        let streams: Vec<stream::StreamWatch> = {
+            let mut st = self.state.lock();
+            st.streams.retain(stream::StreamWatch::is_alive);
+            std::mem::take(&mut st.streams)
+        };
+        for s in &streams {
+            s.drain();
+        }
+        let mut st = self.state.lock();
+        let made_meanwhile = std::mem::take(&mut st.streams);
+        st.streams = streams;
+        st.streams.extend(made_meanwhile);
         Ok(())
+    }
+
+    /// Records a new stream for the device-wide synchronize.
+    fn watch_stream(&self, watch: stream::StreamWatch) {
+        let mut st = self.state.lock();
+        st.streams.retain(stream::StreamWatch::is_alive);
+        st.streams.push(watch);
     }
 
     /// Page-locked host memory of `len` bytes, zeroed.
@@ -411,9 +493,24 @@ impl SimGpu {
     /// Consumes one step of an injected fault; `true` when this call must fail.
     fn fault(&self, kind: SimFault) -> bool {
         let mut st = self.state.lock();
+        if st
+            .shared_faults
+            .get(&kind)
+            .is_some_and(|spent| spent.load(Ordering::SeqCst))
+        {
+            // Fired on another device of its set.
+            st.faults.remove(&kind);
+            st.shared_faults.remove(&kind);
+            return false;
+        }
         match st.faults.get_mut(&kind) {
             Some(0) => {
                 st.faults.remove(&kind);
+                if let Some(spent) = st.shared_faults.remove(&kind) {
+                    if spent.swap(true, Ordering::SeqCst) {
+                        return false;
+                    }
+                }
                 true
             }
             Some(k) => {
@@ -458,26 +555,47 @@ impl SimGpu {
     }
 
     /// Books a device allocation; out of memory beyond the capacity.
-    fn book_alloc(&self, bytes: u64, label: &str) -> Result<u64> {
+    fn book_alloc(&self, bytes: u64, label: &str, stream: u64) -> Result<u64> {
         if self.fault(SimFault::Alloc) {
             return Err(self.oom(bytes, label));
         }
         let mut st = self.state.lock();
-        if st.used + bytes > self.spec.capacity.bytes() {
+        // Frees queued on this stream are this allocation's to reuse (stream order puts the
+        // free first); everything else live or still being freed is the device's.
+        let reusable = st.freeing.get(&stream).copied().unwrap_or(0);
+        let reuse = reusable.min(bytes);
+        if st.used - reuse + bytes > self.spec.capacity.bytes() {
             drop(st);
             return Err(self.oom(bytes, label));
         }
+        if reuse > 0 {
+            *st.freeing.entry(stream).or_default() -= reuse;
+            *st.reused.entry(stream).or_default() += reuse;
+        }
         let id = self.next_id();
-        st.used += bytes;
+        st.used = st.used - reuse + bytes;
         st.peak = st.peak.max(st.used);
         st.allocs.insert(
             id,
             Alloc {
                 bytes,
                 label: label.to_string(),
+                stream,
+                freeing: false,
             },
         );
         Ok(id)
+    }
+
+    /// Notes that allocation `id`'s free was queued on its stream.
+    fn queue_free(&self, id: u64) {
+        let mut st = self.state.lock();
+        let Some(a) = st.allocs.get_mut(&id) else {
+            return;
+        };
+        a.freeing = true;
+        let (stream, bytes) = (a.stream, a.bytes);
+        *st.freeing.entry(stream).or_default() += bytes;
     }
 
     fn oom(&self, bytes: u64, label: &str) -> Error {
@@ -492,9 +610,24 @@ impl SimGpu {
 
     fn free_alloc(&self, id: u64) {
         let mut st = self.state.lock();
-        if let Some(a) = st.allocs.remove(&id) {
+        let Some(a) = st.allocs.remove(&id) else {
+            return;
+        };
+        if !a.freeing {
             st.used -= a.bytes;
+            return;
         }
+        // A queued free executes: what a later allocation on its stream already reused left
+        // `used` then.
+        let reused = st.reused.get(&a.stream).copied().unwrap_or(0).min(a.bytes);
+        let unclaimed = a.bytes - reused;
+        if reused > 0 {
+            *st.reused.entry(a.stream).or_default() -= reused;
+        }
+        if let Some(f) = st.freeing.get_mut(&a.stream) {
+            *f = f.saturating_sub(unclaimed);
+        }
+        st.used -= unclaimed;
     }
 
     /// Page-locks `addr..addr + len` in place (a registered range).
@@ -502,11 +635,18 @@ impl SimGpu {
         if self.fault(SimFault::Register) {
             return Err(self.injected("page-locking host memory"));
         }
+        // Page-locking takes the driver a while (it walks and locks every page): one latency.
+        std::thread::sleep(self.spec.latency);
         let mut st = self.state.lock();
-        let overlaps = st
-            .hosts
-            .values()
-            .any(|h| addr < h.addr + h.len && h.addr < addr + len);
+        // The driver locks whole pages: a range sharing a page with a locked one is refused,
+        // even when the bytes themselves do not overlap (weights adjacent in one host buffer:
+        // only the first of them is locked on a GPU, the rest are staged).
+        let pages = |a: usize, l: usize| (a / PAGE, (a + l.max(1)).div_ceil(PAGE));
+        let (first, end) = pages(addr, len);
+        let overlaps = st.hosts.values().any(|h| {
+            let (h_first, h_end) = pages(h.addr, h.len);
+            first < h_end && h_first < end
+        });
         if overlaps {
             return Err(self.error(
                 "host memory already registered (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)",

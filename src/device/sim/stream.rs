@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use crate::lock::{Condvar, Mutex, Rank};
 use candle_core::{CpuStorage, DType, Shape, Storage, Tensor};
-use parking_lot::{Condvar, Mutex};
 
 use super::{SimFault, SimGpu, ViolationKind};
 use crate::error::{Error, Result};
@@ -59,6 +59,27 @@ enum Op {
         point: Option<(u64, u64)>,
     },
     Run(Box<dyn FnOnce() + Send>),
+    /// A stream-ordered free: the allocation's bytes return to the device when it executes.
+    Free {
+        gpu: Weak<SimGpu>,
+        id: u64,
+    },
+}
+
+impl Op {
+    /// Runs an op that needs no stream (a free, or host work) on the calling thread: what a
+    /// stream whose worker has exited would have done.
+    fn run_inline(self) {
+        match self {
+            Op::Run(work) => work(),
+            Op::Free { gpu, id } => {
+                if let Some(gpu) = gpu.upgrade() {
+                    gpu.free_alloc(id);
+                }
+            }
+            Op::Copy { .. } | Op::Record { .. } | Op::Wait { .. } => {}
+        }
+    }
 }
 
 #[derive(Default)]
@@ -68,10 +89,15 @@ struct Queue {
     enqueued: u64,
     completed: u64,
     stop: bool,
+    /// The worker has returned: nothing pushed now would run.
+    exited: bool,
 }
 
 struct Core {
     id: u64,
+    /// The stream's handle as the device interface knows it (reused after the stream is
+    /// destroyed, as a `CUstream` pointer is); `id` is the checker's, never reused.
+    key: u64,
     device: DeviceId,
     gpu: Weak<SimGpu>,
     queue: Mutex<Queue>,
@@ -85,6 +111,35 @@ impl Drop for Handle {
     fn drop(&mut self) {
         self.0.queue.lock().stop = true;
         self.0.cond.notify_all();
+        // Destroyed: its handle may name the next stream made (its queued work still runs).
+        if let Some(gpu) = self.0.gpu.upgrade() {
+            gpu.release_stream_key(self.0.key);
+        }
+    }
+}
+
+/// A stream as its device sees it, for a device-wide synchronize: alive while its worker runs
+/// (a destroyed stream's queued work still executes, and a device synchronize waits for it).
+pub(super) struct StreamWatch(Weak<Core>);
+
+impl StreamWatch {
+    /// Whether the stream's worker may still have work.
+    pub(super) fn is_alive(&self) -> bool {
+        self.0.strong_count() > 0
+    }
+
+    /// Waits until the work enqueued on the stream so far has completed.
+    pub(super) fn drain(&self) {
+        let Some(core) = self.0.upgrade() else {
+            return;
+        };
+        let mut q = core.queue.lock();
+        let target = q.enqueued;
+        while q.completed < target && !q.exited {
+            core.cond.wait(&mut q);
+        }
+        drop(q);
+        ordered(core.id, target);
     }
 }
 
@@ -96,14 +151,16 @@ pub struct SimStream {
 }
 
 impl SimStream {
-    pub(super) fn spawn(gpu: Arc<SimGpu>, id: u64) -> Result<SimStream> {
+    pub(super) fn spawn(gpu: Arc<SimGpu>, id: u64, key: u64) -> Result<SimStream> {
         let core = Arc::new(Core {
             id,
+            key,
             device: gpu.id(),
             gpu: Arc::downgrade(&gpu),
-            queue: Mutex::new(Queue::default()),
+            queue: Mutex::new(Rank::SimStream, Queue::default()),
             cond: Condvar::new(),
         });
+        gpu.watch_stream(StreamWatch(Arc::downgrade(&core)));
         let worker = Arc::clone(&core);
         std::thread::Builder::new()
             .name(format!("residency-{}-stream{id}", core.device))
@@ -123,9 +180,10 @@ impl SimStream {
         self.core.device
     }
 
-    /// The stream's number (as the checker names it).
+    /// The stream's handle: distinct between live streams, reused after a stream is destroyed
+    /// (as CUDA reuses a destroyed stream's pointer).
     pub fn key(&self) -> usize {
-        self.core.id as usize
+        self.core.key as usize
     }
 
     /// Enqueues `op`; returns its number on the stream.
@@ -174,6 +232,11 @@ impl SimStream {
 
     /// Blocks until the work enqueued so far has completed.
     pub fn synchronize(&self) -> Result<()> {
+        let gpu = self.gpu()?;
+        if gpu.fault(SimFault::Synchronize) {
+            return Err(gpu.injected("synchronizing a stream"));
+        }
+        drop(gpu);
         let mut q = self.core.queue.lock();
         let target = q.enqueued;
         while q.completed < target {
@@ -193,7 +256,7 @@ impl SimStream {
     pub fn alloc(&self, dtype: DType, len: usize) -> Result<SimBuffer> {
         let gpu = self.gpu()?;
         let bytes = (len * dtype.size_in_bytes()) as u64;
-        let id = gpu.book_alloc(bytes, &format!("{dtype:?}[{len}]"))?;
+        let id = gpu.book_alloc(bytes, &format!("{dtype:?}[{len}]"), self.core.id)?;
         let storage = match zeros(dtype, len) {
             Ok(s) => s,
             Err(e) => {
@@ -206,14 +269,16 @@ impl SimStream {
             mem: Arc::new(DevMem {
                 ptr,
                 len: bytes as usize,
-                storage: Mutex::new(Some(storage)),
-                pending: Mutex::new(0),
+                storage: Mutex::new(Rank::SimBufferStorage, Some(storage)),
+                pending: Mutex::new(Rank::SimBuffer, 0),
                 written: Condvar::new(),
-                written_by: Mutex::new(None),
+                written_by: Mutex::new(Rank::SimBufferWriter, None),
             }),
             id,
             gpu,
             stream: self.core.id,
+            core: Arc::downgrade(&self.core),
+            freed: false,
         })
     }
 
@@ -274,6 +339,26 @@ fn is_ordered_after(stream: u64, seq: u64) -> bool {
 }
 
 impl Core {
+    /// Enqueues `ops` in order; when the worker has exited (the stream was destroyed and its
+    /// work drained) they run here instead.
+    fn push_or_run(&self, ops: Vec<Op>) {
+        let mut q = self.queue.lock();
+        if q.exited {
+            drop(q);
+            for op in ops {
+                op.run_inline();
+            }
+            return;
+        }
+        for op in ops {
+            q.enqueued += 1;
+            let seq = q.enqueued;
+            q.ops.push_back((seq, op));
+        }
+        drop(q);
+        self.cond.notify_all();
+    }
+
     fn run(self: Arc<Core>) {
         loop {
             let (seq, op) = {
@@ -283,6 +368,7 @@ impl Core {
                         break op;
                     }
                     if q.stop {
+                        q.exited = true;
                         return;
                     }
                     self.cond.wait(&mut q);
@@ -371,6 +457,11 @@ impl Core {
                 }
             }
             Op::Run(work) => work(),
+            Op::Free { gpu, id } => {
+                if let Some(gpu) = gpu.upgrade() {
+                    gpu.free_alloc(id);
+                }
+            }
         }
     }
 }
@@ -412,11 +503,14 @@ impl SimEvent {
     fn new(device: DeviceId) -> SimEvent {
         SimEvent(Arc::new(EventCore {
             device,
-            state: Mutex::new(EventState {
-                recorded: 0,
-                completed: 0,
-                point: None,
-            }),
+            state: Mutex::new(
+                Rank::SimEvent,
+                EventState {
+                    recorded: 0,
+                    completed: 0,
+                    point: None,
+                },
+            ),
             cond: Condvar::new(),
         }))
     }
@@ -534,6 +628,11 @@ pub struct SimBuffer {
     /// CUDA's stream-ordered free (`cuMemFreeAsync` on the allocating stream, which cudarc's
     /// `CudaSlice` drop uses) is.
     stream: u64,
+    /// That stream: the free is queued on it, and the bytes return to the device's capacity
+    /// only when it executes (another stream cannot have them before).
+    core: Weak<Core>,
+    /// The free was queued already.
+    freed: bool,
 }
 
 impl std::fmt::Debug for SimBuffer {
@@ -552,8 +651,16 @@ impl SimBuffer {
 
     /// The buffer as a CPU tensor of `shape` for compute (the sim computes on the host). A copy
     /// still writing it is a checker finding ([`ViolationKind::ReadBeforeWritten`]); the sim
-    /// then waits for it. From here on compute owns the memory: the device's books release it.
+    /// then waits for it. From here on compute owns the memory: the buffer's free is queued on
+    /// its stream (the device's books release it when that executes).
     pub(crate) fn into_tensor(self, shape: &Shape) -> Result<Tensor> {
+        self.into_held_tensor(shape).map(|(t, _hold)| t)
+    }
+
+    /// [`SimBuffer::into_tensor`], keeping the allocation in the device's books until the
+    /// returned hold is dropped: a resident copy's owner keeps it as long as it keeps the copy,
+    /// so the device counts it — a ledger that forgets a resident copy runs the sim out of memory.
+    pub(crate) fn into_held_tensor(self, shape: &Shape) -> Result<(Tensor, SimBuffer)> {
         self.mem
             .check_read(&self.gpu, "a device buffer handed to compute");
         let storage = self
@@ -565,12 +672,59 @@ impl SimBuffer {
                 device: self.gpu.id().to_string(),
                 reason: "a device buffer handed to compute twice".into(),
             })?;
-        Ok(Tensor::from_storage(
+        let t = Tensor::from_storage(
             Storage::Cpu(storage),
             shape.clone(),
             candle_core::op::BackpropOp::none(),
             false,
-        ))
+        );
+        Ok((t, self))
+    }
+
+    /// Queues the buffer's free on its stream, then `then` after it (both in stream order).
+    fn release(&mut self, then: Option<Box<dyn FnOnce() + Send>>) {
+        if self.freed {
+            if let Some(f) = then {
+                f();
+            }
+            return;
+        }
+        self.freed = true;
+        self.gpu.queue_free(self.id);
+        let mut ops = vec![Op::Free {
+            gpu: Arc::downgrade(&self.gpu),
+            id: self.id,
+        }];
+        ops.extend(then.map(Op::Run));
+        match self.core.upgrade() {
+            Some(core) => core.push_or_run(ops),
+            None => ops.into_iter().for_each(Op::run_inline),
+        }
+    }
+
+    /// Frees the buffer in its stream's order and runs `f` on the stream after the free.
+    pub(crate) fn free_then(mut self, f: Box<dyn FnOnce() + Send>) {
+        self.check_free();
+        self.release(Some(f));
+    }
+
+    /// A free is ordered after the work queued on the buffer's own stream (stream-ordered free;
+    /// the memory lives until that work is done): work still queued on another stream is a
+    /// finding.
+    fn check_free(&self) {
+        let other_stream = self
+            .mem
+            .written_by
+            .lock()
+            .is_some_and(|(stream, _)| stream != self.stream);
+        if *self.mem.pending.lock() > 0 && other_stream {
+            self.gpu.violation(
+                ViolationKind::DeviceFreedUnderWork,
+                None,
+                "freeing a device buffer under work queued on another stream",
+                format!("device buffer ({})", self.size()),
+            );
+        }
     }
 }
 
@@ -591,23 +745,10 @@ impl SimBuffer {
 
 impl Drop for SimBuffer {
     fn drop(&mut self) {
-        // A free is ordered after the work queued on the buffer's own stream (stream-ordered
-        // free; the memory lives until that work is done): work still queued on another stream
-        // is a finding.
-        let other_stream = self
-            .mem
-            .written_by
-            .lock()
-            .is_some_and(|(stream, _)| stream != self.stream);
-        if *self.mem.pending.lock() > 0 && other_stream {
-            self.gpu.violation(
-                ViolationKind::DeviceFreedUnderWork,
-                None,
-                "freeing a device buffer under work queued on another stream",
-                format!("device buffer ({})", self.size()),
-            );
+        if !self.freed {
+            self.check_free();
+            self.release(None);
         }
-        self.gpu.free_alloc(self.id);
     }
 }
 

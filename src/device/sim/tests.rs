@@ -127,10 +127,120 @@ fn allocating_beyond_the_capacity_is_a_retryable_out_of_memory() {
     assert!(matches!(err, Error::OutOfMemory { required, .. } if required == ByteSize::kib(4)));
     assert_eq!(g.used(), ByteSize::kib(6));
     drop(a);
+    // The free is stream-ordered: the bytes are the device's once it executed.
+    s.synchronize().unwrap();
     assert_eq!(g.used(), ByteSize::ZERO);
     let b = s.alloc(DType::F32, 1024).unwrap();
     assert_eq!((g.used(), g.peak()), (ByteSize::kib(4), ByteSize::kib(6)));
     drop(b);
+}
+
+#[test]
+fn a_freed_buffer_returns_to_other_streams_only_when_its_free_executes() {
+    // cudarc frees a `CudaSlice` with `cuMemFreeAsync` on its stream: the memory is the
+    // device's again when the stream reaches the free. The same stream may reuse it at once
+    // (stream order puts the free first); another stream may not.
+    let g = gpu(ByteSize::kib(8));
+    let (s, other) = (g.new_stream().unwrap(), g.new_stream().unwrap());
+    let a = buffer(&s, 6 * 1024);
+    let hold = gate(&s);
+    drop(a);
+    assert_eq!(
+        g.used(),
+        ByteSize::kib(6),
+        "the free waits behind the held work"
+    );
+    let err = other
+        .alloc(DType::U8, 4 * 1024)
+        .expect_err("another stream cannot have memory whose free has not executed");
+    assert!(err.is_retryable(), "{err}");
+    let same = s
+        .alloc(DType::U8, 4 * 1024)
+        .expect("the freeing stream reuses its own queued free");
+    assert_eq!(
+        g.used(),
+        ByteSize::kib(6),
+        "4 KiB of the 6 reused, 2 still freeing"
+    );
+    drop(hold);
+    s.synchronize().unwrap();
+    assert_eq!(g.used(), ByteSize::kib(4));
+    drop(same);
+    g.synchronize().unwrap();
+    assert_eq!(g.used(), ByteSize::ZERO);
+    assert!(g.leaks().is_empty());
+}
+
+#[test]
+fn a_device_synchronize_waits_for_every_stream_a_stream_synchronize_for_its_own() {
+    let g = gpu(ByteSize::mib(1));
+    let (a, b) = (g.new_stream().unwrap(), g.new_stream().unwrap());
+    let hold = gate(&a);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = Arc::clone(&done);
+    a.launch(move || flag.store(true, std::sync::atomic::Ordering::SeqCst));
+    // Destroyed with work queued: its work still runs, and the device waits for it.
+    drop(a);
+    b.synchronize().unwrap();
+    assert!(
+        !done.load(std::sync::atomic::Ordering::SeqCst),
+        "b's synchronize waits for b only"
+    );
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(30));
+        drop(hold);
+    });
+    g.synchronize().unwrap();
+    assert!(
+        done.load(std::sync::atomic::Ordering::SeqCst),
+        "the device synchronize waited for the destroyed stream's work"
+    );
+    release.join().unwrap();
+}
+
+#[test]
+fn page_locking_refuses_a_range_sharing_a_page_with_a_locked_one() {
+    let g = gpu(ByteSize::mib(1));
+    // Two ranges of one host buffer that do not overlap but share a page.
+    let host = vec![0u8; 4 * PAGE];
+    let base = host.as_ptr() as usize;
+    let first = base.next_multiple_of(PAGE);
+    g.register_host(first, PAGE + 100).unwrap();
+    let err = g
+        .register_host(first + PAGE + 100, 200)
+        .expect_err("the driver locks whole pages");
+    assert!(err.to_string().contains("ALREADY_REGISTERED"), "{err}");
+    // The next page is free.
+    g.register_host(first + 2 * PAGE, 100).unwrap();
+    g.unregister_host(first).unwrap();
+    g.unregister_host(first + 2 * PAGE).unwrap();
+    drop(host);
+}
+
+#[test]
+fn a_destroyed_stream_s_handle_names_the_next_stream_made() {
+    // A CUDA stream is known by its pointer, which the driver reuses: anything keyed by it must
+    // keep its stream alive (see `Fences`).
+    let g = gpu(ByteSize::mib(1));
+    let a = g.new_stream().unwrap();
+    let key = a.key();
+    let b = g.new_stream().unwrap();
+    assert_ne!(b.key(), key, "live streams have distinct handles");
+    drop(a);
+    let c = g.new_stream().unwrap();
+    assert_eq!(c.key(), key, "the destroyed stream's handle is reused");
+}
+
+#[test]
+fn a_default_stream_that_cannot_start_is_an_error_not_a_panic() {
+    let g = gpu(ByteSize::mib(1));
+    g.inject(SimFault::Stream, 0);
+    let Err(err) = g.default_stream() else {
+        panic!("its worker cannot start")
+    };
+    assert!(err.to_string().contains("creating a stream"), "{err}");
+    // The next call makes it.
+    assert!(g.default_stream().is_ok());
 }
 
 #[test]

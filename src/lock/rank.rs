@@ -1,0 +1,89 @@
+//! The crate's lock table: every lock's rank, lowest first.
+//!
+//! A thread may take a lock only while every lock it holds has a lower rank. The table in
+//! docs/ARCHITECTURE.md §7 is this list, row for row (a unit test compares the two), so adding a
+//! lock means adding a row here and there.
+
+macro_rules! ranks {
+    ($( $variant:ident = $number:literal, $name:literal, $guards:literal; )*) => {
+        /// A lock's place in the crate's lock order (docs/ARCHITECTURE.md §7).
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub(crate) enum Rank {
+            $( #[doc = $guards] $variant, )*
+        }
+
+        impl Rank {
+            /// Every rank, lowest first.
+            #[allow(dead_code)]
+            pub(crate) const ALL: &'static [Rank] = &[ $( Rank::$variant, )* ];
+
+            /// The rank's number: a lock may be taken only under locks of lower numbers.
+            pub(crate) const fn number(self) -> u32 {
+                match self { $( Rank::$variant => $number, )* }
+            }
+
+            /// The lock, as the table names it.
+            pub(crate) const fn name(self) -> &'static str {
+                match self { $( Rank::$variant => $name, )* }
+            }
+
+            /// What the lock guards, as the table says.
+            #[allow(dead_code)]
+            pub(crate) const fn guards(self) -> &'static str {
+                match self { $( Rank::$variant => $guards, )* }
+            }
+        }
+    };
+}
+
+ranks! {
+    Manager = 1, "MemoryManager::inner", "the registry, the staging pool handle; held while a load is planned and executed (serializes loads)";
+    StreamerQueue = 2, "offload::Streamer queue", "one model's prefetched weights";
+    StreamerGate = 3, "offload::Streamer gate", "where one model's prefetches book their bytes";
+    CastCache = 4, "ops::CastCache entries", "one model's cached manual casts";
+    ModelState = 5, "Model::state", "residency and pins of one model";
+    ForwardOrder = 6, "Model::forward_order", "the first forward's order of weight uses";
+    CandleDevices = 7, "vram candle device table", "one candle device per ordinal";
+    OpsPatcher = 8, "ops::OpsSource patcher", "which patcher layers fetch through (held only to clone an `Arc`)";
+    StreamHook = 9, "Model::stream_hook and cast_hook", "a test's hooks on a model's materializations";
+    KeepCounts = 10, "MemoryManager keep counts", "models kept by `KeepGuard`s";
+    LedgerNamed = 11, "loader::Ledger named reservations", "the reservations' names and sizes";
+    LedgerBooks = 12, "loader::Ledger books", "bytes in flight, cached, reserved, bounds and peaks per device";
+    LedgerProbes = 13, "loader::Ledger free probes", "the driver free-memory query per device (called after release)";
+    HostTier = 14, "weights::HostTier books (and its condition variable)", "host copies, the host ledger, pins in place";
+    StagingPool = 15, "offload::PinnedPool free lists", "idle page-locked staging buffers by size class";
+    PinFences = 16, "weights::PinnedWeight::fences", "the events of the copies out of a pinned weight, one per stream";
+    Derived = 17, "Model::derived", "a managed model's module built from its resident copies (dropped outside every lock)";
+    ManagerCasts = 18, "MemoryManager cast caches", "the manual-cast caches the manager attached";
+    EngineQueue = 19, "offload::TransferEngine queue and workers", "the lanes' job sender and threads";
+    LaneJobs = 20, "transfer lanes' job receiver", "held by an idle lane while it waits for its next job";
+    KernelResult = 21, "a lane kernel's result slot", "a weight built by a kernel on a copy's stream";
+    SimDefaultStream = 22, "device::SimGpu default stream", "a simulated GPU's default stream, made on first use";
+    SimStream = 23, "sim stream queue (and its condition variable)", "a simulated stream's queued work";
+    SimBuffer = 24, "sim device buffer pending copies (and its condition variable)", "copies still writing a simulated device buffer";
+    SimBufferWriter = 25, "sim device buffer writer", "the stream and op of the latest copy into a simulated device buffer";
+    SimBufferStorage = 26, "sim device buffer storage", "a simulated device buffer's bytes";
+    SimEvent = 27, "sim event (and its condition variable)", "an event's latest recording and completions";
+    SimGpu = 28, "device::SimGpu books (and its condition variable)", "a simulated GPU's allocations, page-locked ranges, faults and findings";
+    NnHandedOut = 29, "nn tensors handed out", "tables handed out by managed accessors";
+    WarnLatch = 30, "attention warning latch", "warnings already printed";
+    ManagerView = 31, "MemoryManager::view", "the registry as reports read it (published when the manager lock is released)";
+    Trace = 32, "trace::Trace records", "a recording's records (an event may be emitted under any lock above)";
+    TrackNames = 33, "trace track names", "each thread's track number and name";
+}
+
+impl Rank {
+    /// Whether the same thread may read this lock again while it holds a read of it. None may:
+    /// every re-read is a potential deadlock behind a queued writer.
+    pub(crate) const fn recursive(self) -> bool {
+        false
+    }
+
+    /// Whether a thread may wait (for a device copy, an event, another lock's condition variable)
+    /// while holding this lock. Only the manager lock allows it: a load unpins weights that
+    /// become GPU-resident and `cleanup_models` trims the staging pool under it, and both wait
+    /// for copies out of the memory they release.
+    pub(crate) const fn may_wait(self) -> bool {
+        matches!(self, Rank::Manager)
+    }
+}

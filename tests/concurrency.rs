@@ -1,0 +1,172 @@
+//! Eight threads sharing one manager, as a downstream engine shares it: loads of two models,
+//! clone + patch + load + forward, `free_memory`, `cleanup_models` and report readers, under
+//! four flag sets. The ranked-lock checker is on in every test build (src/lock/), so a lock
+//! taken out of order or read twice fails at its first occurrence, whatever the timing; the
+//! iterations then look for what the checker cannot see (a wait that never ends, a wrong
+//! weight, a ledger over its budget).
+//!
+//! `RESIDENCY_STRESS_ITERS` sets the iterations per thread (default 150; the landed crate
+//! deadlocked within about 10 000 × 8 before the lock checker).
+
+mod common;
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use residency::float::Dtype;
+use residency::loader::{LoadOptions, MemoryManager};
+use residency::patcher::{ModelPatcher, Patch};
+use residency::vram::{Config, DeviceId, Hardware};
+use residency::ByteSize;
+
+fn iterations() -> u64 {
+    std::env::var("RESIDENCY_STRESS_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(150)
+}
+
+fn manager_with(flags: &[&str]) -> MemoryManager {
+    MemoryManager::new(
+        Config::from_args(flags).unwrap(),
+        Hardware::cpu_only(ByteSize::gib(64)),
+    )
+    .unwrap()
+}
+
+/// Fetches every weight of `p` and checks each against the weight built directly.
+fn forward_checked(p: &ModelPatcher) {
+    for key in p.model().keys() {
+        let (w, _) = residency::offload::fetch_weight(p, key).unwrap();
+        let i = p.model().index_of(key).unwrap();
+        let expect = p
+            .materialize(i, p.resident_dtype(i), DeviceId::Cpu)
+            .unwrap();
+        assert_eq!(f32s(&w), f32s(&expect), "`{key}` of {}", p.model().name());
+    }
+}
+
+fn hammer(flags: &[&str], budget: ByteSize) -> (u64, Duration) {
+    let dir = tempfile::tempdir().unwrap();
+    let mm = Arc::new(manager_with(flags));
+    let device = mm.compute_device();
+    let models: Vec<ModelPatcher> = ["a", "b"]
+        .iter()
+        .map(|n| {
+            ModelPatcher::new(
+                Arc::new(small_model_file(dir.path(), n, Dtype::BF16)),
+                device,
+                DeviceId::Cpu,
+            )
+            .with_compute_dtype(Some(Dtype::F32))
+        })
+        .collect();
+    let sums: Vec<u64> = models
+        .iter()
+        .map(|m| m.model().clean_checksum().unwrap())
+        .collect();
+    let iters = iterations();
+    let t0 = Instant::now();
+    let (done_tx, done_rx) = mpsc::channel::<u64>();
+    for t in 0..8usize {
+        let mm = Arc::clone(&mm);
+        let models = models.clone();
+        let done = done_tx.clone();
+        std::thread::spawn(move || {
+            let base = &models[t % 2];
+            let keys: Vec<String> = base.model().keys().map(str::to_string).collect();
+            for n in 0..iters {
+                match t {
+                    // Loads of the two models, and a forward through them.
+                    0 | 1 => {
+                        mm.load_models_gpu(std::slice::from_ref(base), LoadOptions::default())
+                            .unwrap();
+                        forward_checked(base);
+                    }
+                    // A node's clone with a patch, loaded and run.
+                    2 | 3 => {
+                        let mut c = base.clone();
+                        let key = &keys[(n as usize + t) % keys.len()];
+                        let shape = c.model().slot(key).unwrap().shape().to_vec();
+                        c.add_patches(
+                            [(
+                                key.as_str(),
+                                Patch::Diff {
+                                    diff: rand_tensor(&shape, n),
+                                    pad: false,
+                                },
+                            )],
+                            0.5,
+                            1.0,
+                        )
+                        .unwrap();
+                        mm.load_models_gpu(std::slice::from_ref(&c), LoadOptions::default())
+                            .unwrap();
+                        forward_checked(&c);
+                    }
+                    4 => {
+                        mm.free_memory(ByteSize((n % 5) * 1024), device, &[]);
+                    }
+                    5 => mm.cleanup_models(),
+                    // Report readers: never wait for a load, never see a ledger over budget.
+                    _ => {
+                        let report = mm.memory_report();
+                        let _ = mm.loaded_models();
+                        assert!(mm.ledger(device) <= budget, "{report}");
+                        let _ = mm.get_free_memory(device);
+                    }
+                }
+            }
+            let _ = done.send(iters);
+        });
+    }
+    drop(done_tx);
+    let mut total = 0;
+    for _ in 0..8 {
+        match done_rx.recv_timeout(Duration::from_secs(300)) {
+            Ok(n) => total += n,
+            Err(e) => panic!(
+                "{flags:?}: a thread did not finish in 300 s ({e}): a deadlock, or a panic above"
+            ),
+        }
+    }
+    let took = t0.elapsed();
+    for (m, sum) in models.iter().zip(&sums) {
+        assert_eq!(m.model().clean_checksum().unwrap(), *sum, "I1");
+    }
+    assert!(
+        mm.peak_ledger(device) <= budget,
+        "{flags:?}: peak over the budget"
+    );
+    for sim in mm.transfer_engine().devices().sims() {
+        assert!(sim.check().is_ok(), "{flags:?}: {:?}", sim.check());
+    }
+    (total, took)
+}
+
+#[test]
+fn eight_threads_sharing_a_manager_never_deadlock_under_every_flag_set() {
+    let budget = ByteSize::kib(4);
+    let cpu = ["--vram-budget", "4KiB", "--reserve-vram", "0"];
+    let sets: Vec<Vec<&str>> = vec![
+        cpu.to_vec(),
+        [&cpu[..], &["--async-offload", "2"]].concat(),
+        [
+            &cpu[..],
+            &["--disable-smart-memory", "--async-offload", "1"],
+        ]
+        .concat(),
+        vec!["--sim-gpu", "4KiB@25GB/s", "--reserve-vram", "0"],
+    ];
+    for flags in sets {
+        let (n, took) = hammer(&flags, budget);
+        eprintln!(
+            "{flags:?}: {n} iterations over 8 threads ({} each) in {:.2} s",
+            n / 8,
+            took.as_secs_f64()
+        );
+        assert_eq!(n, 8 * iterations());
+    }
+}
