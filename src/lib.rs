@@ -47,8 +47,9 @@
 //! [`quantized`] (candle's quantized API on managed GGUF weights; [`quantized_nn`],
 //! [`quantized_var_builder`]), [`attention`] (backends, memory plans, dispatcher) →
 //! [`loader`] (the memory manager, the global API) → [`models`] (BERT), [`tools`] (LoRA merging).
-//! [`trace`] (a leaf: recording residency's spans and ledger counters as a Chrome trace and a
-//! timeline picture) depends on nothing else in the crate.
+//! [`trace`] (recording residency's spans and ledger counters as a Chrome trace and a timeline
+//! picture) depends on nothing else in the crate but `lock` (the ranked locks every module uses,
+//! a leaf beside `error` and `size`).
 //!
 //! The design — memory tiers, the invariants and their tests, the load algorithm, the transfer
 //! path, the lock table, and where each lives — is in `docs/ARCHITECTURE.md`.
@@ -58,7 +59,7 @@
 //! - **I1** clean weights are immutable; **I2** each device's ledger, and the host tier's, is
 //!   exact and bounded by its budget; **I3** a streamed weight gives bit-identical outputs to a resident one; **I4** a
 //!   failed call changes nothing loaded; **I5** handles are `Send + Sync`, and every lock has a
-//!   rank (the table is in [`loader`]). `docs/ARCHITECTURE.md` §4 says how each is kept and tested.
+//!   rank, checked at run time in debug builds (the table is `src/lock/rank.rs`). `docs/ARCHITECTURE.md` §4 says how each is kept and tested.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 

@@ -5,7 +5,7 @@
 //! iterations then look for what the checker cannot see (a wait that never ends, a wrong
 //! weight, a ledger over its budget).
 //!
-//! `RESIDENCY_STRESS_ITERS` sets the iterations per thread (default 150; the landed crate
+//! `RESIDENCY_STRESS_ITERS` sets the iterations per thread (default 2500, 20 000 per flag set: the landed crate
 //! deadlocked within about 10 000 × 8 before the lock checker).
 
 mod common;
@@ -25,7 +25,7 @@ fn iterations() -> u64 {
     std::env::var("RESIDENCY_STRESS_ITERS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(150)
+        .unwrap_or(2500)
 }
 
 fn manager_with(flags: &[&str]) -> MemoryManager {

@@ -453,3 +453,20 @@ proptest! {
         bases.clear();
     }
 }
+
+/// `loaded_models` read a model's residency twice under one guard (`state().devices()` kept its
+/// read while `resident_bytes` took a second): with a load's write queued between the two, every
+/// thread deadlocked. The lock checker (on in every test build) refuses the second read at once,
+/// so this fails deterministically without the fix, writer or not.
+#[test]
+fn reports_read_each_model_s_residency_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mm = manager(ByteSize::mib(1), &["--reserve-vram", "0"]);
+    let p = cpu_patcher(small_model_file(dir.path(), "m", Dtype::BF16));
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    let models = mm.loaded_models();
+    assert_eq!(models.len(), 1);
+    assert_eq!(models[0].resident, p.model().resident_bytes(CPU));
+    assert!(mm.memory_report().to_string().contains('m'));
+}

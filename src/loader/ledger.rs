@@ -18,8 +18,10 @@
 //! Every change of a book is a sample of the device's `ledger` counter (`residency::trace`),
 //! emitted after the lock is released, when a subscriber listens.
 //!
-//! Lock: `Ledger::books` is a leaf (rank 7 in the crate's lock table); it is taken inside a
-//! streamer's queue lock when a prefetch books or returns bytes, and never held across any call.
+//! Lock: `Ledger::books` is `Rank::LedgerBooks` in the crate's lock table (`src/lock/rank.rs`); it
+//! is taken inside a streamer's queue lock when a prefetch books or returns bytes, and never held
+//! across a call (a free probe is asked before it is taken). Its condition variable wakes the
+//! manager waiting for cancelled prefetches' bookings.
 
 use std::sync::Arc;
 

@@ -22,24 +22,8 @@
 //! layers cache for resident weights ([`crate::ops::CastCache`]): plans count them as free, and a
 //! load that needs their room (or [`MemoryManager::free_memory`]) drops them before it evicts.
 //!
-//! Locks (the crate's lock table, lowest rank first; a lock may only be taken while holding
-//! locks of lower rank):
-//!
-//! | rank | lock | guards |
-//! |---|---|---|
-//! | 1 | `MemoryManager::inner` | registry, staging pool handle |
-//! | 2 | `offload::Streamer` queue, then its gate; or `ops::CastCache` entries, then the ledger (never both) | one model's prefetched weights; its cached manual casts |
-//! | 3 | `Model::state` | residency and pins of one model |
-//! | 4 | `Model::forward_order` | first-forward order (leaf) |
-//! | 5 | the candle device table in `vram` | one candle device per ordinal (leaf) |
-//! | 6 | `ops::OpsSource`'s patcher handle | which patcher layers fetch through (leaf; held only to clone an `Arc`) |
-//! | 7 | `loader::Ledger` books | bytes in flight, bounds and peaks per device (leaf) |
-//! | 8 | `weights::HostTier` books (and its condition variable) | host copies, the host ledger, pins in place |
-//! | 9 | `weights::PinnedWeight::fences` | the events of the copies out of a pinned weight, one per stream (leaf) |
-//! | 10 | `Model::derived` | a managed model's module built from its resident copies (leaf; the module is dropped outside every lock) |
-//! | 11 | `device::SimGpu` books (and its condition variable) | a simulated GPU's allocations, page-locked ranges, faults and findings (leaf; released before any wait) |
-//! | 12 | `trace::Trace` records | a recording's records (leaf; an event may be emitted under any lock above, and nothing is called while it is held) |
-//! | 13 | `MemoryManager::view` | the registry as reports read it, published when the manager lock is released (leaf; held for an `Arc` clone or a swap) |
+//! Locks: every lock of the crate is ranked in `src/lock/rank.rs` (docs/ARCHITECTURE.md §7 is the
+//! same table, and debug builds check every acquisition against it).
 //!
 //! The manager lock is held while a load is planned and executed, which serializes loads (that
 //! is what keeps the plan's figures true while it is carried out); it is never held while calling
@@ -907,6 +891,11 @@ impl MemoryManager {
         self.drop_casts(inner, device);
         if self.free_in(&inner.registry, device) < required {
             self.cancel_prefetches(inner, device);
+            if all_or_nothing && self.free_in(&inner.registry, device) >= required {
+                // The prefetches were the room: no model gives anything up.
+                self.refresh_ledger(inner);
+                return Vec::new();
+            }
         }
         let mut planner = plan::Planner::new(self, inner);
         planner.evict(required, device, keep);
@@ -926,6 +915,8 @@ impl MemoryManager {
     /// wait — until their bookings came back: each returns once its buffer's free executed, so
     /// the room is the device's before it is counted free.
     fn cancel_prefetches(&self, inner: &Inner, device: DeviceId) {
+        // No new prefetch books on the device meanwhile: in flight can only fall from here.
+        let _closed = self.ledger.loading(&[device]);
         let before = self.ledger.in_flight(device);
         let cancelled: ByteSize = inner
             .registry

@@ -459,6 +459,51 @@ mod tests {
     }
 
     #[test]
+    fn freeing_idle_buffers_never_makes_others_wait_on_a_copy_for_the_pool_lock() {
+        // `trim` and `acquire` dropped idle page-locked buffers (which wait for their copies)
+        // holding the pool's lock: every lane and `memory_report()` then waited on the copy. The
+        // lock checker refuses that wait outright; here the timing shows it too.
+        use crate::device::{Gpu, SimGpu, SimSpec, Stream};
+        use candle_core::DType;
+        let g = SimGpu::new(0, SimSpec::new(ByteSize::mib(8)));
+        let gpu = Gpu::Sim(Arc::clone(&g));
+        let pool = PinnedPool::pinned(ByteSize::mib(1), gpu.clone());
+        let a = gpu.new_stream().unwrap();
+        let Stream::Sim(sa) = &a else { unreachable!() };
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        sa.launch(move || {
+            let _ = rx.recv();
+        });
+        let mut buf = pool.acquire(1000).unwrap();
+        let mut dst = a.alloc(DType::U8, 1000).unwrap();
+        assert!(buf.copy_to_device(&mut dst, &a).unwrap());
+        drop(buf); // idle, its copy still queued behind the held stream
+        std::thread::scope(|s| {
+            // The copy completes after a second whatever happens (so a regression fails, not
+            // hangs).
+            s.spawn(move || {
+                std::thread::sleep(std::time::Duration::from_secs(1));
+                drop(tx);
+            });
+            let trimming = s.spawn(|| pool.trim());
+            // Give `trim` time to take the lock and start waiting for the copy.
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let t0 = std::time::Instant::now();
+            let _ = pool.stats();
+            let _ = pool.acquire(100);
+            let waited = t0.elapsed();
+            assert_eq!(trimming.join().unwrap(), ByteSize(MIN_CLASS as u64));
+            assert!(
+                waited < std::time::Duration::from_millis(500),
+                "the pool's lock was held across the copy: {waited:?}"
+            );
+        });
+        a.synchronize().unwrap();
+        drop((dst, pool));
+        g.check().unwrap();
+    }
+
+    #[test]
     fn default_limit_is_a_quarter_of_available_capped() {
         assert_eq!(default_limit(ByteSize::gib(16)), ByteSize::gib(4));
         assert_eq!(default_limit(ByteSize::gib(128)), ByteSize::gib(8));

@@ -22,9 +22,9 @@
 //! [`crate::loader::MemoryManager::free_memory`]) and drops a model's cache when its residency
 //! changes — never a resident weight for a cached cast.
 //!
-//! Lock: `CastCache::entries` is rank 2 in the crate's lock table (like a streamer's queue, and
-//! never held with one): held to look up, insert or take entries out, and while a new entry's
-//! reservation is taken on the ledger (rank 7), so a load clearing the caches cannot miss an
+//! Lock: `CastCache::entries` is `Rank::CastCache` in the crate's lock table (`src/lock/rank.rs`;
+//! never held with a streamer's queue): held to look up, insert or take entries out, and while a
+//! new entry's reservation is taken on the ledger (`Rank::LedgerBooks`), so a load clearing the caches cannot miss an
 //! entry whose bytes are already booked. Entries are dropped, and their bytes returned, after it
 //! is let go.
 

@@ -24,7 +24,7 @@
 //! - Clean weights are never modified (I1): every step builds new tensors.
 //! - Building a layer checks that its keys exist ([`Error::UnknownWeight`] names model and key)
 //!   and that shapes agree ([`Error::ShapeMismatch`]); a forward checks the input's shape.
-//! - No lock is held while a weight wrapper (user code) runs: the source's lock (rank 6, a leaf)
+//! - No lock is held while a weight wrapper (user code) runs: the source's lock (`Rank::OpsPatcher`)
 //!   is held only to clone an `Arc`.
 //!
 //! # Modes
@@ -149,8 +149,8 @@ pub fn pick_operations(
 /// A shared handle on the patcher that layers fetch their weights through.
 ///
 /// Cloning shares the handle: [`OpsSource::set_patcher`] on one clone switches every layer built
-/// from it (to a clone of the same model with other patches, say). Its lock (rank 6 in the
-/// crate's lock table, a leaf) is held only to clone an `Arc`.
+/// from it (to a clone of the same model with other patches, say). Its lock (`Rank::OpsPatcher` in the
+/// crate's lock table) is held only to clone an `Arc`.
 #[derive(Clone)]
 pub struct OpsSource {
     patcher: Arc<RwLock<Arc<ModelPatcher>>>,

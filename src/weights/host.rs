@@ -48,10 +48,12 @@
 //! and the pinned total is unchanged. A weight is unpinned when it becomes resident on a GPU,
 //! when its host copy is evicted and when its model is dropped.
 //!
-//! Locks: `HostTier::books` is rank 8 in the crate's lock table. It is taken inside
-//! `Model::state` (rank 3) when a weight's residency changes, never held across a file read, a
-//! driver call or a wait on a copy: evicted copies and released pins are dropped after it is
-//! released. A read waiting for room waits on the tier's condition variable, which releases it.
+//! Locks: `HostTier::books` is `Rank::HostTier` in the crate's lock table (`src/lock/rank.rs`). It
+//! is taken inside `Model::state` when a weight's residency changes, never held across a file
+//! read, a driver call or a wait on a copy: evicted copies and released pins are dropped after it
+//! is released (a pin released under `Model::state` goes back to the caller, which drops it after
+//! that lock too). A read waiting for room, and a thread waiting for another's pin of the same
+//! weight (a weight is page-locked once), wait on the tier's condition variable, which releases it.
 //!
 //! Trace (`residency::trace`): each read is a `host_read` span, each eviction a `host_evict`
 //! event, and the ledger a `host` counter (held, reading, budget), all emitted after the lock is
@@ -808,17 +810,17 @@ mod tests {
         let tier = HostTier::with_pinning(None, ByteSize::mib(2), gpu);
         let views = spaced(256 * 1024, 3); // 1 MiB each
         let (a, b, c) = (&views[0], &views[1], &views[2]);
-        let pa = tier.try_pin(1, 0, &a, false).expect("within budget");
-        assert!(tier.try_pin(1, 1, &b, false).is_some());
+        let pa = tier.try_pin(1, 0, a, false).expect("within budget");
+        assert!(tier.try_pin(1, 1, b, false).is_some());
         assert_eq!(tier.pinned(), ByteSize::mib(2));
-        assert!(tier.try_pin(1, 2, &c, false).is_none(), "over budget");
+        assert!(tier.try_pin(1, 2, c, false).is_none(), "over budget");
         assert_eq!(
             tier.pinned(),
             ByteSize::mib(2),
             "a refused pin changes no total"
         );
         // Asking again returns the same pin.
-        assert!(Arc::ptr_eq(&pa, &tier.try_pin(1, 0, &a, false).unwrap()));
+        assert!(Arc::ptr_eq(&pa, &tier.try_pin(1, 0, a, false).unwrap()));
         drop(pa);
         // Too small to pin.
         assert!(tier.try_pin(1, 3, &big(16, 0.0), false).is_none());

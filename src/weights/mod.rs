@@ -14,10 +14,11 @@
 //! byte size. Every [`crate::patcher::ModelPatcher`] cloned from the same model shares this
 //! residency; fingerprints tell a clone which resident copies are its own.
 //!
-//! Locks: `Model::state` (rank 3 in the crate's lock table) guards residency and pins; the
-//! forward-order recorder (rank 4) is a leaf. Neither is held across a call into user code.
-//! A change of a weight's residency tells the model's host tier under `Model::state` (the tier's
-//! lock is rank 8).
+//! Locks: `Model::state` (`Rank::ModelState` in the crate's lock table, `src/lock/rank.rs`)
+//! guards residency and pins; the forward-order recorder ranks after it. Neither is held across a
+//! call into user code, and no thread reads `Model::state` twice (the checker refuses it). A
+//! change of a weight's residency tells the model's host tier under `Model::state`; a pin that
+//! change releases is dropped after the write lock is released ([`StateMut`]).
 //!
 //! Complexity: lookups by name are O(1); residency updates are O(number of weights touched).
 

@@ -14,8 +14,8 @@
 //! ([`crate::weights::HostTier::try_pin`] keeps the books and the budget). Registration is
 //! `unsafe` and crate-private, so safe code cannot unlock memory a live `PinnedWeight` copies from.
 //!
-//! Lock: `PinnedWeight::fences` is a leaf (rank 9 in the crate's lock table), held to record an
-//! event and while dropping, never while another lock is taken.
+//! Lock: `PinnedWeight::fences` is `Rank::PinFences` in the crate's lock table
+//! (`src/lock/rank.rs`), held to record an event (which never waits) and while dropping.
 
 use crate::lock::{Mutex, Rank};
 use candle_core::{CpuStorage, Storage, Tensor};
@@ -114,7 +114,7 @@ impl PinnedWeight {
     }
 
     /// Records, on `stream`, the copy just enqueued there; unlocking waits for it (and for every
-    /// other stream's). A failed record waits for `stream` before returning the error.
+    /// other stream's). A copy whose event could not be recorded is fenced by its stream.
     pub(crate) fn record_copy(&self, stream: &Stream) -> Result<()> {
         self.fences.lock().record(stream)
     }
@@ -224,9 +224,10 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_record_waits_for_its_copy_before_returning() {
+    fn a_copy_whose_event_failed_is_waited_for_before_unlocking() {
         // F1, second half: the copy is queued but its event could not be recorded, so nothing
-        // would track it; the error path must wait for the stream first.
+        // would track it. Its stream is its fence: unlocking synchronizes that stream first
+        // (recording never waits, so the fences' lock is never held across a device wait).
         let (g, gpu) = sim();
         let w = weight();
         let pin = PinnedWeight::lock(&w, gpu.clone()).unwrap();

@@ -26,8 +26,8 @@
 //!   letting the memory go. Freed sim page-locked buffers are poisoned (all bytes `0xFF`, NaN
 //!   in every float format), so a stale read also shows in output bits.
 //!
-//! Lock: `SimGpu::state` is a leaf (rank 11 in the crate's lock table): held to update the books,
-//! never across a wait or a copy.
+//! Lock: `SimGpu::state` is `Rank::SimGpu` in the crate's lock table (`src/lock/rank.rs`): held to
+//! update the books, never across a wait or a copy.
 
 mod stream;
 

@@ -604,3 +604,69 @@ fn page_locked_memory_of_one_simulated_gpu_is_page_locked_for_its_peers() {
     owner.unregister_host(host.as_ptr() as usize).unwrap();
     assert_eq!(take(dst, 4096), vec![1u8; 4096], "staged at the call");
 }
+
+#[test]
+fn fences_keep_their_streams_so_a_reused_handle_cannot_hide_a_copy() {
+    // A copy (here: work) queued on stream A is fenced; A's last handle goes; a new stream would
+    // get A's handle (CUDA reuses a destroyed stream's pointer). Keyed by handle alone, the
+    // fences re-recorded A's event on the new stream and stopped waiting for A's work.
+    let g = gpu(ByteSize::mib(1));
+    let a = g.new_stream().unwrap();
+    let hold = gate(&a);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = Arc::clone(&done);
+    a.launch(move || flag.store(true, std::sync::atomic::Ordering::SeqCst));
+    let mut fences = crate::device::Fences::new();
+    fences.record(&Stream::Sim(a.clone())).unwrap();
+    let a_key = a.key();
+    drop(a);
+    let b = g.new_stream().unwrap();
+    assert_ne!(
+        b.key(),
+        a_key,
+        "the fenced stream is alive: its handle is not reused"
+    );
+    fences.record(&Stream::Sim(b)).unwrap();
+    assert_eq!(fences.len(), 2);
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(30));
+        drop(hold);
+    });
+    fences.wait_all().unwrap();
+    assert!(
+        done.load(std::sync::atomic::Ordering::SeqCst),
+        "waiting waited for the first stream's work"
+    );
+    release.join().unwrap();
+}
+
+#[test]
+fn a_copy_whose_record_and_stream_sync_both_fail_stays_fenced() {
+    // The record failed, then the synchronize that was to wait for the copy failed too: the
+    // copy was left untracked and the memory could be unlocked under it. Now the stream itself
+    // is the copy's fence, and waiting synchronizes it later.
+    let g = gpu(ByteSize::mib(1));
+    let s = g.new_stream().unwrap();
+    let hold = gate(&s);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = Arc::clone(&done);
+    s.launch(move || flag.store(true, std::sync::atomic::Ordering::SeqCst));
+    g.inject(SimFault::Record, 0);
+    g.inject(SimFault::Synchronize, 0);
+    let mut fences = crate::device::Fences::new();
+    let stream = Stream::Sim(s);
+    assert!(fences.record(&stream).is_err());
+    assert_eq!(fences.len(), 1, "the stream fences the unrecorded copy");
+    // The injected synchronize fault is still armed: recording never waits. The first wait
+    // fails (and keeps the fence); the next one waits for the work.
+    assert!(fences.wait_all().is_err());
+    assert_eq!(fences.len(), 1);
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(30));
+        drop(hold);
+    });
+    fences.wait_all().unwrap();
+    assert!(done.load(std::sync::atomic::Ordering::SeqCst));
+    assert!(fences.is_empty());
+    release.join().unwrap();
+}
