@@ -391,21 +391,27 @@ fn unreadable_inputs_are_errors_naming_the_file_and_write_nothing() {
     }
 }
 
-#[test]
-fn a_base_the_loader_refuses_for_an_infinite_fp8_scale_is_refused_by_the_merge_alike() {
-    let dir = tempfile::tempdir().unwrap();
-    let base = dir.path().join("fp8.safetensors");
+/// A base of one fp8 weight `proj.weight` and its per-tensor scale `scale`.
+fn write_fp8_base(dir: &Path, scale: f32) -> PathBuf {
+    let base = dir.join("fp8.safetensors");
     let w = float::from_f32(&rand_tensor(&[8, 8], 5), Dtype::F8E4M3FN, Rounding::Nearest).unwrap();
     let tensors: HashMap<String, Tensor> = [
         ("proj.weight".to_string(), w),
         (
             "proj.weight_scale".to_string(),
-            Tensor::new(f32::INFINITY, &Device::Cpu).unwrap(),
+            Tensor::new(scale, &Device::Cpu).unwrap(),
         ),
     ]
     .into_iter()
     .collect();
     candle_core::safetensors::save(&tensors, &base).unwrap();
+    base
+}
+
+#[test]
+fn a_base_the_loader_refuses_for_an_infinite_fp8_scale_is_refused_by_the_merge_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = write_fp8_base(dir.path(), f32::INFINITY);
     let Err(loader) = residency::Model::from_safetensors("fp8", &[&base]) else {
         panic!("the loader refuses it")
     };
@@ -435,18 +441,7 @@ fn a_merge_never_writes_an_fp8_scale_the_loader_refuses() {
     // A tiny (valid) per-tensor scale narrowed to fp8 by `--dtype` becomes 0, which the loader
     // refuses: the merge wrote it anyway (found by the mutation test, 7 of 52 293 inputs).
     let dir = tempfile::tempdir().unwrap();
-    let base = dir.path().join("fp8.safetensors");
-    let w = float::from_f32(&rand_tensor(&[8, 8], 5), Dtype::F8E4M3FN, Rounding::Nearest).unwrap();
-    let tensors: HashMap<String, Tensor> = [
-        ("proj.weight".to_string(), w),
-        (
-            "proj.weight_scale".to_string(),
-            Tensor::new(1e-30f32, &Device::Cpu).unwrap(),
-        ),
-    ]
-    .into_iter()
-    .collect();
-    candle_core::safetensors::save(&tensors, &base).unwrap();
+    let base = write_fp8_base(dir.path(), 1e-30);
     assert!(
         residency::Model::from_safetensors("fp8", &[&base]).is_ok(),
         "a valid base"
