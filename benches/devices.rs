@@ -38,6 +38,8 @@ fn manager(specs: &str) -> MemoryManager {
         "0",
         "--inference-memory",
         "256KiB",
+        // The classic loads: the split is measured resident on both devices.
+        "--disable-dynamic-vram",
     ])
     .unwrap();
     MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(16))).unwrap()

@@ -219,7 +219,9 @@ fn bench_sim(_: &mut Criterion) {
         width: 1024,
         batches: [256, 8],
     };
-    let sim = ["--sim-gpu", "8GiB@25GB/s"];
+    // The classic partial load (what these figures have measured; `benches/dynamic.rs` compares
+    // residency by use with it).
+    let sim = ["--sim-gpu", "8GiB@25GB/s", "--disable-dynamic-vram"];
     let model_f32 = ByteSize((LAYERS * t.width * t.width * 4) as u64);
     let budget = ByteSize(model_f32.bytes() / 4);
     let resident = setup_with(&t, None, 2, 2, &sim);

@@ -107,13 +107,17 @@ fn ids() -> Tensor {
     Tensor::new(&[[3u32, 17, 42, 5, 63, 0, 9, 31]], &Device::Cpu).unwrap()
 }
 
-/// A manager with `sims` simulated GPUs (`SIZE@BANDWIDTH` specs) and tiny fixed overheads.
+/// A manager with `sims` simulated GPUs (`SIZE@BANDWIDTH` specs) and tiny fixed overheads, in
+/// classic mode: these tests pin where loads put weights and what they evict per device, which a
+/// dynamic load (residency by use: it moves nothing) does not decide — `tests/dynamic.rs` runs
+/// split models in dynamic mode.
 fn manager(sims: &[&str], extra: &[&str]) -> MemoryManager {
     let mut args: Vec<String> = vec![
         "--reserve-vram".into(),
         "0".into(),
         "--inference-memory".into(),
         "1KiB".into(),
+        "--disable-dynamic-vram".into(),
     ];
     for s in sims {
         args.extend(["--sim-gpu".to_string(), s.to_string()]);
@@ -522,10 +526,17 @@ fn eviction_on_one_device_never_counts_copies_on_another() {
 fn memory_reports_never_wait_for_a_load_and_loads_on_two_devices_run_from_two_threads() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
-    // Each copy takes 250 ms: a load of four weights holds the manager for a second.
-    let mut config = Config::from_args(["--reserve-vram", "0", "--inference-memory", "1KiB"])
-        .unwrap()
-        .with_transfer_lanes(0);
+    // Each copy takes 250 ms: a load of four weights holds the manager for a second (a
+    // classic load: in dynamic mode a load copies nothing).
+    let mut config = Config::from_args([
+        "--reserve-vram",
+        "0",
+        "--inference-memory",
+        "1KiB",
+        "--disable-dynamic-vram",
+    ])
+    .unwrap()
+    .with_transfer_lanes(0);
     for _ in 0..2 {
         config = config.with_sim_gpu(
             residency::vram::SimSpec::new(ByteSize::mib(16))

@@ -139,7 +139,14 @@ fn a_dropped_prefetch_keeps_its_booking_until_the_device_has_the_memory_back() {
 fn a_resident_copy_counts_on_the_simulated_gpu_until_it_is_evicted() {
     // The sim's capacity counted only buffers in transit: a resident weight left its books
     // when handed to compute, so a ledger that forgot one could never run the sim out.
-    let mm = manager_with(&["--sim-gpu", "1MiB", "--reserve-vram", "0"]);
+    // A classic load makes them resident at once.
+    let mm = manager_with(&[
+        "--sim-gpu",
+        "1MiB",
+        "--reserve-vram",
+        "0",
+        "--disable-dynamic-vram",
+    ]);
     let p = ModelPatcher::new(layers("m", 4), SIM0, DeviceId::Cpu);
     mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
         .unwrap();
@@ -157,11 +164,13 @@ fn a_resident_copy_counts_on_the_simulated_gpu_until_it_is_evicted() {
 fn keep_waits_for_a_load_in_progress() {
     // `keep()` took no manager lock: a load planned before it could evict the model after
     // `keep` returned. Now it returns only once the load in progress is done.
+    // A classic load: it copies, under the manager lock.
     let mm = Arc::new(manager_with(&[
         "--sim-gpu",
         "1MiB@1MB/s",
         "--reserve-vram",
         "0",
+        "--disable-dynamic-vram",
     ]));
     let slow = ModelPatcher::new(layers("slow", 8), SIM0, DeviceId::Cpu);
     let other = ModelPatcher::new(layers("other", 1), SIM0, DeviceId::Cpu);
@@ -186,7 +195,13 @@ fn keep_waits_for_a_load_in_progress() {
 
 #[test]
 fn retry_on_oom_makes_room_on_the_device_the_error_names() {
-    let mm = manager_with(&["--sim-gpus", "2x1MiB", "--reserve-vram", "0"]);
+    let mm = manager_with(&[
+        "--sim-gpus",
+        "2x1MiB",
+        "--reserve-vram",
+        "0",
+        "--disable-dynamic-vram",
+    ]);
     let on_1 = ModelPatcher::new(layers("on-1", 4), DeviceId::Sim(1), DeviceId::Cpu);
     mm.load_models_gpu(std::slice::from_ref(&on_1), LoadOptions::default())
         .unwrap();

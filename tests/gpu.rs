@@ -198,14 +198,23 @@ fn using_a_model_on_a_gpu_without_loading_it_is_noted_once_and_a_loaded_one_is_n
         "the engine forgot load_models_gpu"
     );
 
-    let config = Config::from_args(["--sim-gpu", "64MiB", "--reserve-vram", "0"]).unwrap();
-    let mm = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(8))).unwrap();
-    let loaded = Arc::new(Model::from_tensors("loaded", [("w", w().unwrap())]).unwrap());
-    let q = ModelPatcher::new(Arc::clone(&loaded), mm.compute_device(), DeviceId::Cpu);
-    mm.load_models_gpu(std::slice::from_ref(&q), LoadOptions::default())
-        .unwrap();
-    let (_, streamed) = fetch_weight(&q, "w").unwrap();
-    assert!(!streamed && !loaded.used_without_load());
+    for (mode, streams_first) in [
+        ("--disable-dynamic-vram", false),
+        ("--enable-dynamic-vram", true),
+    ] {
+        let config =
+            Config::from_args(["--sim-gpu", "64MiB", "--reserve-vram", "0", mode]).unwrap();
+        let mm = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(8))).unwrap();
+        let loaded = Arc::new(Model::from_tensors("loaded", [("w", w().unwrap())]).unwrap());
+        let q = ModelPatcher::new(Arc::clone(&loaded), mm.compute_device(), DeviceId::Cpu);
+        mm.load_models_gpu(std::slice::from_ref(&q), LoadOptions::default())
+            .unwrap();
+        // Dynamic: the first use faults the weight in, the next finds it resident.
+        let (_, streamed) = fetch_weight(&q, "w").unwrap();
+        assert_eq!(streamed, streams_first, "{mode}");
+        let (_, streamed) = fetch_weight(&q, "w").unwrap();
+        assert!(!streamed && !loaded.used_without_load(), "{mode}");
+    }
 }
 
 #[test]
@@ -254,6 +263,8 @@ mod scenario {
         Full,
         Half,
         NoVram,
+        /// Half the model's bytes, residency by use (dynamic mode).
+        DynamicHalf,
     }
 
     /// Loads an 8-layer bf16 MLP (with a LoRA on every other layer) onto `device` (`sim:0` or
@@ -279,9 +290,17 @@ mod scenario {
         let mut args = vec!["--reserve-vram".to_string(), "0".to_string()];
         match budget {
             Budget::Full => args.extend(["--vram-budget".into(), "4GiB".into()]),
-            Budget::Half => args.extend(["--vram-budget".into(), (total / 2 + 1).to_string()]),
+            Budget::Half | Budget::DynamicHalf => {
+                args.extend(["--vram-budget".into(), (total / 2 + 1).to_string()])
+            }
             Budget::NoVram => args.push("--novram".into()),
         }
+        // The classic loads decide what is resident at load time (what these runs check);
+        // dynamic mode is its own budget.
+        args.push(match budget {
+            Budget::DynamicHalf => "--enable-dynamic-vram".into(),
+            _ => "--disable-dynamic-vram".into(),
+        });
         if device.is_sim() {
             // PCIe 4.0 x16's bandwidth, seeded jitter: copies really run behind compute.
             args.extend(["--sim-gpu".into(), "4GiB@25GB/s".into()]);
@@ -390,6 +409,13 @@ mod scenario {
                 "nothing resident under --novram"
             );
             assert_eq!(novram, full, "--novram, {lanes} lanes");
+            let (dynamic, resident_dynamic, _) = run(device, Budget::DynamicHalf, lanes);
+            assert_eq!(
+                resident_dynamic,
+                ByteSize::ZERO,
+                "a dynamic load moves nothing"
+            );
+            assert_eq!(dynamic, full, "dynamic mode at half, {lanes} lanes");
         }
     }
 }

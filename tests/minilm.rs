@@ -535,73 +535,92 @@ fn split_across_two_simulated_gpus_minilm_gives_the_cpu_bits() {
     let size = cpu.resident_model_size();
     let device = ByteSize(size.bytes() * 2 / 3);
     let spec = format!("2x{}B@25GB/s", device.bytes());
-    let mm = MemoryManager::new(
-        residency::vram::Config::from_args([
-            "--sim-gpus",
-            spec.as_str(),
-            "--reserve-vram",
-            "0",
-            "--inference-memory",
-            "8MiB",
-        ])
-        .unwrap(),
-        residency::vram::Hardware::cpu_only(ByteSize::gib(8)),
-    )
-    .unwrap();
-    let m = bert::load_model(
-        &model_dir().join("model.safetensors"),
-        "all-MiniLM-L6-v2",
-        Dtype::F32,
-    )
-    .unwrap();
-    let p = ModelPatcher::new(
-        Arc::new(m),
-        residency::DeviceId::Sim(0),
-        residency::DeviceId::Cpu,
-    );
-    let map = residency::DeviceMap::auto(&p, &mm.device_budgets(), Default::default());
-    let p = p.with_device_map(map);
-    let report = mm
-        .load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+    // Classic loads place the groups at load; dynamic ones as the forward uses them.
+    for dynamic in [false, true] {
+        let mm = MemoryManager::new(
+            residency::vram::Config::from_args([
+                "--sim-gpus",
+                spec.as_str(),
+                "--reserve-vram",
+                "0",
+                "--inference-memory",
+                "8MiB",
+                if dynamic {
+                    "--enable-dynamic-vram"
+                } else {
+                    "--disable-dynamic-vram"
+                },
+            ])
+            .unwrap(),
+            residency::vram::Hardware::cpu_only(ByteSize::gib(8)),
+        )
         .unwrap();
-    assert!(report.models[0].full, "{report:?}");
-    for d in 0..2 {
-        let d = residency::DeviceId::Sim(d);
-        assert!(
-            mm.ledger(d) > ByteSize::ZERO && mm.ledger(d) <= device,
-            "{d}"
+        let m = bert::load_model(
+            &model_dir().join("model.safetensors"),
+            "all-MiniLM-L6-v2",
+            Dtype::F32,
+        )
+        .unwrap();
+        let p = ModelPatcher::new(
+            Arc::new(m),
+            residency::DeviceId::Sim(0),
+            residency::DeviceId::Cpu,
         );
-    }
-    let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
-    let mode = OpsMode::ManualCast {
-        compute: Dtype::F32,
-    };
-    let (t, mask) = batch(&ids);
-    let got = Bert::new(&p, mode, &config)
-        .unwrap()
-        .embed(&t, &mask, None)
-        .unwrap()
-        .to_vec2::<f32>()
-        .unwrap();
-    assert_eq!(bits(&got), bits(&expected), "split vs CPU");
-    assert!(p.split_stats().activation_moves > 0);
-    let clone = attention_lora(&p, 1.0);
-    mm.load_models_gpu(std::slice::from_ref(&clone), LoadOptions::default())
-        .unwrap();
-    let patched = Bert::new(&clone, mode, &config)
-        .unwrap()
-        .embed(&t, &mask, None)
-        .unwrap()
-        .to_vec2::<f32>()
-        .unwrap();
-    let unsplit = attention_lora(&cpu, 1.0);
-    let (unsplit, _) = embed(&unsplit, Budget::Full, &ids);
-    assert_eq!(
-        bits(&patched),
-        bits(&unsplit),
-        "the LoRA clone, split vs CPU"
-    );
-    for sim in mm.transfer_engine().devices().sims() {
-        assert!(sim.check().is_ok(), "{:?}", sim.check());
+        let map = residency::DeviceMap::auto(&p, &mm.device_budgets(), Default::default());
+        let p = p.with_device_map(map);
+        let report = mm
+            .load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+            .unwrap();
+        assert_eq!(report.models[0].full, !dynamic, "{report:?}");
+        for d in 0..2 {
+            let d = residency::DeviceId::Sim(d);
+            assert!(
+                (dynamic || mm.ledger(d) > ByteSize::ZERO) && mm.ledger(d) <= device,
+                "{d}"
+            );
+        }
+        let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
+        let mode = OpsMode::ManualCast {
+            compute: Dtype::F32,
+        };
+        let (t, mask) = batch(&ids);
+        let got = Bert::new(&p, mode, &config)
+            .unwrap()
+            .embed(&t, &mask, None)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        assert_eq!(
+            bits(&got),
+            bits(&expected),
+            "split vs CPU (dynamic: {dynamic})"
+        );
+        for d in 0..2 {
+            let d = residency::DeviceId::Sim(d);
+            assert!(
+                mm.ledger(d) > ByteSize::ZERO && mm.ledger(d) <= device,
+                "{d} holds weights after a forward (dynamic: {dynamic})"
+            );
+        }
+        assert!(p.split_stats().activation_moves > 0);
+        let clone = attention_lora(&p, 1.0);
+        mm.load_models_gpu(std::slice::from_ref(&clone), LoadOptions::default())
+            .unwrap();
+        let patched = Bert::new(&clone, mode, &config)
+            .unwrap()
+            .embed(&t, &mask, None)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let unsplit = attention_lora(&cpu, 1.0);
+        let (unsplit, _) = embed(&unsplit, Budget::Full, &ids);
+        assert_eq!(
+            bits(&patched),
+            bits(&unsplit),
+            "the LoRA clone, split vs CPU"
+        );
+        for sim in mm.transfer_engine().devices().sims() {
+            assert!(sim.check().is_ok(), "{:?}", sim.check());
+        }
     }
 }

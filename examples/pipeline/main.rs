@@ -301,6 +301,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
                 activation_moves: a.activation_moves + s.activation_moves,
             },
         ),
+        dynamic: mm.memory_report().dynamic.then(|| mm.dynamic_report()),
         memory: mm.memory_report().to_string(),
         total_ms: t_start.elapsed().as_secs_f64() * 1e3,
     })

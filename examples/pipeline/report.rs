@@ -35,6 +35,9 @@ pub struct PipelineReport {
     pub split: residency::patcher::SplitStats,
     /// Every GPU beside the compute device when there are several: name, peak ledger, budget.
     pub other_devices: Vec<(String, ByteSize, ByteSize)>,
+    /// Residency by use (dynamic mode): per device its hits, misses, faults-in and the offline
+    /// optimum for the same uses; `None` in classic mode.
+    pub dynamic: Option<Vec<residency::loader::DynamicDeviceReport>>,
     pub memory: String,
     pub total_ms: f64,
 }
@@ -54,6 +57,9 @@ struct Json<'a> {
     sims: Vec<JsonSim<'a>>,
     reservations: Vec<JsonReservation<'a>>,
     split: &'a residency::patcher::SplitStats,
+    /// `"dynamic"` (residency by use) or `"classic"`.
+    mode: &'static str,
+    dynamic: &'a Option<Vec<residency::loader::DynamicDeviceReport>>,
 }
 
 /// A reservation the run took: its name and largest size.
@@ -141,6 +147,12 @@ pub fn to_json(r: &PipelineReport) -> String {
             pinned_bytes: r.host.pinned.bytes(),
         },
         transfers: &r.transfers,
+        mode: if r.dynamic.is_some() {
+            "dynamic"
+        } else {
+            "classic"
+        },
+        dynamic: &r.dynamic,
         sims: r
             .sims
             .iter()
@@ -219,6 +231,15 @@ pub fn to_table(r: &PipelineReport) -> String {
         ));
     }
     s.push('\n');
+    match &r.dynamic {
+        None => s.push_str("residency: classic (resident sets decided at load)\n"),
+        Some(devices) => {
+            s.push_str("residency: dynamic (by use: weights kept as forwards use them)\n");
+            for d in devices {
+                s.push_str(&format!("  {d}\n"));
+            }
+        }
+    }
     let t = &r.transfers;
     s.push_str(&format!(
         "transfers: {} streamed, prefetch {} hits / {} misses, {:.1} ms waiting; total {:.0} ms\n",

@@ -367,6 +367,19 @@ impl MemoryManager {
         for (model, hook) in hooks {
             model.set_stream_hook(hook);
         }
+        // The copies just dropped free their device memory in stream order (the stream each
+        // was made on, a lane's for a prefetched one); the rebuilds below allocate on the
+        // default stream, which gets that memory once those frees ran: let them run.
+        let mut devices: Vec<DeviceId> = dropped.iter().map(|d| d.device).collect();
+        devices.sort();
+        devices.dedup();
+        for device in devices {
+            if let Some(gpu) = self.engine.devices().gpu(device) {
+                if let Err(e) = gpu.synchronize() {
+                    tracing::warn!(error = %e, %device, "synchronizing before a rollback's rebuilds");
+                }
+            }
+        }
         let mut not_restored = Vec::new();
         for d in dropped {
             let key = d.model.slots()[d.index].name();

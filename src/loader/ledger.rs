@@ -42,6 +42,9 @@ struct Book {
     cached: ByteSize,
     /// Bytes the engine reserved (`MemoryManager::reserve`): never evicted, released on drop.
     reserved: ByteSize,
+    /// Bytes booked to keep weights being faulted in (residency by use), until their copies are
+    /// committed as resident or the fault-in gives up.
+    faulting: ByteSize,
     /// Loads in progress on the device (planned or executing).
     loading: u32,
     peak: ByteSize,
@@ -52,7 +55,8 @@ impl Book {
     fn columns(&self) -> [u64; 5] {
         [
             self.resident.bytes(),
-            self.in_flight.bytes(),
+            // Weights being faulted in are in flight too, as a trace shows them.
+            self.in_flight.saturating_add(self.faulting).bytes(),
             self.cached.bytes(),
             self.reserved.bytes(),
             self.total.map_or(0, ByteSize::bytes),
@@ -71,12 +75,30 @@ impl Book {
         self.peak = self.peak.max(self.ledger());
     }
 
-    /// Resident + in flight + cached + reserved.
+    /// Resident + in flight + cached + reserved + faulting.
     fn ledger(&self) -> ByteSize {
+        self.kept().saturating_add(self.in_flight)
+    }
+
+    /// What stays on the device between forwards: resident + faulting + cached + reserved (not
+    /// the prefetches in flight).
+    fn kept(&self) -> ByteSize {
         self.resident
-            .saturating_add(self.in_flight)
+            .saturating_add(self.faulting)
             .saturating_add(self.cached)
             .saturating_add(self.reserved)
+    }
+
+    /// Whether `bytes` more can be kept while `room` stays free for streaming beside what is
+    /// kept, and the whole ledger stays within the bound.
+    fn keeps(&self, bytes: ByteSize, room: ByteSize) -> bool {
+        match self.total {
+            Some(total) => {
+                self.kept().saturating_add(bytes).saturating_add(room) <= total
+                    && self.ledger().saturating_add(bytes) <= total
+            }
+            None => true,
+        }
     }
 
     /// Books `bytes` when the ledger plus `bytes` plus `keep_free` stays within the bound and no
@@ -178,6 +200,7 @@ impl Ledger {
                     in_flight: ByteSize::ZERO,
                     cached: ByteSize::ZERO,
                     reserved: ByteSize::ZERO,
+                    faulting: ByteSize::ZERO,
                     loading: 0,
                     peak: ByteSize::ZERO,
                 });
@@ -217,9 +240,117 @@ impl Ledger {
         self.with(device, |b| b.in_flight)
     }
 
+    /// Resident bytes on `device` as the book has them.
+    pub(crate) fn resident(&self, device: DeviceId) -> ByteSize {
+        self.with(device, |b| b.resident)
+    }
+
     /// Bytes of cached manual casts on `device`.
     pub(crate) fn cached(&self, device: DeviceId) -> ByteSize {
         self.with(device, |b| b.cached)
+    }
+
+    /// Bytes booked for weights being faulted in on `device`.
+    pub(crate) fn faulting(&self, device: DeviceId) -> ByteSize {
+        self.with(device, |b| b.faulting)
+    }
+
+    /// How many bytes `device` lacks to keep `bytes` more with `room` left free (zero when it
+    /// can); `None` while a load closes the device (nothing may be kept then).
+    pub(crate) fn keep_shortfall(
+        &self,
+        device: DeviceId,
+        bytes: ByteSize,
+        room: ByteSize,
+    ) -> Option<ByteSize> {
+        self.with(device, |b| {
+            if b.loading > 0 {
+                return None;
+            }
+            Some(match b.total {
+                Some(total) => {
+                    let need_kept = b.kept().saturating_add(bytes).saturating_add(room);
+                    let need_all = b.ledger().saturating_add(bytes);
+                    need_kept.max(need_all).saturating_sub(total)
+                }
+                None => ByteSize::ZERO,
+            })
+        })
+    }
+
+    /// How many bytes `device` lacks for `bytes` more in flight (zero when they fit); `None`
+    /// while a load closes the device.
+    pub(crate) fn transit_shortfall(&self, device: DeviceId, bytes: ByteSize) -> Option<ByteSize> {
+        self.with(device, |b| {
+            if b.loading > 0 {
+                return None;
+            }
+            Some(match b.total {
+                Some(total) => b.ledger().saturating_add(bytes).saturating_sub(total),
+                None => ByteSize::ZERO,
+            })
+        })
+    }
+
+    /// Books `bytes` to keep a weight being faulted in on `device` (the faulting column), when
+    /// [`Ledger::keep_shortfall`] is zero; whether it did. The caller holds the manager's
+    /// residency-by-use lock.
+    pub(crate) fn book_keep(&self, device: DeviceId, bytes: ByteSize, room: ByteSize) -> bool {
+        let probed = self.probed_free(device);
+        self.with(device, |b| {
+            if b.loading > 0 || !b.keeps(bytes, room) {
+                return false;
+            }
+            if let Some(free) = probed {
+                let booked = b.in_flight.saturating_add(b.faulting);
+                if bytes.saturating_add(room).saturating_add(booked) > free {
+                    return false;
+                }
+            }
+            b.faulting = b.faulting.saturating_add(bytes);
+            b.note_peak();
+            true
+        })
+    }
+
+    /// A faulted-in weight's booking becomes resident (`commit`) or is returned.
+    pub(crate) fn settle_keep(&self, device: DeviceId, bytes: ByteSize, commit: bool) {
+        self.with(device, |b| {
+            b.faulting = b.faulting.saturating_sub(bytes);
+            if commit {
+                b.resident = b.resident.saturating_add(bytes);
+            }
+            b.note_peak();
+        });
+        self.returned.notify_all();
+    }
+
+    /// A prefetched weight (booked in flight) becomes resident when it can be kept with `room`
+    /// left free; whether it did (the total does not change).
+    pub(crate) fn keep_prefetched(
+        &self,
+        device: DeviceId,
+        bytes: ByteSize,
+        room: ByteSize,
+    ) -> bool {
+        self.with(device, |b| {
+            if b.loading > 0 || b.in_flight < bytes {
+                return false;
+            }
+            let kept_after = b.kept().saturating_add(bytes).saturating_add(room);
+            if b.total.is_some_and(|total| kept_after > total) {
+                return false;
+            }
+            b.in_flight = b.in_flight.saturating_sub(bytes);
+            b.resident = b.resident.saturating_add(bytes);
+            true
+        })
+    }
+
+    /// `bytes` of resident copies left `device` (evicted by a fault-in, outside a load).
+    pub(crate) fn evicted(&self, device: DeviceId, bytes: ByteSize) {
+        self.with(device, |b| b.resident = b.resident.saturating_sub(bytes));
+        self.returned.notify_all();
     }
 
     /// Every device the ledger has a book for.
@@ -380,6 +511,37 @@ impl PrefetchGate for Ledger {
     fn release(&self, device: DeviceId, bytes: ByteSize) {
         self.unreserve(Column::InFlight, device, bytes);
     }
+
+    fn is_closed(&self, device: DeviceId) -> bool {
+        self.with(device, |b| b.loading > 0)
+    }
+
+    fn booked_in_flight(&self, device: DeviceId) -> ByteSize {
+        self.with(device, |b| b.in_flight.saturating_add(b.faulting))
+    }
+
+    fn reserve_waiting(
+        &self,
+        device: DeviceId,
+        bytes: ByteSize,
+        keep_free: ByteSize,
+        timeout: std::time::Duration,
+    ) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if self.reserve(Column::InFlight, device, bytes, keep_free) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            // Woken when any booking comes back (a cancelled prefetch's, once its free ran).
+            let mut books = self.books.lock();
+            self.returned
+                .wait_for(&mut books, left.min(std::time::Duration::from_millis(20)));
+        }
+    }
 }
 
 /// The ledger's column for cached manual casts, as a gate: booked on the same terms as
@@ -408,6 +570,7 @@ impl Drop for LoadingGuard {
             self.ledger
                 .with(d, |b| b.loading = b.loading.saturating_sub(1));
         }
+        self.ledger.returned.notify_all();
     }
 }
 

@@ -38,6 +38,7 @@
 //! `Model::state` when a weight's residency changes and is never held across a file read, a
 //! driver call or a wait.
 
+mod dynamic;
 mod execute;
 mod ledger;
 #[cfg(test)]
@@ -60,6 +61,7 @@ use crate::vram::{Config, DeviceId, Hardware, Policy, VramState};
 use crate::weights::{HostTier, Model};
 
 use self::ledger::Ledger;
+pub use dynamic::DynamicDeviceReport;
 pub use plan::{LoadPlan, PlacedOn, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad};
 pub use report::{Eviction, LoadReport, LoadedModelInfo, MemoryReport, ModelLoad};
 pub use reserve::{KeepGuard, MemoryReservation, ReservationInfo};
@@ -237,7 +239,9 @@ pub struct MemoryManager {
     /// The registry as reports read it: published whenever the manager lock is released
     /// ([`InnerGuard`]), so `loaded_models` and `memory_report` never wait for a load (a leaf
     /// lock, held for an `Arc` clone).
-    view: Mutex<Arc<[ViewEntry]>>,
+    view: Arc<Mutex<Arc<[ViewEntry]>>>,
+    /// Residency by use (dynamic mode): the keeper streamers of loaded models fault in through.
+    dynamic: Arc<dynamic::Dynamic>,
 }
 
 /// A registry entry as reports see it: membership and order as of the last release of the
@@ -247,6 +251,9 @@ struct ViewEntry {
     model: std::sync::Weak<Model>,
     device: DeviceId,
     size: ByteSize,
+    /// The registered patcher's fingerprints: residency by use keeps only copies of what the
+    /// registered patcher computes with (a rollback can rebuild those).
+    fingerprints: Arc<[crate::weights::Fingerprint]>,
 }
 
 /// The manager lock; releasing it publishes the registry view.
@@ -278,6 +285,7 @@ impl Drop for InnerGuard<'_> {
                 model: Arc::downgrade(e.model()),
                 device: e.device,
                 size: e.patcher.resident_model_size(),
+                fingerprints: e.patcher.fingerprints(),
             })
             .collect();
         *self.view.lock() = entries;
@@ -345,16 +353,24 @@ impl MemoryManager {
                 ledger.set_free_probe(device, Arc::new(move || crate::vram::driver_free_memory(n)));
             }
         }
+        let kept = Arc::new(Mutex::new(
+            Rank::KeepCounts,
+            std::collections::HashMap::new(),
+        ));
+        let view: Arc<Mutex<Arc<[ViewEntry]>>> =
+            Arc::new(Mutex::new(Rank::ManagerView, Arc::from(Vec::new())));
+        let dynamic = Arc::new(dynamic::Dynamic::new(
+            Arc::clone(&ledger),
+            Arc::clone(&view),
+            Arc::clone(&kept),
+        ));
         MemoryManager {
             policy,
             host,
             engine,
             cast_gate: Arc::new(ledger.cast_column()),
             casts: Mutex::new(Rank::ManagerCasts, Vec::new()),
-            kept: Arc::new(Mutex::new(
-                Rank::KeepCounts,
-                std::collections::HashMap::new(),
-            )),
+            kept,
             ledger,
             inner: Mutex::new(
                 Rank::Manager,
@@ -364,7 +380,8 @@ impl MemoryManager {
                     unloaded: Vec::new(),
                 },
             ),
-            view: Mutex::new(Rank::ManagerView, Arc::from(Vec::new())),
+            view,
+            dynamic,
         }
     }
 
@@ -480,6 +497,9 @@ impl MemoryManager {
     }
 
     fn ledger_in(&self, registry: &[Entry], device: DeviceId) -> ByteSize {
+        // A fault-in commits (residency, then its booking becomes resident) under this lock:
+        // read between the two, its bytes would count twice.
+        let _dynamic = self.dynamic.lock();
         self.ledger_from(Self::resident_in(registry, device), device)
     }
 
@@ -487,6 +507,7 @@ impl MemoryManager {
     fn ledger_from(&self, resident: ByteSize, device: DeviceId) -> ByteSize {
         resident
             .saturating_add(self.ledger.in_flight(device))
+            .saturating_add(self.ledger.faulting(device))
             .saturating_add(self.ledger.cached(device))
             .saturating_add(self.ledger.reserved(device))
     }
@@ -569,6 +590,9 @@ impl MemoryManager {
             .policy
             .is_scheduled(device)
             .then(|| self.policy.total_memory(device));
+        // Fault-ins change residency and the resident column together under this lock: the
+        // sum and the note must not fall between the two.
+        let _dynamic = self.dynamic.lock();
         self.ledger
             .note(device, Self::resident_in(&inner.registry, device), bound);
     }
@@ -807,6 +831,12 @@ impl MemoryManager {
         (extra_mem, min_required, min_inf)
     }
 
+    /// Whether a load on `device` is a dynamic one (residency by use): the mode is on, the
+    /// device is scheduled and the load is not forced full.
+    fn dynamic_load(&self, device: DeviceId, options: &LoadOptions) -> bool {
+        self.policy.dynamic_vram() && self.policy.is_scheduled(device) && !options.force_full_load
+    }
+
     fn full_load(&self, device: DeviceId, options: &LoadOptions) -> bool {
         options.force_full_load
             || matches!(
@@ -817,22 +847,20 @@ impl MemoryManager {
     }
 
     /// A partially loaded model streams: give it a prefetching streamer whose bytes in flight
-    /// are booked in the ledger, keeping free the activation memory the load asked for and its
-    /// largest streamed weight (a weight fetched on a miss, or the one compute holds, needs
-    /// device memory beside the prefetched ones — the simulated GPU, counting every buffer,
-    /// ran a forward out of memory when prefetches could take that room too).
+    /// are booked in the ledger, keeping free the activation memory the load asked for (each
+    /// prefetch also keeps the weights in use beside it free: `offload/prefetch.rs`). In
+    /// dynamic mode every loaded model gets one: its weights are kept through it.
     fn attach_streamer(&self, m: &ModelPatcher, load: &ModelLoad, options: &LoadOptions) {
-        if load.full {
+        let dynamic = self.dynamic_load(m.load_device(), options);
+        if load.full && !dynamic {
             crate::offload::attach_streamer(m, None);
             return;
         }
-        // On a GPU (a budgeted CPU streams from host memory: nothing to keep for it).
-        let largest_streamed = (0..m.model().len())
-            .filter(|&i| !m.weight_device(i).is_cpu() && m.resident_weight(i).is_none())
-            .map(|i| m.resident_size(i))
-            .max()
-            .unwrap_or(ByteSize::ZERO);
-        self.give_streamer(m, options.memory_required.saturating_add(largest_streamed));
+        if dynamic {
+            // Loaded again: prioritized (the registry's front) and its watermark reset.
+            m.model().usage().reset_watermark();
+        }
+        self.give_streamer(m, options.memory_required);
     }
 
     /// Attaches a prefetching streamer to `m`'s model (reusing its own when it has one of this
@@ -848,6 +876,30 @@ impl MemoryManager {
         };
         let gate: Arc<dyn PrefetchGate> = self.ledger.clone();
         streamer.set_gate(Some((gate, keep_free)));
+        if self.policy.dynamic_vram() {
+            // Residency by use: what is kept leaves `keep_free` free and, on a GPU, the room a
+            // partial load leaves for streaming: the prefetch window and the weight in use.
+            let depth = self.policy.config().prefetch_depth() as u64;
+            let largest = (0..m.model().len())
+                .filter(|&i| !m.weight_device(i).is_cpu())
+                .map(|i| m.resident_size(i))
+                .max()
+                .unwrap_or(ByteSize::ZERO);
+            // The planner's rule for a partial load's room (`plan.rs` `prefetch_room`): the
+            // window and the weight in use, at most half the device, at least that weight.
+            let half = ByteSize(self.policy.total_memory(m.load_device()).bytes() / 2);
+            let window = if self.engine.lanes() > 0 && depth > 0 {
+                largest
+                    .saturating_mul(depth + 1)
+                    .min(half.saturating_sub(keep_free))
+                    .max(largest)
+            } else {
+                largest
+            };
+            let keeper: Arc<dyn crate::offload::Keeper> = self.dynamic.clone();
+            streamer.set_keeper(Some((keeper, keep_free.saturating_add(window))));
+            m.model().set_dynamic(true);
+        }
         crate::offload::attach_streamer(m, Some(streamer));
     }
 
@@ -876,6 +928,27 @@ impl MemoryManager {
         evictions
     }
 
+    /// Dynamic mode's last resort for an out-of-memory (`retry_on_oom`): [`MemoryManager::free_memory`]
+    /// where the models kept loaded go last instead of never — their weights stream then, so
+    /// weights never cause an out-of-memory.
+    pub(crate) fn free_memory_under_pressure(
+        &self,
+        required: ByteSize,
+        device: DeviceId,
+        last: &[&ModelPatcher],
+    ) -> Vec<Eviction> {
+        let last: Vec<u64> = last.iter().map(|m| m.model().id()).collect();
+        let mut inner = self.lock_inner();
+        cleanup(&mut inner);
+        let _span =
+            tracing::debug_span!("free_memory", %device, required = required.bytes()).entered();
+        let evictions = self.make_room_ordered(&mut inner, required, device, &last, false, true);
+        let stale = Self::take_stale(&mut inner);
+        drop(inner);
+        drop(stale);
+        evictions
+    }
+
     /// Frees memory on `device` towards more than `required` free: cached casts first, then the
     /// planner's evictions of models not in `keep` (nor kept by a guard). With `all_or_nothing`
     /// the evictions are carried out only when they reach `required` (a caller that fails
@@ -888,6 +961,20 @@ impl MemoryManager {
         keep: &[u64],
         all_or_nothing: bool,
     ) -> Vec<Eviction> {
+        self.make_room_ordered(inner, required, device, keep, all_or_nothing, false)
+    }
+
+    /// [`MemoryManager::make_room`]; with `keep_goes_last` (dynamic mode) the `keep` models'
+    /// weights go after every other's instead of never.
+    fn make_room_ordered(
+        &self,
+        inner: &mut Inner,
+        required: ByteSize,
+        device: DeviceId,
+        keep: &[u64],
+        all_or_nothing: bool,
+        keep_goes_last: bool,
+    ) -> Vec<Eviction> {
         self.drop_casts(inner, device);
         if self.free_in(&inner.registry, device) < required {
             self.cancel_prefetches(inner, device);
@@ -898,7 +985,11 @@ impl MemoryManager {
             }
         }
         let mut planner = plan::Planner::new(self, inner);
-        planner.evict(required, device, keep);
+        if keep_goes_last {
+            planner.evict_for_room(required, device, keep);
+        } else {
+            planner.evict(required, device, keep);
+        }
         if all_or_nothing && planner.free(device) < required {
             return Vec::new();
         }
@@ -1018,6 +1109,19 @@ impl MemoryManager {
             .collect()
     }
 
+    /// What residency by use did on each device — hits, misses, faults-in, evictions — beside
+    /// Belady's offline optimum for the same recorded uses and room (computed here, O(uses log
+    /// uses): the cheap [`MemoryManager::memory_report`] leaves it out).
+    pub fn dynamic_report(&self) -> Vec<DynamicDeviceReport> {
+        self.dynamic.report(true)
+    }
+
+    /// Starts a new measurement of residency by use: forgets the hits, misses and recorded uses
+    /// [`MemoryReport::dynamic_devices`] reports (a benchmark's steady state, say).
+    pub fn reset_dynamic_stats(&self) {
+        self.dynamic.reset_stats();
+    }
+
     /// A report of every device's memory and every loaded model, for people (`Display`) and
     /// programs (its fields). It never waits for a load in progress: each device's ledger and free
     /// memory are the ledger's book as of the manager's last step (one consistent figure per
@@ -1066,6 +1170,8 @@ impl MemoryManager {
             pinned_is_page_locked: pool.pinned,
             transfers: self.engine.stats().snapshot(),
             reservations: self.reservations(),
+            dynamic: self.policy.dynamic_vram(),
+            dynamic_devices: self.dynamic.report(false),
         }
     }
 }

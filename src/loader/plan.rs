@@ -424,6 +424,9 @@ impl<'a> Planner<'a> {
     /// bytes are free: candidates most offloaded first, then fewest outside handles, then
     /// smallest, then most recently used; with smart memory each gives up only what is missing.
     pub(super) fn evict(&mut self, required: ByteSize, device: DeviceId, keep: &[u64]) {
+        if self.mm.policy.dynamic_vram() {
+            return self.evict_by_priority(required, device, &[], keep);
+        }
         let registry = self.registry;
         let mut candidates: Vec<(std::cmp::Reverse<ByteSize>, usize, ByteSize, usize)> = registry
             .iter()
@@ -507,6 +510,97 @@ impl<'a> Planner<'a> {
                     other.gone = true;
                 }
             }
+            self.evictions.push(Eviction {
+                name: e.model().name().to_string(),
+                model_id: e.model().id(),
+                device,
+                freed,
+                fully,
+                required,
+                free,
+            });
+            self.steps.push(Step::Evict {
+                model_id: e.model().id(),
+                device,
+                indices,
+                fully,
+            });
+        }
+    }
+
+    /// [`Planner::evict`] for `free_memory` and reservations: in dynamic mode the models the call
+    /// keeps loaded (`last`: in use by the step being retried) rank above every other model —
+    /// their weights go last but can go (they stream then): weights never cause an
+    /// out-of-memory. In classic mode they are kept, as in ComfyUI.
+    pub(super) fn evict_for_room(&mut self, required: ByteSize, device: DeviceId, last: &[u64]) {
+        if self.mm.policy.dynamic_vram() {
+            return self.evict_by_priority(required, device, last, &[]);
+        }
+        self.evict(required, device, last)
+    }
+
+    /// Dynamic mode's eviction: weight by weight in the one priority order of residency by use
+    /// (`loader/dynamic.rs`: the least recently loaded model first; in a model stale weights,
+    /// then the ones used later in a forward) until more than `required` bytes are free. Models
+    /// in `last` go after all others; models in `keep` (being loaded) and `KeepGuard`s' never.
+    fn evict_by_priority(
+        &mut self,
+        required: ByteSize,
+        device: DeviceId,
+        last: &[u64],
+        keep: &[u64],
+    ) {
+        let registry = self.registry;
+        let held = registry.iter().filter(|e| Self::held(e));
+        let models: Vec<Arc<Model>> = held
+            .clone()
+            .filter(|e| last.contains(&e.model().id()))
+            .chain(held.filter(|e| !last.contains(&e.model().id())))
+            .map(|e| Arc::clone(e.model()))
+            .collect();
+        let order = super::dynamic::victim_order(&models, device, |id| {
+            keep.contains(&id) || self.mm.is_kept(id)
+        });
+        // Per registry entry: the weights this walk drops, and the free figure before.
+        let mut dropped: Vec<(usize, Vec<usize>, ByteSize, ByteSize)> = Vec::new();
+        for c in order {
+            let free = self.free(device);
+            if free > required {
+                break;
+            }
+            let Some(pos) = registry
+                .iter()
+                .position(|e| Arc::ptr_eq(e.model(), &c.model) && Self::held(e))
+            else {
+                continue;
+            };
+            let e = &registry[pos];
+            if e.model().is_whole() {
+                continue;
+            }
+            let v = self.victim(e, device);
+            let Some(at) = self.victims[v]
+                .remaining
+                .iter()
+                .position(|r| r.0 == c.index)
+            else {
+                continue;
+            };
+            let (_, bytes, _) = self.victims[v].remaining.remove(at);
+            self.sub(device, bytes);
+            match dropped.iter_mut().find(|d| d.0 == pos) {
+                Some(d) => {
+                    d.1.push(c.index);
+                    d.2 = d.2.saturating_add(bytes);
+                }
+                None => dropped.push((pos, vec![c.index], bytes, free)),
+            }
+        }
+        for (pos, indices, freed, free) in dropped {
+            let e = &registry[pos];
+            // A model stays registered (and prioritized) with nothing resident: its weights
+            // come back by use.
+            let fully = false;
             self.evictions.push(Eviction {
                 name: e.model().name().to_string(),
                 model_id: e.model().id(),
@@ -614,6 +708,14 @@ impl MemoryManager {
                     size.saturating_sub(already_on(k, device))
                 })
                 .sum();
+            if self.dynamic_load(device, options) {
+                // Residency by use: the load moves nothing, so it needs no room, unless the engine
+                // asked for activation memory (then by the one priority order).
+                if options.memory_required > ByteSize::ZERO {
+                    p.evict(options.memory_required, device, &keep);
+                }
+                continue;
+            }
             let (extra_mem, min_required, _) = keep_free(device);
             let want = to_load.as_f64() * 1.1 + extra_mem;
             p.evict(ByteSize::from_f64(want), device, &keep);
@@ -702,6 +804,38 @@ impl MemoryManager {
                                     .saturating_sub(here),
                                 available: p.free(device),
                             });
+                        }
+                    }
+                }
+                // On a GPU a weight that streams needs device room while it is copied and used:
+                // what stays resident (pinned weights included) must leave the largest of them.
+                if budgeted && problem.is_none() && !device.is_cpu() {
+                    for _ in 0..sub.len().max(1) {
+                        let streamed = sub
+                            .iter()
+                            .zip(&sub_want)
+                            .filter(|(_, &w)| !w)
+                            .map(|(v, _)| v.size)
+                            .max()
+                            .unwrap_or(ByteSize::ZERO);
+                        let kept = base.saturating_add(selection::wanted_bytes(&sub, &sub_want));
+                        if kept.saturating_add(streamed) <= total {
+                            break;
+                        }
+                        let room = total.saturating_sub(base).saturating_sub(streamed);
+                        if !shrink_to_fit(&sub, &mut sub_want, room) {
+                            problem = Some(PlanProblem::OutOfMemory {
+                                model: format!(
+                                    "{} (its pinned weights leave no room to stream a {streamed} weight)",
+                                    p.naming_holders(m.model().name(), device)
+                                ),
+                                device,
+                                required: selection::wanted_bytes(&sub, &sub_want)
+                                    .saturating_add(streamed)
+                                    .saturating_sub(here),
+                                available: p.free(device),
+                            });
+                            break;
                         }
                     }
                 }
@@ -825,6 +959,16 @@ impl MemoryManager {
             // ComfyUI gives this load a 0.1-byte budget: every castable weight streams, even
             // with `force_full_load`.
             return (vec![false; views.len()], Some(ByteSize::ZERO));
+        }
+        if self.dynamic_load(device, options) {
+            // Residency by use: what is resident and current stays (pinned weights are loaded,
+            // as asked); everything else becomes resident when a forward uses it.
+            let want: Vec<bool> = views
+                .iter()
+                .map(|w| w.pinned || (w.current && w.on_device.is_some()))
+                .collect();
+            let kept = selection::wanted_bytes(views, &want);
+            return (want, Some(kept));
         }
         let budget = weight_budget(
             p.free(device),

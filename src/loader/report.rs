@@ -169,6 +169,11 @@ pub struct MemoryReport {
     pub transfers: crate::offload::TransferSnapshot,
     /// Live reservations, oldest first.
     pub reservations: Vec<super::ReservationInfo>,
+    /// Whether residency is decided by use (dynamic mode, ComfyUI's DynamicVRAM).
+    pub dynamic: bool,
+    /// In dynamic mode, per device: hits, misses, faults-in, evictions, and the offline optimum
+    /// for the same uses.
+    pub dynamic_devices: Vec<super::DynamicDeviceReport>,
 }
 
 impl fmt::Display for MemoryReport {
@@ -241,6 +246,12 @@ impl fmt::Display for MemoryReport {
                 write!(f, " (split: {})", parts.join(", "))?;
             }
             writeln!(f)?;
+        }
+        if self.dynamic {
+            writeln!(f, "residency by use (dynamic mode):")?;
+            for d in &self.dynamic_devices {
+                writeln!(f, "  {d}")?;
+            }
         }
         let t = &self.transfers;
         writeln!(

@@ -165,6 +165,11 @@ impl MemoryManager {
                     // Nothing was evictable for the figure: free everything that may go.
                     self.free_memory(total, device, keep_loaded);
                 }
+                if self.policy.dynamic_vram() && self.get_free_memory(device) < required.min(total)
+                {
+                    // Residency by use: the models in use give up weights too (they stream).
+                    self.free_memory_under_pressure(required.min(total), device, keep_loaded);
+                }
                 self.soft_empty_cache();
                 f()
             }
@@ -207,21 +212,30 @@ impl MemoryManager {
         cleanup(&mut inner);
         // The books learn what the cleanup dropped before the reservation is added to them.
         self.refresh_ledger(&inner);
-        if self.free_in(&inner.registry, device) < bytes {
+        // What a forward streams through stays free beside reservations: the largest weight of
+        // the models on the device (a reservation must not leave a streamed weight no room).
+        let room = Self::streaming_room(&inner, device);
+        let needed = bytes.saturating_add(room);
+        if self.free_in(&inner.registry, device) < needed {
             // Evictions only when they make enough room: a reservation that cannot be had
             // evicts nothing (I4).
-            self.make_room(&mut inner, bytes, device, &[], true);
+            self.make_room(&mut inner, needed, device, &[], true);
         }
         let free = self.free_in(&inner.registry, device);
-        if free < bytes {
+        if free < needed {
             let stale = Self::take_stale(&mut inner);
             drop(inner);
             drop(stale);
+            let beside = if room > ByteSize::ZERO {
+                format!(" (beside {room} kept free for a streamed weight)")
+            } else {
+                String::new()
+            };
             return Err(Error::OutOfMemory {
-                model: format!("reservation `{name}`"),
+                model: format!("reservation `{name}`{beside}"),
                 device: device.to_string(),
                 required: bytes,
-                available: free,
+                available: free.saturating_sub(room),
             });
         }
         self.ledger.add_reserved(id, name, device, bytes);
@@ -230,6 +244,27 @@ impl MemoryManager {
         drop(inner);
         drop(stale);
         Ok(())
+    }
+}
+
+impl MemoryManager {
+    /// The room a forward needs on `device` to stream a weight: the largest weight of the
+    /// registered models that lives there (nothing on the CPU, which streams from host memory).
+    fn streaming_room(inner: &super::Inner, device: DeviceId) -> ByteSize {
+        if device.is_cpu() {
+            return ByteSize::ZERO;
+        }
+        inner
+            .registry
+            .iter()
+            .flat_map(|e| {
+                let p = &e.patcher;
+                (0..p.model().len())
+                    .filter(move |&i| p.weight_device(i) == device)
+                    .map(move |i| p.resident_size(i))
+            })
+            .max()
+            .unwrap_or(ByteSize::ZERO)
     }
 }
 

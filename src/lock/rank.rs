@@ -1,8 +1,9 @@
 //! The crate's lock table: every lock's rank, lowest first.
 //!
 //! A thread may take a lock only while every lock it holds has a lower rank. The table in
-//! docs/ARCHITECTURE.md §7 is this list, row for row (a unit test compares the two), so adding a
-//! lock means adding a row here and there.
+//! docs/ARCHITECTURE.md §7 is this list, row for row (a unit test compares the two): adding a lock
+//! means adding a row here and running `python3 scripts/lock-table.py`, which rewrites the table
+//! there (numbers are positions: renumber the rows here when inserting one).
 
 macro_rules! ranks {
     ($( $variant:ident = $number:literal, $name:literal, $guards:literal; )*) => {
@@ -38,38 +39,40 @@ macro_rules! ranks {
 
 ranks! {
     Manager = 1, "MemoryManager::inner", "the registry, the staging pool handle; held while a load is planned and executed (serializes loads)";
-    StreamerQueue = 2, "offload::Streamer queue", "one model's prefetched weights";
-    StreamerGate = 3, "offload::Streamer gate", "where one model's prefetches book their bytes";
-    CastCache = 4, "ops::CastCache entries", "one model's cached manual casts";
-    ModelState = 5, "Model::state", "residency and pins of one model";
-    ForwardOrder = 6, "Model::forward_order", "the first forward's order of weight uses";
-    CandleDevices = 7, "vram candle device table", "one candle device per ordinal";
-    OpsPatcher = 8, "ops::OpsSource patcher", "which patcher layers fetch through (held only to clone an `Arc`)";
-    StreamHook = 9, "Model::stream_hook and cast_hook", "a test's hooks on a model's materializations";
-    KeepCounts = 10, "MemoryManager keep counts", "models kept by `KeepGuard`s";
-    LedgerNamed = 11, "loader::Ledger named reservations", "the reservations' names and sizes";
-    LedgerBooks = 12, "loader::Ledger books", "bytes in flight, cached, reserved, bounds and peaks per device";
-    LedgerProbes = 13, "loader::Ledger free probes", "the driver free-memory query per device (called after release)";
-    HostTier = 14, "weights::HostTier books (and its condition variable)", "host copies, the host ledger, pins in place";
-    StagingPool = 15, "offload::PinnedPool free lists", "idle page-locked staging buffers by size class";
-    PinFences = 16, "weights::PinnedWeight::fences", "the events of the copies out of a pinned weight, one per stream";
-    Derived = 17, "Model::derived", "a managed model's module built from its resident copies (dropped outside every lock)";
-    ManagerCasts = 18, "MemoryManager cast caches", "the manual-cast caches the manager attached";
-    EngineQueue = 19, "offload::TransferEngine queue and workers", "the lanes' job sender and threads";
-    LaneJobs = 20, "transfer lanes' job receiver", "held by an idle lane while it waits for its next job";
-    KernelResult = 21, "a lane kernel's result slot", "a weight built by a kernel on a copy's stream";
-    SimDefaultStream = 22, "device::SimGpu default stream", "a simulated GPU's default stream, made on first use";
-    SimStream = 23, "sim stream queue (and its condition variable)", "a simulated stream's queued work";
-    SimBuffer = 24, "sim device buffer pending copies (and its condition variable)", "copies still writing a simulated device buffer";
-    SimBufferWriter = 25, "sim device buffer writer", "the stream and op of the latest copy into a simulated device buffer";
-    SimBufferStorage = 26, "sim device buffer storage", "a simulated device buffer's bytes";
-    SimEvent = 27, "sim event (and its condition variable)", "an event's latest recording and completions";
-    SimGpu = 28, "device::SimGpu books (and its condition variable)", "a simulated GPU's allocations, page-locked ranges, faults and findings";
-    NnHandedOut = 29, "nn tensors handed out", "tables handed out by managed accessors";
-    WarnLatch = 30, "attention warning latch", "warnings already printed";
-    ManagerView = 31, "MemoryManager::view", "the registry as reports read it (published when the manager lock is released)";
-    Trace = 32, "trace::Trace records", "a recording's records (an event may be emitted under any lock above)";
-    TrackNames = 33, "trace track names", "each thread's track number and name";
+    Dynamic = 2, "loader::Dynamic", "residency by use: a fault-in's decision, evictions and booking; a commit; the manager noting a device's resident figure";
+    StreamerQueue = 3, "offload::Streamer queue", "one model's prefetched weights";
+    StreamerGate = 4, "offload::Streamer gate", "where one model's prefetches book their bytes";
+    CastCache = 5, "ops::CastCache entries", "one model's cached manual casts";
+    ModelState = 6, "Model::state", "residency and pins of one model";
+    ForwardOrder = 7, "Model::forward_order", "the first forward's order of weight uses";
+    CandleDevices = 8, "vram candle device table", "one candle device per ordinal";
+    OpsPatcher = 9, "ops::OpsSource patcher", "which patcher layers fetch through (held only to clone an `Arc`)";
+    StreamHook = 10, "Model::stream_hook and cast_hook", "a test's hooks on a model's materializations";
+    KeepCounts = 11, "MemoryManager keep counts", "models kept by `KeepGuard`s";
+    LedgerNamed = 12, "loader::Ledger named reservations", "the reservations' names and sizes";
+    LedgerBooks = 13, "loader::Ledger books", "bytes in flight, cached, reserved, bounds and peaks per device";
+    LedgerProbes = 14, "loader::Ledger free probes", "the driver free-memory query per device (called after release)";
+    HostTier = 15, "weights::HostTier books (and its condition variable)", "host copies, the host ledger, pins in place";
+    StagingPool = 16, "offload::PinnedPool free lists", "idle page-locked staging buffers by size class";
+    PinFences = 17, "weights::PinnedWeight::fences", "the events of the copies out of a pinned weight, one per stream";
+    Derived = 18, "Model::derived", "a managed model's module built from its resident copies (dropped outside every lock)";
+    ManagerCasts = 19, "MemoryManager cast caches", "the manual-cast caches the manager attached";
+    EngineQueue = 20, "offload::TransferEngine queue and workers", "the lanes' job sender and threads";
+    LaneJobs = 21, "transfer lanes' job receiver", "held by an idle lane while it waits for its next job";
+    KernelResult = 22, "a lane kernel's result slot", "a weight built by a kernel on a copy's stream";
+    SimDefaultStream = 23, "device::SimGpu default stream", "a simulated GPU's default stream, made on first use";
+    SimStream = 24, "sim stream queue (and its condition variable)", "a simulated stream's queued work";
+    SimBuffer = 25, "sim device buffer pending copies (and its condition variable)", "copies still writing a simulated device buffer";
+    SimBufferWriter = 26, "sim device buffer writer", "the stream and op of the latest copy into a simulated device buffer";
+    SimBufferStorage = 27, "sim device buffer storage", "a simulated device buffer's bytes";
+    SimEvent = 28, "sim event (and its condition variable)", "an event's latest recording and completions";
+    SimGpu = 29, "device::SimGpu books (and its condition variable)", "a simulated GPU's allocations, page-locked ranges, faults and findings";
+    NnHandedOut = 30, "nn tensors handed out", "tables handed out by managed accessors";
+    WarnLatch = 31, "attention warning latch", "warnings already printed";
+    DynamicStats = 32, "loader::Dynamic statistics", "hits, misses, faults-in and the recorded uses, per device";
+    ManagerView = 33, "MemoryManager::view", "the registry as reports read it (published when the manager lock is released)";
+    Trace = 34, "trace::Trace records", "a recording's records (an event may be emitted under any lock above)";
+    TrackNames = 35, "trace track names", "each thread's track number and name";
 }
 
 impl Rank {

@@ -178,6 +178,6 @@ fn the_architecture_lock_table_is_the_code_s() {
         .collect();
     assert_eq!(
         rows, code,
-        "docs/ARCHITECTURE.md §7's table must list src/lock/rank.rs's ranks"
+        "docs/ARCHITECTURE.md §7 must list src/lock/rank.rs's ranks: run python3 scripts/lock-table.py"
     );
 }

@@ -27,7 +27,7 @@ use candle_core::Tensor;
 use super::pinned::PinnedPool;
 use super::prefetch::Reservation;
 use super::upload::{self, Copied};
-use crate::device::{Devices, Gpu, Stream};
+use crate::device::{DeviceHold, Devices, Gpu, Stream};
 use crate::error::{Error, Result};
 use crate::float::Dtype;
 use crate::patcher::ModelPatcher;
@@ -116,8 +116,21 @@ impl Pending {
     /// for the calling thread. Consumes the handle: a weight can only be used after its transfer
     /// completed.
     pub fn wait(self) -> Result<Tensor> {
+        self.arrive()?.into_tensor()
+    }
+
+    /// [`Pending::wait`], with what keeps the copy's device memory and the booking of its
+    /// bytes: residency by use keeps a prefetched weight with them.
+    pub(crate) fn wait_parts(self) -> Result<(Tensor, DeviceHold, Option<Reservation>)> {
+        let mut arrived = self.arrive()?;
+        let booking = arrived.booking.take();
+        let (t, hold) = arrived.into_held_tensor()?;
+        Ok((t, hold, booking))
+    }
+
+    fn arrive(self) -> Result<Arrived> {
         match self.state {
-            PendingState::Ready(r) => r?.into_tensor(),
+            PendingState::Ready(r) => r,
             PendingState::Lane(rx) => {
                 crate::lock::check_wait("a transfer lane");
                 let t0 = Instant::now();
@@ -130,7 +143,7 @@ impl Pending {
                 });
                 drop(span);
                 self.stats.waited(t0.elapsed().as_nanos() as u64);
-                r?.into_tensor()
+                r
             }
         }
     }
@@ -308,6 +321,16 @@ impl TransferEngine {
         stream_weight(self.route(true), patcher, index, None)?.into_tensor()
     }
 
+    /// [`TransferEngine::fetch_now`], with what keeps the copy's device memory counted by its
+    /// device (a weight residency by use keeps).
+    pub(crate) fn fetch_now_held(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+    ) -> Result<(Tensor, DeviceHold)> {
+        stream_weight(self.route(true), patcher, index, None)?.into_held_tensor()
+    }
+
     /// Builds weight `index`'s resident copy on the patcher's load device through the same path
     /// as a streamed fetch — on a GPU, a copy from a page-locked staging buffer instead of
     /// candle's pageable `to_device` — on the calling thread's own stream. Not counted as a
@@ -323,7 +346,7 @@ impl TransferEngine {
         &self,
         patcher: &ModelPatcher,
         index: usize,
-    ) -> Result<(Tensor, crate::device::DeviceHold)> {
+    ) -> Result<(Tensor, DeviceHold)> {
         stream_weight(self.route(false), patcher, index, None)?.into_held_tensor()
     }
 }

@@ -26,6 +26,7 @@
 //! are host memory and are reported separately (`MemoryReport::pinned`), not budgeted.
 
 mod engine;
+mod keep;
 mod pinned;
 mod prefetch;
 mod upload;
@@ -35,6 +36,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 
 pub use engine::{Pending, TransferEngine, TransferSnapshot, TransferStats};
+pub(crate) use keep::Keeper;
 pub use pinned::{default_limit, PinnedPool, PoolStats, StagingBuffer, MIN_CLASS};
 pub(crate) use prefetch::Reservation;
 pub use prefetch::{PrefetchGate, Streamer};
@@ -70,6 +72,11 @@ pub fn fetch_weight_at(patcher: &ModelPatcher, index: usize) -> Result<(Tensor, 
     }
     model.record_use(index);
     if let Some(t) = patcher.resident_tensor(index) {
+        if model.is_dynamic() {
+            if let Some(s) = streamer_of(patcher) {
+                s.note_hit(patcher, index);
+            }
+        }
         return Ok((t, false));
     }
     let streamer = model

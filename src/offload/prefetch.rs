@@ -25,6 +25,7 @@ use crate::lock::{Mutex, Rank};
 use candle_core::Tensor;
 
 use super::engine::{Pending, TransferEngine};
+use super::Keeper;
 use crate::error::Result;
 use crate::float::Dtype;
 use crate::patcher::ModelPatcher;
@@ -54,6 +55,28 @@ pub trait PrefetchGate: Send + Sync {
     fn try_reserve(&self, device: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool;
     /// Returns bytes booked by [`PrefetchGate::try_reserve`].
     fn release(&self, device: DeviceId, bytes: ByteSize);
+    /// Whether bookings on `device` are closed now (a load is planned or executed there).
+    fn is_closed(&self, device: DeviceId) -> bool {
+        let _ = device;
+        false
+    }
+    /// Bytes booked in flight on `device` now (what may come back to a waiter).
+    fn booked_in_flight(&self, device: DeviceId) -> ByteSize {
+        let _ = device;
+        ByteSize::ZERO
+    }
+    /// [`PrefetchGate::try_reserve`], waiting up to `timeout` for bookings to come back when
+    /// there is no room now (the default does not wait).
+    fn reserve_waiting(
+        &self,
+        device: DeviceId,
+        bytes: ByteSize,
+        keep_free: ByteSize,
+        timeout: std::time::Duration,
+    ) -> bool {
+        let _ = timeout;
+        self.try_reserve(device, bytes, keep_free)
+    }
 }
 
 /// Bytes booked on a gate, returned when dropped.
@@ -79,9 +102,36 @@ impl Reservation {
             })
     }
 
+    /// [`Reservation::take`], waiting up to `timeout` for room to come back.
+    pub(crate) fn take_waiting(
+        gate: &Arc<dyn PrefetchGate>,
+        device: DeviceId,
+        bytes: ByteSize,
+        keep_free: ByteSize,
+        timeout: std::time::Duration,
+    ) -> Option<Reservation> {
+        gate.reserve_waiting(device, bytes, keep_free, timeout)
+            .then(|| Reservation {
+                gate: Arc::clone(gate),
+                device,
+                bytes,
+            })
+    }
+
     /// The bytes booked.
     pub(crate) fn bytes(&self) -> ByteSize {
         self.bytes
+    }
+
+    /// The device booked on.
+    pub(crate) fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    /// Gives the booking up without returning it: its bytes now belong to what the gate counts
+    /// them as (a prefetched weight kept resident).
+    pub(crate) fn absorb(mut self) {
+        self.bytes = ByteSize::ZERO;
     }
 }
 
@@ -94,6 +144,8 @@ impl Drop for Reservation {
 struct Gate {
     gate: Arc<dyn PrefetchGate>,
     keep_free: ByteSize,
+    /// Residency by use: what keeps fetched weights, and the room left free beside them.
+    keeper: Option<(Arc<dyn Keeper>, ByteSize)>,
 }
 
 /// Per-model prefetch state on top of a shared [`TransferEngine`].
@@ -145,7 +197,33 @@ impl Streamer {
     /// Books every prefetch on `gate` from now on, keeping `keep_free` bytes of the device free
     /// (the activation memory of the coming forward); `None` removes the gate.
     pub fn set_gate(&self, gate: Option<(Arc<dyn PrefetchGate>, ByteSize)>) {
-        *self.gate.lock() = gate.map(|(gate, keep_free)| Gate { gate, keep_free });
+        *self.gate.lock() = gate.map(|(gate, keep_free)| Gate {
+            gate,
+            keep_free,
+            keeper: None,
+        });
+    }
+
+    /// Makes fetched weights resident by use through `keeper`, leaving `room` free beside what
+    /// it keeps (a gate must be set; `None` stops keeping).
+    pub(crate) fn set_keeper(&self, keeper: Option<(Arc<dyn Keeper>, ByteSize)>) {
+        if let Some(g) = self.gate.lock().as_mut() {
+            g.keeper = keeper;
+        }
+    }
+
+    fn keeper(&self) -> Option<(Arc<dyn Keeper>, ByteSize)> {
+        self.gate
+            .lock()
+            .as_ref()
+            .and_then(|g| g.keeper.as_ref().map(|(k, room)| (Arc::clone(k), *room)))
+    }
+
+    /// Notes a use of weight `index` served by its resident copy.
+    pub(crate) fn note_hit(&self, patcher: &ModelPatcher, index: usize) {
+        if let Some((k, _)) = self.keeper() {
+            k.note_use(patcher, index, true);
+        }
     }
     /// Bytes of prefetched weights not yet used.
     pub fn in_flight_bytes(&self) -> ByteSize {
@@ -180,7 +258,8 @@ impl Streamer {
     }
 
     /// Fetches streamed weight `index`: from a matching prefetch (hit) or synchronously (miss);
-    /// then requests the next weights of the recorded order.
+    /// then requests the next weights predicted from use. With a keeper (dynamic mode) the copy
+    /// is kept resident when there is room, or room can be made by the priority order.
     pub fn fetch(&self, patcher: &ModelPatcher, index: usize) -> Result<Tensor> {
         let key = Streamer::key(patcher, index);
         let found = {
@@ -191,37 +270,183 @@ impl Streamer {
                 .position(|f| f.key == key)
                 .and_then(|p| q.remove(p))
         };
+        let keeper = self.keeper();
         let stats = self.engine.stats();
-        let weight = match found {
-            Some(f) => match f.pending.wait() {
-                Ok(t) => {
+        let prefetched = match found {
+            Some(f) => match f.pending.wait_parts() {
+                Ok(parts) => {
                     tracing::debug!(model = patcher.model().name(), weight = index, "hit");
                     stats.hit();
-                    t
+                    Some(parts)
                 }
                 // A failed prefetch (a lane's copy or allocation failed) costs time, never the
                 // forward: the weight is fetched now, on this thread.
                 Err(e) => {
                     tracing::debug!(error = %e, weight = index, "a prefetch failed; fetching now");
-                    tracing::debug!(model = patcher.model().name(), weight = index, "miss");
-                    stats.miss();
-                    let t0 = std::time::Instant::now();
-                    let t = self.engine.fetch_now(patcher, index)?;
-                    stats.waited(t0.elapsed().as_nanos() as u64);
-                    t
+                    None
                 }
             },
+            None => None,
+        };
+        let weight = match prefetched {
+            Some((t, hold, booking)) => {
+                let returned = match (&keeper, booking) {
+                    (Some((k, room)), Some(b)) => {
+                        k.keep_prefetched(patcher, index, &t, hold, b, *room)
+                    }
+                    (_, booking) => booking.map(|b| (hold, b)),
+                };
+                if let Some((hold, booking)) = returned {
+                    hold.release_then(Box::new(move || drop(booking)));
+                }
+                t
+            }
             None => {
                 tracing::debug!(model = patcher.model().name(), weight = index, "miss");
                 stats.miss();
+                let booked = keeper
+                    .as_ref()
+                    .is_some_and(|(k, room)| k.book(patcher, index, *room));
+                // A weight not kept is booked in flight while it is copied, like a prefetch
+                // (`book_miss` makes the room when there is none).
+                let transit = if booked {
+                    None
+                } else {
+                    self.book_miss(patcher, index, keeper.as_ref().map(|(k, _)| k))
+                };
                 let t0 = std::time::Instant::now();
-                let t = self.engine.fetch_now(patcher, index)?;
+                let fetched = self.fetch_through_pressure(patcher, index);
                 stats.waited(t0.elapsed().as_nanos() as u64);
-                t
+                match (fetched, &keeper) {
+                    (Ok((t, hold)), Some((k, _))) if booked => {
+                        k.commit(patcher, index, &t, hold);
+                        t
+                    }
+                    (Ok((t, hold)), _) => {
+                        hold.release_then(Box::new(move || drop(transit)));
+                        t
+                    }
+                    (Err(e), Some((k, _))) if booked => {
+                        k.cancel(patcher, index);
+                        return Err(e);
+                    }
+                    (Err(e), _) => return Err(e),
+                }
             }
         };
+        if let Some((k, _)) = &keeper {
+            k.note_use(patcher, index, false);
+        }
         self.prefetch_after(patcher, index);
         Ok(weight)
+    }
+
+    /// Fetches weight `index` now; a device out of memory for its copy (copies in flight on
+    /// other threads hold it: they are unbooked only while a load decides, or beyond the room
+    /// when threads share a small device) is waited out while the gate sees bookings come back,
+    /// for a little while, then returned.
+    fn fetch_through_pressure(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+    ) -> Result<(Tensor, crate::device::DeviceHold)> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(200);
+        let mut tries = 0;
+        loop {
+            match self.engine.fetch_now_held(patcher, index) {
+                Err(e) if e.is_retryable() && std::time::Instant::now() < deadline => {
+                    let gate = self.gate.lock().as_ref().map(|g| Arc::clone(&g.gate));
+                    let device = patcher.weight_device(index);
+                    tries += 1;
+                    // Once for frees queued on streams (they run at once), more only while
+                    // other copies are in flight.
+                    let waiting_on = gate
+                        .as_ref()
+                        .map_or(ByteSize::ZERO, |g| g.booked_in_flight(device));
+                    if tries > 1 && waiting_on == ByteSize::ZERO {
+                        return Err(e);
+                    }
+                    match gate {
+                        // Woken when a booking comes back (or after a few milliseconds).
+                        Some(g) => {
+                            g.reserve_waiting(
+                                device,
+                                ByteSize::MAX,
+                                ByteSize::ZERO,
+                                std::time::Duration::from_millis(5),
+                            );
+                        }
+                        None => std::thread::sleep(std::time::Duration::from_millis(1)),
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Books a missed weight's bytes in flight on its device for its copy. When there is no
+    /// room: this model's unused prefetches (the lowest priority memory there is) are cancelled,
+    /// a keeper (dynamic mode) evicts kept copies of the lowest priority for it, and the
+    /// bookings of copies other threads have in flight are waited for, briefly. `None` without a
+    /// gate, on the CPU, or when the room did not come (the copy then goes unbooked, within the
+    /// room its load left).
+    fn book_miss(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+        keeper: Option<&Arc<dyn Keeper>>,
+    ) -> Option<Reservation> {
+        let device = patcher.weight_device(index);
+        if device.is_cpu() {
+            return None;
+        }
+        let (gate, keep_free) = {
+            let g = self.gate.lock();
+            let g = g.as_ref()?;
+            (Arc::clone(&g.gate), g.keep_free)
+        };
+        let bytes = patcher.resident_size(index);
+        if let Some(r) = Reservation::take(&gate, device, bytes, keep_free) {
+            return Some(r);
+        }
+        if gate.is_closed(device) {
+            // A load is deciding on the device: its plan left the room this copy goes in.
+            return None;
+        }
+        self.clear();
+        // The weight in use comes before the activation memory the load asked to keep free:
+        // room for both when evictions give it, else for the weight alone.
+        let (made, keep_free) = match keeper {
+            Some(k) if k.make_room(patcher, index, bytes.saturating_add(keep_free)) => {
+                (true, keep_free)
+            }
+            Some(k) => (k.make_room(patcher, index, bytes), ByteSize::ZERO),
+            None => (false, keep_free),
+        };
+        if let Some(r) = Reservation::take(&gate, device, bytes, keep_free) {
+            return Some(r);
+        }
+        if !made && gate.booked_in_flight(device) == ByteSize::ZERO {
+            // Nothing in flight to come back (ours were cancelled: their bookings are back).
+            return None;
+        }
+        Reservation::take_waiting(
+            &gate,
+            device,
+            bytes,
+            keep_free,
+            std::time::Duration::from_millis(20),
+        )
+    }
+
+    /// The weight expected after weight `cur`: the successor its uses showed (each weight's
+    /// latest successor — a tied head, a branch, an expert routed differently show there), else
+    /// the next of the recorded first-forward order (`order`, when complete).
+    fn predicted_after(patcher: &ModelPatcher, cur: usize, order: &[usize]) -> Option<usize> {
+        patcher.model().usage().successor(cur).or_else(|| {
+            let pos = order.iter().position(|&i| i == cur)?;
+            Some(order[(pos + 1) % order.len()])
+        })
     }
 
     fn prefetch_after(&self, patcher: &ModelPatcher, index: usize) {
@@ -229,22 +454,44 @@ impl Streamer {
         if depth == 0 || self.engine.lanes() == 0 {
             return;
         }
-        let (order, complete) = patcher.model().forward_order();
-        if !complete || order.is_empty() {
-            return;
-        }
-        let Some(pos) = order.iter().position(|&i| i == index) else {
-            return;
+        // The recorded order is the fallback where no successor was seen yet.
+        let order = if patcher.model().usage().successor(index).is_some() {
+            Vec::new()
+        } else {
+            match patcher.model().forward_order() {
+                (order, true) => order,
+                _ => return,
+            }
         };
         let cap = ByteSize(self.cap.load(Ordering::Relaxed));
         let mut q = self.inflight.lock();
         let mut requested = 0;
-        for step in 1..order.len() {
+        let mut cur = index;
+        // The weights in use while these prefetches are outstanding are the one just fetched
+        // and the ones predicted before each: each booking keeps the largest of them free
+        // beside it (on a GPU the weight computing holds device memory too).
+        let mut in_use = if patcher.weight_device(index).is_cpu() {
+            ByteSize::ZERO
+        } else {
+            patcher.resident_size(index)
+        };
+        // Resident weights are skipped, not counted: walk at most the model's length (a cycle
+        // of successors then wraps once).
+        for _ in 0..patcher.model().len() {
             if requested >= depth {
                 break;
             }
-            let next = order[(pos + step) % order.len()];
-            if patcher.resident_tensor(next).is_some() {
+            let Some(next) = Streamer::predicted_after(patcher, cur, &order) else {
+                break;
+            };
+            if next == index {
+                break;
+            }
+            cur = next;
+            // Resident in any form: a quantized weight's resident copy is its blocks (counting it
+            // as streamed booked a prefetch that was never used, which then held the gate's
+            // room: 0 hits in 52 on a quantized Llama with a tied head).
+            if patcher.resident_weight(next).is_some() {
                 continue;
             }
             let key = Streamer::key(patcher, next);
@@ -253,12 +500,20 @@ impl Streamer {
                 continue;
             }
             let bytes = patcher.resident_size(next);
+            if !key.device.is_cpu() {
+                in_use = in_use.max(bytes);
+            }
             let in_flight: ByteSize = q.iter().map(|f| f.pending.bytes()).sum();
             if in_flight.saturating_add(bytes) > cap {
                 break;
             }
             let reservation = match &*self.gate.lock() {
-                Some(g) => match Reservation::take(&g.gate, key.device, bytes, g.keep_free) {
+                Some(g) => match Reservation::take(
+                    &g.gate,
+                    key.device,
+                    bytes,
+                    g.keep_free.saturating_add(in_use),
+                ) {
                     Some(r) => Some(r),
                     None => break,
                 },

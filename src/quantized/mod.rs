@@ -315,7 +315,14 @@ impl QRef {
         }
         let device = patcher.weight_device(self.index);
         let (q, streamed) = match patcher.resident_weight(self.index) {
-            Some(ResidentWeight::Quantized(q)) => (q, false),
+            Some(ResidentWeight::Quantized(q)) => {
+                if model.is_dynamic() {
+                    if let Some(s) = crate::offload::streamer_of(&patcher) {
+                        s.note_hit(&patcher, self.index);
+                    }
+                }
+                (q, false)
+            }
             _ => {
                 let blocks = match crate::offload::streamer_of(&patcher) {
                     Some(s) => s.fetch(&patcher, self.index)?,

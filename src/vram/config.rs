@@ -72,6 +72,11 @@ pub struct Config {
     pub vram_budgets: Vec<(usize, ByteSize)>,
     /// `--disable-smart-memory`: unload other models fully instead of partially.
     pub disable_smart_memory: bool,
+    /// `--enable-dynamic-vram` (`Some(true)`) / `--disable-dynamic-vram` (`Some(false)`):
+    /// residency by use (ComfyUI's DynamicVRAM). `None`: ComfyUI's default — on with a GPU
+    /// (CUDA or simulated) unless `--highvram`, `--gpu-only`, `--novram` or `--cpu`
+    /// ([`crate::vram::Policy::dynamic_vram`]).
+    pub dynamic_vram: Option<bool>,
     /// `--async-offload [N]`: number of transfer lanes (`Some(None)` = the flag without a number,
     /// meaning the default of 2).
     pub async_offload: Option<Option<usize>>,
@@ -152,6 +157,8 @@ enum Action {
     VramBudget,
     RamBudget,
     DisableSmartMemory,
+    EnableDynamicVram,
+    DisableDynamicVram,
     AsyncOffload,
     DisableAsyncOffload,
     DisablePinned,
@@ -186,6 +193,8 @@ const FLAGS: &[(&str, Action)] = &[
     ("--vram-budget", Action::VramBudget),
     ("--ram-budget", Action::RamBudget),
     ("--disable-smart-memory", Action::DisableSmartMemory),
+    ("--enable-dynamic-vram", Action::EnableDynamicVram),
+    ("--disable-dynamic-vram", Action::DisableDynamicVram),
     ("--async-offload", Action::AsyncOffload),
     ("--disable-async-offload", Action::DisableAsyncOffload),
     ("--disable-pinned-memory", Action::DisablePinned),
@@ -512,6 +521,7 @@ impl Config {
                 Action::Upcast(_) => 6,
                 Action::AsyncOffload | Action::DisableAsyncOffload => 7,
                 Action::DisablePinned | Action::PinnedLimit => 8,
+                Action::EnableDynamicVram | Action::DisableDynamicVram => 9,
                 _ => return None,
             })
         };
@@ -580,6 +590,8 @@ impl Config {
                 self.ram_budget = Some(b);
             }
             Action::DisableSmartMemory => self.disable_smart_memory = true,
+            Action::EnableDynamicVram => self.dynamic_vram = Some(true),
+            Action::DisableDynamicVram => self.dynamic_vram = Some(false),
             Action::AsyncOffload => {
                 let n = match value {
                     None => None,
@@ -709,6 +721,12 @@ impl Config {
     /// Sets `--disable-smart-memory`.
     pub fn with_smart_memory(mut self, enabled: bool) -> Self {
         self.disable_smart_memory = !enabled;
+        self
+    }
+    /// Sets `--enable-dynamic-vram` (`Some(true)`), `--disable-dynamic-vram` (`Some(false)`), or
+    /// ComfyUI's default (`None`).
+    pub fn with_dynamic_vram(mut self, dynamic: Option<bool>) -> Self {
+        self.dynamic_vram = dynamic;
         self
     }
     /// Sets the number of transfer lanes (0 disables asynchronous offload).

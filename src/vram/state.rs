@@ -323,6 +323,33 @@ impl Policy {
         self.compute
     }
 
+    /// Whether residency is decided by use (ComfyUI's DynamicVRAM, docs/ARCHITECTURE.md §5.3):
+    /// `--enable-dynamic-vram` turns it on on any scheduled device (a budgeted CPU too);
+    /// `--disable-dynamic-vram` off; by default it is on when the compute device is a GPU (CUDA
+    /// or simulated) and the state is not `--highvram`/`--gpu-only` (`HighVram`), `--novram` or
+    /// `--cpu` — ComfyUI's gate. `--lowvram` then changes nothing.
+    pub fn dynamic_vram(&self) -> bool {
+        match self.config.dynamic_vram {
+            Some(on) => on && self.is_scheduled(self.compute),
+            None => {
+                !self.compute.is_cpu()
+                    && !matches!(
+                        self.vram_state,
+                        VramState::HighVram | VramState::NoVram | VramState::Disabled
+                    )
+                    && !matches!(
+                        self.config.vram_mode,
+                        Some(
+                            VramMode::HighVram
+                                | VramMode::GpuOnly
+                                | VramMode::NoVram
+                                | VramMode::Cpu
+                        )
+                    )
+            }
+        }
+    }
+
     /// Whether the CPU is a *budgeted compute device*: no GPU computes, and the state is not
     /// `Disabled`. Resident then means a materialized, patched copy counted against the budget.
     pub fn cpu_is_budgeted(&self) -> bool {

@@ -28,6 +28,7 @@ mod lazy;
 mod pin;
 mod quant;
 mod safetensors;
+mod usage;
 mod writer;
 
 use std::any::Any;
@@ -56,6 +57,7 @@ pub(crate) use self::safetensors::{
 #[cfg(test)]
 pub(crate) use self::safetensors::{read_raw_tensors, save_safetensors_with_raw, RawTensor};
 pub use self::safetensors::{save_safetensors, SafetensorsOptions};
+pub(crate) use self::usage::{WeightUse, NONE as NO_POSITION};
 pub(crate) use self::writer::{save_safetensors_streaming, LazyTensor, Sink, Source};
 pub use candle_core::quantized::GgmlDType;
 
@@ -346,6 +348,15 @@ impl std::ops::DerefMut for StateMut<'_> {
     }
 }
 
+impl StateMut<'_> {
+    /// The pins released so far, for a caller holding another lock that forbids waiting: it
+    /// drops them once it released that lock too.
+    #[must_use = "released pins must be dropped outside every lock"]
+    pub(crate) fn take_released(&mut self) -> Vec<Arc<PinnedWeight>> {
+        std::mem::take(&mut self.released)
+    }
+}
+
 impl Drop for StateMut<'_> {
     fn drop(&mut self) {
         let released = self
@@ -427,12 +438,16 @@ pub struct Model {
     forward_order: Mutex<ForwardOrder>,
     /// Set once the forward order is complete: every later fetch skips the order's lock.
     order_complete: std::sync::atomic::AtomicBool,
+    /// Every weight's uses: last use, count, first-use position, successor; the watermark.
+    usage: usage::Usage,
     skipped: Vec<String>,
     stream_hook: RwLock<Option<StreamHook>>,
     /// The manual-cast cache attached by the memory manager (an `ops::CastCache`), if any.
     cast_hook: RwLock<Option<StreamHook>>,
     /// Loaded whole or not at all (a [`crate::managed::Managed`] model).
     whole: std::sync::atomic::AtomicBool,
+    /// Loaded by a manager in dynamic mode: its weights become resident by use.
+    dynamic: std::sync::atomic::AtomicBool,
     /// Set (and warned about, once) when a weight was fetched for a GPU without the model being
     /// loaded there.
     used_unloaded: std::sync::atomic::AtomicBool,
@@ -600,10 +615,12 @@ impl Model {
                 },
             ),
             order_complete: std::sync::atomic::AtomicBool::new(false),
+            usage: usage::Usage::new(n),
             skipped,
             stream_hook: RwLock::new(Rank::StreamHook, None),
             cast_hook: RwLock::new(Rank::StreamHook, None),
             whole: std::sync::atomic::AtomicBool::new(false),
+            dynamic: std::sync::atomic::AtomicBool::new(false),
             used_unloaded: std::sync::atomic::AtomicBool::new(false),
             derived: Mutex::new(Rank::Derived, None),
             host,
@@ -682,6 +699,16 @@ impl Model {
         );
     }
 
+    /// Whether a manager in dynamic mode loaded the model (its weights become resident by use,
+    /// docs/ARCHITECTURE.md §5.3).
+    pub fn is_dynamic(&self) -> bool {
+        self.dynamic.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_dynamic(&self, dynamic: bool) {
+        self.dynamic.store(dynamic, Ordering::Relaxed);
+    }
+
     pub(crate) fn set_whole(&self, whole: bool) {
         self.whole.store(whole, Ordering::Relaxed);
     }
@@ -732,9 +759,11 @@ impl Model {
         self.stream_hook.read().clone()
     }
 
-    /// Attaches or detaches the streaming hook.
+    /// Attaches or detaches the streaming hook. The one replaced is dropped after the lock is
+    /// released (a streamer dropping its prefetches may wait for their copies).
     pub(crate) fn set_stream_hook(&self, hook: Option<StreamHook>) {
-        *self.stream_hook.write() = hook;
+        let old = std::mem::replace(&mut *self.stream_hook.write(), hook);
+        drop(old);
     }
 
     /// The manual-cast cache hook attached by the memory manager (an `ops::CastCache`), if any.
@@ -839,6 +868,7 @@ impl Model {
     /// Records that weight `index` was fetched by a forward. The first forward's order is kept;
     /// a weight seen again marks the order complete (the next forward has begun).
     pub fn record_use(&self, index: usize) {
+        self.usage.record(index);
         // Free once the order is complete (after the second forward's first fetch): no lock.
         if self.order_complete.load(Ordering::Acquire) {
             return;
@@ -870,6 +900,18 @@ impl Model {
     pub fn forward_order(&self) -> (Vec<usize>, bool) {
         let fo = self.forward_order.lock();
         (fo.order.clone(), fo.complete)
+    }
+
+    /// How many times a patched weight of this model was built (a patch chain applied to a clean
+    /// weight), by any patcher: streamed LoRA'd weights count once per fetch, resident ones once
+    /// per residency.
+    pub fn patched_weights_built(&self) -> u64 {
+        self.usage.patched()
+    }
+
+    /// How the model's weights were used (residency by use decides from it).
+    pub(crate) fn usage(&self) -> &usage::Usage {
+        &self.usage
     }
 
     /// The recorded forward order as weight keys.

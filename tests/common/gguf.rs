@@ -196,8 +196,19 @@ fn init_tensor(shape: &[usize], seed: u64, init: Init) -> Tensor {
 
 /// Writes the tiny Llama model to `path` as GGUF (version 2, candle's writer).
 pub fn write_tiny_llama(path: &Path) {
+    write_llama(path, false)
+}
+
+/// [`write_tiny_llama`] without `output.weight`: the head is the token embedding (tied), used
+/// at the start and at the end of every forward.
+pub fn write_tiny_llama_tied(path: &Path) {
+    write_llama(path, true)
+}
+
+fn write_llama(path: &Path, tied: bool) {
     let tensors: Vec<(String, QTensor)> = specs()
         .into_iter()
+        .filter(|(name, ..)| !(tied && name == "output.weight"))
         .enumerate()
         .map(|(i, (name, shape, dtype, init))| {
             let t = init_tensor(&shape, i as u64, init);

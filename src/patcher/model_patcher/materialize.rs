@@ -108,6 +108,7 @@ impl ModelPatcher {
         if entries.is_empty() {
             return Ok(w.clone());
         }
+        self.model.usage().note_patched();
         let chain: Vec<PatchEntry> = entries.iter().map(|e| e.entry.clone()).collect();
         let scale = self.weight_scale(index)?;
         let mut w = w.clone();

@@ -635,6 +635,15 @@ impl ModelPatcher {
         slot.bytes_in(self.resident_dtype(index))
     }
 
+    /// Every weight's fingerprint, by index (shared, computed once per patch set).
+    pub(crate) fn fingerprints(&self) -> Arc<[Fingerprint]> {
+        Arc::clone(self.fingerprints.get_or_init(|| {
+            (0..self.model.len())
+                .map(|i| self.compute_fingerprint(i))
+                .collect()
+        }))
+    }
+
     /// The fingerprint of weight `index` under this patcher: its patch list, DoRA mode and
     /// resident dtype. A quantized weight's resident copy is its clean blocks whatever the
     /// patches (they apply to its dequantized value at use), so its fingerprint is its format's

@@ -1,0 +1,747 @@
+//! Residency by use (ComfyUI's DynamicVRAM, docs/ARCHITECTURE.md §5.3): the manager's keeper.
+//!
+//! In dynamic mode a load registers and prioritizes its models and moves nothing; a weight
+//! becomes resident the first time a forward uses it, when the ledger has room — or when
+//! evicting copies of lower priority makes room — and streams otherwise. One priority order
+//! decides every eviction ([`victim_order`]):
+//!
+//! 1. the model loaded least recently goes first (the registry's order, most recently used first;
+//!    kept models never);
+//! 2. inside a model, weights not used within the model's last forward's worth of uses (*stale*:
+//!    a branch not taken, an expert not routed) go before the ones in use, the least used first
+//!    (then the longest unused): recency and frequency, so irregular uses do not push out a
+//!    stable prefix and a stable prefix not used this step does not push out what is used;
+//! 3. then the weights used later in a forward (first-use order) before the earlier ones.
+//!
+//! A fault-in may evict a weight of its own model only when that weight is stale or comes later
+//! in first-use order; doing so sets the model's *watermark* at the evicted weight's position:
+//! weights from there on stream without evicting anything (no thrash from one forward to the
+//! next), until the model is loaded again. A stale victim must also be used no more often than
+//! the weight taking its place (an admission test: a weight used once does not evict one used
+//! at every step).
+//!
+//! Locks: [`Dynamic::lock`] (`Rank::Dynamic`) is held while a fault-in decides, evicts and
+//! books, while a booking is committed, and while the manager notes a device's resident figure,
+//! so the ledger's resident column and the models' residency change together. It is never held
+//! by the manager lock's callers across a load's execution, and a fault-in never takes the
+//! manager lock: loads on other devices do not wait for it, and a device being loaded is closed
+//! to fault-ins (`Ledger::keep_shortfall` says so).
+
+use std::sync::Arc;
+
+use candle_core::Tensor;
+
+use super::ledger::Ledger;
+use super::ViewEntry;
+use crate::device::DeviceHold;
+use crate::lock::{Mutex, Rank};
+use crate::offload::{Keeper, Reservation};
+use crate::patcher::ModelPatcher;
+use crate::size::ByteSize;
+use crate::vram::DeviceId;
+use crate::weights::{Model, SlotResidency, WeightUse, NO_POSITION};
+
+/// Uses recorded per device for the offline optimum, at most.
+const TRACE_LIMIT: usize = 1 << 18;
+
+/// One weight's place in the eviction order: smaller goes first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct VictimKey {
+    /// The model's rank, reversed: the least recently loaded model first.
+    model: std::cmp::Reverse<usize>,
+    /// In use (false first: stale weights go before weights in use).
+    fresh: bool,
+    /// Uses so far (stale weights: the least used first; zero for weights in use).
+    count: u32,
+    /// The longest unused first (stale weights; zero for weights in use).
+    age: std::cmp::Reverse<u64>,
+    /// Used later in a forward first.
+    position: std::cmp::Reverse<usize>,
+}
+
+/// Whether a use is recent: within the model's last forward's worth of uses.
+fn is_fresh(u: &WeightUse, window: usize) -> bool {
+    u.age < window.max(1) as u64
+}
+
+/// The key of a weight of the model at registry rank `rank` (0: loaded most recently).
+pub(crate) fn victim_key(rank: usize, u: &WeightUse, window: usize) -> VictimKey {
+    let fresh = is_fresh(u, window);
+    VictimKey {
+        model: std::cmp::Reverse(rank),
+        fresh,
+        count: if fresh { 0 } else { u.count },
+        age: std::cmp::Reverse(if fresh { 0 } else { u.age }),
+        position: std::cmp::Reverse(u.position),
+    }
+}
+
+/// A resident copy that may be evicted.
+#[derive(Debug, Clone)]
+pub(crate) struct Candidate {
+    pub(crate) model: Arc<Model>,
+    pub(crate) index: usize,
+    pub(crate) bytes: ByteSize,
+    pub(crate) key: VictimKey,
+}
+
+/// Every evictable resident copy on `device` of the registered `models` (most recently loaded
+/// first; `kept` ones skipped), in eviction order; pinned copies are not evictable.
+pub(crate) fn victim_order(
+    models: &[Arc<Model>],
+    device: DeviceId,
+    is_kept: impl Fn(u64) -> bool,
+) -> Vec<Candidate> {
+    victims_of(models, device, is_kept, false)
+}
+
+/// [`victim_order`]; with `pinned_last`, pinned copies follow every other (in the same order).
+fn victims_of(
+    models: &[Arc<Model>],
+    device: DeviceId,
+    is_kept: impl Fn(u64) -> bool,
+    pinned_last: bool,
+) -> Vec<Candidate> {
+    let mut out = Vec::new();
+    let mut pinned_out = Vec::new();
+    for (rank, m) in models.iter().enumerate() {
+        if is_kept(m.id()) {
+            continue;
+        }
+        let usage = m.usage();
+        let window = usage.distinct();
+        let resident = m.state().resident_on(device);
+        for (index, bytes, pinned) in resident {
+            if pinned && !pinned_last {
+                continue;
+            }
+            let u = usage.of(index);
+            let c = Candidate {
+                model: Arc::clone(m),
+                index,
+                bytes,
+                key: victim_key(rank, &u, window),
+            };
+            if pinned {
+                pinned_out.push(c);
+            } else {
+                out.push(c);
+            }
+        }
+    }
+    out.sort_by_key(|c| c.key);
+    pinned_out.sort_by_key(|c| c.key);
+    out.extend(pinned_out);
+    out
+}
+
+/// Hits and misses of residency by use on one device, and the uses they came from.
+#[derive(Debug, Default)]
+struct DeviceStats {
+    device: Option<DeviceId>,
+    hits: u64,
+    misses: u64,
+    faults_in: u64,
+    evictions: u64,
+    evicted: ByteSize,
+    past_watermark: u64,
+    /// The most bytes resident at once, as the ledger's resident column had it.
+    peak_resident: ByteSize,
+    /// The uses, in order: (model id, weight index, bytes).
+    trace: Vec<(u64, u32, u64)>,
+    truncated: bool,
+}
+
+/// What residency by use did on one device, beside the offline optimum for the same uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct DynamicDeviceReport {
+    /// The device.
+    pub device: DeviceId,
+    /// Uses served by a resident copy.
+    pub hits: u64,
+    /// Uses that streamed (the copy kept or not).
+    pub misses: u64,
+    /// Misses whose copy was kept resident.
+    pub faults_in: u64,
+    /// Copies evicted by fault-ins.
+    pub evictions: u64,
+    /// Their bytes.
+    pub evicted: ByteSize,
+    /// Misses past their model's watermark, which streamed without trying to evict.
+    pub past_watermark: u64,
+    /// The most bytes kept resident at once: the room the optimum below is given.
+    pub room: ByteSize,
+    /// Uses recorded for the optimum (at most 2^18; `truncated` beyond).
+    pub uses: u64,
+    /// Whether uses were left out of the optimum's trace.
+    pub truncated: bool,
+    /// Hits of Belady's offline optimum on the same uses and room (evict the copy used farthest
+    /// in the future; with sizes, a copy is kept only when what it displaces is used later): the
+    /// bound an online order is measured against. Computed by
+    /// [`crate::loader::MemoryManager::dynamic_report`] (O(uses log uses)); `None` in the
+    /// cheap [`crate::loader::MemoryReport`].
+    pub optimum_hits: Option<u64>,
+}
+
+impl DynamicDeviceReport {
+    /// Hits over uses.
+    pub fn hit_rate(&self) -> f64 {
+        let uses = self.hits + self.misses;
+        if uses == 0 {
+            return 0.0;
+        }
+        self.hits as f64 / uses as f64
+    }
+
+    /// The optimum's hits over the uses it saw, when computed.
+    pub fn optimum_hit_rate(&self) -> Option<f64> {
+        let hits = self.optimum_hits?;
+        Some(if self.uses == 0 {
+            0.0
+        } else {
+            hits as f64 / self.uses as f64
+        })
+    }
+}
+
+impl std::fmt::Display for DynamicDeviceReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {} hits / {} misses ({:.1} %), {} faults-in, {} evictions ({}), {} kept at most",
+            self.device,
+            self.hits,
+            self.misses,
+            100.0 * self.hit_rate(),
+            self.faults_in,
+            self.evictions,
+            self.evicted,
+            self.room
+        )?;
+        if let Some(rate) = self.optimum_hit_rate() {
+            write!(
+                f,
+                "; Belady's optimum {:.1} % in the same room",
+                100.0 * rate
+            )?;
+            if self.truncated {
+                write!(f, " (its first {} uses)", self.uses)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The manager's residency by use: decides fault-ins and evictions, keeps the statistics.
+pub(crate) struct Dynamic {
+    ledger: Arc<Ledger>,
+    view: Arc<Mutex<Arc<[ViewEntry]>>>,
+    kept: Arc<Mutex<std::collections::HashMap<u64, usize>>>,
+    lock: Mutex<()>,
+    stats: Mutex<Vec<DeviceStats>>,
+}
+
+impl Dynamic {
+    pub(crate) fn new(
+        ledger: Arc<Ledger>,
+        view: Arc<Mutex<Arc<[ViewEntry]>>>,
+        kept: Arc<Mutex<std::collections::HashMap<u64, usize>>>,
+    ) -> Dynamic {
+        Dynamic {
+            ledger,
+            view,
+            kept,
+            lock: Mutex::new(Rank::Dynamic, ()),
+            stats: Mutex::new(Rank::DynamicStats, Vec::new()),
+        }
+    }
+
+    /// The lock under which residency and the ledger's resident column change together.
+    pub(crate) fn lock(&self) -> crate::lock::MutexGuard<'_, ()> {
+        self.lock.lock()
+    }
+
+    /// The registered models, most recently loaded first (as of the last manager call), and
+    /// the rank of `patcher`'s model among them when weight `index`, as `patcher` builds it, is
+    /// what the registered patcher computes with on the device it was loaded to: only such a
+    /// copy is kept (a handle loaded elsewhere, or another clone's patch list, streams — a
+    /// rollback could not rebuild its copies).
+    fn registered(&self, patcher: &ModelPatcher, index: usize) -> (Vec<Arc<Model>>, Option<usize>) {
+        let view = Arc::clone(&self.view.lock());
+        let mut models = Vec::with_capacity(view.len());
+        let mut rank = None;
+        for e in view.iter() {
+            let Some(m) = e.model.upgrade() else { continue };
+            if rank.is_none()
+                && Arc::ptr_eq(&m, patcher.model())
+                && e.device == patcher.load_device()
+                && e.fingerprints.get(index) == Some(&patcher.fingerprint(index))
+            {
+                rank = Some(models.len());
+            }
+            models.push(m);
+        }
+        (models, rank)
+    }
+
+    fn is_kept(&self, id: u64) -> bool {
+        self.kept.lock().get(&id).is_some_and(|&n| n > 0)
+    }
+
+    fn with_stats<R>(&self, device: DeviceId, f: impl FnOnce(&mut DeviceStats) -> R) -> R {
+        let mut all = self.stats.lock();
+        let pos = match all.iter().position(|s| s.device == Some(device)) {
+            Some(p) => p,
+            None => {
+                all.push(DeviceStats {
+                    device: Some(device),
+                    ..DeviceStats::default()
+                });
+                all.len() - 1
+            }
+        };
+        f(&mut all[pos])
+    }
+
+    /// Drops resident copy `index` of `model` on `device` for a fault-in (when it is still
+    /// there): the residency and the ledger change together (the caller holds the lock).
+    fn evict(&self, model: &Model, index: usize, device: DeviceId) -> ByteSize {
+        let old = {
+            let mut st = model.state_mut();
+            match st.slots().get(index) {
+                Some(SlotResidency::Resident { device: d, .. }) if *d == device => {
+                    st.set(index, SlotResidency::Offloaded)
+                }
+                _ => return ByteSize::ZERO,
+            }
+        };
+        let SlotResidency::Resident { bytes, .. } = old else {
+            return ByteSize::ZERO;
+        };
+        self.ledger.evicted(device, bytes);
+        tracing::debug!(model = model.name(), weight = index, %device, bytes = bytes.bytes(), "dynamic_evict");
+        self.with_stats(device, |s| {
+            s.evictions += 1;
+            s.evicted = s.evicted.saturating_add(bytes);
+        });
+        bytes
+    }
+
+    /// Evicts the first of `victims` (in order) until `short` bytes are freed; nothing when they
+    /// cannot free that much. An eviction inside `model` (a weight in use now) lowers its
+    /// watermark to the evicted weight's position. Whether it freed enough.
+    fn evict_enough(
+        &self,
+        model: &Arc<Model>,
+        victims: &[Candidate],
+        short: ByteSize,
+        device: DeviceId,
+        window: usize,
+    ) -> bool {
+        let mut enough = ByteSize::ZERO;
+        let mut take = 0;
+        for c in victims {
+            if enough >= short {
+                break;
+            }
+            enough = enough.saturating_add(c.bytes);
+            take += 1;
+        }
+        if enough < short {
+            return false;
+        }
+        for c in &victims[..take] {
+            self.evict(&c.model, c.index, device);
+            if Arc::ptr_eq(&c.model, model) {
+                let u = model.usage().of(c.index);
+                if is_fresh(&u, window) && u.position != NO_POSITION {
+                    model.usage().lower_watermark(u.position);
+                }
+            }
+        }
+        true
+    }
+
+    /// The report of every device; with `optimum`, Belady's hits on each one's recorded uses.
+    pub(crate) fn report(&self, optimum: bool) -> Vec<DynamicDeviceReport> {
+        let stats = self.stats.lock();
+        let mut reports = Vec::new();
+        let mut traces = Vec::new();
+        for s in stats.iter() {
+            let Some(device) = s.device else { continue };
+            reports.push(DynamicDeviceReport {
+                device,
+                hits: s.hits,
+                misses: s.misses,
+                faults_in: s.faults_in,
+                evictions: s.evictions,
+                evicted: s.evicted,
+                past_watermark: s.past_watermark,
+                room: s.peak_resident,
+                uses: s.trace.len() as u64,
+                truncated: s.truncated,
+                optimum_hits: None,
+            });
+            if optimum {
+                traces.push(s.trace.clone());
+            }
+        }
+        drop(stats);
+        // The optimum is computed outside the lock (it is O(uses log uses)).
+        for (r, trace) in reports.iter_mut().zip(&traces) {
+            r.optimum_hits = Some(belady_hits(trace, r.room.bytes()));
+        }
+        reports
+    }
+
+    /// Forgets the statistics and traces (a new measurement starts).
+    pub(crate) fn reset_stats(&self) {
+        self.stats.lock().clear();
+    }
+}
+
+impl Keeper for Dynamic {
+    fn book(&self, patcher: &ModelPatcher, index: usize, room: ByteSize) -> bool {
+        if patcher.streams_always(index) {
+            // Mapped to the host by a device map: it never becomes resident.
+            return false;
+        }
+        let model = patcher.model();
+        let device = patcher.weight_device(index);
+        let bytes = patcher.resident_size(index);
+        let _g = self.lock.lock();
+        // Only a registered model keeps copies (the ledger counts the registry's).
+        let (models, rank) = self.registered(patcher, index);
+        let Some(my_rank) = rank else {
+            return false;
+        };
+        let Some(short) = self.ledger.keep_shortfall(device, bytes, room) else {
+            return false;
+        };
+        if short == ByteSize::ZERO {
+            return self.ledger.book_keep(device, bytes, room);
+        }
+        let me = model.usage().of(index);
+        if me.position != NO_POSITION && me.position >= model.usage().watermark() {
+            self.with_stats(device, |s| s.past_watermark += 1);
+            return false;
+        }
+        let window = model.usage().distinct();
+        // Candidates of lower priority than this weight: lower-ranked models, and in this model
+        // stale weights used no more often than it, or weights used later in a forward.
+        let victims: Vec<Candidate> = victim_order(&models, device, |id| self.is_kept(id))
+            .into_iter()
+            .filter(|c| {
+                let rank = c.key.model.0;
+                if rank > my_rank {
+                    return true;
+                }
+                if rank < my_rank || !Arc::ptr_eq(&c.model, model) || c.index == index {
+                    return false;
+                }
+                let u = model.usage().of(c.index);
+                if is_fresh(&u, window) {
+                    u.position > me.position
+                } else {
+                    u.count <= me.count
+                }
+            })
+            .collect();
+        // Not enough to give of lower priority: evict nothing, stream.
+        self.evict_enough(model, &victims, short, device, window)
+            && self.ledger.book_keep(device, bytes, room)
+    }
+
+    fn make_room(&self, patcher: &ModelPatcher, index: usize, bytes: ByteSize) -> bool {
+        let model = patcher.model();
+        let device = patcher.weight_device(index);
+        let _g = self.lock.lock();
+        let Some(short) = self.ledger.transit_shortfall(device, bytes) else {
+            return false;
+        };
+        if short == ByteSize::ZERO {
+            return true;
+        }
+        // A weight in use outranks every kept copy: the lowest priority go first.
+        let (models, _) = self.registered(patcher, index);
+        let window = model.usage().distinct();
+        // The weight's own slot included: a copy resident there is another patcher's (this
+        // one's would not stream), and the weight in use needs the room. A keep guard protects
+        // a model from the others, not from its own weight in use.
+        // Pinned copies last: a pin keeps a weight through partial unloads, but a weight that
+        // must stream to run needs the room more (the pinned one comes back by use).
+        let victims = victims_of(
+            &models,
+            device,
+            |id| id != model.id() && self.is_kept(id),
+            true,
+        );
+        let _ = index;
+        self.evict_enough(model, &victims, short, device, window)
+    }
+
+    fn commit(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+        tensor: &Tensor,
+        hold: DeviceHold,
+    ) -> bool {
+        let device = patcher.weight_device(index);
+        let bytes = patcher.resident_size(index);
+        let g = self.lock.lock();
+        // A weight that becomes GPU-resident is unpinned, and unpinning waits for the copies out
+        // of it: dropped after this lock too.
+        let mut released = Vec::new();
+        let kept = (|| {
+            let (weight, size) = patcher.resident_from(index, tensor.clone(), device).ok()?;
+            if size != bytes {
+                return None;
+            }
+            let mut st = patcher.model().state_mut();
+            if !matches!(st.slots().get(index), Some(SlotResidency::Offloaded)) {
+                return None;
+            }
+            st.set_held(
+                index,
+                SlotResidency::Resident {
+                    tensor: weight,
+                    fingerprint: patcher.fingerprint(index),
+                    device,
+                    bytes,
+                },
+                hold,
+            );
+            released = st.take_released();
+            Some(())
+        })()
+        .is_some();
+        self.ledger.settle_keep(device, bytes, kept);
+        if kept {
+            let resident = self.ledger.resident(device);
+            self.with_stats(device, |s| {
+                s.faults_in += 1;
+                s.peak_resident = s.peak_resident.max(resident);
+            });
+        }
+        drop(g);
+        drop(released);
+        kept
+    }
+
+    fn cancel(&self, patcher: &ModelPatcher, index: usize) {
+        let _g = self.lock.lock();
+        self.ledger.settle_keep(
+            patcher.weight_device(index),
+            patcher.resident_size(index),
+            false,
+        );
+    }
+
+    fn keep_prefetched(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+        tensor: &Tensor,
+        hold: DeviceHold,
+        booking: Reservation,
+        room: ByteSize,
+    ) -> Option<(DeviceHold, Reservation)> {
+        let device = booking.device();
+        let bytes = patcher.resident_size(index);
+        if device != patcher.weight_device(index)
+            || booking.bytes() != bytes
+            || patcher.streams_always(index)
+        {
+            return Some((hold, booking));
+        }
+        let g = self.lock.lock();
+        if self.registered(patcher, index).1.is_none() {
+            return Some((hold, booking));
+        }
+        let Ok((weight, size)) = patcher.resident_from(index, tensor.clone(), device) else {
+            return Some((hold, booking));
+        };
+        if size != bytes {
+            return Some((hold, booking));
+        }
+        let mut st = patcher.model().state_mut();
+        if !matches!(st.slots().get(index), Some(SlotResidency::Offloaded))
+            || !self.ledger.keep_prefetched(device, bytes, room)
+        {
+            return Some((hold, booking));
+        }
+        st.set_held(
+            index,
+            SlotResidency::Resident {
+                tensor: weight,
+                fingerprint: patcher.fingerprint(index),
+                device,
+                bytes,
+            },
+            hold,
+        );
+        let released = st.take_released();
+        drop(st);
+        // The in-flight booking became resident bytes in the ledger.
+        booking.absorb();
+        let resident = self.ledger.resident(device);
+        self.with_stats(device, |s| {
+            s.faults_in += 1;
+            s.peak_resident = s.peak_resident.max(resident);
+        });
+        drop(g);
+        // Unpinning (the weight is GPU-resident now) waits for its copies: after every lock.
+        drop(released);
+        None
+    }
+
+    fn note_use(&self, patcher: &ModelPatcher, index: usize, hit: bool) {
+        let device = patcher.weight_device(index);
+        let model = patcher.model().id();
+        let bytes = patcher.resident_size(index).bytes();
+        self.with_stats(device, |s| {
+            if hit {
+                s.hits += 1;
+            } else {
+                s.misses += 1;
+            }
+            if s.trace.len() < TRACE_LIMIT {
+                s.trace.push((model, index as u32, bytes));
+            } else {
+                s.truncated = true;
+            }
+        });
+    }
+}
+
+/// Hits of Belady's offline policy on `trace` (model, weight, bytes) with `capacity` bytes: on a
+/// miss the copy is kept when it fits, displacing the copies used farthest in the future, but
+/// only copies used later than it (a copy used sooner is worth more than the newcomer; exact
+/// for equal sizes, the standard rule with sizes).
+pub(crate) fn belady_hits(trace: &[(u64, u32, u64)], capacity: u64) -> u64 {
+    use std::collections::{BTreeSet, HashMap};
+    let n = trace.len();
+    // Next use of each position's weight.
+    let mut next = vec![usize::MAX; n];
+    let mut last: HashMap<(u64, u32), usize> = HashMap::new();
+    for i in (0..n).rev() {
+        let k = (trace[i].0, trace[i].1);
+        if let Some(&j) = last.get(&k) {
+            next[i] = j;
+        }
+        last.insert(k, i);
+    }
+    // Cached weights by their next use (farthest last), and each one's entry.
+    let mut by_next: BTreeSet<(usize, (u64, u32))> = BTreeSet::new();
+    let mut cached: HashMap<(u64, u32), (usize, u64)> = HashMap::new();
+    let mut used = 0u64;
+    let mut hits = 0u64;
+    for (i, &(m, w, bytes)) in trace.iter().enumerate() {
+        let k = (m, w);
+        if let Some((nu, b)) = cached.remove(&k) {
+            hits += 1;
+            by_next.remove(&(nu, k));
+            by_next.insert((next[i], k));
+            cached.insert(k, (next[i], b));
+            continue;
+        }
+        if next[i] == usize::MAX || bytes > capacity {
+            continue;
+        }
+        // Displace copies used after this one, farthest first, until it fits.
+        let mut displaced = Vec::new();
+        let mut free = capacity - used;
+        for &(nu, victim) in by_next.iter().rev() {
+            if free >= bytes || nu <= next[i] {
+                break;
+            }
+            free += cached[&victim].1;
+            displaced.push((nu, victim));
+        }
+        if free < bytes {
+            continue;
+        }
+        for (nu, victim) in displaced {
+            by_next.remove(&(nu, victim));
+            if let Some((_, b)) = cached.remove(&victim) {
+                used -= b;
+            }
+        }
+        used += bytes;
+        by_next.insert((next[i], k));
+        cached.insert(k, (next[i], bytes));
+    }
+    hits
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn belady_keeps_what_is_used_soonest() {
+        // Capacity for two of three equal weights, used a b c a b c ...: LRU hits nothing; the
+        // optimum keeps a and b (c, needed last, is never worth displacing either): 2 hits per
+        // round after the first.
+        let t: Vec<(u64, u32, u64)> = (0..30).map(|i| (1, (i % 3) as u32, 10)).collect();
+        assert_eq!(belady_hits(&t, 20), 18);
+        // Room for all: every repeat hits.
+        assert_eq!(belady_hits(&t, 30), 27);
+        // No room: nothing.
+        assert_eq!(belady_hits(&t, 5), 0);
+    }
+
+    #[test]
+    fn belady_never_lets_a_newcomer_displace_a_copy_needed_sooner() {
+        // a is used at every other step; b, c, d once each in between, then never again.
+        let t = vec![
+            (1, 0, 10),
+            (1, 1, 10),
+            (1, 0, 10),
+            (1, 2, 10),
+            (1, 0, 10),
+            (1, 3, 10),
+            (1, 0, 10),
+        ];
+        assert_eq!(
+            belady_hits(&t, 10),
+            3,
+            "a stays; the one-off uses never displace it"
+        );
+    }
+
+    #[test]
+    fn the_order_puts_older_models_stale_and_later_weights_first() {
+        let w = |position, age, count| WeightUse {
+            position,
+            age,
+            count,
+        };
+        let window = 10;
+        let newer_early = victim_key(0, &w(0, 1, 5), window);
+        let newer_late = victim_key(0, &w(9, 1, 5), window);
+        let newer_stale = victim_key(0, &w(1, 50, 2), window);
+        let newer_stale_used_more = victim_key(0, &w(2, 50, 9), window);
+        let older = victim_key(1, &w(0, 0, 100), window);
+        let mut keys = [
+            newer_early,
+            newer_late,
+            newer_stale,
+            newer_stale_used_more,
+            older,
+        ];
+        keys.sort();
+        assert_eq!(
+            keys,
+            [
+                older,
+                newer_stale,
+                newer_stale_used_more,
+                newer_late,
+                newer_early
+            ]
+        );
+    }
+}

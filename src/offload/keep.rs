@@ -1,0 +1,57 @@
+//! Residency by use, as the transfer path sees it (docs/ARCHITECTURE.md §5.3).
+//!
+//! In dynamic mode the memory manager gives a model's [`super::Streamer`] a [`Keeper`]: before a
+//! streamed weight is fetched the streamer asks it to book room for keeping the copy (the keeper
+//! may evict copies of lower priority to make that room, by the one priority order), and once the
+//! copy arrived it asks the keeper to make it the weight's resident copy. A prefetched weight is
+//! kept the same way when it is used. Nothing here decides anything: the order, the watermark and
+//! the ledger's rules are the keeper's.
+
+use candle_core::Tensor;
+
+use super::Reservation;
+use crate::device::DeviceHold;
+use crate::patcher::ModelPatcher;
+use crate::size::ByteSize;
+
+/// What keeps fetched weights resident (the memory manager's residency by use).
+pub(crate) trait Keeper: Send + Sync {
+    /// Books room to keep weight `index` of `patcher` once fetched, leaving `room` free for
+    /// streaming beside what is kept; may evict copies of lower priority to make it. Whether it
+    /// booked.
+    fn book(&self, patcher: &ModelPatcher, index: usize, room: ByteSize) -> bool;
+
+    /// Makes `tensor` (weight `index`, just fetched, with what keeps its device memory) the
+    /// weight's resident copy under the booking [`Keeper::book`] made. Returns the booking when
+    /// the copy cannot be kept after all (the residency changed meanwhile).
+    fn commit(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+        tensor: &Tensor,
+        hold: DeviceHold,
+    ) -> bool;
+
+    /// Makes room on weight `index`'s device for `bytes` in flight beside everything booked
+    /// (a weight in use that is not kept), evicting kept copies of the lowest priority; whether
+    /// the room is there.
+    fn make_room(&self, patcher: &ModelPatcher, index: usize, bytes: ByteSize) -> bool;
+
+    /// Returns the booking [`Keeper::book`] made for weight `index` (its fetch failed).
+    fn cancel(&self, patcher: &ModelPatcher, index: usize);
+
+    /// Keeps a prefetched weight, booked in flight by `booking`, as the resident copy when it
+    /// can be kept with `room` left free; gives back the hold and the booking when it cannot.
+    fn keep_prefetched(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+        tensor: &Tensor,
+        hold: DeviceHold,
+        booking: Reservation,
+        room: ByteSize,
+    ) -> Option<(DeviceHold, Reservation)>;
+
+    /// Notes a use of weight `index`: a hit when its copy was resident.
+    fn note_use(&self, patcher: &ModelPatcher, index: usize, hit: bool);
+}
