@@ -49,10 +49,11 @@ const TRACE_LIMIT: usize = 1 << 18;
 pub(crate) struct VictimKey {
     /// The model's rank, reversed: the least recently loaded model first.
     model: std::cmp::Reverse<usize>,
-    /// In use (false first: stale weights go before weights in use).
-    fresh: bool,
-    /// Uses so far (stale weights: the least used first; zero for weights in use).
+    /// Uses so far: the least used first (a dense model's weights are used equally often, and
+    /// fall through to their positions; experts and branches are ranked by how often).
     count: u32,
+    /// In use (false first: among equally used weights, stale ones go first).
+    fresh: bool,
     /// The longest unused first (stale weights; zero for weights in use).
     age: std::cmp::Reverse<u64>,
     /// Used later in a forward first.
@@ -69,8 +70,8 @@ pub(crate) fn victim_key(rank: usize, u: &WeightUse, window: usize) -> VictimKey
     let fresh = is_fresh(u, window);
     VictimKey {
         model: std::cmp::Reverse(rank),
+        count: u.count,
         fresh,
-        count: if fresh { 0 } else { u.count },
         age: std::cmp::Reverse(if fresh { 0 } else { u.age }),
         position: std::cmp::Reverse(u.position),
     }
@@ -329,8 +330,9 @@ impl Dynamic {
     }
 
     /// Evicts the first of `victims` (in order) until `short` bytes are freed; nothing when they
-    /// cannot free that much. An eviction inside `model` (a weight in use now) lowers its
-    /// watermark to the evicted weight's position. Whether it freed enough.
+    /// cannot free that much. An eviction inside `model` of a weight in use that was used as
+    /// often as the one faulting in (`count`: its position decided, the dense pattern) lowers
+    /// the model's watermark to the evicted weight's position. Whether it freed enough.
     fn evict_enough(
         &self,
         model: &Arc<Model>,
@@ -338,6 +340,7 @@ impl Dynamic {
         short: ByteSize,
         device: DeviceId,
         window: usize,
+        count: u32,
     ) -> bool {
         let mut enough = ByteSize::ZERO;
         let mut take = 0;
@@ -355,7 +358,7 @@ impl Dynamic {
             self.evict(&c.model, c.index, device);
             if Arc::ptr_eq(&c.model, model) {
                 let u = model.usage().of(c.index);
-                if is_fresh(&u, window) && u.position != NO_POSITION {
+                if is_fresh(&u, window) && u.position != NO_POSITION && u.count >= count {
                     model.usage().lower_watermark(u.position);
                 }
             }
@@ -429,7 +432,10 @@ impl Keeper for Dynamic {
         }
         let window = model.usage().distinct();
         // Candidates of lower priority than this weight: lower-ranked models, and in this model
-        // stale weights used no more often than it, or weights used later in a forward.
+        // the weights whose key is below its own — used less often, or as often and stale, or
+        // as often and later in a forward (an admission test: a weight used once does not evict
+        // one used at every step, and a dense model's later weights do not push out its prefix).
+        let mine = victim_key(my_rank, &me, window);
         let victims: Vec<Candidate> = victim_order(&models, device, |id| self.is_kept(id))
             .into_iter()
             .filter(|c| {
@@ -437,19 +443,11 @@ impl Keeper for Dynamic {
                 if rank > my_rank {
                     return true;
                 }
-                if rank < my_rank || !Arc::ptr_eq(&c.model, model) || c.index == index {
-                    return false;
-                }
-                let u = model.usage().of(c.index);
-                if is_fresh(&u, window) {
-                    u.position > me.position
-                } else {
-                    u.count <= me.count
-                }
+                rank == my_rank && Arc::ptr_eq(&c.model, model) && c.index != index && c.key < mine
             })
             .collect();
         // Not enough to give of lower priority: evict nothing, stream.
-        self.evict_enough(model, &victims, short, device, window)
+        self.evict_enough(model, &victims, short, device, window, me.count)
             && self.ledger.book_keep(device, bytes, room)
     }
 
@@ -478,7 +476,7 @@ impl Keeper for Dynamic {
             true,
         );
         let _ = index;
-        self.evict_enough(model, &victims, short, device, window)
+        self.evict_enough(model, &victims, short, device, window, u32::MAX)
     }
 
     fn commit(
@@ -713,7 +711,7 @@ mod tests {
     }
 
     #[test]
-    fn the_order_puts_older_models_stale_and_later_weights_first() {
+    fn the_order_puts_older_models_then_the_least_used_stale_and_later_weights_first() {
         let w = |position, age, count| WeightUse {
             position,
             age,
@@ -733,14 +731,16 @@ mod tests {
             older,
         ];
         keys.sort();
+        // The older model first; then the least used (2, 5, 5, 9); among equals stale before in
+        // use, later before earlier.
         assert_eq!(
             keys,
             [
                 older,
                 newer_stale,
-                newer_stale_used_more,
                 newer_late,
-                newer_early
+                newer_early,
+                newer_stale_used_more,
             ]
         );
     }

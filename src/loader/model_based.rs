@@ -526,6 +526,11 @@ impl World {
         for m in 0..2 {
             self.settle_model(m);
         }
+        // Frees queued on the simulated GPUs' streams run, and the bookings they return with
+        // them (a dropped prefetch's comes back only then).
+        for sim in &self.sims {
+            let _ = sim.synchronize();
+        }
     }
 
     fn settle_model(&self, m: usize) {
