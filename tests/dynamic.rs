@@ -58,8 +58,17 @@ fn a_dense_model_at_half_the_budget_settles_on_the_classic_resident_bytes() {
     for mode in ["--disable-dynamic-vram", "--enable-dynamic-vram"] {
         let mm = manager_with(&["--sim-gpu", "128KiB", "--reserve-vram", "0", mode]);
         let p = ModelPatcher::new(layers("dense", 16, 1), SIM0, DeviceId::Cpu);
-        mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        let plan = mm
+            .plan(std::slice::from_ref(&p), LoadOptions::default())
             .unwrap();
+        let dynamic = mode == "--enable-dynamic-vram";
+        assert_eq!(plan.dynamic, dynamic);
+        // A dynamic load moves nothing (O(models), not O(bytes)); a classic one its resident set.
+        assert_eq!(plan.bytes_to_move() == ByteSize::ZERO, dynamic, "{mode}");
+        let report = mm
+            .load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+            .unwrap();
+        assert_eq!(report.models[0].moved == ByteSize::ZERO, dynamic, "{mode}");
         let mut sums = Vec::new();
         let mut moved = Vec::new();
         let mut resident = Vec::new();

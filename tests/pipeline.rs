@@ -93,6 +93,8 @@ fn a_simulated_gpu_gives_the_cpu_checksums_with_lanes_prefetch_and_a_clean_check
         ],
         // Lazily read models pinned in place within 2 MiB of RAM.
         &["--sim-gpu", "6MiB@25GB/s", "--ram-budget", "2MiB"],
+        // The classic load-time residency (dynamic mode is the simulated GPU's default).
+        &["--sim-gpu", "6MiB@25GB/s", "--disable-dynamic-vram"],
     ];
     for flags in runs {
         let r = run(dir.path(), flags);
@@ -119,6 +121,22 @@ fn a_simulated_gpu_gives_the_cpu_checksums_with_lanes_prefetch_and_a_clean_check
                 r.transfers.bytes_transferred.bytes() > 0,
                 "{flags:?}: weights streamed"
             );
+        }
+        // The report says which mode ran; in dynamic mode with its hits, faults-in and the
+        // optimum for the same uses.
+        let dynamic = !flags.contains(&"--disable-dynamic-vram") && !flags.contains(&"--novram");
+        assert_eq!(r.dynamic.is_some(), dynamic, "{flags:?}");
+        let table = pipeline::to_table(&r);
+        if let Some(devices) = &r.dynamic {
+            let d = &devices[0];
+            assert!(
+                d.hits > 0 && d.faults_in > 0 && d.optimum_hits.is_some(),
+                "{flags:?}: {d}"
+            );
+            assert!(table.contains("residency: dynamic"), "{table}");
+            assert!(table.contains("Belady's optimum"), "{table}");
+        } else {
+            assert!(table.contains("residency: classic"), "{table}");
         }
     }
 }

@@ -225,6 +225,10 @@ pub struct LoadPlan {
     pub host: PlannedHost,
     /// Why the plan cannot be carried out, if it cannot.
     pub problem: Option<PlanProblem>,
+    /// A dynamic load (residency by use, docs/ARCHITECTURE.md §5.3): it moves nothing — what
+    /// the models' `resident` figures hold is what is resident and current now (and pinned
+    /// weights); the rest becomes resident as forwards use it.
+    pub dynamic: bool,
     #[cfg_attr(feature = "serde", serde(skip))]
     pub(super) steps: Vec<Step>,
 }
@@ -923,12 +927,16 @@ impl MemoryManager {
                 reserved: self.ledger.reserved(d.device),
             })
             .collect();
+        let dynamic = all
+            .iter()
+            .any(|m| self.dynamic_load(m.load_device(), options));
         Ok(LoadPlan {
             models,
             evictions: p.evictions,
             devices,
             host,
             problem,
+            dynamic,
             steps: p.steps,
         })
     }
