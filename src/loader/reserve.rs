@@ -223,16 +223,27 @@ impl MemoryManager {
         }
         let free = self.free_in(&inner.registry, device);
         if free < needed {
-            let stale = Self::take_stale(&mut inner);
-            drop(inner);
-            drop(stale);
             let beside = if room > ByteSize::ZERO {
                 format!(" (beside {room} kept free for a streamed weight)")
             } else {
                 String::new()
             };
+            // Residency by use gives up every weight it can first: say what holds the rest.
+            let held = if self.policy.dynamic_vram() {
+                format!(
+                    "; residency by use gave up every weight it could: what is left is {} reserved and {} of kept or pinned weights",
+                    self.ledger.reserved(device),
+                    Self::resident_in(&inner.registry, device)
+                )
+            } else {
+                String::new()
+            };
+            let name = name.to_string();
+            let stale = Self::take_stale(&mut inner);
+            drop(inner);
+            drop(stale);
             return Err(Error::OutOfMemory {
-                model: format!("reservation `{name}`{beside}"),
+                model: format!("reservation `{name}`{beside}{held}"),
                 device: device.to_string(),
                 required: bytes,
                 available: free.saturating_sub(room),
