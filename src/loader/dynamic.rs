@@ -239,6 +239,8 @@ pub(crate) struct Dynamic {
     ledger: Arc<Ledger>,
     view: Arc<Mutex<Arc<[ViewEntry]>>>,
     kept: Arc<Mutex<std::collections::HashMap<u64, usize>>>,
+    /// The manual-cast caches the manager attached (their casts go before any weight).
+    casts: Arc<Mutex<Vec<std::sync::Weak<crate::ops::CastCache>>>>,
     lock: Mutex<()>,
     stats: Mutex<Vec<DeviceStats>>,
 }
@@ -248,11 +250,13 @@ impl Dynamic {
         ledger: Arc<Ledger>,
         view: Arc<Mutex<Arc<[ViewEntry]>>>,
         kept: Arc<Mutex<std::collections::HashMap<u64, usize>>>,
+        casts: Arc<Mutex<Vec<std::sync::Weak<crate::ops::CastCache>>>>,
     ) -> Dynamic {
         Dynamic {
             ledger,
             view,
             kept,
+            casts,
             lock: Mutex::new(Rank::Dynamic, ()),
             stats: Mutex::new(Rank::DynamicStats, Vec::new()),
         }
@@ -327,6 +331,20 @@ impl Dynamic {
             s.evicted = s.evicted.saturating_add(bytes);
         });
         bytes
+    }
+
+    /// Drops the cached manual casts on `device` (each cache returns its bookings); their bytes.
+    fn drop_casts(&self, device: DeviceId) -> ByteSize {
+        let caches: Vec<Arc<crate::ops::CastCache>> = {
+            let mut all = self.casts.lock();
+            all.retain(|w| w.strong_count() > 0);
+            all.iter().filter_map(std::sync::Weak::upgrade).collect()
+        };
+        caches
+            .iter()
+            .filter(|c| c.device() == device)
+            .map(|c| c.clear())
+            .sum()
     }
 
     /// Evicts the first of `victims` (in order) until `short` bytes are freed; nothing when they
@@ -419,9 +437,16 @@ impl Keeper for Dynamic {
         let Some(my_rank) = rank else {
             return false;
         };
-        let Some(short) = self.ledger.keep_shortfall(device, bytes, room) else {
+        let Some(mut short) = self.ledger.keep_shortfall(device, bytes, room) else {
             return false;
         };
+        if short > ByteSize::ZERO && self.drop_casts(device) > ByteSize::ZERO {
+            // Cached casts go before any weight.
+            short = self
+                .ledger
+                .keep_shortfall(device, bytes, room)
+                .unwrap_or(short);
+        }
         if short == ByteSize::ZERO {
             return self.ledger.book_keep(device, bytes, room);
         }
@@ -455,9 +480,15 @@ impl Keeper for Dynamic {
         let model = patcher.model();
         let device = patcher.weight_device(index);
         let _g = self.lock.lock();
-        let Some(short) = self.ledger.transit_shortfall(device, bytes) else {
+        let Some(mut short) = self.ledger.transit_shortfall(device, bytes) else {
             return false;
         };
+        if short > ByteSize::ZERO && self.drop_casts(device) > ByteSize::ZERO {
+            short = self
+                .ledger
+                .transit_shortfall(device, bytes)
+                .unwrap_or(short);
+        }
         if short == ByteSize::ZERO {
             return true;
         }

@@ -232,7 +232,7 @@ pub struct MemoryManager {
     /// Every manual-cast cache this manager attached (weakly): plans count all booked casts as
     /// free, so dropping casts must reach every cache, not only registered models' (a model that
     /// left the registry while a handle kept it alive may still hold casts).
-    casts: Mutex<Vec<std::sync::Weak<crate::ops::CastCache>>>,
+    casts: Arc<Mutex<Vec<std::sync::Weak<crate::ops::CastCache>>>>,
     /// Models kept by [`KeepGuard`]s: model id → live guards (a leaf lock).
     kept: Arc<Mutex<std::collections::HashMap<u64, usize>>>,
     inner: Mutex<Inner>,
@@ -359,17 +359,19 @@ impl MemoryManager {
         ));
         let view: Arc<Mutex<Arc<[ViewEntry]>>> =
             Arc::new(Mutex::new(Rank::ManagerView, Arc::from(Vec::new())));
+        let casts = Arc::new(Mutex::new(Rank::ManagerCasts, Vec::new()));
         let dynamic = Arc::new(dynamic::Dynamic::new(
             Arc::clone(&ledger),
             Arc::clone(&view),
             Arc::clone(&kept),
+            Arc::clone(&casts),
         ));
         MemoryManager {
             policy,
             host,
             engine,
             cast_gate: Arc::new(ledger.cast_column()),
-            casts: Mutex::new(Rank::ManagerCasts, Vec::new()),
+            casts,
             kept,
             ledger,
             inner: Mutex::new(
