@@ -18,7 +18,7 @@
 //! guards residency and pins; the forward-order recorder ranks after it. Neither is held across a
 //! call into user code, and no thread reads `Model::state` twice (the checker refuses it). A
 //! change of a weight's residency tells the model's host tier under `Model::state`; a pin that
-//! change releases is dropped after the write lock is released ([`StateMut`]).
+//! change releases is dropped after the write lock is released (`StateMut`).
 //!
 //! Complexity: lookups by name are O(1); residency updates are O(number of weights touched).
 
