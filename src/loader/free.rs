@@ -1,0 +1,191 @@
+//! Freeing room: [`MemoryManager::free_memory`], unloading everything, and dropping models no
+//! handle reaches any more.
+
+use std::sync::Arc;
+
+use super::*;
+
+impl MemoryManager {
+    /// Evicts models on `device` (not in `keep_loaded`, by model id) until more than `required`
+    /// bytes are free. Returns what was evicted.
+    pub fn free_memory(
+        &self,
+        required: ByteSize,
+        device: DeviceId,
+        keep_loaded: &[&ModelPatcher],
+    ) -> Vec<Eviction> {
+        let keep: Vec<u64> = keep_loaded.iter().map(|m| m.model().id()).collect();
+        let mut inner = self.lock_inner();
+        cleanup(&mut inner);
+        let _span =
+            tracing::debug_span!("free_memory", %device, required = required.bytes()).entered();
+        let evictions = self.make_room(&mut inner, required, device, &keep, false);
+        let stale = Self::take_stale(&mut inner);
+        drop(inner);
+        drop(stale);
+        evictions
+    }
+
+    /// Dynamic mode's last resort for an out-of-memory (`retry_on_oom`): [`MemoryManager::free_memory`]
+    /// where the models kept loaded go last instead of never — their weights stream then, so
+    /// weights never cause an out-of-memory.
+    pub(crate) fn free_memory_under_pressure(
+        &self,
+        required: ByteSize,
+        device: DeviceId,
+        last: &[&ModelPatcher],
+    ) -> Vec<Eviction> {
+        let last: Vec<u64> = last.iter().map(|m| m.model().id()).collect();
+        let mut inner = self.lock_inner();
+        cleanup(&mut inner);
+        let _span =
+            tracing::debug_span!("free_memory", %device, required = required.bytes()).entered();
+        let evictions = self.make_room_ordered(&mut inner, required, device, &last, false, true);
+        let stale = Self::take_stale(&mut inner);
+        drop(inner);
+        drop(stale);
+        evictions
+    }
+
+    /// Frees memory on `device` towards more than `required` free: cached casts first, then the
+    /// planner's evictions of models not in `keep` (nor kept by a guard). With `all_or_nothing`
+    /// the evictions are carried out only when they reach `required` (a caller that fails
+    /// otherwise evicts nothing). Returns what was evicted. Runs under the manager lock.
+    pub(super) fn make_room(
+        &self,
+        inner: &mut Inner,
+        required: ByteSize,
+        device: DeviceId,
+        keep: &[u64],
+        all_or_nothing: bool,
+    ) -> Vec<Eviction> {
+        self.make_room_ordered(inner, required, device, keep, all_or_nothing, false)
+    }
+
+    /// [`MemoryManager::make_room`]; with `keep_goes_last` (dynamic mode) the `keep` models'
+    /// weights go after every other's instead of never.
+    pub(super) fn make_room_ordered(
+        &self,
+        inner: &mut Inner,
+        required: ByteSize,
+        device: DeviceId,
+        keep: &[u64],
+        all_or_nothing: bool,
+        keep_goes_last: bool,
+    ) -> Vec<Eviction> {
+        self.drop_casts(inner, device);
+        if self.free_in(&inner.registry, device) < required {
+            self.cancel_prefetches(inner, device);
+            if all_or_nothing && self.free_in(&inner.registry, device) >= required {
+                // The prefetches were the room: no model gives anything up.
+                self.refresh_ledger(inner);
+                return Vec::new();
+            }
+        }
+        let mut planner = plan::Planner::new(self, inner);
+        if keep_goes_last {
+            planner.evict_for_room(required, device, keep);
+        } else {
+            planner.evict(required, device, keep);
+        }
+        if all_or_nothing && planner.free(device) < required {
+            return Vec::new();
+        }
+        let (evictions, steps) = planner.into_evictions();
+        let mut undo = execute::Undo::new(inner);
+        self.execute_evictions(inner, &steps, &evictions, "free_memory", &mut undo);
+        execute::log_evictions(&evictions);
+        self.refresh_ledger(inner);
+        evictions
+    }
+
+    /// Cancels the unused prefetches bound for `device` (the second thing room is taken from,
+    /// after cached casts and before any model) and waits — under the manager lock, which may
+    /// wait — until their bookings came back: each returns once its buffer's free executed, so
+    /// the room is the device's before it is counted free.
+    pub(super) fn cancel_prefetches(&self, inner: &Inner, device: DeviceId) {
+        // No new prefetch books on the device meanwhile: in flight can only fall from here.
+        let _closed = self.ledger.loading(&[device]);
+        let before = self.ledger.in_flight(device);
+        let cancelled: ByteSize = inner
+            .registry
+            .iter()
+            .filter_map(|e| crate::offload::streamer_of(&e.patcher))
+            .map(|s| s.cancel_on(device))
+            .sum();
+        if cancelled == ByteSize::ZERO {
+            return;
+        }
+        let target = before.saturating_sub(cancelled);
+        if !self
+            .ledger
+            .wait_in_flight(device, target, std::time::Duration::from_secs(10))
+        {
+            tracing::warn!(%device, %cancelled, "cancelled prefetches did not return their bookings in 10 s");
+        }
+    }
+
+    /// Unloads every model from every device; the registry is emptied.
+    pub fn unload_all_models(&self) -> usize {
+        let mut inner = self.lock_inner();
+        let n = inner.registry.len();
+        let entries: Vec<Entry> = inner.registry.drain(..).collect();
+        for e in entries {
+            e.patcher.detach();
+            crate::offload::attach_streamer(&e.patcher, None);
+            inner.unloaded.push(Arc::clone(e.model()));
+        }
+        if let Some(pool) = &inner.pool {
+            pool.trim();
+        }
+        self.refresh_ledger(&inner);
+        let stale = Self::take_stale(&mut inner);
+        drop(inner);
+        drop(stale);
+        tracing::info!("{n} models unloaded.");
+        n
+    }
+
+    /// Returns cached device memory to the driver. Resident copies are freed as soon as they are
+    /// dropped on the CPU; on each CUDA device candle computes on for residency this waits for
+    /// the device's work and trims the driver's stream-ordered memory pool candle allocates from.
+    /// Takes no lock while the devices synchronize.
+    pub fn soft_empty_cache(&self) {
+        tracing::debug!("soft_empty_cache");
+        crate::vram::empty_cuda_caches();
+    }
+
+    /// Drops registry entries no patcher outside holds, and releases every weight pin.
+    pub fn cleanup_models(&self) {
+        let mut inner = self.lock_inner();
+        cleanup(&mut inner);
+        for e in &inner.registry {
+            e.patcher.unpin_all_weights();
+            if let Some(s) = crate::offload::streamer_of(&e.patcher) {
+                s.clear();
+            }
+        }
+        if let Some(pool) = &inner.pool {
+            pool.trim();
+        }
+        self.refresh_ledger(&inner);
+        let stale = Self::take_stale(&mut inner);
+        drop(inner);
+        drop(stale);
+    }
+}
+
+pub(super) fn cleanup(inner: &mut Inner) {
+    let mut dropped = Vec::new();
+    inner.registry.retain(|e| {
+        let keep = e.outside_handles() > 0;
+        if !keep {
+            e.patcher.detach();
+            crate::offload::attach_streamer(&e.patcher, None);
+            tracing::debug!(model = e.model().name(), "dropped: no patcher left");
+            dropped.push(Arc::clone(e.model()));
+        }
+        keep
+    });
+    inner.unloaded.extend(dropped);
+}

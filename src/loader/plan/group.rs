@@ -1,0 +1,229 @@
+//! One model's share of a plan: which of its weights will be resident, the prefetch room, the
+//! host tier's problem and the request's validation.
+
+use super::*;
+
+impl MemoryManager {
+    /// Which of `views` (one model's weights on `device`; `already` of their bytes current
+    /// there) will be resident, and the weight budget of a partial load (`None`: full).
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::loader) fn plan_group(
+        &self,
+        p: &mut Planner<'_>,
+        m: &ModelPatcher,
+        device: DeviceId,
+        views: &[WeightView],
+        already: ByteSize,
+        options: &LoadOptions,
+    ) -> (Vec<bool>, Option<ByteSize>) {
+        let (_, min_required, min_inf) = self.memory_to_keep_free(options, device);
+        // A whole model (a managed module) cannot stream: it loads fully or not at all.
+        let whole = m.model().is_whole();
+        let novram = !whole
+            && self.policy.vram_state() == VramState::NoVram
+            && self.policy.is_scheduled(device);
+        let full = whole || (!novram && self.full_load(device, options));
+        if full {
+            return (vec![true; views.len()], None);
+        }
+        if novram {
+            // ComfyUI gives this load a 0.1-byte budget: every castable weight streams, even
+            // with `force_full_load`.
+            return (vec![false; views.len()], Some(ByteSize::ZERO));
+        }
+        if self.dynamic_load(device, options) {
+            // Residency by use: what is resident and current stays (pinned weights are loaded,
+            // as asked); everything else becomes resident when a forward uses it.
+            let want: Vec<bool> = views
+                .iter()
+                .map(|w| w.pinned || (w.current && w.on_device.is_some()))
+                .collect();
+            let kept = selection::wanted_bytes(views, &want);
+            return (want, Some(kept));
+        }
+        let budget = weight_budget(
+            p.free(device),
+            already,
+            min_required,
+            min_inf,
+            self.policy.weight_ratio(device),
+        );
+        let select = |budget: ByteSize| {
+            if already > ByteSize::ZERO {
+                selection::grow(views, budget, options.force_patch_weights)
+            } else {
+                selection::from_scratch(views, budget, options.force_patch_weights, false)
+            }
+        };
+        let mut want = select(budget);
+        let mut budget = budget;
+        // Room for the weights prefetched while this model streams (they are counted in the
+        // ledger) and the one in use: without it a partial load that takes every free byte (the
+        // 128 MiB floor on a small device) leaves streaming nothing to work with. Shrinking the
+        // resident set can stream a larger weight than before, which needs more room: each
+        // round shrinks the selected bytes (not only the budget, which can stay above them for
+        // many rounds when weights are large) until the room is there or nothing is left.
+        for _ in 0..=views.len() {
+            let wanted = selection::wanted_bytes(views, &want);
+            let room_after = p
+                .free(device)
+                .saturating_add(already)
+                .saturating_sub(wanted);
+            let needed = self.prefetch_room(views, &want, p.free(device), options, device);
+            if room_after >= needed || budget == ByteSize::ZERO {
+                break;
+            }
+            budget = budget
+                .min(wanted)
+                .saturating_sub(needed.saturating_sub(room_after));
+            want = select(budget);
+        }
+        (want, Some(budget))
+    }
+
+    /// Free memory a partial load leaves for streaming: the activation memory asked for plus
+    /// `depth` times the largest weight that will stream (the prefetch window; on a GPU one
+    /// more, for the weight in use), when the engine prefetches — at most
+    /// half of what is free, so the window never crowds out residency, but never less than the
+    /// largest streamed weight itself (a forward holds the weight it computes with beside the
+    /// prefetched ones; found by the model-based test on a simulated GPU, where less ran the
+    /// forward out of device memory).
+    ///
+    /// On a GPU a streamed weight is device memory while it is copied and used, so the room for
+    /// the weight in use is left without prefetch too (the simulated GPU, once it counted every
+    /// resident copy, ran a lane-less forward out of memory beside a partial load that took
+    /// every free byte). A budgeted CPU streams from host memory and keeps ComfyUI's figures.
+    pub(in crate::loader) fn prefetch_room(
+        &self,
+        views: &[WeightView],
+        want: &[bool],
+        free: ByteSize,
+        options: &LoadOptions,
+        device: DeviceId,
+    ) -> ByteSize {
+        let depth = self.policy.config().prefetch_depth() as u64;
+        let prefetching = self.engine.lanes() > 0 && depth > 0;
+        if !prefetching && device.is_cpu() {
+            return ByteSize::ZERO;
+        }
+        let largest = views
+            .iter()
+            .zip(want)
+            .filter(|(_, &w)| !w)
+            .map(|(v, _)| v.size)
+            .max()
+            .unwrap_or(ByteSize::ZERO);
+        if largest == ByteSize::ZERO {
+            return ByteSize::ZERO;
+        }
+        if !prefetching {
+            return largest.saturating_add(options.memory_required);
+        }
+        // The window, and on a GPU the weight in use beside it.
+        let in_use = u64::from(!device.is_cpu());
+        ByteSize(largest.bytes().saturating_mul(depth + in_use))
+            .saturating_add(options.memory_required)
+            .min(ByteSize(free.bytes() / 2))
+            .max(largest.saturating_add(options.memory_required))
+    }
+
+    /// A weight of a lazily read model that its host tier can never hold.
+    pub(in crate::loader) fn host_problem(&self, all: &[ModelPatcher]) -> Option<PlanProblem> {
+        for m in all {
+            let model = m.model();
+            let Some(budget) = model.host_tier().and_then(|t| t.budget()) else {
+                continue;
+            };
+            if let Some(s) = model
+                .slots()
+                .iter()
+                .filter(|s| s.is_lazy())
+                .find(|s| s.bytes() > budget)
+            {
+                return Some(PlanProblem::HostBudgetExceeded {
+                    model: model.name().to_string(),
+                    key: s.name().to_string(),
+                    required: s.bytes(),
+                    budget,
+                });
+            }
+        }
+        None
+    }
+
+    /// The checks that can fail for a reason other than memory, made before anything moves.
+    pub(in crate::loader) fn validate_request(&self, m: &ModelPatcher) -> Result<()> {
+        if m.model().is_whole()
+            && (m.devices().len() > 1
+                || m.device_map()
+                    .is_some_and(|_| (0..m.model().len()).any(|i| m.streams_always(i))))
+        {
+            return Err(Error::Device {
+                device: m.load_device().to_string(),
+                reason: format!(
+                    "`{}` is loaded whole (a `Managed` model: one candle module computing on one device), so it cannot be split by a device map; port its layers with `residency::nn` to split it, or drop the map",
+                    m.model().name()
+                ),
+            });
+        }
+        if let DeviceId::Cuda(n) = m.load_device() {
+            if self.policy.hardware().gpu(n).is_none() {
+                return Err(Error::Device {
+                    device: m.load_device().to_string(),
+                    reason: format!(
+                        "model `{}` is set to load on a GPU this machine does not have",
+                        m.model().name()
+                    ),
+                });
+            }
+        }
+        m.validate()
+    }
+}
+
+/// Bytes of `m`'s clean weights a load building `want` reads from files: lazily read weights to
+/// build whose host copy is not held now.
+pub(in crate::loader) fn from_disk(
+    m: &ModelPatcher,
+    views: &[WeightView],
+    want: &[bool],
+) -> ByteSize {
+    let model = m.model();
+    let Some(tier) = model.host_tier() else {
+        return ByteSize::ZERO;
+    };
+    model
+        .slots()
+        .iter()
+        .enumerate()
+        .filter(|(i, s)| {
+            want[*i] && !views[*i].current && s.is_lazy() && !tier.holds(model.id(), *i)
+        })
+        .map(|(_, s)| s.bytes())
+        .sum()
+}
+
+/// Drops wanted, unpinned weights smallest first until the wanted bytes are at most `room`.
+/// Returns whether that was enough.
+pub(in crate::loader) fn shrink_to_fit(
+    views: &[WeightView],
+    want: &mut [bool],
+    room: ByteSize,
+) -> bool {
+    let mut order: Vec<(ByteSize, usize)> = views
+        .iter()
+        .enumerate()
+        .filter(|(i, w)| want[*i] && !w.pinned)
+        .map(|(i, w)| (w.size, i))
+        .collect();
+    order.sort();
+    let mut bytes = selection::wanted_bytes(views, want);
+    for (size, i) in order {
+        if bytes <= room {
+            break;
+        }
+        want[i] = false;
+        bytes = bytes.saturating_sub(size);
+    }
+    bytes <= room
+}
