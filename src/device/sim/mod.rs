@@ -29,6 +29,7 @@
 //! Lock: `SimGpu::state` is `Rank::SimGpu` in the crate's lock table (`src/lock/rank.rs`): held to
 //! update the books, never across a wait or a copy.
 
+mod buffer;
 mod stream;
 
 use std::collections::HashMap;
@@ -43,7 +44,8 @@ use crate::error::{Error, Result};
 use crate::size::ByteSize;
 use crate::vram::{DeviceId, SimSpec};
 
-pub use stream::{SimBuffer, SimEvent, SimHostBuffer, SimStream};
+pub use buffer::{SimBuffer, SimHostBuffer};
+pub use stream::{SimEvent, SimStream};
 
 /// A driver call the sim can be told to fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

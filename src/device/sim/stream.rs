@@ -2,20 +2,19 @@
 //! host buffers.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crate::lock::{Condvar, Mutex, Rank};
-use candle_core::{CpuStorage, DType, Shape, Storage, Tensor};
+use candle_core::DType;
 
-use super::{SimFault, SimGpu, ViolationKind};
+use super::{SimFault, SimGpu};
 use crate::error::{Error, Result};
-use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
 /// Where a queued copy reads from.
-enum Src {
+pub(super) enum Src {
     /// Page-locked memory, read when the copy executes: a registered range (`keep: None`; the
     /// range cannot be unregistered before the read) or a sim host buffer (kept alive by `keep`
     /// even if the buffer is dropped meanwhile; a dropped buffer reads as poison).
@@ -42,7 +41,7 @@ impl Src {
     }
 }
 
-enum Op {
+pub(super) enum Op {
     Copy {
         src: Src,
         dst: Arc<DevMem>,
@@ -69,7 +68,7 @@ enum Op {
 impl Op {
     /// Runs an op that needs no stream (a free, or host work) on the calling thread: what a
     /// stream whose worker has exited would have done.
-    fn run_inline(self) {
+    pub(super) fn run_inline(self) {
         match self {
             Op::Run(work) => work(),
             Op::Free { gpu, id } => {
@@ -83,29 +82,29 @@ impl Op {
 }
 
 #[derive(Default)]
-struct Queue {
+pub(super) struct Queue {
     /// Each op with its number on the stream (1, 2, ...).
-    ops: VecDeque<(u64, Op)>,
-    enqueued: u64,
-    completed: u64,
-    stop: bool,
+    pub(super) ops: VecDeque<(u64, Op)>,
+    pub(super) enqueued: u64,
+    pub(super) completed: u64,
+    pub(super) stop: bool,
     /// The worker has returned: nothing pushed now would run.
-    exited: bool,
+    pub(super) exited: bool,
 }
 
-struct Core {
-    id: u64,
+pub(super) struct Core {
+    pub(super) id: u64,
     /// The stream's handle as the device interface knows it (reused after the stream is
     /// destroyed, as a `CUstream` pointer is); `id` is the checker's, never reused.
-    key: u64,
-    device: DeviceId,
-    gpu: Weak<SimGpu>,
-    queue: Mutex<Queue>,
-    cond: Condvar,
+    pub(super) key: u64,
+    pub(super) device: DeviceId,
+    pub(super) gpu: Weak<SimGpu>,
+    pub(super) queue: Mutex<Queue>,
+    pub(super) cond: Condvar,
 }
 
 /// Stops the worker when the last handle to the stream goes (after it drained its queue).
-struct Handle(Arc<Core>);
+pub(super) struct Handle(Arc<Core>);
 
 impl Drop for Handle {
     fn drop(&mut self) {
@@ -146,8 +145,8 @@ impl StreamWatch {
 /// A simulated stream: its work runs in order on its own worker thread.
 #[derive(Clone)]
 pub struct SimStream {
-    core: Arc<Core>,
-    _handle: Arc<Handle>,
+    pub(super) core: Arc<Core>,
+    pub(super) _handle: Arc<Handle>,
 }
 
 impl SimStream {
@@ -325,7 +324,7 @@ thread_local! {
 }
 
 /// Records that this thread has seen stream `stream`'s work complete up to op `seq`.
-fn ordered(stream: u64, seq: u64) {
+pub(super) fn ordered(stream: u64, seq: u64) {
     ORDERED.with(|o| {
         let mut o = o.borrow_mut();
         let e = o.entry(stream).or_insert(0);
@@ -334,14 +333,14 @@ fn ordered(stream: u64, seq: u64) {
 }
 
 /// Whether this thread is ordered after op `seq` of stream `stream`.
-fn is_ordered_after(stream: u64, seq: u64) -> bool {
+pub(super) fn is_ordered_after(stream: u64, seq: u64) -> bool {
     ORDERED.with(|o| o.borrow().get(&stream).is_some_and(|&s| s >= seq))
 }
 
 impl Core {
     /// Enqueues `ops` in order; when the worker has exited (the stream was destroyed and its
     /// work drained) they run here instead.
-    fn push_or_run(&self, ops: Vec<Op>) {
+    pub(super) fn push_or_run(&self, ops: Vec<Op>) {
         let mut q = self.queue.lock();
         if q.exited {
             drop(q);
@@ -466,17 +465,17 @@ impl Core {
     }
 }
 
-struct EventState {
-    recorded: u64,
-    completed: u64,
+pub(super) struct EventState {
+    pub(super) recorded: u64,
+    pub(super) completed: u64,
     /// Where the latest recording was made: stream id and the record op's number.
-    point: Option<(u64, u64)>,
+    pub(super) point: Option<(u64, u64)>,
 }
 
-struct EventCore {
-    device: DeviceId,
-    state: Mutex<EventState>,
-    cond: Condvar,
+pub(super) struct EventCore {
+    pub(super) device: DeviceId,
+    pub(super) state: Mutex<EventState>,
+    pub(super) cond: Condvar,
 }
 
 impl EventCore {
@@ -567,311 +566,4 @@ impl SimEvent {
     }
 }
 
-/// The memory of a simulated device buffer: a candle CPU storage, written by copies through
-/// `ptr` while `pending > 0`, handed to compute once they completed.
-struct DevMem {
-    ptr: usize,
-    len: usize,
-    storage: Mutex<Option<CpuStorage>>,
-    pending: Mutex<u32>,
-    written: Condvar,
-    /// The stream and op number of the latest copy into it.
-    written_by: Mutex<Option<(u64, u64)>>,
-}
-
-impl DevMem {
-    /// Checks that the calling thread may read the buffer: every copy into it completed and the
-    /// thread is ordered after the latest (it waited on an event recorded after it, synchronized
-    /// its stream, or runs on that stream). Reports `operation` otherwise, then waits for the
-    /// copies (so the bits are still right).
-    fn check_read(&self, gpu: &SimGpu, operation: &str) {
-        let mut pending = self.pending.lock();
-        let late = *pending > 0;
-        let written_by = *self.written_by.lock();
-        let unordered =
-            !late && written_by.is_some_and(|(stream, seq)| !is_ordered_after(stream, seq));
-        if late || unordered {
-            drop(pending);
-            let why = if late {
-                "before the copy writing it completed"
-            } else {
-                "without waiting on the copy writing it"
-            };
-            gpu.violation(
-                ViolationKind::ReadBeforeWritten,
-                written_by.map(|(s, _)| s),
-                &format!("{operation} {why}"),
-                format!("device buffer ({})", ByteSize(self.len as u64)),
-            );
-            pending = self.pending.lock();
-            while *pending > 0 {
-                self.written.wait(&mut pending);
-            }
-        }
-    }
-}
-
-// SAFETY: `ptr` addresses the heap memory of the `CpuStorage` held in `storage`, which never moves
-// or reallocates while held; it is written only by the stream worker executing a queued copy and
-// read (taken) only after every queued copy completed.
-unsafe impl Send for DevMem {}
-// SAFETY: as above.
-unsafe impl Sync for DevMem {}
-
-/// A simulated device allocation. Dropping it frees the allocation (a free under a queued copy is
-/// a checker finding; the memory itself lives until the copy is done).
-pub struct SimBuffer {
-    mem: Arc<DevMem>,
-    id: u64,
-    gpu: Arc<SimGpu>,
-    /// The stream it was allocated on: freeing it is ordered after that stream's work, as
-    /// CUDA's stream-ordered free (`cuMemFreeAsync` on the allocating stream, which cudarc's
-    /// `CudaSlice` drop uses) is.
-    stream: u64,
-    /// That stream: the free is queued on it, and the bytes return to the device's capacity
-    /// only when it executes (another stream cannot have them before).
-    core: Weak<Core>,
-    /// The free was queued already.
-    freed: bool,
-}
-
-impl std::fmt::Debug for SimBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SimBuffer")
-            .field("bytes", &self.mem.len)
-            .finish()
-    }
-}
-
-impl SimBuffer {
-    /// Its size in bytes.
-    pub fn size(&self) -> ByteSize {
-        ByteSize(self.mem.len as u64)
-    }
-
-    /// The buffer as a CPU tensor of `shape` for compute (the sim computes on the host). A copy
-    /// still writing it is a checker finding ([`ViolationKind::ReadBeforeWritten`]); the sim
-    /// then waits for it. From here on compute owns the memory: the buffer's free is queued on
-    /// its stream (the device's books release it when that executes).
-    pub(crate) fn into_tensor(self, shape: &Shape) -> Result<Tensor> {
-        self.into_held_tensor(shape).map(|(t, _hold)| t)
-    }
-
-    /// [`SimBuffer::into_tensor`], keeping the allocation in the device's books until the
-    /// returned hold is dropped: a resident copy's owner keeps it as long as it keeps the copy,
-    /// so the device counts it — a ledger that forgets a resident copy runs the sim out of memory.
-    pub(crate) fn into_held_tensor(self, shape: &Shape) -> Result<(Tensor, SimBuffer)> {
-        self.mem
-            .check_read(&self.gpu, "a device buffer handed to compute");
-        let storage = self
-            .mem
-            .storage
-            .lock()
-            .take()
-            .ok_or_else(|| Error::Device {
-                device: self.gpu.id().to_string(),
-                reason: "a device buffer handed to compute twice".into(),
-            })?;
-        let t = Tensor::from_storage(
-            Storage::Cpu(storage),
-            shape.clone(),
-            candle_core::op::BackpropOp::none(),
-            false,
-        );
-        Ok((t, self))
-    }
-
-    /// Queues the buffer's free on its stream, then `then` after it (both in stream order).
-    fn release(&mut self, then: Option<Box<dyn FnOnce() + Send>>) {
-        if self.freed {
-            if let Some(f) = then {
-                f();
-            }
-            return;
-        }
-        self.freed = true;
-        self.gpu.queue_free(self.id);
-        let mut ops = vec![Op::Free {
-            gpu: Arc::downgrade(&self.gpu),
-            id: self.id,
-        }];
-        ops.extend(then.map(Op::Run));
-        match self.core.upgrade() {
-            Some(core) => core.push_or_run(ops),
-            None => ops.into_iter().for_each(Op::run_inline),
-        }
-    }
-
-    /// Frees the buffer in its stream's order and runs `f` on the stream after the free.
-    pub(crate) fn free_then(mut self, f: Box<dyn FnOnce() + Send>) {
-        self.check_free();
-        self.release(Some(f));
-    }
-
-    /// A free is ordered after the work queued on the buffer's own stream (stream-ordered free;
-    /// the memory lives until that work is done): work still queued on another stream is a
-    /// finding.
-    fn check_free(&self) {
-        let other_stream = self
-            .mem
-            .written_by
-            .lock()
-            .is_some_and(|(stream, _)| stream != self.stream);
-        if *self.mem.pending.lock() > 0 && other_stream {
-            self.gpu.violation(
-                ViolationKind::DeviceFreedUnderWork,
-                None,
-                "freeing a device buffer under work queued on another stream",
-                format!("device buffer ({})", self.size()),
-            );
-        }
-    }
-}
-
-impl SimBuffer {
-    /// Its bytes, once every queued copy into it completed (one still running, unordered with
-    /// the reader, is a [`ViolationKind::ReadBeforeWritten`] finding; the sim waits for it).
-    pub(crate) fn read_back(&self) -> Vec<u8> {
-        self.mem
-            .check_read(&self.gpu, "reading a device buffer back");
-        let st = self.mem.storage.lock();
-        if st.is_none() {
-            return Vec::new();
-        }
-        // SAFETY: the storage is held (`st`), so `ptr..ptr + len` is live; no copy writes it.
-        unsafe { std::slice::from_raw_parts(self.mem.ptr as *const u8, self.mem.len) }.to_vec()
-    }
-}
-
-impl Drop for SimBuffer {
-    fn drop(&mut self) {
-        if !self.freed {
-            self.check_free();
-            self.release(None);
-        }
-    }
-}
-
-fn zeros(dtype: DType, len: usize) -> Result<CpuStorage> {
-    Ok(match dtype {
-        DType::F32 => CpuStorage::F32(vec![0.0; len]),
-        DType::F16 => CpuStorage::F16(vec![half::f16::ZERO; len]),
-        DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; len]),
-        DType::F64 => CpuStorage::F64(vec![0.0; len]),
-        DType::U8 => CpuStorage::U8(vec![0; len]),
-        DType::U32 => CpuStorage::U32(vec![0; len]),
-        DType::F8E4M3 => CpuStorage::F8E4M3(vec![float8::F8E4M3::from_bits(0); len]),
-        other => {
-            return Err(Error::UnsupportedDtype {
-                what: "a weight copied to a simulated GPU".into(),
-                dtype: format!("{other:?}"),
-            })
-        }
-    })
-}
-
-fn storage_ptr(s: &CpuStorage) -> usize {
-    match s {
-        CpuStorage::F32(v) => v.as_ptr() as usize,
-        CpuStorage::F16(v) => v.as_ptr() as usize,
-        CpuStorage::BF16(v) => v.as_ptr() as usize,
-        CpuStorage::F64(v) => v.as_ptr() as usize,
-        CpuStorage::U8(v) => v.as_ptr() as usize,
-        CpuStorage::U32(v) => v.as_ptr() as usize,
-        CpuStorage::F8E4M3(v) => v.as_ptr() as usize,
-        _ => 0,
-    }
-}
-
-/// The memory of a sim page-locked host buffer.
-pub(crate) struct HostMem {
-    /// Owns the memory `SimHostBuffer::ptr` addresses.
-    _buf: Box<[u64]>,
-    /// Set when the buffer is freed: a queued copy still reading it reads poison.
-    freed: AtomicBool,
-}
-
-/// Page-locked host memory of a simulated device (a staging buffer), zeroed at creation.
-pub struct SimHostBuffer {
-    mem: Arc<HostMem>,
-    ptr: *mut u8,
-    len: usize,
-    range: u64,
-    gpu: Arc<SimGpu>,
-}
-
-// SAFETY: `ptr` addresses `mem._buf`, owned through `mem`; writes need `&mut self` and wait for every
-// queued read first; queued reads only read.
-unsafe impl Send for SimHostBuffer {}
-// SAFETY: as above.
-unsafe impl Sync for SimHostBuffer {}
-
-impl SimHostBuffer {
-    pub(super) fn new(gpu: Arc<SimGpu>, len: usize) -> SimHostBuffer {
-        let mut buf = vec![0u64; len.div_ceil(8)].into_boxed_slice();
-        let ptr = buf.as_mut_ptr().cast::<u8>();
-        let mem = Arc::new(HostMem {
-            _buf: buf,
-            freed: AtomicBool::new(false),
-        });
-        let range = gpu.add_host_range(ptr as usize, len, Arc::downgrade(&mem));
-        SimHostBuffer {
-            mem,
-            ptr,
-            len,
-            range,
-            gpu,
-        }
-    }
-
-    /// Its length.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether it is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The bytes, to read (a copy queued from them keeps the memory alive).
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr + len` lies in `mem._buf`, alive while `self` is; writers need
-        // `&mut self`.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    /// The bytes, to write. A queued copy still reading them is a checker finding
-    /// ([`ViolationKind::WrittenUnderCopy`]); the sim waits for it first.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        self.gpu.settle_host(
-            self.range,
-            ViolationKind::WrittenUnderCopy,
-            "writing page-locked host memory",
-        );
-        // SAFETY: as `as_slice`; no queued copy reads the memory any more and `&mut self` excludes
-        // other borrows.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl Drop for SimHostBuffer {
-    fn drop(&mut self) {
-        let pending = {
-            let st = self.gpu.state.lock();
-            st.hosts
-                .get(&self.range)
-                .and_then(|h| h.pending.first().copied())
-        };
-        if let Some(stream) = pending {
-            self.mem.freed.store(true, Ordering::Release);
-            self.gpu.violation(
-                ViolationKind::FreedUnderCopy,
-                Some(stream),
-                "freeing page-locked host memory",
-                format!("staging buffer ({})", ByteSize(self.len as u64)),
-            );
-        }
-        self.gpu.remove_host_range(self.range);
-    }
-}
+pub(super) use super::buffer::*;
