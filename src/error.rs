@@ -20,7 +20,13 @@ use crate::size::ByteSize;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in residency.
-#[derive(Debug, thiserror::Error)]
+///
+/// Raised inside a candle forward (a layer of [`crate::nn`] or [`crate::ops`] fetching its
+/// weight), it travels as a `candle_core::Error` and keeps its type: `Error::from` (or `?` in a
+/// function returning this `Result`) gives it back, [`Error::in_candle`] finds it by reference,
+/// so an [`Error::OutOfMemory`] met in a forward is still retryable. Its `Debug` form is its
+/// message (candle prints the errors it wraps with `Debug`).
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A size string could not be parsed.
@@ -47,6 +53,26 @@ pub enum Error {
         /// The flag.
         flag: String,
         /// What was wrong.
+        reason: String,
+    },
+
+    /// Layers built on one model were given a patcher of another
+    /// ([`crate::ops::OpsSource::set_patcher`]); nothing was switched.
+    #[error("the layers were built on model `{layers}` but were given a patcher of model `{given}`; set_patcher takes a clone of `{layers}` (`patcher.clone()`, then add patches)")]
+    WrongModel {
+        /// The model the layers were built on.
+        layers: String,
+        /// The model of the patcher given.
+        given: String,
+    },
+
+    /// A device map rule ([`crate::DeviceMap::parse`], [`crate::DeviceMap::regex`]) cannot be
+    /// used. Nothing was mapped.
+    #[error("device map rule `{rule}`: {reason}")]
+    BadDeviceMap {
+        /// The rule as given.
+        rule: String,
+        /// What is wrong with it.
         reason: String,
     },
 
@@ -80,7 +106,7 @@ pub enum Error {
     #[error(
         "{} needs {required} on {device} but its budget is {budget}; it can never fit ({})",
         quoted(model),
-        budget_hint(device)
+        budget_hint(model, device)
     )]
     BudgetExceeded {
         /// The model being loaded.
@@ -232,8 +258,10 @@ fn quoted(name: &str) -> String {
 }
 
 /// What would help a request that can never fit `device`'s budget.
-fn budget_hint(device: &str) -> &'static str {
-    if device.starts_with("host") {
+fn budget_hint(model: &str, device: &str) -> &'static str {
+    if model.contains("weight `") && !device.starts_with("host") {
+        "a weight is fetched whole, so partial loading does not help: raise --vram-budget, store it in a smaller dtype, or place it on the CPU with a device map"
+    } else if device.starts_with("host") {
         "raise --ram-budget, or store the weight in a smaller dtype; a weight is read whole, so partial loading does not help"
     } else {
         "raise --vram-budget, allow partial loading, or use a smaller dtype"
@@ -262,7 +290,14 @@ impl Error {
     /// Wraps a candle error with context. A CUDA out-of-memory (the driver's
     /// `CUDA_ERROR_OUT_OF_MEMORY`, or cuBLAS failing to allocate) becomes the retryable
     /// [`Error::OutOfMemory`], naming `context`; anything else is [`Error::Tensor`].
+    ///
+    /// A candle error that carries a residency error (one raised inside a forward) gives that
+    /// error back, with its type.
     pub fn tensor(context: impl Into<String>, source: candle_core::Error) -> Self {
+        let source = match Error::out_of_candle(source) {
+            Ok(inner) => return inner,
+            Err(source) => source,
+        };
         let context = context.into();
         if is_cuda_out_of_memory(&source) {
             return Error::OutOfMemory {
@@ -290,16 +325,97 @@ fn out_of_memory_message(
     required: ByteSize,
     available: ByteSize,
 ) -> String {
-    if required == ByteSize::ZERO && available == ByteSize::ZERO {
-        format!("out of memory on {device} in {model} (free other models or lower the budget and retry)")
+    let hint = if model.starts_with("reservation") {
+        "reserve less, or raise --vram-budget"
     } else {
-        format!("out of memory on {device} loading `{model}`: {required} required, {available} available (free other models or lower the budget and retry)")
+        "free other models (MemoryManager::retry_on_oom does) or raise --vram-budget, then retry"
+    };
+    if required == ByteSize::ZERO && available == ByteSize::ZERO {
+        format!("out of memory on {device} in {model} ({hint})")
+    } else if model.contains('`') {
+        format!("out of memory on {device} {model}: {required} required, {available} available ({hint})")
+    } else {
+        format!("out of memory on {device} loading `{model}`: {required} required, {available} available ({hint})")
+    }
+}
+
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+/// The context a residency error carries inside candle's error.
+const IN_CANDLE: &str = "raised by residency (residency::Error::from gives the typed error back)";
+
+impl From<Error> for candle_core::Error {
+    /// candle's error holding `e` itself (`WrappedContext`, downcastable), so that
+    /// `residency::Error::from` on the way out gives `e` back with its type.
+    fn from(e: Error) -> Self {
+        candle_core::Error::WrappedContext {
+            wrapped: Box::new(e),
+            context: IN_CANDLE.to_string(),
+        }
     }
 }
 
 impl From<candle_core::Error> for Error {
+    /// The residency error inside `source` when there is one (raised in a forward and carried
+    /// through candle), with its type; otherwise [`Error::tensor`].
     fn from(source: candle_core::Error) -> Self {
         Error::tensor("tensor operation", source)
+    }
+}
+
+impl Error {
+    /// The residency error a candle error carries, if any: one raised by a layer's fetch inside
+    /// a forward and propagated through candle (under backtrace, context and path layers).
+    pub fn in_candle(e: &candle_core::Error) -> Option<&Error> {
+        match e {
+            candle_core::Error::WrappedContext { wrapped, .. } => wrapped.downcast_ref::<Error>(),
+            candle_core::Error::WithBacktrace { inner, .. }
+            | candle_core::Error::Context { inner, .. }
+            | candle_core::Error::WithPath { inner, .. } => Error::in_candle(inner),
+            _ => None,
+        }
+    }
+
+    /// Takes the residency error out of `e` (see [`Error::in_candle`]), or gives `e` back.
+    fn out_of_candle(e: candle_core::Error) -> std::result::Result<Error, candle_core::Error> {
+        if Error::in_candle(&e).is_none() {
+            return Err(e);
+        }
+        match e {
+            candle_core::Error::WrappedContext { wrapped, context } => {
+                match wrapped.downcast::<Error>() {
+                    Ok(inner) => Ok(*inner),
+                    Err(wrapped) => Err(candle_core::Error::WrappedContext { wrapped, context }),
+                }
+            }
+            candle_core::Error::WithBacktrace { inner, .. }
+            | candle_core::Error::Context { inner, .. }
+            | candle_core::Error::WithPath { inner, .. } => Error::out_of_candle(*inner),
+            other => Err(other),
+        }
+    }
+
+    /// An out-of-memory met while a forward fetched weight `key` of `model`, saying so (any
+    /// other error is returned as it is).
+    pub(crate) fn fetching(self, model: &str, key: &str) -> Error {
+        match self {
+            Error::OutOfMemory {
+                model: what,
+                device,
+                required,
+                available,
+            } if !what.contains(" of model `") => Error::OutOfMemory {
+                model: format!("fetching weight `{key}` of model `{model}` for a forward ({what})"),
+                device,
+                required,
+                available,
+            },
+            other => other,
+        }
     }
 }
 

@@ -16,6 +16,9 @@ pub fn global() -> &'static MemoryManager {
     GLOBAL.get_or_init(|| {
         let (config, errors) = Config::from_env_vars_lenient(std::env::vars());
         for e in errors {
+            // Printed as well as traced: an engine without a tracing subscriber would otherwise
+            // run on a configuration the user did not ask for without a word.
+            eprintln!("residency: ignoring a RESIDENCY_* setting: {e}");
             tracing::warn!(error = %e, "ignoring a RESIDENCY_* setting");
         }
         manager_for(config)

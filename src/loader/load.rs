@@ -20,11 +20,25 @@ impl MemoryManager {
     /// [`Error::OutOfMemory`]: crate::Error::OutOfMemory
     /// [`Error::BudgetExceeded`]: crate::Error::BudgetExceeded
     /// [`Error::RollbackIncomplete`]: crate::Error::RollbackIncomplete
-    pub fn load_models_gpu(
+    ///
+    /// `models` may be patchers or references to them (`&[p.clone()]` or `&[&p, &q]`). After a
+    /// successful load each model remembers which patches were loaded: a forward through layers
+    /// whose patcher has other patches warns once ([`crate::ops::OpsSource::not_loaded`]); use
+    /// [`crate::ops::OpsSource::load`] to switch the layers and load in one call.
+    pub fn load_models_gpu<P: std::borrow::Borrow<ModelPatcher>>(
         &self,
-        models: &[ModelPatcher],
+        models: &[P],
         options: LoadOptions,
     ) -> Result<LoadReport> {
+        let models: Vec<&ModelPatcher> = models.iter().map(|m| m.borrow()).collect();
+        let report = self.load_models(&models, options)?;
+        for m in expand(&models) {
+            m.model().note_loaded_patches(m.patches().version());
+        }
+        Ok(report)
+    }
+
+    fn load_models(&self, models: &[&ModelPatcher], options: LoadOptions) -> Result<LoadReport> {
         let mut all = expand(models);
         let options = options.resolved(&all);
         for m in &all {
@@ -64,6 +78,7 @@ impl MemoryManager {
                 m.set_auto_device(*d);
                 for other in models
                     .iter()
+                    .copied()
                     .chain(models.iter().flat_map(|x| x.additional_models()))
                 {
                     if Arc::ptr_eq(other.model(), m.model()) {
@@ -280,13 +295,13 @@ impl MemoryManager {
 
     /// Loads one model (see [`MemoryManager::load_models_gpu`]).
     pub fn load_model_gpu(&self, model: &ModelPatcher) -> Result<LoadReport> {
-        self.load_models_gpu(std::slice::from_ref(model), LoadOptions::default())
+        self.load_models_gpu(&[model], LoadOptions::default())
     }
 }
 
 /// The requested models and their additional models, one patcher per model (the last one given
 /// for a model wins).
-pub(super) fn expand(models: &[ModelPatcher]) -> Vec<ModelPatcher> {
+pub(super) fn expand(models: &[&ModelPatcher]) -> Vec<ModelPatcher> {
     let mut all: Vec<ModelPatcher> = Vec::new();
     let mut push = |m: &ModelPatcher| match all.iter().position(|x| x.is_clone(m)) {
         Some(pos) => all[pos] = m.same_handle(),

@@ -265,8 +265,13 @@ impl MemoryManager {
     /// weight, an fp8 weight whose scale is not a finite non-zero number, a GPU the machine does
     /// not have. A request that is valid but does not fit is an `Ok` plan with a
     /// [`LoadPlan::problem`].
-    pub fn plan(&self, models: &[ModelPatcher], options: LoadOptions) -> Result<LoadPlan> {
-        let mut all = super::expand(models);
+    pub fn plan<P: std::borrow::Borrow<ModelPatcher>>(
+        &self,
+        models: &[P],
+        options: LoadOptions,
+    ) -> Result<LoadPlan> {
+        let models: Vec<&ModelPatcher> = models.iter().map(|m| m.borrow()).collect();
+        let mut all = super::expand(&models);
         let options = options.resolved(&all);
         let inner = self.lock_inner();
         self.place_auto(&inner, &mut all);

@@ -154,6 +154,8 @@ pub fn pick_operations(
 #[derive(Clone)]
 pub struct OpsSource {
     patcher: Arc<RwLock<Arc<ModelPatcher>>>,
+    /// Set once a forward through a patch set other than the loaded one was warned about.
+    warned: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for OpsSource {
@@ -169,6 +171,7 @@ impl OpsSource {
     pub fn new(patcher: &ModelPatcher) -> Self {
         OpsSource {
             patcher: Arc::new(RwLock::new(Rank::OpsPatcher, Arc::new(patcher.clone()))),
+            warned: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         }
     }
 
@@ -181,21 +184,61 @@ impl OpsSource {
     /// its own patches, wrappers and load device).
     ///
     /// # Errors
-    /// [`Error::UnknownWeight`] when `patcher` is on another model (its keys could differ),
+    /// [`Error::WrongModel`] when `patcher` is on another model (its keys could differ),
     /// naming both models; nothing changes then.
     pub fn set_patcher(&self, patcher: &ModelPatcher) -> Result<()> {
         let current = self.patcher();
         if !current.is_clone(patcher) {
-            return Err(Error::UnknownWeight {
-                model: patcher.model().name().to_string(),
-                key: format!(
-                    "(any: layers were built on model `{}`, not this one)",
-                    current.model().name()
-                ),
+            return Err(Error::WrongModel {
+                layers: current.model().name().to_string(),
+                given: patcher.model().name().to_string(),
             });
         }
         *self.patcher.write() = Arc::new(patcher.clone());
         Ok(())
+    }
+
+    /// Switches every layer to `patcher` and loads it with `manager`, in one call: what is loaded
+    /// is what computes (the LoRA clone a node made, say). On error the layers keep the patcher
+    /// they had and nothing loaded is changed.
+    ///
+    /// # Errors
+    /// [`Error::WrongModel`] as [`OpsSource::set_patcher`]; whatever
+    /// [`MemoryManager::load_models_gpu`](crate::loader::MemoryManager::load_models_gpu)
+    /// refuses.
+    pub fn load(
+        &self,
+        manager: &crate::loader::MemoryManager,
+        patcher: &ModelPatcher,
+        options: crate::loader::LoadOptions,
+    ) -> Result<crate::loader::LoadReport> {
+        let before = self.patcher();
+        self.set_patcher(patcher)?;
+        manager
+            .load_models_gpu(&[patcher], options)
+            .inspect_err(|_| {
+                *self.patcher.write() = before;
+            })
+    }
+
+    /// When the layers fetch through a patch set other than the one a manager last loaded for
+    /// this model (a LoRA clone loaded without [`OpsSource::set_patcher`], or layers switched to
+    /// a clone that was never loaded): what is wrong, in words. A forward then computes with
+    /// the layers' patches, streamed — not what was loaded — and warns once.
+    pub fn not_loaded(&self) -> Option<String> {
+        not_loaded_text(&self.patcher())
+    }
+
+    /// Warns once per source when a forward computes with a patch set that is not the loaded one.
+    fn check_loaded(&self, patcher: &ModelPatcher) {
+        if self.warned.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        if let Some(text) = not_loaded_text(patcher) {
+            if !self.warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(model = patcher.model().name(), "{text}");
+            }
+        }
     }
 
     /// Marks the model's first forward finished, completing its recorded weight order
@@ -203,6 +246,19 @@ impl OpsSource {
     pub fn finish_forward(&self) {
         self.patcher().model().finish_forward();
     }
+}
+
+/// [`OpsSource::not_loaded`] for `patcher`.
+fn not_loaded_text(patcher: &ModelPatcher) -> Option<String> {
+    let loaded = patcher.model().loaded_patches()?;
+    let mine = patcher.patches().version();
+    (loaded != mine).then(|| {
+        format!(
+            "layers of model `{}` compute with a patcher whose patches ({} patched keys) are not the ones loaded: the forward streams them instead of using the loaded copies; switch the layers with OpsSource::set_patcher (or load with OpsSource::load)",
+            patcher.model().name(),
+            patcher.patches().len()
+        )
+    })
 }
 
 /// One weight of a layer: its key, slot index, shape and per-tensor scale.
@@ -290,7 +346,8 @@ fn prepare_weight(
     mode: OpsMode,
     device: &Device,
 ) -> Result<Tensor> {
-    let (t, streamed) = crate::offload::fetch_weight_at(patcher, w.index)?;
+    let (t, streamed) = crate::offload::fetch_weight_at(patcher, w.index)
+        .map_err(|e| e.fetching(patcher.model().name(), &w.key))?;
     let cache = if streamed {
         None
     } else {
@@ -408,6 +465,7 @@ pub fn cast_bias_weight(
 ) -> Result<(Tensor, Option<Tensor>)> {
     let _span = tracing::trace_span!("layer", weight = %weights.weight.key).entered();
     let patcher = weights.source.patcher();
+    weights.source.check_loaded(&patcher);
     let w = prepare_weight(&patcher, &weights.weight, mode, device)?;
     let b = match &weights.bias {
         Some(b) => Some(prepare_weight(&patcher, b, mode, device)?),
@@ -626,7 +684,7 @@ impl OpsBuilder {
 
 /// candle's `Module::forward` returns candle errors; ours are wrapped into them.
 pub(crate) fn to_candle(e: Error) -> candle_core::Error {
-    candle_core::Error::wrap(e)
+    e.into()
 }
 
 /// Whether `dtype` is a half-precision float (norms compute these in f32).

@@ -119,11 +119,11 @@ impl DeviceMap {
     /// Weights whose names match `pattern` go to `target` (llama.cpp's `--override-tensor`).
     ///
     /// # Errors
-    /// [`Error::InvalidFlag`] naming the pattern when it is not a valid regex.
+    /// [`Error::BadDeviceMap`] naming the pattern when it is not a valid regex.
     pub fn regex(mut self, pattern: &str, target: Target) -> Result<DeviceMap> {
-        let r = regex::Regex::new(pattern).map_err(|e| Error::InvalidFlag {
-            flag: "--device-map".into(),
-            reason: format!("`{pattern}` is not a valid regex: {e}"),
+        let r = regex::Regex::new(pattern).map_err(|e| Error::BadDeviceMap {
+            rule: pattern.to_string(),
+            reason: format!("not a valid regex: {e}"),
         })?;
         self.rules.push((Matcher::Regex(r), target));
         Ok(self)
@@ -134,18 +134,18 @@ impl DeviceMap {
     /// `host`/`cpu` or a device (`sim:1`, `cuda:0`).
     ///
     /// # Errors
-    /// [`Error::InvalidFlag`] naming the bad rule or target.
+    /// [`Error::BadDeviceMap`] naming the bad rule and what is wrong with it.
     pub fn parse(spec: &str) -> Result<DeviceMap> {
         let mut map = DeviceMap::new();
         for rule in spec.split(',').map(str::trim).filter(|r| !r.is_empty()) {
-            let (pattern, target) = rule.rsplit_once('=').ok_or_else(|| Error::InvalidFlag {
-                flag: "--device-map".into(),
-                reason: format!("`{rule}` is not RULE=DEVICE"),
+            let (pattern, target) = rule.rsplit_once('=').ok_or_else(|| Error::BadDeviceMap {
+                rule: rule.to_string(),
+                reason: "not RULE=DEVICE (a weight name prefix or regex, `=`, then `host`, `cuda:N` or `sim:N`)".into(),
             })?;
-            let target: Target = target.trim().parse().map_err(|_| Error::InvalidFlag {
-                flag: "--device-map".into(),
+            let target: Target = target.trim().parse().map_err(|_| Error::BadDeviceMap {
+                rule: rule.to_string(),
                 reason: format!(
-                    "`{target}` in `{rule}` is not a device (expected `host`, `cuda:N` or `sim:N`)"
+                    "`{target}` is not a device (expected `host`, `cuda:N` or `sim:N`)"
                 ),
             })?;
             let pattern = pattern.trim();

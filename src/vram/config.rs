@@ -406,6 +406,16 @@ impl Config {
                         i += 1;
                         Some(args[i - 1].clone())
                     }
+                    // `--async-offload many`: a word that is no flag was meant as the number.
+                    None if i < args.len() && !args[i].starts_with('-') => {
+                        return Err(Error::InvalidFlag {
+                            flag: name.into(),
+                            reason: format!(
+                                "`{}` is not a number (give a count, `{name} 2`, or the flag alone)",
+                                args[i]
+                            ),
+                        });
+                    }
                     None => None,
                 },
             };
@@ -459,6 +469,8 @@ impl Config {
         let mut vars = residency_vars(vars);
         vars.sort();
         let mut args: Vec<String> = Vec::new();
+        // Which variable gave each flag, so an error names the variable the user set.
+        let mut given: Vec<(String, String, std::ops::Range<usize>)> = Vec::new();
         if let Some((_, v)) = vars.iter().find(|(k, _)| k == "RESIDENCY_ARGS") {
             args.extend(v.split_whitespace().map(str::to_string));
         }
@@ -478,6 +490,7 @@ impl Config {
                     }),
                 });
             };
+            let first = args.len();
             match Config::flag_takes_value(name) {
                 Some(false) => {
                     if is_truthy(k, v)? {
@@ -493,8 +506,22 @@ impl Config {
                     }
                 }
             }
+            given.push((k.clone(), v.clone(), first..args.len()));
         }
-        Config::from_args(args)
+        Config::from_args(&args).map_err(|e| {
+            // The variable whose flag alone fails (or the last one given, for two that conflict).
+            let culprit = given
+                .iter()
+                .find(|(_, _, r)| Config::from_args(&args[r.clone()]).is_err())
+                .or_else(|| given.iter().rev().find(|(_, _, r)| !r.is_empty()));
+            match (culprit, &e) {
+                (_, Error::ConflictingFlags { .. }) | (None, _) => e,
+                (Some((k, v, _)), _) => Error::InvalidFlag {
+                    flag: k.clone(),
+                    reason: format!("`{v}`: {e}"),
+                },
+            }
+        })
     }
 
     fn apply(

@@ -76,6 +76,20 @@ impl Model {
         );
     }
 
+    /// Notes that a manager loaded the model for a patcher whose patch set has `version`.
+    pub(crate) fn note_loaded_patches(&self, version: u64) {
+        self.loaded_patches
+            .store(version.saturating_add(1), Ordering::Relaxed);
+    }
+
+    /// The patch-set version of the patcher last loaded by a manager (`None`: never loaded).
+    pub(crate) fn loaded_patches(&self) -> Option<u64> {
+        match self.loaded_patches.load(Ordering::Relaxed) {
+            0 => None,
+            v => Some(v - 1),
+        }
+    }
+
     /// Whether a manager in dynamic mode loaded the model (its weights become resident by use,
     /// docs/ARCHITECTURE.md §5.3).
     pub fn is_dynamic(&self) -> bool {

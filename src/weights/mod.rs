@@ -452,6 +452,9 @@ pub struct Model {
     /// Set (and warned about, once) when a weight was fetched for a GPU without the model being
     /// loaded there.
     used_unloaded: std::sync::atomic::AtomicBool,
+    /// The patch-set version of the patcher last loaded by a manager, plus one (0: never
+    /// loaded); a forward through another patch set is warned about (the clone trap).
+    loaded_patches: AtomicU64,
     /// A value built from the resident copies (a managed model's module), valid while the
     /// residency generation and the builder's key are the ones it was built at.
     derived: Mutex<Option<Derived>>,
@@ -623,6 +626,7 @@ impl Model {
             whole: std::sync::atomic::AtomicBool::new(false),
             dynamic: std::sync::atomic::AtomicBool::new(false),
             used_unloaded: std::sync::atomic::AtomicBool::new(false),
+            loaded_patches: AtomicU64::new(0),
             derived: Mutex::new(Rank::Derived, None),
             host,
         })

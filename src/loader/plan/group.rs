@@ -166,14 +166,49 @@ impl MemoryManager {
                 ),
             });
         }
-        if let DeviceId::Cuda(n) = m.load_device() {
-            if self.policy.hardware().gpu(n).is_none() {
+        let name = m.model().name();
+        for device in m.devices() {
+            let missing = match device {
+                DeviceId::Cpu => None,
+                DeviceId::Cuda(n) if self.policy.hardware().gpu(n).is_none() => Some(format!(
+                    "this machine has {} CUDA GPU(s)",
+                    self.policy.hardware().gpus.len()
+                )),
+                DeviceId::Sim(n) if n >= self.policy.config().sim_gpus.len() => Some(format!(
+                    "this manager has {} simulated GPU(s); each --sim-gpu adds one",
+                    self.policy.config().sim_gpus.len()
+                )),
+                _ => None,
+            };
+            if let Some(have) = missing {
+                let role = if device == m.load_device() {
+                    "is set to load on"
+                } else {
+                    "has a device map that places weights on"
+                };
                 return Err(Error::Device {
-                    device: m.load_device().to_string(),
+                    device: device.to_string(),
                     reason: format!(
-                        "model `{}` is set to load on a GPU this machine does not have",
-                        m.model().name()
+                        "model `{name}` {role} {device}, which does not exist ({have})"
                     ),
+                });
+            }
+        }
+        // A weight is fetched whole: one larger than its device's memory can never be used there,
+        // whatever is evicted or streamed. Refused now rather than at the forward that needs it.
+        for (i, slot) in m.model().slots().iter().enumerate() {
+            let device = m.weight_device(i);
+            if device == DeviceId::Cpu {
+                continue;
+            }
+            let total = self.policy.total_memory(device);
+            let size = m.resident_size(i);
+            if size > total {
+                return Err(Error::BudgetExceeded {
+                    model: format!("`{name}` weight `{}`", slot.name()),
+                    device: device.to_string(),
+                    required: size,
+                    budget: total,
                 });
             }
         }

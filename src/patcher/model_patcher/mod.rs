@@ -105,6 +105,11 @@ impl PatchSet {
     pub fn keys(&self) -> impl Iterator<Item = &str> {
         self.map.keys().map(|k| k.as_str())
     }
+    /// The set's version: process-unique per addition, shared by clones that added nothing
+    /// since, 0 for an empty set. Equal versions mean the same patches.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
 }
 
 /// Estimates activation memory for an input shape (supplied by the model's author).
