@@ -344,6 +344,8 @@ impl MemoryManager {
             moved,
             lazy_patched: outcome.lazy_patched,
             full: outcome.full,
+            held_outside: ByteSize::ZERO,
+            outside_keys: Vec::new(),
         })
     }
 

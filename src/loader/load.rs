@@ -31,9 +31,23 @@ impl MemoryManager {
         options: LoadOptions,
     ) -> Result<LoadReport> {
         let models: Vec<&ModelPatcher> = models.iter().map(|m| m.borrow()).collect();
-        let report = self.load_models(&models, options)?;
+        let mut report = self.load_models(&models, options)?;
         for m in expand(&models) {
             m.model().note_loaded_patches(m.patches().version());
+            let outside = m.model().held_outside();
+            if outside.is_empty() {
+                continue;
+            }
+            let bytes: ByteSize = outside.iter().map(|(_, b)| *b).sum();
+            if let Some(load) = report
+                .models
+                .iter_mut()
+                .find(|l| l.name == m.model().name())
+            {
+                load.held_outside = bytes;
+                load.outside_keys = outside.iter().map(|(k, _)| k.clone()).collect();
+            }
+            m.model().warn_outside_once(&outside, bytes);
         }
         Ok(report)
     }
@@ -189,6 +203,8 @@ impl MemoryManager {
                 moved: ByteSize::ZERO,
                 lazy_patched: 0,
                 full: true,
+                held_outside: ByteSize::ZERO,
+                outside_keys: Vec::new(),
             });
         }
         for e in entries {

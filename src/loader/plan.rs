@@ -66,6 +66,9 @@ pub struct PlannedLoad {
     pub to_drop: ByteSize,
     /// Weights that will stream with patches (applied at use).
     pub lazy_patched: usize,
+    /// Bytes of parameters the model's code holds as its own tensors, outside the ledger and
+    /// every budget ([`crate::weights::Model::held_outside`]); not in `resident` or `streaming`.
+    pub held_outside: ByteSize,
     /// Of the model's size, the bytes of quantized (GGUF) weights: their GGML blocks, counted
     /// as the blocks they are in `resident`, `streaming` and `to_move`.
     pub quantized: ByteSize,
@@ -373,6 +376,7 @@ impl MemoryManager {
                 to_move: ByteSize::ZERO,
                 to_drop: ByteSize::ZERO,
                 lazy_patched: 0,
+                held_outside: m.model().held_outside().iter().map(|(_, b)| *b).sum(),
                 quantized: m.model().quantized_size().0,
                 placed: Vec::new(),
             };

@@ -23,6 +23,11 @@ pub struct ModelLoad {
     pub lazy_patched: usize,
     /// Whether every weight is resident.
     pub full: bool,
+    /// Bytes of parameters the model's code holds as its own tensors, outside the ledger
+    /// ([`crate::weights::Model::held_outside`]): never evicted or streamed, not in any budget.
+    pub held_outside: ByteSize,
+    /// Their keys.
+    pub outside_keys: Vec<String>,
 }
 
 /// A model unloaded (partly or fully) to make room.

@@ -16,7 +16,16 @@ pub struct Embedding {
 
 impl Embedding {
     /// An embedding on an owned table, as candle-nn's `Embedding::new`: not managed.
+    ///
+    /// A table [`super::VarBuilder::get`] just returned, unchanged, makes a managed embedding on
+    /// its key instead.
     pub fn new(embeddings: Tensor, hidden_size: usize) -> Self {
+        if let Some(w) = super::held::adopt(&embeddings, None) {
+            return Embedding {
+                held: Held::Fetched(w),
+                hidden_size,
+            };
+        }
         Embedding {
             held: Held::Owned(candle_nn::Embedding::new(embeddings, hidden_size)),
             hidden_size,

@@ -94,3 +94,127 @@ pub(crate) fn handed_out(t: &Tensor) -> Option<String> {
         .find(|(i, _)| *i == id)
         .map(|(_, w)| w.clone())
 }
+
+/// A parameter [`super::VarBuilder::get`] handed out: what a layer constructor needs to manage it
+/// instead (`Linear::new(vb.get(..)?, None)` becomes a managed layer on the same key).
+struct RawGet {
+    id: candle_core::TensorId,
+    source: crate::ops::WeakSource,
+    mode: crate::ops::OpsMode,
+    key: String,
+    shape: Vec<usize>,
+    model_id: u64,
+}
+
+/// Parameters handed out by `VarBuilder::get` and not yet adopted by a layer, newest last.
+/// Bounded: a constructor adopts a tensor right after it was read, so only the recent ones
+/// matter.
+static RAW: crate::lock::Mutex<std::collections::VecDeque<RawGet>> = crate::lock::Mutex::new(
+    crate::lock::Rank::NnHandedOut,
+    std::collections::VecDeque::new(),
+);
+
+/// How many handed-out parameters are remembered for adoption.
+const RAW_KEPT: usize = 4096;
+
+/// Per model (by id): the keys of parameters a model holds as its own tensors, outside the
+/// ledger, and their bytes.
+static OUTSIDE: crate::lock::Mutex<
+    Option<std::collections::HashMap<u64, std::collections::BTreeMap<String, crate::ByteSize>>>,
+> = crate::lock::Mutex::new(crate::lock::Rank::NnHandedOut, None);
+
+/// Notes that `t`, the parameter `weights` names, was handed to model code: it is outside the
+/// ledger until a layer constructor adopts it.
+pub(crate) fn note_raw(t: &Tensor, weights: &LayerWeights) {
+    let patcher = weights.source().patcher();
+    let model_id = patcher.model().id();
+    let key = weights.weight_key().to_string();
+    let bytes = crate::ByteSize((t.elem_count() * t.dtype().size_in_bytes()) as u64);
+    {
+        let mut raw = RAW.lock();
+        if raw.len() == RAW_KEPT {
+            raw.pop_front();
+        }
+        raw.push_back(RawGet {
+            id: t.id(),
+            source: weights.source().downgrade(),
+            mode: weights.mode(),
+            key: key.clone(),
+            shape: weights.weight_shape().to_vec(),
+            model_id,
+        });
+    }
+    OUTSIDE
+        .lock()
+        .get_or_insert_with(Default::default)
+        .entry(model_id)
+        .or_default()
+        .insert(key, bytes);
+}
+
+/// The managed form of a layer made on `weight` (and `bias`) when `VarBuilder::get` handed them
+/// out unchanged, from one source in one mode: the layer fetches those keys instead of holding the
+/// tensors, and they no longer count as outside the ledger. `None` for any other tensor.
+pub(crate) fn adopt(weight: &Tensor, bias: Option<&Tensor>) -> Option<LayerWeights> {
+    let (w, b) = {
+        let mut raw = RAW.lock();
+        let w = raw.iter().rposition(|r| r.id == weight.id())?;
+        let b = match bias {
+            Some(bias) => Some(raw.iter().rposition(|r| r.id == bias.id())?),
+            None => None,
+        };
+        let bias_get = b.map(|b| {
+            let r = &raw[b];
+            (r.key.clone(), r.shape.clone(), r.source.clone(), r.mode)
+        });
+        let w = raw.remove(w)?;
+        let b = match bias_get {
+            Some(b) => {
+                let id = bias.map(|t| t.id());
+                raw.retain(|r| Some(r.id) != id);
+                Some(b)
+            }
+            None => None,
+        };
+        (w, b)
+    };
+    let source = w.source.upgrade()?;
+    let bias = match &b {
+        Some((key, shape, bsource, mode)) => {
+            // A bias from another builder or mode stays owned with its layer.
+            if !bsource.same_as(&w.source) || *mode != w.mode || shape.len() != 1 {
+                return None;
+            }
+            Some((key.clone(), shape[0]))
+        }
+        None => None,
+    };
+    let layer = crate::ops::OpsBuilder::from_source(&source, w.mode)
+        .weights_at(w.key.clone(), &w.shape, bias.clone())
+        .ok()?;
+    if let Some(map) = OUTSIDE.lock().as_mut().and_then(|m| m.get_mut(&w.model_id)) {
+        map.remove(&w.key);
+        if let Some((key, _)) = &bias {
+            map.remove(key);
+        }
+    }
+    Some(layer)
+}
+
+/// The parameters model `model_id` holds outside the ledger (handed out by `VarBuilder::get` and
+/// kept by the model as its own tensors), by key, with their bytes.
+pub(crate) fn outside_of(model_id: u64) -> Vec<(String, crate::ByteSize)> {
+    OUTSIDE
+        .lock()
+        .as_ref()
+        .and_then(|m| m.get(&model_id))
+        .map(|keys| keys.iter().map(|(k, b)| (k.clone(), *b)).collect())
+        .unwrap_or_default()
+}
+
+/// Forgets model `model_id` (it was dropped).
+pub(crate) fn forget_model(model_id: u64) {
+    if let Some(m) = OUTSIDE.lock().as_mut() {
+        m.remove(&model_id);
+    }
+}

@@ -24,18 +24,38 @@ pub struct LayerNorm {
 
 impl LayerNorm {
     /// A layer norm on owned tensors, as candle-nn's `LayerNorm::new`: not managed.
+    ///
+    /// Tensors [`VarBuilder::get`] just returned, unchanged, make a managed layer on their keys
+    /// instead (as with every `new` of this module).
     pub fn new(weight: Tensor, bias: Tensor, eps: f64) -> Self {
-        LayerNorm::owned(candle_nn::LayerNorm::new(weight, bias, eps), true, eps)
+        match super::held::adopt(&weight, Some(&bias)) {
+            Some(w) => LayerNorm::managed(w, true, eps),
+            None => LayerNorm::owned(candle_nn::LayerNorm::new(weight, bias, eps), true, eps),
+        }
     }
 
     /// A bias-free layer norm on an owned weight (candle-nn's `LayerNorm::new_no_bias`).
     pub fn new_no_bias(weight: Tensor, eps: f64) -> Self {
-        LayerNorm::owned(candle_nn::LayerNorm::new_no_bias(weight, eps), true, eps)
+        match super::held::adopt(&weight, None) {
+            Some(w) => LayerNorm::managed(w, true, eps),
+            None => LayerNorm::owned(candle_nn::LayerNorm::new_no_bias(weight, eps), true, eps),
+        }
     }
 
     /// An RMS norm on an owned weight (candle-nn's `LayerNorm::rms_norm`).
     pub fn rms_norm(weight: Tensor, eps: f64) -> Self {
-        LayerNorm::owned(candle_nn::LayerNorm::rms_norm(weight, eps), false, eps)
+        match super::held::adopt(&weight, None) {
+            Some(w) => LayerNorm::managed(w, false, eps),
+            None => LayerNorm::owned(candle_nn::LayerNorm::rms_norm(weight, eps), false, eps),
+        }
+    }
+
+    fn managed(w: LayerWeights, remove_mean: bool, eps: f64) -> Self {
+        LayerNorm {
+            held: Held::Fetched(w),
+            remove_mean,
+            eps,
+        }
     }
 
     fn owned(l: candle_nn::LayerNorm, remove_mean: bool, eps: f64) -> Self {
@@ -142,7 +162,8 @@ impl Module for LayerNorm {
 pub struct RmsNorm(LayerNorm);
 
 impl RmsNorm {
-    /// An RMS norm on an owned weight, as candle-nn's `RmsNorm::new`: not managed.
+    /// An RMS norm on an owned weight, as candle-nn's `RmsNorm::new`: not managed, unless
+    /// `weight` is a tensor [`VarBuilder::get`] just returned (Flux's `QkNorm`): then managed.
     pub fn new(weight: Tensor, eps: f64) -> Self {
         RmsNorm(LayerNorm::rms_norm(weight, eps))
     }

@@ -16,7 +16,10 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// A linear layer on owned tensors, as candle-nn's `Linear::new`: not managed.
+    /// A linear layer on owned tensors, as candle-nn's `Linear::new`: not managed — unless
+    /// `weight` (and `bias`) are tensors [`VarBuilder::get`] just returned, unchanged: then the
+    /// layer fetches those keys instead (the tensors are dropped with the call), as [`linear`]
+    /// would have built it.
     ///
     /// Given the table a managed [`Embedding::embeddings`] just fetched (the tempting spelling
     /// of a tied head, `Linear::new(emb.embeddings()?, None)`), it computes the same bits but
@@ -24,6 +27,9 @@ impl Linear {
     /// embedding no longer reaches it. That case is warned about and reported by
     /// [`Linear::copies_managed`]; use [`Linear::from_embedding`] instead.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        if let Some(w) = super::held::adopt(&weight, bias.as_ref()) {
+            return Linear::fetched(w);
+        }
         let copies = super::held::handed_out(&weight);
         if let Some(what) = &copies {
             tracing::warn!(

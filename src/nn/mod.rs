@@ -46,7 +46,7 @@
 pub mod conv;
 pub mod embedding;
 pub mod group_norm;
-mod held;
+pub(crate) mod held;
 pub mod layer_norm;
 pub mod linear;
 #[cfg(test)]
@@ -70,4 +70,4 @@ pub use layer_norm::{
     layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, LayerNormConfig, RmsNorm,
 };
 pub use linear::{linear, linear_b, linear_no_bias, Linear};
-pub use var_builder::VarBuilder;
+pub use var_builder::{Param, VarBuilder};

@@ -216,7 +216,23 @@ impl<'a> VarBuilder<'a> {
     /// for another shape (candle-nn: `CannotFindTensor`, `UnexpectedShape`), inside candle's error.
     pub fn get<S: Into<Shape>>(&self, s: S, name: &str) -> candle_core::Result<Tensor> {
         let weights = self.weights(name, s.into().dims(), None)?;
-        self.read(&weights)
+        let t = self.read(&weights)?;
+        super::held::note_raw(&t, &weights);
+        Ok(t)
+    }
+
+    /// The parameter `name` of shape `s` as a managed handle: [`Param::fetch`] reads it at
+    /// use (the resident copy when current, else patched, cast and streamed), so a model that
+    /// keeps raw weights (a norm's scale, a learned embedding) keeps them under the manager.
+    ///
+    /// # Errors
+    /// As [`VarBuilder::get`].
+    pub fn get_managed<S: Into<Shape>>(&self, s: S, name: &str) -> candle_core::Result<Param> {
+        let weights = self.weights(name, s.into().dims(), None)?;
+        Ok(Param {
+            weights,
+            dtype: self.dtype,
+        })
     }
 
     /// [`VarBuilder::get`]; the initialisation hint is ignored (weights come from the model: a
@@ -302,5 +318,39 @@ impl<'a> VarBuilder<'a> {
             rename: self.rename.clone(),
             _borrow: PhantomData,
         }
+    }
+}
+
+/// A managed parameter ([`VarBuilder::get_managed`]): its key, fetched at every use.
+#[derive(Debug, Clone)]
+pub struct Param {
+    weights: LayerWeights,
+    dtype: DType,
+}
+
+impl Param {
+    /// The parameter for a forward on `device`, in the builder's dtype: the resident copy when
+    /// current, else patched, cast and moved now; recorded in the forward order like a layer's
+    /// weight (so prefetch follows it).
+    ///
+    /// # Errors
+    /// The fetch's errors (a device out of memory, patch math), with their type inside candle's.
+    pub fn fetch(&self, device: &Device) -> candle_core::Result<Tensor> {
+        let (t, _) = super::held::fetch(&self.weights, device)?;
+        if t.dtype() == self.dtype {
+            Ok(t)
+        } else {
+            t.to_dtype(self.dtype)
+        }
+    }
+
+    /// The model key it reads.
+    pub fn key(&self) -> &str {
+        self.weights.weight_key()
+    }
+
+    /// Its shape.
+    pub fn shape(&self) -> &[usize] {
+        self.weights.weight_shape()
     }
 }

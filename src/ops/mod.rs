@@ -166,7 +166,38 @@ impl std::fmt::Debug for OpsSource {
     }
 }
 
+/// A handle on an [`OpsSource`] that does not keep it alive (what `nn` remembers of a parameter
+/// it handed out).
+#[derive(Clone)]
+pub(crate) struct WeakSource {
+    patcher: std::sync::Weak<RwLock<Arc<ModelPatcher>>>,
+    warned: std::sync::Weak<std::sync::atomic::AtomicBool>,
+}
+
+impl WeakSource {
+    /// The source, while any of its handles lives.
+    pub(crate) fn upgrade(&self) -> Option<OpsSource> {
+        Some(OpsSource {
+            patcher: self.patcher.upgrade()?,
+            warned: self.warned.upgrade()?,
+        })
+    }
+
+    /// Whether both are handles on one source.
+    pub(crate) fn same_as(&self, other: &WeakSource) -> bool {
+        self.patcher.ptr_eq(&other.patcher)
+    }
+}
+
 impl OpsSource {
+    /// A handle that does not keep the source alive.
+    pub(crate) fn downgrade(&self) -> WeakSource {
+        WeakSource {
+            patcher: Arc::downgrade(&self.patcher),
+            warned: Arc::downgrade(&self.warned),
+        }
+    }
+
     /// A source fetching through a clone of `patcher` (sharing its model, patches and wrappers).
     pub fn new(patcher: &ModelPatcher) -> Self {
         OpsSource {

@@ -76,6 +76,31 @@ impl Model {
         );
     }
 
+    /// Parameters the model's code holds as its own tensors, outside the ledger: handed out by
+    /// [`crate::nn::VarBuilder::get`] and not adopted by a layer constructor, by key with their
+    /// bytes (they are never evicted, streamed or counted; [`crate::nn::VarBuilder::get_managed`]
+    /// keeps such a parameter managed).
+    pub fn held_outside(&self) -> Vec<(String, ByteSize)> {
+        crate::nn::held::outside_of(self.id)
+    }
+
+    /// Warns, once per model, that its code holds `outside` (`bytes` in all) outside the ledger.
+    pub(crate) fn warn_outside_once(&self, outside: &[(String, ByteSize)], bytes: ByteSize) {
+        if self.warned_outside.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let keys: Vec<&str> = outside.iter().take(8).map(|(k, _)| k.as_str()).collect();
+        let more = outside.len().saturating_sub(keys.len());
+        tracing::warn!(
+            model = self.name(),
+            %bytes,
+            "model `{}` keeps {bytes} of its weights as its own tensors, outside the ledger (never evicted, streamed or budgeted): {}{}; build its layers from them with Linear::new / RmsNorm::new / LayerNorm::new on the tensors VarBuilder::get returned, or read them with VarBuilder::get_managed",
+            self.name(),
+            keys.join(", "),
+            if more > 0 { format!(" and {more} more") } else { String::new() }
+        );
+    }
+
     /// Notes that a manager loaded the model for a patcher whose patch set has `version`.
     pub(crate) fn note_loaded_patches(&self, version: u64) {
         self.loaded_patches

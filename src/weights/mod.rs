@@ -455,6 +455,8 @@ pub struct Model {
     /// The patch-set version of the patcher last loaded by a manager, plus one (0: never
     /// loaded); a forward through another patch set is warned about (the clone trap).
     loaded_patches: AtomicU64,
+    /// Set once the parameters held outside the ledger were warned about.
+    warned_outside: std::sync::atomic::AtomicBool,
     /// A value built from the resident copies (a managed model's module), valid while the
     /// residency generation and the builder's key are the ones it was built at.
     derived: Mutex<Option<Derived>>,
@@ -465,6 +467,7 @@ pub struct Model {
 
 impl Drop for Model {
     fn drop(&mut self) {
+        crate::nn::held::forget_model(self.id);
         if let Some(tier) = self.host.get() {
             tier.forget_model(self.id);
         }
@@ -627,6 +630,7 @@ impl Model {
             dynamic: std::sync::atomic::AtomicBool::new(false),
             used_unloaded: std::sync::atomic::AtomicBool::new(false),
             loaded_patches: AtomicU64::new(0),
+            warned_outside: std::sync::atomic::AtomicBool::new(false),
             derived: Mutex::new(Rank::Derived, None),
             host,
         })

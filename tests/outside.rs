@@ -1,0 +1,162 @@
+//! Tensors outside the ledger: what `VarBuilder::get` hands a model is either adopted by the layer
+//! built on it (then managed, fetched at every forward) or counted, reported and warned about —
+//! never silently outside every budget.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::{Module, Tensor};
+use residency::loader::{LoadOptions, MemoryManager};
+use residency::nn::{Linear, RmsNorm, VarBuilder};
+use residency::ops::OpsMode;
+use residency::patcher::ModelPatcher;
+use residency::vram::{Config, DeviceId, Hardware};
+use residency::weights::Model;
+use residency::ByteSize;
+
+const SIM0: DeviceId = DeviceId::Sim(0);
+
+fn manager_with(flags: &[&str]) -> MemoryManager {
+    MemoryManager::new(
+        Config::from_args(flags).unwrap(),
+        Hardware::cpu_only(ByteSize::gib(64)),
+    )
+    .unwrap()
+}
+
+/// `w` (64×64), `proj.weight` (32×64), `proj.bias` (32), `q.scale` (64), all f32.
+fn model() -> Arc<Model> {
+    Arc::new(
+        Model::from_tensors(
+            "port",
+            [
+                ("w", common::rand_tensor(&[64, 64], 1)),
+                ("proj.weight", common::rand_tensor(&[32, 64], 2)),
+                ("proj.bias", common::rand_tensor(&[32], 3)),
+                ("q.scale", common::rand_tensor(&[64], 4)),
+            ],
+        )
+        .unwrap(),
+    )
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
+fn copies(mm: &MemoryManager) -> u64 {
+    mm.transfer_engine().devices().sims()[0].stats().copies
+}
+
+#[test]
+fn a_raw_parameter_the_model_keeps_is_counted_reported_and_in_the_plan() {
+    let mm = manager_with(&["--sim-gpu", "1MiB", "--novram", "--disable-dynamic-vram"]);
+    let m = model();
+    let p = ModelPatcher::new(Arc::clone(&m), SIM0, DeviceId::Cpu);
+    let vb = VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap();
+    // The minimal case: kept by the model, used in its forward as a plain tensor.
+    let w = vb.get((64, 64), "w").unwrap();
+    assert_eq!(m.held_outside(), vec![("w".to_string(), ByteSize::kib(16))]);
+    let plan = mm.plan(&[&p], LoadOptions::default()).unwrap();
+    assert_eq!(plan.models[0].held_outside, ByteSize::kib(16));
+    let report = mm.load_model_gpu(&p).unwrap();
+    assert_eq!(report.models[0].held_outside, ByteSize::kib(16));
+    assert_eq!(report.models[0].outside_keys, vec!["w".to_string()]);
+    // The ledger does not hold it (it is the model's own tensor), and the report says so.
+    assert_eq!(mm.ledger(SIM0), ByteSize::ZERO);
+    drop(w);
+}
+
+#[test]
+fn layers_built_by_new_on_what_get_returned_are_managed_and_compute_candle_nn_s_bits() {
+    let mm = manager_with(&["--sim-gpu", "1MiB", "--novram", "--disable-dynamic-vram"]);
+    let m = model();
+    let p = ModelPatcher::new(Arc::clone(&m), SIM0, DeviceId::Cpu);
+    let vb = VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap();
+    // A port's spelling of a linear layer and of Flux's `QkNorm`.
+    let proj = Linear::new(
+        vb.get((32, 64), "proj.weight").unwrap(),
+        Some(vb.get(32, "proj.bias").unwrap()),
+    );
+    let norm = RmsNorm::new(vb.get(64, "q.scale").unwrap(), 1e-6);
+    assert_eq!(
+        proj.weights().map(|w| (w.weight_key(), w.bias_key())),
+        Some(("proj.weight", Some("proj.bias"))),
+        "Linear::new adopted the keys"
+    );
+    assert!(
+        norm.clone().into_inner().weights().is_some(),
+        "RmsNorm::new adopted its scale"
+    );
+    assert!(m.held_outside().is_empty(), "{:?}", m.held_outside());
+    let report = mm.load_model_gpu(&p).unwrap();
+    assert_eq!(report.models[0].held_outside, ByteSize::ZERO);
+
+    // Managed: under --novram each forward fetches the weights onto the device.
+    let x = common::rand_tensor(&[3, 64], 7);
+    let before = copies(&mm);
+    let y = norm.forward(&x).unwrap();
+    let z = proj.forward(&y).unwrap();
+    assert!(
+        copies(&mm) >= before + 3,
+        "weight, bias and scale were fetched"
+    );
+    // candle-nn's layers on the clean tensors: the same bits.
+    let clean = |k: &str| m.clean(k).unwrap();
+    let y_ref = candle_nn::RmsNorm::new(clean("q.scale"), 1e-6)
+        .forward(&x)
+        .unwrap();
+    let z_ref = candle_nn::Linear::new(clean("proj.weight"), Some(clean("proj.bias")))
+        .forward(&y_ref)
+        .unwrap();
+    assert_eq!(bits(&y), bits(&y_ref));
+    assert_eq!(bits(&z), bits(&z_ref));
+}
+
+#[test]
+fn a_tensor_changed_after_get_stays_the_model_s_own_and_stays_counted() {
+    let m = model();
+    let p = ModelPatcher::new(Arc::clone(&m), DeviceId::Cpu, DeviceId::Cpu);
+    let vb = VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap();
+    let scaled = (vb.get((32, 64), "proj.weight").unwrap() * 2.0).unwrap();
+    let head = Linear::new(scaled, None);
+    assert!(
+        head.weights().is_none(),
+        "another tensor than the one read: owned"
+    );
+    assert_eq!(
+        m.held_outside(),
+        vec![("proj.weight".to_string(), ByteSize(32 * 64 * 4))]
+    );
+}
+
+#[test]
+fn get_managed_reads_a_raw_parameter_at_use_and_keeps_it_inside() {
+    let mm = manager_with(&["--sim-gpu", "1MiB", "--novram", "--disable-dynamic-vram"]);
+    let m = model();
+    let p = ModelPatcher::new(Arc::clone(&m), SIM0, DeviceId::Cpu);
+    let vb = VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap();
+    let scale = vb.get_managed(64, "q.scale").unwrap();
+    assert_eq!((scale.key(), scale.shape()), ("q.scale", &[64usize][..]));
+    assert!(m.held_outside().is_empty());
+    mm.load_model_gpu(&p).unwrap();
+    let before = copies(&mm);
+    let t = scale.fetch(vb.device()).unwrap();
+    assert_eq!(copies(&mm), before + 1, "fetched at use");
+    assert_eq!(bits(&t), bits(&m.clean("q.scale").unwrap()));
+    let err = vb.get_managed(63, "q.scale").unwrap_err();
+    assert!(
+        matches!(
+            residency::Error::from(err),
+            residency::Error::ShapeMismatch { .. }
+        ),
+        "a wrong shape is a typed error"
+    );
+}
