@@ -389,10 +389,17 @@ impl MemoryManager {
             .collect()
     }
 
+    /// The resident column of `device`'s ledger: the registered models' resident copies there,
+    /// plus the parameters their code holds as its own tensors there
+    /// ([`Model::held_outside`]: never evicted, so counted like a resident copy that stays).
     fn resident_in(registry: &[Entry], device: DeviceId) -> ByteSize {
         registry
             .iter()
-            .map(|e| e.model().resident_bytes(device))
+            .map(|e| {
+                e.model()
+                    .resident_bytes(device)
+                    .saturating_add(crate::nn::held::outside_on(e.model().id(), device))
+            })
             .sum()
     }
 

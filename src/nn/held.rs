@@ -117,11 +117,13 @@ static RAW: crate::lock::Mutex<std::collections::VecDeque<RawGet>> = crate::lock
 /// How many handed-out parameters are remembered for adoption.
 const RAW_KEPT: usize = 4096;
 
-/// Per model (by id): the keys of parameters a model holds as its own tensors, outside the
-/// ledger, and their bytes.
-static OUTSIDE: crate::lock::Mutex<
-    Option<std::collections::HashMap<u64, std::collections::BTreeMap<String, crate::ByteSize>>>,
-> = crate::lock::Mutex::new(crate::lock::Rank::NnHandedOut, None);
+/// The parameters one model's code holds as its own tensors, by key: bytes and the device the
+/// tensor was made for (the patcher's load device).
+type Outside = std::collections::BTreeMap<String, (crate::ByteSize, crate::vram::DeviceId)>;
+
+/// Per model (by id): the parameters its code holds as its own tensors.
+static OUTSIDE: crate::lock::Mutex<Option<std::collections::HashMap<u64, Outside>>> =
+    crate::lock::Mutex::new(crate::lock::Rank::NnHandedOut, None);
 
 /// Notes that `t`, the parameter `weights` names, was handed to model code: it is outside the
 /// ledger until a layer constructor adopts it.
@@ -130,6 +132,7 @@ pub(crate) fn note_raw(t: &Tensor, weights: &LayerWeights) {
     let model_id = patcher.model().id();
     let key = weights.weight_key().to_string();
     let bytes = crate::ByteSize((t.elem_count() * t.dtype().size_in_bytes()) as u64);
+    let device = patcher.load_device();
     {
         let mut raw = RAW.lock();
         if raw.len() == RAW_KEPT {
@@ -149,7 +152,7 @@ pub(crate) fn note_raw(t: &Tensor, weights: &LayerWeights) {
         .get_or_insert_with(Default::default)
         .entry(model_id)
         .or_default()
-        .insert(key, bytes);
+        .insert(key, (bytes, device));
 }
 
 /// The managed form of a layer made on `weight` (and `bias`) when `VarBuilder::get` handed them
@@ -208,8 +211,23 @@ pub(crate) fn outside_of(model_id: u64) -> Vec<(String, crate::ByteSize)> {
         .lock()
         .as_ref()
         .and_then(|m| m.get(&model_id))
-        .map(|keys| keys.iter().map(|(k, b)| (k.clone(), *b)).collect())
+        .map(|keys| keys.iter().map(|(k, (b, _))| (k.clone(), *b)).collect())
         .unwrap_or_default()
+}
+
+/// Bytes of the parameters model `model_id`'s code holds on `device` (see [`outside_of`]).
+pub(crate) fn outside_on(model_id: u64, device: crate::vram::DeviceId) -> crate::ByteSize {
+    OUTSIDE
+        .lock()
+        .as_ref()
+        .and_then(|m| m.get(&model_id))
+        .map(|keys| {
+            keys.values()
+                .filter(|(_, d)| *d == device)
+                .map(|(b, _)| *b)
+                .sum()
+        })
+        .unwrap_or(crate::ByteSize::ZERO)
 }
 
 /// Forgets model `model_id` (it was dropped).
