@@ -85,6 +85,7 @@ pub mod tools;
 pub mod trace;
 pub mod vram;
 pub mod weights;
+pub mod with_tracing;
 
 pub use error::{Error, Result};
 pub use float::{Dtype, Fp8Format, Rounding};
