@@ -32,7 +32,7 @@ fn one_layer(seed: u64) -> ModelPatcher {
         [("proj.weight", common::rand_tensor(&[64, 64], seed))],
     )
     .unwrap();
-    ModelPatcher::new(Arc::new(model), SIM0, DeviceId::Cpu)
+    ModelPatcher::on_device(Arc::new(model), SIM0)
 }
 
 fn f32s(t: &Tensor) -> Vec<u32> {

@@ -136,7 +136,8 @@ impl BertConfig {
     ///
     /// # Errors
     /// [`Error::File`] when it cannot be read or parsed.
-    pub fn from_file(path: &Path) -> Result<Self> {
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|e| Error::File {
             path: path.to_path_buf(),
             reason: format!("cannot read: {e}"),
@@ -155,7 +156,8 @@ impl BertConfig {
 ///
 /// # Errors
 /// [`Error::File`] for an unreadable checkpoint; conversion errors.
-pub fn load_model(path: &Path, name: &str, storage: Dtype) -> Result<Model> {
+pub fn load_model(path: impl AsRef<Path>, name: &str, storage: Dtype) -> Result<Model> {
+    let path = path.as_ref();
     let model = Model::from_safetensors(name, &[path])?;
     if storage == Dtype::F32 && model.slots().iter().all(|s| s.dtype() == Dtype::F32) {
         return Ok(model);

@@ -204,6 +204,37 @@ fn builder_setters_match_parsed_flags() {
 }
 
 #[test]
+fn every_memory_flag_has_a_builder_setter_that_parses_the_same() {
+    let built = Config::default()
+        .with_device_vram_budget(1, ByteSize::gib(12))
+        .with_device_reserve_vram_gb(0, 1.5)
+        .with_reserve_vram_gb(0.5)
+        .with_inference_memory(ByteSize::mib(512))
+        .with_vae_dtype(Dtype::BF16)
+        .with_text_encoder_dtype(Dtype::F16)
+        .with_upcast_attention(UpcastFlag::Force)
+        .with_cuda_device(0)
+        .with_deterministic(true);
+    let parsed = Config::from_args([
+        "--vram-budget",
+        "1=12GiB",
+        "--reserve-vram",
+        "0=1.5",
+        "--reserve-vram",
+        "0.5",
+        "--inference-memory",
+        "512MiB",
+        "--bf16-vae",
+        "--fp16-text-enc",
+        "--force-upcast-attention",
+        "--cuda-device",
+        "0",
+        "--deterministic",
+    ]);
+    assert_eq!(Ok(built), parsed.map_err(|e| e.to_string()));
+}
+
+#[test]
 fn the_help_lists_every_flag_with_the_value_it_takes() {
     let help = Config::flags_help();
     for flag in Config::known_flags() {

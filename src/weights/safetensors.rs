@@ -167,11 +167,11 @@ impl Model {
 /// Writes `(key, tensor, storage dtype)` triples to a safetensors file. Tensors must be in
 /// `dtype.candle_storage_dtype()` (`U8` bytes for fp8 E5M2) and on any device.
 pub fn save_safetensors<S: AsRef<str>>(
-    path: &Path,
+    path: impl AsRef<Path>,
     tensors: &[(S, Tensor, Dtype)],
     options: &SafetensorsOptions,
 ) -> Result<()> {
-    save_safetensors_with_raw(path, tensors, &[], options)
+    save_safetensors_with_raw(path.as_ref(), tensors, &[], options)
 }
 
 /// A tensor written byte for byte: its safetensors dtype, shape and little-endian data (integer

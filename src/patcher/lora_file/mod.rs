@@ -14,7 +14,7 @@
 //! | `.lora_up.weight`, `.lora_B.weight`, `.lora.up.weight`, `_lora.up.weight`, `.lora_linear_layer.up.weight` | LoRA up |
 //! | `.lora_down.weight`, `.lora_A.weight`, `.lora.down.weight`, `_lora.down.weight`, `.lora_linear_layer.down.weight` | LoRA down |
 //! | `.lora_mid.weight` | LoRA Tucker core |
-//! | `.alpha`, `.dora_scale` | alpha (a scalar), DoRA magnitude (any adapter) |
+//! | `.alpha`, `.dora_scale` | alpha (a scalar), DoRA magnitude (any adapter); a PEFT file without `.alpha` tensors takes `lora_alpha` (with `alpha_pattern` and `use_rslora`) from the `adapter_config.json` beside it, so its scale is PEFT's `lora_alpha / r` |
 //! | `.hada_w1_a`, `.hada_w1_b`, `.hada_w2_a`, `.hada_w2_b`, `.hada_t1`, `.hada_t2` | LoHa |
 //! | `.lokr_w1`, `.lokr_w1_a`, `.lokr_w1_b`, `.lokr_w2`, `.lokr_w2_a`, `.lokr_w2_b`, `.lokr_t2` | LoKr |
 //! | `.a1.weight`, `.a2.weight`, `.b1.weight`, `.b2.weight` | GLoRA (`.bm.weight`, a Tucker GLoRA, is recognised and refused) |
@@ -107,6 +107,8 @@ mod tests;
 pub mod unet;
 
 use groups::{check_alpha, group_by_base, group_patches, PartKind};
+
+mod peft;
 use keys::ModelIndex;
 
 /// Where LoRA tensors come from.
@@ -127,6 +129,26 @@ impl From<PathBuf> for LoraSource {
 impl From<&Path> for LoraSource {
     fn from(path: &Path) -> Self {
         LoraSource::File(path.to_path_buf())
+    }
+}
+
+impl From<&PathBuf> for LoraSource {
+    fn from(path: &PathBuf) -> Self {
+        LoraSource::File(path.clone())
+    }
+}
+
+impl From<&str> for LoraSource {
+    /// A file path (`lora_file::load("style.safetensors", keys)`).
+    fn from(path: &str) -> Self {
+        LoraSource::File(PathBuf::from(path))
+    }
+}
+
+impl From<String> for LoraSource {
+    /// A file path.
+    fn from(path: String) -> Self {
+        LoraSource::File(PathBuf::from(path))
     }
 }
 
@@ -161,7 +183,15 @@ pub fn load<'a>(
     model_keys: impl IntoIterator<Item = &'a str>,
 ) -> Result<LoraLoad> {
     let (origin, tensors) = match source.into() {
-        LoraSource::File(path) => (path.display().to_string(), read_lora_file(&path)?),
+        LoraSource::File(path) => {
+            let mut tensors = read_lora_file(&path)?;
+            // A PEFT LoRA keeps its scale in `adapter_config.json` beside the file.
+            if let Some(scale) = peft::PeftScale::beside(&path)? {
+                let added = scale.add_alphas(&mut tensors)?;
+                tracing::debug!(file = %path.display(), added, "alphas from adapter_config.json");
+            }
+            (path.display().to_string(), tensors)
+        }
         LoraSource::Tensors(t) => ("<memory>".to_string(), t),
     };
     let index = ModelIndex::new(model_keys);

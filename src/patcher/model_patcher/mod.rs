@@ -291,8 +291,16 @@ impl fmt::Debug for ModelPatcher {
     }
 }
 impl ModelPatcher {
+    /// A patcher on `model` that computes on `load_device`, its clean weights kept in host memory
+    /// (the usual case: `ModelPatcher::new(model, load_device, DeviceId::Cpu)`, with the devices
+    /// named).
+    pub fn on_device(model: impl Into<Arc<Model>>, load_device: DeviceId) -> Self {
+        ModelPatcher::new(model, load_device, DeviceId::Cpu)
+    }
+
     /// A patcher on `model` that computes on `load_device` and keeps clean weights on
-    /// `offload_device`.
+    /// `offload_device` (the device weights go back to when evicted; the host, `DeviceId::Cpu`,
+    /// in every configuration ComfyUI ships). [`ModelPatcher::on_device`] names the usual case.
     pub fn new(
         model: impl Into<Arc<Model>>,
         load_device: DeviceId,
