@@ -107,8 +107,8 @@ fn minilm_bench(c: &mut Criterion, summary: &mut Vec<String>) {
         summary.push("minilm: skipped (model absent)".into());
         return;
     }
-    let config = BertConfig::from_file(&dir.join("config.json")).unwrap();
-    let model = bert::load_model(&dir.join("model.safetensors"), "minilm", Dtype::F32).unwrap();
+    let config = BertConfig::from_file(dir.join("config.json")).unwrap();
+    let model = bert::load_model(dir.join("model.safetensors"), "minilm", Dtype::F32).unwrap();
     let p = ModelPatcher::new(Arc::new(model), DeviceId::Cpu, DeviceId::Cpu);
     let size = p.resident_model_size();
     // Two sentences of 16 tokens.

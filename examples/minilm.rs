@@ -135,7 +135,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         )
         .into());
     }
-    let config = BertConfig::from_file(&args.model_dir.join("config.json"))?;
+    let config = BertConfig::from_file(args.model_dir.join("config.json"))?;
     let mut tokenizer = tokenizers::Tokenizer::from_file(args.model_dir.join("tokenizer.json"))?;
     tokenizer.with_padding(None);
 

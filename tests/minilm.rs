@@ -125,7 +125,7 @@ fn manager_for(budget: Budget, patcher: &ModelPatcher) -> MemoryManager {
 
 fn base_patcher(storage: Dtype) -> ModelPatcher {
     let m = bert::load_model(
-        &model_dir().join("model.safetensors"),
+        model_dir().join("model.safetensors"),
         "all-MiniLM-L6-v2",
         storage,
     )
@@ -145,7 +145,7 @@ fn embed(patcher: &ModelPatcher, budget: Budget, ids: &[Vec<u32>]) -> (Vec<Vec<f
         .load_models_gpu(std::slice::from_ref(patcher), LoadOptions::default())
         .unwrap();
     let resident = report.models[0].resident.as_f64() / patcher.resident_model_size().as_f64();
-    let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
+    let config = BertConfig::from_file(model_dir().join("config.json")).unwrap();
     let bert = Bert::new(
         patcher,
         OpsMode::ManualCast {
@@ -257,7 +257,7 @@ fn streamed_from_disk_under_a_tight_ram_budget_gives_the_resident_bits() {
         );
         mm.load_models_gpu(std::slice::from_ref(&patcher), LoadOptions::default())
             .unwrap();
-        let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
+        let config = BertConfig::from_file(model_dir().join("config.json")).unwrap();
         let bert = Bert::new(
             &patcher,
             OpsMode::ManualCast {
@@ -363,7 +363,7 @@ fn attention_lora_changes_the_embedding_and_strength_zero_gives_base_bits() {
     );
 
     // One Bert switching between the clones through its source.
-    let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
+    let config = BertConfig::from_file(model_dir().join("config.json")).unwrap();
     let bert = Bert::new(
         &base,
         OpsMode::ManualCast {
@@ -406,7 +406,7 @@ fn embeddings_agree_whichever_attention_backend_runs() {
     let sentences: Vec<String> = cases.iter().map(|c| c.sentence.clone()).collect();
     let (ids, mask) = batch(&tokenize(&sentences));
     let patcher = base_patcher(Dtype::F32);
-    let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
+    let config = BertConfig::from_file(model_dir().join("config.json")).unwrap();
     let run = |request: BackendRequest, free: ByteSize| {
         let bert = Bert::new(
             &patcher,
@@ -465,14 +465,14 @@ fn embeddings_on_the_gpu_match_reference_and_are_identical_across_budgets() {
     let gpu = residency::DeviceId::Cuda(0);
     let dev = gpu.to_candle().unwrap();
     let m = bert::load_model(
-        &model_dir().join("model.safetensors"),
+        model_dir().join("model.safetensors"),
         "all-MiniLM-L6-v2",
         Dtype::F32,
     )
     .unwrap();
     let patcher = ModelPatcher::new(Arc::new(m), gpu, residency::DeviceId::Cpu);
     let size = patcher.resident_model_size();
-    let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
+    let config = BertConfig::from_file(model_dir().join("config.json")).unwrap();
     let mut runs = Vec::new();
     for (what, flags) in [
         ("full", vec!["--reserve-vram".to_string(), "0".to_string()]),
@@ -556,7 +556,7 @@ fn split_across_two_simulated_gpus_minilm_gives_the_cpu_bits() {
         )
         .unwrap();
         let m = bert::load_model(
-            &model_dir().join("model.safetensors"),
+            model_dir().join("model.safetensors"),
             "all-MiniLM-L6-v2",
             Dtype::F32,
         )
@@ -579,7 +579,7 @@ fn split_across_two_simulated_gpus_minilm_gives_the_cpu_bits() {
                 "{d}"
             );
         }
-        let config = BertConfig::from_file(&model_dir().join("config.json")).unwrap();
+        let config = BertConfig::from_file(model_dir().join("config.json")).unwrap();
         let mode = OpsMode::ManualCast {
             compute: Dtype::F32,
         };

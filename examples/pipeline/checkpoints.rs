@@ -107,7 +107,7 @@ pub fn build_checkpoints(dir: &Path) -> Result<()> {
     }
     push_norm(&mut te, "final_ln", TEXT_H)?;
     save_safetensors(
-        &dir.join("text_encoder.safetensors"),
+        dir.join("text_encoder.safetensors"),
         &te,
         &SafetensorsOptions::default(),
     )?;
@@ -134,7 +134,7 @@ pub fn build_checkpoints(dir: &Path) -> Result<()> {
     push_norm(&mut dn, "final_ln", H)?;
     push_linear(&mut dn, "proj_out", H, LATENT_C, &mut seed, bf)?;
     save_safetensors(
-        &dir.join("denoiser.safetensors"),
+        dir.join("denoiser.safetensors"),
         &dn,
         &SafetensorsOptions::default(),
     )?;
@@ -168,7 +168,7 @@ pub fn build_checkpoints(dir: &Path) -> Result<()> {
     conv(&mut de, "up2", 16, 32, 4, true)?;
     conv(&mut de, "conv_out", 3, 16, 3, false)?;
     save_safetensors(
-        &dir.join("decoder.safetensors"),
+        dir.join("decoder.safetensors"),
         &de,
         &SafetensorsOptions::default(),
     )?;
@@ -195,7 +195,7 @@ pub fn build_checkpoints(dir: &Path) -> Result<()> {
         }
     }
     save_safetensors(
-        &dir.join("style_lora.safetensors"),
+        dir.join("style_lora.safetensors"),
         &lo,
         &SafetensorsOptions::default(),
     )?;

@@ -389,7 +389,7 @@ impl World {
             let dir = tempfile::tempdir().unwrap();
             for m in 0..2 {
                 crate::weights::save_safetensors(
-                    &dir.path().join(format!("m{m}.safetensors")),
+                    dir.path().join(format!("m{m}.safetensors")),
                     &model_tensors(m),
                     &Default::default(),
                 )
