@@ -672,3 +672,33 @@ fn placement_in_a_plan_is_the_placement_of_the_load() {
     assert_eq!(c.load_device(), r.models[0].device);
     assert_eq!(c2.load_device(), r.models[0].device);
 }
+
+#[test]
+fn a_split_model_s_load_report_shows_its_bytes_per_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path());
+    let mm = manager(&["16MiB", "16MiB"], &[]);
+    let p = patcher(&path, DeviceId::Sim(0))
+        .with_device_map(DeviceMap::parse("layers.0.=sim:1").unwrap());
+    let report = mm.load_model_gpu(&p).unwrap();
+    let load = &report.models[0];
+    let on = |d| p.model().resident_bytes(d);
+    assert_eq!(
+        load.resident_on,
+        vec![
+            (DeviceId::Sim(0), on(DeviceId::Sim(0))),
+            (DeviceId::Sim(1), on(DeviceId::Sim(1)))
+        ]
+    );
+    assert!(on(DeviceId::Sim(1)) > ByteSize::ZERO);
+    assert_eq!(
+        load.resident_on.iter().map(|(_, b)| *b).sum::<ByteSize>(),
+        load.resident
+    );
+    let text = report.to_string();
+    assert!(
+        text.contains(&format!("sim:0 {}", on(DeviceId::Sim(0))))
+            && text.contains(&format!("sim:1 {}", on(DeviceId::Sim(1)))),
+        "{text}"
+    );
+}

@@ -167,3 +167,17 @@ fn get_managed_reads_a_raw_parameter_at_use_and_keeps_it_inside() {
         "a wrong shape is a typed error"
     );
 }
+
+#[test]
+fn a_model_dropped_and_built_again_does_not_count_its_tensors_twice() {
+    let m = model();
+    let p = ModelPatcher::new(Arc::clone(&m), DeviceId::Cpu, DeviceId::Cpu);
+    for _ in 0..3 {
+        let vb = VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap();
+        let kept = vb.get((64, 64), "w").unwrap();
+        assert_eq!(m.held_outside(), vec![("w".to_string(), ByteSize::kib(16))]);
+        drop((vb, kept));
+    }
+    // The builder and everything built from it are gone: nothing counts.
+    assert!(m.held_outside().is_empty(), "{:?}", m.held_outside());
+}

@@ -188,10 +188,22 @@ fn default_budget_streams_evicts_and_moves_only_lora_weights() {
         !r.evictions.is_empty(),
         "a third of the models' size forces evictions"
     );
-    let denoiser = r.models.iter().find(|m| m.0 == "denoiser").unwrap();
+    let denoiser = r.models.iter().find(|m| m.name == "denoiser").unwrap();
     assert!(
-        denoiser.2 > residency::ByteSize::ZERO,
+        denoiser.streaming > residency::ByteSize::ZERO,
         "the denoiser streams"
+    );
+    // The table says what each model is stored as: the prompt model is a quantized GGUF.
+    let prompt = r
+        .models
+        .iter()
+        .find(|m| m.format.starts_with("GGUF"))
+        .unwrap();
+    assert!(prompt.format.contains("Q"), "{}", prompt.format);
+    assert!(
+        denoiser.format.starts_with("safetensors"),
+        "{}",
+        denoiser.format
     );
     // On the CPU the default is synchronous streaming (no copy engine for lanes to overlap):
     // every streamed fetch is a miss; with lanes asked for, later steps are served by prefetch.

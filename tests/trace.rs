@@ -171,6 +171,12 @@ fn a_traced_run_is_a_well_formed_chrome_trace_whose_figures_match_the_reports() 
         by_source.get("pinned_in_place").copied().unwrap_or(0),
         t.bytes_direct.bytes()
     );
+    assert_eq!(
+        by_source.get("pageable").copied().unwrap_or(0),
+        t.bytes_pageable.bytes()
+    );
+    // The three columns add up to every copy the trace saw.
+    assert_eq!(by_source.values().sum::<u64>(), t.bytes_copied().bytes());
 
     // Every transfer on the sim says how its weight was copied (the field CUDA runs rely on).
     let transfers: Vec<&Value> = events

@@ -256,12 +256,13 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
                 .map(|m| m.resident)
                 .unwrap_or_default();
             let size = p.resident_model_size();
-            (
-                name.clone(),
+            report::ModelRow {
+                format: report::format_of(p.model()),
                 resident,
-                size.saturating_sub(resident),
-                moved_per_model.get(&name).copied().unwrap_or_default(),
-            )
+                streaming: size.saturating_sub(resident),
+                moved: moved_per_model.get(&name).copied().unwrap_or_default(),
+                name,
+            }
         })
         .collect();
     Ok(PipelineReport {

@@ -15,13 +15,46 @@ pub struct PromptResult {
     pub denoiser_moved: ByteSize,
 }
 
+/// One model of the run.
+#[derive(Debug, Clone)]
+pub struct ModelRow {
+    pub name: String,
+    pub format: String,
+    pub resident: ByteSize,
+    pub streaming: ByteSize,
+    pub moved: ByteSize,
+}
+
+/// What a model is stored as: `GGUF Q4_K+Q6_K` (its quantized types; `+f32` when some weights
+/// are not quantized) or the safetensors storage dtypes (`safetensors bf16`).
+pub fn format_of(model: &residency::Model) -> String {
+    let mut kinds: Vec<String> = model
+        .slots()
+        .iter()
+        .map(|s| match s.quantized() {
+            Some(q) => format!("{q:?}"),
+            None => s.dtype().to_string(),
+        })
+        .collect();
+    kinds.sort();
+    kinds.dedup();
+    let container = if model.gguf_metadata().is_some() {
+        "GGUF"
+    } else {
+        "safetensors"
+    };
+    format!("{container} {}", kinds.join("+"))
+}
+
 /// The whole run.
 #[derive(Debug, Clone)]
 pub struct PipelineReport {
     pub prompts: Vec<PromptResult>,
     pub budget: ByteSize,
     pub peak: ByteSize,
-    pub models: Vec<(String, ByteSize, ByteSize, ByteSize)>,
+    /// Per model: name, format (GGUF and its quantized types, or the safetensors dtypes),
+    /// resident, streaming and moved bytes.
+    pub models: Vec<ModelRow>,
     pub evictions: Vec<Eviction>,
     pub transfers: residency::offload::TransferSnapshot,
     /// Per simulated GPU: its name, spec and what it did.
@@ -103,6 +136,7 @@ struct JsonPrompt<'a> {
 #[derive(serde::Serialize)]
 struct JsonModel<'a> {
     name: &'a str,
+    format: &'a str,
     resident_bytes: u64,
     streaming_bytes: u64,
     moved_bytes: u64,
@@ -128,11 +162,12 @@ pub fn to_json(r: &PipelineReport) -> String {
         models: r
             .models
             .iter()
-            .map(|(name, resident, streaming, moved)| JsonModel {
-                name,
-                resident_bytes: resident.bytes(),
-                streaming_bytes: streaming.bytes(),
-                moved_bytes: moved.bytes(),
+            .map(|m| JsonModel {
+                name: &m.name,
+                format: &m.format,
+                resident_bytes: m.resident.bytes(),
+                streaming_bytes: m.streaming.bytes(),
+                moved_bytes: m.moved.bytes(),
             })
             .collect(),
         evictions: &r.evictions,
@@ -180,16 +215,17 @@ pub fn to_json(r: &PipelineReport) -> String {
 pub fn to_table(r: &PipelineReport) -> String {
     let mut s = String::new();
     s.push_str(&format!(
-        "{:<14} {:>12} {:>12} {:>12}\n",
-        "model", "resident", "streaming", "moved"
+        "{:<14} {:<22} {:>12} {:>12} {:>12}\n",
+        "model", "format", "resident", "streaming", "moved"
     ));
-    for (n, res, st, mv) in &r.models {
+    for m in &r.models {
         s.push_str(&format!(
-            "{:<14} {:>12} {:>12} {:>12}\n",
-            n,
-            res.to_string(),
-            st.to_string(),
-            mv.to_string()
+            "{:<14} {:<22} {:>12} {:>12} {:>12}\n",
+            m.name,
+            m.format,
+            m.resident.to_string(),
+            m.streaming.to_string(),
+            m.moved.to_string()
         ));
     }
     s.push_str(&format!("peak ledger {} of budget {}\n", r.peak, r.budget));

@@ -346,6 +346,7 @@ impl MemoryManager {
             full: outcome.full,
             held_outside: ByteSize::ZERO,
             outside_keys: Vec::new(),
+            resident_on: Vec::new(),
         })
     }
 

@@ -34,6 +34,18 @@ impl MemoryManager {
         let mut report = self.load_models(&models, options)?;
         for m in expand(&models) {
             m.model().note_loaded_patches(m.patches().version());
+            if let Some(load) = report
+                .models
+                .iter_mut()
+                .find(|l| l.name == m.model().name())
+            {
+                load.resident_on = m
+                    .devices()
+                    .into_iter()
+                    .map(|d| (d, m.model().resident_bytes(d)))
+                    .filter(|(_, b)| *b > ByteSize::ZERO)
+                    .collect();
+            }
             let outside = m.model().held_outside();
             if outside.is_empty() {
                 continue;
@@ -205,6 +217,7 @@ impl MemoryManager {
                 full: true,
                 held_outside: ByteSize::ZERO,
                 outside_keys: Vec::new(),
+                resident_on: Vec::new(),
             });
         }
         for e in entries {

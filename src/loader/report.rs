@@ -28,6 +28,24 @@ pub struct ModelLoad {
     pub held_outside: ByteSize,
     /// Their keys.
     pub outside_keys: Vec<String>,
+    /// Bytes resident after the load on each device holding some (one entry unless the model is
+    /// split by a device map).
+    pub resident_on: Vec<(DeviceId, ByteSize)>,
+}
+
+impl ModelLoad {
+    /// Where the resident bytes are, for a line of text: `sim:0` alone, or `sim:0 12 KiB, sim:1
+    /// 4 KiB` for a split model.
+    fn placed(&self) -> String {
+        if self.resident_on.len() <= 1 {
+            return self.device.to_string();
+        }
+        self.resident_on
+            .iter()
+            .map(|(d, b)| format!("{d} {b}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 /// A model unloaded (partly or fully) to make room.
@@ -84,13 +102,35 @@ impl fmt::Display for LoadReport {
                 writeln!(
                     f,
                     "loaded completely {} on {}: {} resident, {} moved",
-                    m.name, m.device, m.resident, m.moved
+                    m.name,
+                    m.placed(),
+                    m.resident,
+                    m.moved
                 )?;
             } else {
                 writeln!(
                     f,
                     "loaded partially {} on {}: {} resident, {} streaming, {} moved, {} lowvram patches",
-                    m.name, m.device, m.resident, m.streaming, m.moved, m.lazy_patched
+                    m.name,
+                    m.placed(),
+                    m.resident,
+                    m.streaming,
+                    m.moved,
+                    m.lazy_patched
+                )?;
+            }
+            if m.held_outside > ByteSize::ZERO {
+                writeln!(
+                    f,
+                    "  {} held outside the ledger's copies by the model's own tensors ({} keys: {})",
+                    m.held_outside,
+                    m.outside_keys.len(),
+                    m.outside_keys
+                        .iter()
+                        .take(4)
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )?;
             }
         }
@@ -261,10 +301,12 @@ impl fmt::Display for MemoryReport {
         let t = &self.transfers;
         writeln!(
             f,
-            "transfers: {} streamed ({} staged, {} direct from pinned weights), {} fetches, prefetch {} hits / {} misses, {:.1} ms waiting; staging {} ({})",
+            "transfers: {} read for streamed fetches; {} copied to devices by loads and fetches ({} staged, {} direct from pinned weights, {} pageable), {} fetches, prefetch {} hits / {} misses, {:.1} ms waiting; staging {} ({})",
             t.bytes_transferred,
+            t.bytes_copied(),
             t.bytes_staged,
             t.bytes_direct,
+            t.bytes_pageable,
             t.fetches,
             t.prefetch_hits,
             t.prefetch_misses,

@@ -117,9 +117,19 @@ static RAW: crate::lock::Mutex<std::collections::VecDeque<RawGet>> = crate::lock
 /// How many handed-out parameters are remembered for adoption.
 const RAW_KEPT: usize = 4096;
 
-/// The parameters one model's code holds as its own tensors, by key: bytes and the device the
-/// tensor was made for (the patcher's load device).
-type Outside = std::collections::BTreeMap<String, (crate::ByteSize, crate::vram::DeviceId)>;
+/// The parameters one model's code holds as its own tensors, by key: bytes, the device the
+/// tensor was made for (the patcher's load device), and the source it was read through. A
+/// tensor's drop cannot be seen, so an entry counts while its source lives: the model built from
+/// that `VarBuilder` (its managed layers hold the source) — a model dropped and built again does
+/// not count twice.
+type Outside = std::collections::BTreeMap<
+    String,
+    (
+        crate::ByteSize,
+        crate::vram::DeviceId,
+        crate::ops::WeakSource,
+    ),
+>;
 
 /// Per model (by id): the parameters its code holds as its own tensors.
 static OUTSIDE: crate::lock::Mutex<Option<std::collections::HashMap<u64, Outside>>> =
@@ -152,7 +162,7 @@ pub(crate) fn note_raw(t: &Tensor, weights: &LayerWeights) {
         .get_or_insert_with(Default::default)
         .entry(model_id)
         .or_default()
-        .insert(key, (bytes, device));
+        .insert(key, (bytes, device, weights.source().downgrade()));
 }
 
 /// The managed form of a layer made on `weight` (and `bias`) when `VarBuilder::get` handed them
@@ -207,27 +217,31 @@ pub(crate) fn adopt(weight: &Tensor, bias: Option<&Tensor>) -> Option<LayerWeigh
 /// The parameters model `model_id` holds outside the ledger (handed out by `VarBuilder::get` and
 /// kept by the model as its own tensors), by key, with their bytes.
 pub(crate) fn outside_of(model_id: u64) -> Vec<(String, crate::ByteSize)> {
-    OUTSIDE
-        .lock()
-        .as_ref()
-        .and_then(|m| m.get(&model_id))
-        .map(|keys| keys.iter().map(|(k, (b, _))| (k.clone(), *b)).collect())
-        .unwrap_or_default()
+    live_outside(model_id)
+        .into_iter()
+        .map(|(k, b, _)| (k, b))
+        .collect()
 }
 
 /// Bytes of the parameters model `model_id`'s code holds on `device` (see [`outside_of`]).
 pub(crate) fn outside_on(model_id: u64, device: crate::vram::DeviceId) -> crate::ByteSize {
-    OUTSIDE
-        .lock()
-        .as_ref()
-        .and_then(|m| m.get(&model_id))
-        .map(|keys| {
-            keys.values()
-                .filter(|(_, d)| *d == device)
-                .map(|(b, _)| *b)
-                .sum()
-        })
-        .unwrap_or(crate::ByteSize::ZERO)
+    live_outside(model_id)
+        .into_iter()
+        .filter(|(_, _, d)| *d == device)
+        .map(|(_, b, _)| b)
+        .sum()
+}
+
+/// The entries of `model_id` whose source still lives (dead ones are dropped).
+fn live_outside(model_id: u64) -> Vec<(String, crate::ByteSize, crate::vram::DeviceId)> {
+    let mut outside = OUTSIDE.lock();
+    let Some(keys) = outside.as_mut().and_then(|m| m.get_mut(&model_id)) else {
+        return Vec::new();
+    };
+    keys.retain(|_, (_, _, source)| source.alive());
+    keys.iter()
+        .map(|(k, (b, d, _))| (k.clone(), *b, *d))
+        .collect()
 }
 
 /// Forgets model `model_id` (it was dropped).

@@ -43,6 +43,7 @@ pub struct TransferStats {
     bytes: AtomicU64,
     pub(crate) staged: AtomicU64,
     pub(crate) direct: AtomicU64,
+    pub(crate) pageable: AtomicU64,
     jobs: AtomicU64,
     wait_ns: AtomicU64,
     hits: AtomicU64,
@@ -55,10 +56,14 @@ pub struct TransferStats {
 pub struct TransferSnapshot {
     /// Bytes of clean weights read for streamed fetches.
     pub bytes_transferred: ByteSize,
-    /// Bytes copied to a device through page-locked staging buffers.
+    /// Bytes copied to a device through page-locked staging buffers (by loads and streamed
+    /// fetches alike: every host→device copy is counted once, in one of the three columns).
     pub bytes_staged: ByteSize,
     /// Bytes copied to a device straight from host copies page-locked in place.
     pub bytes_direct: ByteSize,
+    /// Bytes copied to a device from pageable memory (no staging buffer was free, or pinning is
+    /// disabled).
+    pub bytes_pageable: ByteSize,
     /// Weights materialized by lanes or inline.
     pub fetches: u64,
     /// Time compute spent waiting for transfers, in nanoseconds.
@@ -69,6 +74,15 @@ pub struct TransferSnapshot {
     pub prefetch_misses: u64,
 }
 
+impl TransferSnapshot {
+    /// Every byte copied host→device: staged + direct + pageable.
+    pub fn bytes_copied(&self) -> ByteSize {
+        self.bytes_staged
+            .saturating_add(self.bytes_direct)
+            .saturating_add(self.bytes_pageable)
+    }
+}
+
 impl TransferStats {
     /// A snapshot.
     pub fn snapshot(&self) -> TransferSnapshot {
@@ -76,6 +90,7 @@ impl TransferStats {
             bytes_transferred: ByteSize(self.bytes.load(Ordering::Relaxed)),
             bytes_staged: ByteSize(self.staged.load(Ordering::Relaxed)),
             bytes_direct: ByteSize(self.direct.load(Ordering::Relaxed)),
+            bytes_pageable: ByteSize(self.pageable.load(Ordering::Relaxed)),
             fetches: self.jobs.load(Ordering::Relaxed),
             wait_ns: self.wait_ns.load(Ordering::Relaxed),
             prefetch_hits: self.hits.load(Ordering::Relaxed),

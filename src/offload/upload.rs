@@ -90,6 +90,9 @@ fn copy_counted(
     // passed as `pinned`), so the copy is pageable and reads `src` before returning.
     unsafe { stream.copy_htod(src, &mut dst) }?;
     tracing::Span::current().record("source", "pageable");
+    if let Some(stats) = stats {
+        count(&stats.pageable);
+    }
     Ok(dst)
 }
 

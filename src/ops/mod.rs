@@ -183,6 +183,11 @@ impl WeakSource {
         })
     }
 
+    /// Whether any handle on the source still lives (a layer built from it, a builder).
+    pub(crate) fn alive(&self) -> bool {
+        self.patcher.strong_count() > 0
+    }
+
     /// Whether both are handles on one source.
     pub(crate) fn same_as(&self, other: &WeakSource) -> bool {
         self.patcher.ptr_eq(&other.patcher)
