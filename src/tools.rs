@@ -56,7 +56,7 @@ use half::{bf16, f16};
 
 use crate::float::{self, Dtype, Fp8Format, Rounding};
 use crate::patcher::adapters::{self, PatchEntry};
-use crate::patcher::{lora_file, ModelPatcher, Patch, WEIGHT_SCALE_SUFFIX};
+use crate::patcher::{lora_file, ModelPatcher, Patch, PatchKey, WEIGHT_SCALE_SUFFIX};
 use crate::vram::DeviceId;
 use crate::weights::{
     self, FileTensor, LazyTensor, Model, SafetensorsOptions, Sink, Source, TensorFile,
@@ -417,7 +417,7 @@ struct StreamingMerge<'a> {
     /// The stand-in model's patcher: which weights are patched.
     patcher: &'a ModelPatcher,
     /// Each LoRA's `(model key, patch)` list and strength, in merge order.
-    patch_sets: &'a [(Vec<(String, Patch)>, f32)],
+    patch_sets: &'a [(Vec<(PatchKey, Patch)>, f32)],
     target: Option<Dtype>,
 }
 
@@ -562,7 +562,7 @@ impl StreamingMerge<'_> {
         let model = Model::from_typed_tensors(self.name, weights)?;
         let mut patcher = ModelPatcher::new(model, DeviceId::Cpu, DeviceId::Cpu);
         for (patches, strength) in self.patch_sets {
-            let mine = patches.iter().filter(|(k, _)| *k == t.name).cloned();
+            let mine = patches.iter().filter(|(k, _)| k.key == t.name).cloned();
             patcher.add_patches(mine, *strength, 1.0)?;
         }
         Ok(patcher)

@@ -665,7 +665,7 @@ fn glora_and_oft_groups_from_a_file_patch_a_model() {
     let kinds: Vec<(&str, &str)> = loaded
         .patches
         .iter()
-        .map(|(k, p)| (k.as_str(), p.kind()))
+        .map(|(k, p)| (k.key.as_str(), p.kind()))
         .collect();
     assert_eq!(kinds, [("conv.weight", "oft"), ("lin.weight", "glora")]);
 
@@ -702,7 +702,7 @@ fn glora_and_oft_groups_from_a_file_patch_a_model() {
                     residency::patcher::Oft::new(Tensor::cat(&[&o.blocks, &o.blocks], 0).unwrap());
                 ("lin.weight".to_string(), Patch::Oft(o))
             }
-            other => (k, other),
+            other => (k.key, other),
         })
         .collect();
     let err = fresh.add_patches(swapped, 1.0, 1.0).unwrap_err();

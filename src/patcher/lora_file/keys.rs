@@ -195,6 +195,16 @@ impl ModelIndex {
         }
     }
 
+    /// The position of model key `key` in the order given, if the model has it.
+    pub(super) fn position(&self, key: &str) -> Option<usize> {
+        self.keys.get(key).copied()
+    }
+
+    /// Every model key.
+    pub(super) fn keys(&self) -> impl Iterator<Item = &str> {
+        self.keys.keys().map(String::as_str)
+    }
+
     /// The model key (and its position) that the LoRA base `base` patches, for the key suffix
     /// `.weight` or `.bias`.
     pub(super) fn resolve(&self, base: &str, suffix: &str) -> Option<(usize, String)> {

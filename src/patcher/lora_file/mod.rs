@@ -99,6 +99,7 @@ use candle_core::Tensor;
 
 use crate::error::Result;
 use crate::patcher::adapters::Patch;
+use crate::patcher::PatchKey;
 
 mod groups;
 mod keys;
@@ -108,6 +109,7 @@ pub mod unet;
 
 use groups::{check_alpha, group_by_base, group_patches, PartKind};
 
+mod dit;
 mod peft;
 use keys::ModelIndex;
 
@@ -161,8 +163,10 @@ impl From<HashMap<String, Tensor>> for LoraSource {
 /// What [`load`] found.
 #[derive(Debug, Clone, Default)]
 pub struct LoraLoad {
-    /// `(model key, patch)`, in the order of the model keys given (then by LoRA base name).
-    pub patches: Vec<(String, Patch)>,
+    /// `(model key, patch)`, in the order of the model keys given (then by LoRA base name). A
+    /// key may carry an offset: a LoRA for one projection of a fused weight (Flux's `to_q` on
+    /// `double_blocks.N.img_attn.qkv`) patches its rows only.
+    pub patches: Vec<(PatchKey, Patch)>,
     /// The distinct model keys that received a patch, in the order of the model keys given.
     pub matched_model_keys: Vec<String>,
     /// File tensor names that were not used (unknown suffix, no matching model key, malformed
@@ -182,6 +186,29 @@ pub fn load<'a>(
     source: impl Into<LoraSource>,
     model_keys: impl IntoIterator<Item = &'a str>,
 ) -> Result<LoraLoad> {
+    load_with_shapes(source, model_keys, HashMap::new())
+}
+
+/// [`load`] onto `model`, knowing its weights' shapes: what a LoRA for one projection of a fused
+/// weight needs to find its rows (Flux's single blocks' `linear1`, whose MLP rows follow q, k and
+/// v), and what lets every offset be checked against the weight.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_for(source: impl Into<LoraSource>, model: &crate::weights::Model) -> Result<LoraLoad> {
+    let shapes = model
+        .slots()
+        .iter()
+        .map(|s| (s.name().to_string(), s.shape().to_vec()))
+        .collect();
+    load_with_shapes(source, model.keys(), shapes)
+}
+
+fn load_with_shapes<'a>(
+    source: impl Into<LoraSource>,
+    model_keys: impl IntoIterator<Item = &'a str>,
+    shapes: HashMap<String, Vec<usize>>,
+) -> Result<LoraLoad> {
     let (origin, tensors) = match source.into() {
         LoraSource::File(path) => {
             let mut tensors = read_lora_file(&path)?;
@@ -195,7 +222,7 @@ pub fn load<'a>(
         LoraSource::Tensors(t) => ("<memory>".to_string(), t),
     };
     let index = ModelIndex::new(model_keys);
-    let result = build(&index, tensors)?;
+    let result = build(&index, tensors, &shapes)?;
     tracing::debug!(
         source = %origin,
         patches = result.patches.len(),
@@ -228,9 +255,14 @@ fn read_lora_file(path: &Path) -> Result<HashMap<String, Tensor>> {
     Ok(out)
 }
 
-fn build(index: &ModelIndex, tensors: HashMap<String, Tensor>) -> Result<LoraLoad> {
+fn build(
+    index: &ModelIndex,
+    tensors: HashMap<String, Tensor>,
+    shapes: &HashMap<String, Vec<usize>>,
+) -> Result<LoraLoad> {
+    let flux = dit::Flux::detect(index.keys());
     let (groups, mut unmatched) = group_by_base(tensors);
-    let mut found: Vec<(usize, String, String, Patch)> = Vec::new();
+    let mut found: Vec<(usize, String, PatchKey, Patch)> = Vec::new();
     for group in groups.values() {
         check_alpha(group)?;
     }
@@ -250,8 +282,27 @@ fn build(index: &ModelIndex, tensors: HashMap<String, Tensor>) -> Result<LoraLoa
         };
         for (patch, suffix) in [(weight, ".weight"), (bias, ".bias")] {
             let Some(patch) = patch else { continue };
+            // A DiT family's diffusers names, mapped onto its native (fused) weights.
+            if let Some((flux, target)) = flux.as_ref().and_then(|f| Some((f, f.target(&base)?))) {
+                let key = flux.key(&target.module, suffix);
+                let placed = match index.position(&key) {
+                    Some(pos) => flux.place(&target, key, shapes, patch).map(|p| (pos, p)),
+                    None => Err(format!("the model has no `{key}`")),
+                };
+                match placed {
+                    Ok((pos, (key, patch))) => {
+                        found.push((pos, base.clone(), key, patch));
+                        continue;
+                    }
+                    Err(reason) => {
+                        tracing::warn!(lora_key = %base, family = "flux", %reason, "LoRA module not placed");
+                        unmatched.extend(all.iter().map(|(_, n)| n.clone()));
+                        continue;
+                    }
+                }
+            }
             match index.resolve(&base, suffix) {
-                Some((pos, key)) => found.push((pos, base.clone(), key, patch)),
+                Some((pos, key)) => found.push((pos, base.clone(), key.into(), patch)),
                 None => {
                     // Report the tensors this patch was built from.
                     let for_bias = suffix == ".bias";
@@ -271,8 +322,8 @@ fn build(index: &ModelIndex, tensors: HashMap<String, Tensor>) -> Result<LoraLoa
     let mut matched_model_keys: Vec<String> = Vec::new();
     let mut seen = HashSet::new();
     for (_, _, key, _) in &found {
-        if seen.insert(key.clone()) {
-            matched_model_keys.push(key.clone());
+        if seen.insert(key.key.clone()) {
+            matched_model_keys.push(key.key.clone());
         }
     }
     unmatched.sort();

@@ -35,7 +35,7 @@ fn save(dir: &tempfile::TempDir, name: &str, tensors: &HashMap<String, Tensor>) 
 }
 
 fn keys_of(load: &LoraLoad) -> Vec<&str> {
-    load.patches.iter().map(|(k, _)| k.as_str()).collect()
+    load.patches.iter().map(|(k, _)| k.key.as_str()).collect()
 }
 
 #[test]
@@ -218,7 +218,7 @@ fn loha_lokr_and_full_diff_groups_become_their_patch_kinds() {
     let kinds: Vec<(&str, &str)> = out
         .patches
         .iter()
-        .map(|(k, p)| (k.as_str(), p.kind()))
+        .map(|(k, p)| (k.key.as_str(), p.kind()))
         .collect();
     assert_eq!(
         kinds,
@@ -399,7 +399,7 @@ fn loaded_lora_applies_with_expected_numbers() {
     let (key, patch) = out.patches.into_iter().next().unwrap();
     let w = Tensor::zeros((2, 2), DType::F32, &dev).unwrap();
     let entry = PatchEntry::new(patch).with_strengths(2.0, 1.0);
-    let got = apply(&key, &w, &[entry], DoraNorm::Standard).unwrap();
+    let got = apply(&key.key, &w, &[entry], DoraNorm::Standard).unwrap();
     assert_eq!(got.to_vec2::<f32>().unwrap(), [[3.0, 4.0], [6.0, 8.0]]);
 }
 
@@ -477,7 +477,7 @@ fn diffusers_named_lora_finds_an_ldm_checkpoints_keys() {
     let out = load(t, keys.iter().map(String::as_str)).unwrap();
     let d = "model.diffusion_model.";
     assert_eq!(
-        sorted(out.patches.iter().map(|(k, _)| k.clone()).collect()),
+        sorted(out.patches.iter().map(|(k, _)| k.key.clone()).collect()),
         sorted(vec![
             format!("{d}input_blocks.4.1.transformer_blocks.0.attn1.to_q.weight"),
             format!("{d}output_blocks.5.2.conv.weight"),

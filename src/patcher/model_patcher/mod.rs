@@ -39,6 +39,43 @@ pub struct PatchKey {
     pub offset: Option<Offset>,
 }
 
+impl PatchKey {
+    /// The key alone, when the patch covers the whole weight.
+    pub fn whole(&self) -> Option<&str> {
+        self.offset.is_none().then_some(self.key.as_str())
+    }
+}
+
+impl PartialEq<str> for PatchKey {
+    /// A key without offset equals its name.
+    fn eq(&self, other: &str) -> bool {
+        self.whole() == Some(other)
+    }
+}
+
+impl PartialEq<&str> for PatchKey {
+    fn eq(&self, other: &&str) -> bool {
+        self.whole() == Some(*other)
+    }
+}
+
+impl std::fmt::Display for PatchKey {
+    /// `key`, or `key[dim 0: 64..128]` for a region.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.offset {
+            None => f.write_str(&self.key),
+            Some(o) => write!(
+                f,
+                "{}[dim {}: {}..{}]",
+                self.key,
+                o.dim,
+                o.start,
+                o.start + o.len
+            ),
+        }
+    }
+}
+
 impl From<&str> for PatchKey {
     fn from(key: &str) -> Self {
         PatchKey {

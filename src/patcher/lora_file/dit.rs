@@ -1,0 +1,379 @@
+//! Diffusers and PEFT names of Flux (and Chroma) LoRAs, mapped onto BFL's native keys.
+//!
+//! The native checkpoint fuses projections the diffusers model keeps apart: a double block's
+//! `img_attn.qkv` is q, k and v stacked by rows (`[3h, h]`), a single block's `linear1` is q, k, v
+//! and the MLP input (`[3h + m, h]`). A LoRA for one of them patches its rows of the fused weight
+//! (an offset patch, `PatchKey::offset`). The final layer's modulation is `(shift, scale)` natively
+//! and `(scale, shift)` in diffusers: a LoRA's output halves are swapped (the rows of its up
+//! matrix), so it patches the rows it was trained for.
+//!
+//! The family is detected from the model's own keys (`double_blocks.0.img_attn.qkv.weight`, under
+//! any prefix). LoRA names: diffusers/PEFT (`transformer.transformer_blocks.0.attn.to_q`,
+//! `base_model.model.…`), OneTrainer's underscored `lora_transformer_transformer_blocks_0_attn_to_q`.
+//! A name of the family that cannot be placed (no such block, a fused part without the model's
+//! shapes) is left unmatched and reported.
+
+use std::collections::HashMap;
+
+use crate::patcher::adapters::{Offset, Patch};
+use crate::patcher::PatchKey;
+
+/// Where a diffusers module lands in the native model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Target {
+    /// The native module path (without `.weight`).
+    pub(super) module: String,
+    /// The rows of a fused weight it patches.
+    pub(super) part: Part,
+}
+
+/// Which rows of the native weight a module's LoRA patches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Part {
+    /// The whole weight.
+    Whole,
+    /// The `i`-th of the three `h`-row blocks of a fused q/k/v weight.
+    Qkv(usize),
+    /// The MLP input rows after q, k and v in a single block's `linear1`.
+    SingleMlp,
+    /// The whole weight, with the output halves swapped (`(scale, shift)` → `(shift, scale)`).
+    SwapHalves,
+}
+
+/// `template` (`{N}` for a block number) matched against `name`, dotted or with every `.` as `_`.
+fn match_template(template: &str, name: &str, underscored: bool) -> Option<Option<usize>> {
+    let t = if underscored {
+        template.replace('.', "_")
+    } else {
+        template.to_string()
+    };
+    match t.split_once("{N}") {
+        None => (t == name).then_some(None),
+        Some((pre, post)) => {
+            let mid = name.strip_prefix(pre)?.strip_suffix(post)?;
+            mid.parse::<usize>().ok().map(Some)
+        }
+    }
+}
+
+/// diffusers module → native module and part, for Flux.
+const FLUX: &[(&str, &str, Part)] = &[
+    (
+        "transformer_blocks.{N}.attn.to_q",
+        "double_blocks.{N}.img_attn.qkv",
+        Part::Qkv(0),
+    ),
+    (
+        "transformer_blocks.{N}.attn.to_k",
+        "double_blocks.{N}.img_attn.qkv",
+        Part::Qkv(1),
+    ),
+    (
+        "transformer_blocks.{N}.attn.to_v",
+        "double_blocks.{N}.img_attn.qkv",
+        Part::Qkv(2),
+    ),
+    (
+        "transformer_blocks.{N}.attn.add_q_proj",
+        "double_blocks.{N}.txt_attn.qkv",
+        Part::Qkv(0),
+    ),
+    (
+        "transformer_blocks.{N}.attn.add_k_proj",
+        "double_blocks.{N}.txt_attn.qkv",
+        Part::Qkv(1),
+    ),
+    (
+        "transformer_blocks.{N}.attn.add_v_proj",
+        "double_blocks.{N}.txt_attn.qkv",
+        Part::Qkv(2),
+    ),
+    (
+        "transformer_blocks.{N}.attn.to_out.0",
+        "double_blocks.{N}.img_attn.proj",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.attn.to_add_out",
+        "double_blocks.{N}.txt_attn.proj",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.ff.net.0.proj",
+        "double_blocks.{N}.img_mlp.0",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.ff.net.2",
+        "double_blocks.{N}.img_mlp.2",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.ff_context.net.0.proj",
+        "double_blocks.{N}.txt_mlp.0",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.ff_context.net.2",
+        "double_blocks.{N}.txt_mlp.2",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.norm1.linear",
+        "double_blocks.{N}.img_mod.lin",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.norm1_context.linear",
+        "double_blocks.{N}.txt_mod.lin",
+        Part::Whole,
+    ),
+    (
+        "single_transformer_blocks.{N}.attn.to_q",
+        "single_blocks.{N}.linear1",
+        Part::Qkv(0),
+    ),
+    (
+        "single_transformer_blocks.{N}.attn.to_k",
+        "single_blocks.{N}.linear1",
+        Part::Qkv(1),
+    ),
+    (
+        "single_transformer_blocks.{N}.attn.to_v",
+        "single_blocks.{N}.linear1",
+        Part::Qkv(2),
+    ),
+    (
+        "single_transformer_blocks.{N}.proj_mlp",
+        "single_blocks.{N}.linear1",
+        Part::SingleMlp,
+    ),
+    (
+        "single_transformer_blocks.{N}.proj_out",
+        "single_blocks.{N}.linear2",
+        Part::Whole,
+    ),
+    (
+        "single_transformer_blocks.{N}.norm.linear",
+        "single_blocks.{N}.modulation.lin",
+        Part::Whole,
+    ),
+    ("x_embedder", "img_in", Part::Whole),
+    ("context_embedder", "txt_in", Part::Whole),
+    (
+        "time_text_embed.timestep_embedder.linear_1",
+        "time_in.in_layer",
+        Part::Whole,
+    ),
+    (
+        "time_text_embed.timestep_embedder.linear_2",
+        "time_in.out_layer",
+        Part::Whole,
+    ),
+    (
+        "time_text_embed.guidance_embedder.linear_1",
+        "guidance_in.in_layer",
+        Part::Whole,
+    ),
+    (
+        "time_text_embed.guidance_embedder.linear_2",
+        "guidance_in.out_layer",
+        Part::Whole,
+    ),
+    (
+        "time_text_embed.text_embedder.linear_1",
+        "vector_in.in_layer",
+        Part::Whole,
+    ),
+    (
+        "time_text_embed.text_embedder.linear_2",
+        "vector_in.out_layer",
+        Part::Whole,
+    ),
+    (
+        "norm_out.linear",
+        "final_layer.adaLN_modulation.1",
+        Part::SwapHalves,
+    ),
+    ("proj_out", "final_layer.linear", Part::Whole),
+];
+
+/// Prefixes trainers put before the diffusers module path: `(prefix, underscored)`.
+const LORA_PREFIXES: &[(&str, bool)] = &[
+    ("base_model.model.transformer.", false),
+    ("base_model.model.", false),
+    ("transformer.", false),
+    ("diffusion_model.", false),
+    ("lora_transformer_", true),
+];
+
+/// A model whose keys are BFL's Flux: its key prefix (`""`, `model.diffusion_model.`, ...).
+pub(super) struct Flux {
+    prefix: String,
+}
+
+impl Flux {
+    /// The Flux layout of `keys`, if they have one.
+    pub(super) fn detect<'a>(keys: impl IntoIterator<Item = &'a str>) -> Option<Flux> {
+        keys.into_iter().find_map(|k| {
+            k.strip_suffix("double_blocks.0.img_attn.qkv.weight")
+                .map(|p| Flux {
+                    prefix: p.to_string(),
+                })
+        })
+    }
+
+    /// The native module the LoRA base `base` patches, when `base` is a diffusers Flux name.
+    pub(super) fn target(&self, base: &str) -> Option<Target> {
+        for &(prefix, underscored) in LORA_PREFIXES {
+            let Some(rest) = base.strip_prefix(prefix) else {
+                continue;
+            };
+            if let Some(t) = map(rest, underscored) {
+                return Some(t);
+            }
+        }
+        // No trainer prefix: a bare diffusers path.
+        map(base, false)
+    }
+
+    /// The model key of `module`'s `suffix` (`.weight`, `.bias`).
+    pub(super) fn key(&self, module: &str, suffix: &str) -> String {
+        format!("{}{module}{suffix}", self.prefix)
+    }
+
+    /// The patch key for `target` on the weight `key` of rows `rows` (the model's shape, when
+    /// known), and the patch, its halves swapped where the layouts differ. `None` when the part
+    /// cannot be placed: say why.
+    pub(super) fn place(
+        &self,
+        target: &Target,
+        key: String,
+        shapes: &HashMap<String, Vec<usize>>,
+        patch: Patch,
+    ) -> Result<(PatchKey, Patch), String> {
+        let rows = shapes.get(&key).and_then(|s| s.first().copied());
+        let hidden = self.hidden(shapes);
+        let own_rows = patch_rows(&patch);
+        let region = |start: usize, len: usize| -> Result<PatchKey, String> {
+            if let Some(r) = rows {
+                if start + len > r {
+                    return Err(format!(
+                        "rows {start}..{} outside `{key}` ({r} rows)",
+                        start + len
+                    ));
+                }
+            }
+            Ok((key.clone(), Offset { dim: 0, start, len }).into())
+        };
+        match target.part {
+            Part::Whole => Ok((key.into(), patch)),
+            Part::Qkv(i) => {
+                // Double blocks: rows / 3; single blocks: the model's hidden size; without the
+                // model's shapes, the LoRA's own output rows.
+                let h = if target.module.ends_with(".qkv") {
+                    rows.map(|r| r / 3)
+                } else {
+                    hidden
+                }
+                .or(own_rows)
+                .ok_or("the fused weight's size is unknown: load with lora_file::load_for")?;
+                Ok((region(i * h, h)?, patch))
+            }
+            Part::SingleMlp => {
+                let (Some(h), Some(r)) = (hidden, rows) else {
+                    return Err("the MLP rows of `linear1` need the model's shapes: load with lora_file::load_for".into());
+                };
+                Ok((region(3 * h, r.saturating_sub(3 * h))?, patch))
+            }
+            Part::SwapHalves => match patch {
+                Patch::Lora(l) if l.dora_scale.is_some() => {
+                    Err("a DoRA on the modulation would need its magnitude's halves swapped too; not supported".into())
+                }
+                Patch::Lora(mut l) => {
+                    let n = l.up.dim(0).map_err(|e| e.to_string())?;
+                    if n % 2 != 0 {
+                        return Err(format!("{n} output rows cannot be split in halves"));
+                    }
+                    let half = n / 2;
+                    let swapped = candle_core::Tensor::cat(
+                        &[
+                            l.up.narrow(0, half, half).map_err(|e| e.to_string())?,
+                            l.up.narrow(0, 0, half).map_err(|e| e.to_string())?,
+                        ],
+                        0,
+                    )
+                    .map_err(|e| e.to_string())?;
+                    l.up = swapped;
+                    Ok((key.into(), Patch::Lora(l)))
+                }
+                other => Err(format!(
+                    "a {} on the modulation needs its halves swapped, which only LoRA supports",
+                    other.kind()
+                )),
+            },
+        }
+    }
+
+    /// The hidden size: the rows of `img_in`.
+    fn hidden(&self, shapes: &HashMap<String, Vec<usize>>) -> Option<usize> {
+        shapes
+            .get(&self.key("img_in", ".weight"))
+            .and_then(|s| s.first().copied())
+    }
+}
+
+/// A diffusers Flux module path (dotted or underscored) → its native target.
+fn map(path: &str, underscored: bool) -> Option<Target> {
+    FLUX.iter().find_map(|&(from, to, part)| {
+        let n = match_template(from, path, underscored)?;
+        let module = match n {
+            Some(n) => to.replace("{N}", &n.to_string()),
+            None => to.to_string(),
+        };
+        Some(Target { module, part })
+    })
+}
+
+/// The output rows of a LoRA patch (its up matrix), the one kind whose rows are read off it.
+fn patch_rows(patch: &Patch) -> Option<usize> {
+    match patch {
+        Patch::Lora(l) => l.up.dims().first().copied(),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn diffusers_and_onetrainer_names_map_to_native_modules() {
+        let f = Flux {
+            prefix: String::new(),
+        };
+        let t = f
+            .target("transformer.transformer_blocks.3.attn.to_k")
+            .unwrap();
+        assert_eq!(
+            t,
+            Target {
+                module: "double_blocks.3.img_attn.qkv".into(),
+                part: Part::Qkv(1)
+            }
+        );
+        let t = f
+            .target("lora_transformer_single_transformer_blocks_11_proj_mlp")
+            .unwrap();
+        assert_eq!(t.module, "single_blocks.11.linear1");
+        assert_eq!(t.part, Part::SingleMlp);
+        assert_eq!(
+            f.target("base_model.model.norm_out.linear").unwrap().part,
+            Part::SwapHalves
+        );
+        assert!(f
+            .target("transformer.transformer_blocks.x.attn.to_q")
+            .is_none());
+        assert!(f.target("lora_unet_down_blocks_0").is_none());
+    }
+}

@@ -1,0 +1,196 @@
+//! Today's LoRA formats on the model families' native keys: a Flux LoRA in diffusers/PEFT and
+//! OneTrainer naming patches BFL's fused weights — each projection its rows of `qkv` / `linear1`,
+//! the final modulation with its halves swapped — equal to a hand merge.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use residency::patcher::{lora_file, ModelPatcher};
+use residency::vram::DeviceId;
+use residency::weights::{save_safetensors, Model, SafetensorsOptions};
+use residency::Dtype;
+
+const H: usize = 4;
+const MLP: usize = 8;
+
+/// A tiny Flux under BFL's names (after `prefix`): hidden 4, MLP 8, one double and one single
+/// block.
+fn flux(prefix: &str) -> Model {
+    let shapes: &[(&str, &[usize])] = &[
+        ("img_in.weight", &[H, 6]),
+        ("double_blocks.0.img_attn.qkv.weight", &[3 * H, H]),
+        ("double_blocks.0.txt_attn.qkv.weight", &[3 * H, H]),
+        ("double_blocks.0.img_attn.proj.weight", &[H, H]),
+        ("single_blocks.0.linear1.weight", &[3 * H + MLP, H]),
+        ("single_blocks.0.linear2.weight", &[H, H + MLP]),
+        ("final_layer.adaLN_modulation.1.weight", &[2 * H, H]),
+    ];
+    Model::from_tensors(
+        "flux",
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, (k, s))| (format!("{prefix}{k}"), common::rand_tensor(s, 1 + i as u64))),
+    )
+    .unwrap()
+}
+
+/// `(diffusers module, out rows, in cols)` of the LoRA, rank 2.
+const MODULES: &[(&str, usize, usize)] = &[
+    ("transformer_blocks.0.attn.to_q", H, H),
+    ("transformer_blocks.0.attn.to_k", H, H),
+    ("transformer_blocks.0.attn.to_v", H, H),
+    ("transformer_blocks.0.attn.add_k_proj", H, H),
+    ("transformer_blocks.0.attn.to_out.0", H, H),
+    ("single_transformer_blocks.0.attn.to_v", H, H),
+    ("single_transformer_blocks.0.proj_mlp", MLP, H),
+    ("single_transformer_blocks.0.proj_out", H, H + MLP),
+    ("norm_out.linear", 2 * H, H),
+];
+
+fn up_down(i: usize, rows: usize, cols: usize) -> (Tensor, Tensor) {
+    (
+        common::rand_tensor(&[rows, 2], 100 + 2 * i as u64),
+        common::rand_tensor(&[2, cols], 101 + 2 * i as u64),
+    )
+}
+
+/// The LoRA file: PEFT names (`transformer.<module>.lora_A.weight`), or OneTrainer's
+/// (`lora_transformer_<module with _>.lora_down.weight`).
+fn write_lora(dir: &std::path::Path, onetrainer: bool) -> std::path::PathBuf {
+    let mut tensors = Vec::new();
+    for (i, (m, rows, cols)) in MODULES.iter().enumerate() {
+        let (up, down) = up_down(i, *rows, *cols);
+        let (u, d) = if onetrainer {
+            let base = format!("lora_transformer_{}", m.replace('.', "_"));
+            (
+                format!("{base}.lora_up.weight"),
+                format!("{base}.lora_down.weight"),
+            )
+        } else {
+            (
+                format!("transformer.{m}.lora_B.weight"),
+                format!("transformer.{m}.lora_A.weight"),
+            )
+        };
+        tensors.push((u, up, Dtype::F32));
+        tensors.push((d, down, Dtype::F32));
+    }
+    let path = dir.join("flux_lora.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    path
+}
+
+/// `w` with `delta` added to rows `start..start + delta rows`.
+fn add_rows(w: &Tensor, start: usize, delta: &Tensor) -> Tensor {
+    let n = delta.dim(0).unwrap();
+    let rows = w.dim(0).unwrap();
+    let mut parts = Vec::new();
+    if start > 0 {
+        parts.push(w.narrow(0, 0, start).unwrap());
+    }
+    parts.push((w.narrow(0, start, n).unwrap() + delta).unwrap());
+    if start + n < rows {
+        parts.push(w.narrow(0, start + n, rows - start - n).unwrap());
+    }
+    Tensor::cat(&parts, 0).unwrap()
+}
+
+fn delta(i: usize) -> Tensor {
+    let (_, rows, cols) = MODULES[i];
+    let (up, down) = up_down(i, rows, cols);
+    up.matmul(&down).unwrap()
+}
+
+fn swap_halves(t: &Tensor) -> Tensor {
+    let h = t.dim(0).unwrap() / 2;
+    Tensor::cat(&[t.narrow(0, h, h).unwrap(), t.narrow(0, 0, h).unwrap()], 0).unwrap()
+}
+
+fn assert_close(got: &Tensor, want: &Tensor, what: &str) {
+    let (g, w) = (common::f32s(got), common::f32s(want));
+    assert_eq!(g.len(), w.len(), "{what}");
+    for (a, b) in g.iter().zip(&w) {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+            "{what}: {a} vs {b}"
+        );
+    }
+}
+
+fn check(prefix: &str, onetrainer: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_lora(dir.path(), onetrainer);
+    let model = flux(prefix);
+    let lora = lora_file::load_for(&path, &model).unwrap();
+    assert!(
+        lora.unmatched_lora_keys.is_empty(),
+        "{:?}",
+        lora.unmatched_lora_keys
+    );
+    let base = ModelPatcher::on_device(Arc::new(model), DeviceId::Cpu);
+    let mut styled = base.clone();
+    styled.add_patches(lora.patches, 1.0, 1.0).unwrap();
+    let k = |s: &str| format!("{prefix}{s}");
+    let clean = |s: &str| base.patched_weight(&k(s)).unwrap();
+    let got = |s: &str| styled.patched_weight(&k(s)).unwrap();
+
+    let mut qkv = clean("double_blocks.0.img_attn.qkv.weight");
+    for (i, part) in [0, 1, 2].into_iter().enumerate() {
+        qkv = add_rows(&qkv, part * H, &delta(i));
+    }
+    assert_close(&got("double_blocks.0.img_attn.qkv.weight"), &qkv, "img qkv");
+    let txt = add_rows(&clean("double_blocks.0.txt_attn.qkv.weight"), H, &delta(3));
+    assert_close(&got("double_blocks.0.txt_attn.qkv.weight"), &txt, "txt k");
+    let proj = (clean("double_blocks.0.img_attn.proj.weight") + delta(4)).unwrap();
+    assert_close(&got("double_blocks.0.img_attn.proj.weight"), &proj, "proj");
+    let linear1 = add_rows(&clean("single_blocks.0.linear1.weight"), 2 * H, &delta(5));
+    let linear1 = add_rows(&linear1, 3 * H, &delta(6));
+    assert_close(
+        &got("single_blocks.0.linear1.weight"),
+        &linear1,
+        "linear1 v + mlp",
+    );
+    let linear2 = (clean("single_blocks.0.linear2.weight") + delta(7)).unwrap();
+    assert_close(&got("single_blocks.0.linear2.weight"), &linear2, "linear2");
+    // diffusers' (scale, shift) onto the native (shift, scale).
+    let modulation =
+        (clean("final_layer.adaLN_modulation.1.weight") + swap_halves(&delta(8))).unwrap();
+    assert_close(
+        &got("final_layer.adaLN_modulation.1.weight"),
+        &modulation,
+        "final modulation, halves swapped",
+    );
+}
+
+#[test]
+fn a_flux_lora_in_peft_naming_patches_the_fused_native_weights() {
+    check("", false);
+}
+
+#[test]
+fn a_flux_lora_in_onetrainer_naming_patches_comfyui_s_in_memory_keys() {
+    check("model.diffusion_model.", true);
+}
+
+#[test]
+fn without_the_model_s_shapes_the_mlp_rows_are_reported_not_guessed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_lora(dir.path(), false);
+    let model = flux("");
+    let lora = lora_file::load(&path, model.keys()).unwrap();
+    assert_eq!(
+        lora.unmatched_lora_keys,
+        vec![
+            "transformer.single_transformer_blocks.0.proj_mlp.lora_A.weight".to_string(),
+            "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight".to_string(),
+        ]
+    );
+    // q, k and v still find their rows from the LoRA's own size.
+    assert!(lora
+        .patches
+        .iter()
+        .any(|(k, _)| k.key == "double_blocks.0.img_attn.qkv.weight" && k.offset.is_some()));
+}
