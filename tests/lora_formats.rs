@@ -194,3 +194,70 @@ fn without_the_model_s_shapes_the_mlp_rows_are_reported_not_guessed() {
         .iter()
         .any(|(k, _)| k.key == "double_blocks.0.img_attn.qkv.weight" && k.offset.is_some()));
 }
+
+#[test]
+fn qwen_image_peft_with_its_adapter_name_and_simpletuner_lycoris_names_map() {
+    let model = Model::from_tensors(
+        "qwen_image",
+        [
+            (
+                "transformer_blocks.0.attn.to_q.weight",
+                common::rand_tensor(&[H, H], 1),
+            ),
+            (
+                "transformer_blocks.0.img_mlp.net.2.weight",
+                common::rand_tensor(&[H, H], 2),
+            ),
+        ],
+    )
+    .unwrap();
+    let (up, down) = up_down(0, H, H);
+    let tensors = vec![
+        (
+            "transformer.transformer_blocks.0.attn.to_q.lora_B.default.weight".to_string(),
+            up.clone(),
+            Dtype::F32,
+        ),
+        (
+            "transformer.transformer_blocks.0.attn.to_q.lora_A.default.weight".to_string(),
+            down.clone(),
+            Dtype::F32,
+        ),
+        (
+            "lycoris_transformer_blocks_0_img_mlp_net_2.lora_up.weight".to_string(),
+            up,
+            Dtype::F32,
+        ),
+        (
+            "lycoris_transformer_blocks_0_img_mlp_net_2.lora_down.weight".to_string(),
+            down,
+            Dtype::F32,
+        ),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("qwen.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    let lora = lora_file::load_for(&path, &model).unwrap();
+    assert!(
+        lora.unmatched_lora_keys.is_empty(),
+        "{:?}",
+        lora.unmatched_lora_keys
+    );
+    assert_eq!(
+        lora.matched_model_keys,
+        vec![
+            "transformer_blocks.0.attn.to_q.weight".to_string(),
+            "transformer_blocks.0.img_mlp.net.2.weight".to_string()
+        ]
+    );
+    let base = ModelPatcher::on_device(Arc::new(model), DeviceId::Cpu);
+    let mut styled = base.clone();
+    styled.add_patches(lora.patches, 1.0, 1.0).unwrap();
+    for key in [
+        "transformer_blocks.0.attn.to_q.weight",
+        "transformer_blocks.0.img_mlp.net.2.weight",
+    ] {
+        let want = (base.patched_weight(key).unwrap() + delta(0)).unwrap();
+        assert_close(&styled.patched_weight(key).unwrap(), &want, key);
+    }
+}

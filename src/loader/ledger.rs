@@ -34,6 +34,8 @@ use crate::vram::DeviceId;
 #[derive(Debug, Clone, Copy)]
 struct Book {
     device: DeviceId,
+    /// The ledger's manager ([`Ledger`]'s id): a trace keeps two managers' devices apart.
+    manager: u64,
     /// The bound; `None` on a device the manager does not schedule.
     total: Option<ByteSize>,
     resident: ByteSize,
@@ -68,7 +70,7 @@ impl Book {
     fn trace(&self) {
         let [resident, in_flight, cached, reserved, budget] = self.columns();
         tracing::debug!(target: "residency::counter", counter = "ledger", device = %self.device,
-            resident, in_flight, cached, reserved, budget);
+            manager = self.manager, resident, in_flight, cached, reserved, budget);
     }
 
     fn note_peak(&mut self) {
@@ -142,7 +144,12 @@ pub(crate) struct Ledger {
     probes: Mutex<Vec<(DeviceId, FreeProbe)>>,
     /// Every live reservation by id (a leaf lock, like `books`, never held with it).
     named: Mutex<Vec<Named>>,
+    /// Process-unique: which manager's ledger this is (trace series are kept apart by it).
+    id: u64,
 }
+
+/// The next ledger's id.
+static NEXT_LEDGER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl Default for Ledger {
     fn default() -> Ledger {
@@ -151,6 +158,7 @@ impl Default for Ledger {
             returned: Condvar::new(),
             probes: Mutex::new(Rank::LedgerProbes, Vec::new()),
             named: Mutex::new(Rank::LedgerNamed, Vec::new()),
+            id: NEXT_LEDGER.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
     }
 }
@@ -195,6 +203,7 @@ impl Ledger {
             None => {
                 books.push(Book {
                     device,
+                    manager: self.id,
                     total: None,
                     resident: ByteSize::ZERO,
                     in_flight: ByteSize::ZERO,

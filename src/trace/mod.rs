@@ -200,6 +200,9 @@ fn current_track() -> u32 {
 struct Shared {
     start: Instant,
     records: Mutex<Vec<Record>>,
+    /// The managers whose ledgers this recording saw, in order: the first one's series are
+    /// `ledger sim:0`, the second's `ledger sim:0 (manager 2)`.
+    managers: Mutex<Vec<u64>>,
 }
 
 /// A recording of residency's spans, events and counters (see the module docs). Clones share it.
@@ -229,6 +232,7 @@ impl Trace {
             shared: Arc::new(Shared {
                 start: Instant::now(),
                 records: Mutex::new(Rank::Trace, Vec::new()),
+                managers: Mutex::new(Rank::Trace, Vec::new()),
             }),
         }
     }
@@ -267,6 +271,19 @@ impl Trace {
             .find(|(id, _)| *id == track)
             .map(|(_, n)| n.clone())
             .unwrap_or_else(|| format!("thread {track}"))
+    }
+
+    /// The 1-based order in which this recording first saw manager `id`'s ledger (taken and
+    /// released before the records' lock).
+    fn manager_ordinal(&self, id: u64) -> usize {
+        let mut seen = self.shared.managers.lock();
+        match seen.iter().position(|&m| m == id) {
+            Some(i) => i + 1,
+            None => {
+                seen.push(id);
+                seen.len()
+            }
+        }
     }
 
     fn push(&self, kind: Kind, name: Cow<'static, str>, target: &'static str, fields: Fields) {
@@ -384,7 +401,7 @@ pub fn chrome_json(records: &[Record]) -> String {
         for (k, v) in &r.fields {
             // A counter's columns are its numbers; its series and device are in its name.
             if r.kind == Kind::Counter
-                && (matches!(*k, "counter" | "device") || v.as_f64().is_none())
+                && (matches!(*k, "counter" | "device" | "manager") || v.as_f64().is_none())
             {
                 continue;
             }
@@ -609,6 +626,17 @@ where
                 Some((_, d)) => format!("{series} {}", d.text()),
                 None => series,
             };
+            // A second manager in the process: its devices are series of their own.
+            let manager = v
+                .fields
+                .iter()
+                .find(|(k, _)| *k == "manager")
+                .and_then(|(_, m)| m.as_f64())
+                .map(|m| m as u64);
+            let name = match manager.map(|m| self.trace.manager_ordinal(m)) {
+                Some(n) if n > 1 => format!("{name} (manager {n})"),
+                _ => name,
+            };
             self.trace
                 .push(Kind::Counter, Cow::Owned(name), meta.target(), v.fields);
             return;
@@ -679,6 +707,44 @@ mod tests {
             && e["name"] == "process_name"
             && e["pid"] == pid
             && e["args"]["name"] == "device sim:0"));
+    }
+
+    #[test]
+    fn two_managers_in_one_process_are_two_series() {
+        use crate::loader::MemoryManager;
+        use crate::vram::{Config, DeviceId, Hardware};
+        let managers: Vec<MemoryManager> = (0..2)
+            .map(|_| {
+                let config =
+                    Config::from_args(["--sim-gpu", "1MiB", "--disable-dynamic-vram"]).unwrap();
+                MemoryManager::new(config, Hardware::cpu_only(crate::ByteSize::gib(8))).unwrap()
+            })
+            .collect();
+        let trace = recorded(|| {
+            for (i, mm) in managers.iter().enumerate() {
+                let w = crate::float::uniform_tensor(&[16, 16], i as u64).unwrap();
+                let model = crate::weights::Model::from_tensors("m", [("w", w)]).unwrap();
+                let p = crate::ModelPatcher::new(model, DeviceId::Sim(0), DeviceId::Cpu);
+                mm.load_model_gpu(&p).unwrap();
+            }
+        });
+        let names: std::collections::BTreeSet<String> = trace
+            .records()
+            .into_iter()
+            .filter(|r| r.kind == Kind::Counter)
+            .map(|r| r.name.to_string())
+            .collect();
+        assert!(names.contains("ledger sim:0"), "{names:?}");
+        assert!(names.contains("ledger sim:0 (manager 2)"), "{names:?}");
+        let json: serde_json::Value = serde_json::from_str(&trace.chrome_json()).unwrap();
+        let events = json["traceEvents"].as_array().unwrap();
+        assert!(
+            events
+                .iter()
+                .filter(|e| e["ph"] == "C")
+                .all(|e| e["args"].get("manager").is_none()),
+            "the manager names the series, it is not a column"
+        );
     }
 
     #[test]

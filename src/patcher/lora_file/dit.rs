@@ -205,6 +205,7 @@ const LORA_PREFIXES: &[(&str, bool)] = &[
     ("transformer.", false),
     ("diffusion_model.", false),
     ("lora_transformer_", true),
+    ("lycoris_", true),
 ];
 
 /// A model whose keys are BFL's Flux: its key prefix (`""`, `model.diffusion_model.`, ...).

@@ -47,6 +47,9 @@ const SUFFIXES: &[(&str, PartKind, bool)] = &[
     (".lora_mid.weight", PartKind::Mid, false),
     (".lora_B.weight", PartKind::Up, false),
     (".lora_A.weight", PartKind::Down, false),
+    // PEFT saved with its adapter name (Qwen-Image trainers).
+    (".lora_B.default.weight", PartKind::Up, false),
+    (".lora_A.default.weight", PartKind::Down, false),
     (".lora.up.weight", PartKind::Up, false),
     (".lora.down.weight", PartKind::Down, false),
     ("_lora.up.weight", PartKind::Up, true),

@@ -36,6 +36,8 @@ const MODEL_PREFIXES: &[(&str, Component)] = &[
 const LORA_PREFIXES: &[(&str, Component, bool)] = &[
     ("lora_unet_", Component::Diffusion, true),
     ("lora_transformer_", Component::Diffusion, true),
+    // SimpleTuner's LyCORIS names.
+    ("lycoris_", Component::Diffusion, true),
     ("lora_te1_", Component::TextEncoder(1), true),
     ("lora_te2_", Component::TextEncoder(2), true),
     ("lora_te3_", Component::TextEncoder(3), true),

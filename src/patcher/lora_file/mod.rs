@@ -11,8 +11,8 @@
 //!
 //! | suffix | part |
 //! |---|---|
-//! | `.lora_up.weight`, `.lora_B.weight`, `.lora.up.weight`, `_lora.up.weight`, `.lora_linear_layer.up.weight` | LoRA up |
-//! | `.lora_down.weight`, `.lora_A.weight`, `.lora.down.weight`, `_lora.down.weight`, `.lora_linear_layer.down.weight` | LoRA down |
+//! | `.lora_up.weight`, `.lora_B.weight`, `.lora_B.default.weight` (PEFT with its adapter name), `.lora.up.weight`, `_lora.up.weight`, `.lora_linear_layer.up.weight` | LoRA up |
+//! | `.lora_down.weight`, `.lora_A.weight`, `.lora_A.default.weight`, `.lora.down.weight`, `_lora.down.weight`, `.lora_linear_layer.down.weight` | LoRA down |
 //! | `.lora_mid.weight` | LoRA Tucker core |
 //! | `.alpha`, `.dora_scale` | alpha (a scalar), DoRA magnitude (any adapter); a PEFT file without `.alpha` tensors takes `lora_alpha` (with `alpha_pattern` and `use_rslora`) from the `adapter_config.json` beside it, so its scale is PEFT's `lora_alpha / r` |
 //! | `.hada_w1_a`, `.hada_w1_b`, `.hada_w2_a`, `.hada_w2_b`, `.hada_t1`, `.hada_t2` | LoHa |

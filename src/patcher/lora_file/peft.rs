@@ -84,13 +84,16 @@ impl PeftScale {
         }
     }
 
-    /// Adds a `.alpha` to every PEFT group of `tensors` (`<base>.lora_A.weight`) that has none.
+    /// Adds a `.alpha` to every PEFT group of `tensors` (`<base>.lora_A.weight`, or
+    /// `<base>.lora_A.default.weight` saved with the adapter's name) that has none.
     /// Returns how many were added.
     pub(crate) fn add_alphas(&self, tensors: &mut HashMap<String, Tensor>) -> Result<usize> {
         let bases: Vec<(String, usize)> = tensors
             .iter()
             .filter_map(|(name, t)| {
-                let base = name.strip_suffix(".lora_A.weight")?;
+                let base = name
+                    .strip_suffix(".lora_A.weight")
+                    .or_else(|| name.strip_suffix(".lora_A.default.weight"))?;
                 let rank = *t.dims().first()?;
                 Some((base.to_string(), rank))
             })
