@@ -119,6 +119,14 @@ fn the_ported_t5_encoder_gives_candle_s_bits_and_nothing_it_holds_escapes_the_le
             "{flags:?}"
         );
         let outside_bytes: ByteSize = model.held_outside().iter().map(|(_, b)| *b).sum();
+        // Every byte of the checkpoint is the manager's: managed by key, or counted in the
+        // ledger as held by the model.
+        let managed_bytes: ByteSize = managed.iter().map(|k| model.slot(k).unwrap().bytes()).sum();
+        assert_eq!(
+            managed_bytes.saturating_add(outside_bytes),
+            model.model_size(),
+            "{flags:?}"
+        );
         assert_eq!(report.models[0].held_outside, outside_bytes, "{flags:?}");
         assert_eq!(
             report.models[0]
