@@ -113,7 +113,7 @@ impl Linear {
 /// [`linear`] when `b`, else [`linear_no_bias`].
 ///
 /// # Errors
-/// As [`crate::nn::linear`].
+/// As [`crate::nn::linear()`].
 pub fn linear_b(d1: usize, d2: usize, b: bool, vb: VarBuilder) -> Result<Linear> {
     let inner = crate::nn::linear_b(d1, d2, b, vb)?;
     let span = tracing::span!(tracing::Level::TRACE, "linear");
@@ -123,7 +123,7 @@ pub fn linear_b(d1: usize, d2: usize, b: bool, vb: VarBuilder) -> Result<Linear>
 /// A linear layer `d1 → d2` with bias.
 ///
 /// # Errors
-/// As [`crate::nn::linear`].
+/// As [`crate::nn::linear()`].
 pub fn linear(d1: usize, d2: usize, vb: VarBuilder) -> Result<Linear> {
     let inner = crate::nn::linear(d1, d2, vb)?;
     let span = tracing::span!(tracing::Level::TRACE, "linear");
@@ -133,7 +133,7 @@ pub fn linear(d1: usize, d2: usize, vb: VarBuilder) -> Result<Linear> {
 /// A linear layer `d1 → d2` without bias.
 ///
 /// # Errors
-/// As [`crate::nn::linear`].
+/// As [`crate::nn::linear()`].
 pub fn linear_no_bias(d1: usize, d2: usize, vb: VarBuilder) -> Result<Linear> {
     let inner = crate::nn::linear_no_bias(d1, d2, vb)?;
     let span = tracing::span!(tracing::Level::TRACE, "linear");

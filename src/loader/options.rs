@@ -4,7 +4,7 @@
 use crate::patcher::ModelPatcher;
 use crate::size::ByteSize;
 
-/// Options of one [`MemoryManager::load_models_gpu`] call.
+/// Options of one [`MemoryManager::load_models_gpu`](super::MemoryManager::load_models_gpu) call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LoadOptions {
     /// Activation memory the coming forward needs (from the model's estimator).
