@@ -11,19 +11,11 @@ use residency::loader::MemoryManager;
 use residency::nn::{linear_no_bias, VarBuilder};
 use residency::ops::OpsMode;
 use residency::patcher::ModelPatcher;
-use residency::vram::{Config, DeviceId, Hardware};
+use residency::vram::{Config, DeviceId};
 use residency::weights::Model;
 use residency::{ByteSize, Error};
 
 const SIM0: DeviceId = DeviceId::Sim(0);
-
-fn manager_with(flags: &[&str]) -> MemoryManager {
-    MemoryManager::new(
-        Config::from_args(flags).unwrap(),
-        Hardware::cpu_only(ByteSize::gib(64)),
-    )
-    .unwrap()
-}
 
 /// A one-layer model `net` (`proj.weight`, 64×64 f32) on the first simulated GPU.
 fn one_layer(seed: u64) -> ModelPatcher {
@@ -33,16 +25,6 @@ fn one_layer(seed: u64) -> ModelPatcher {
     )
     .unwrap();
     ModelPatcher::on_device(Arc::new(model), SIM0)
-}
-
-fn f32s(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
 }
 
 /// A streamed layer on a fresh `--novram` manager, and a buffer holding all but 8 KiB of the
@@ -55,7 +37,7 @@ fn failing_layer() -> (
     Vec<u32>,
     residency::device::sim::SimBuffer,
 ) {
-    let mm = manager_with(&["--sim-gpu", "1MiB", "--novram", "--disable-dynamic-vram"]);
+    let mm = common::manager_with(&["--sim-gpu", "1MiB", "--novram", "--disable-dynamic-vram"]);
     let p = one_layer(3);
     mm.load_model_gpu(&p).unwrap();
     let vb = VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap();
@@ -63,7 +45,7 @@ fn failing_layer() -> (
     let x = common::rand_tensor(&[2, 64], 9);
     // candle-nn's Linear on the same weight: what the forward computes.
     let w = common::rand_tensor(&[64, 64], 3);
-    let expected = f32s(&x.matmul(&w.t().unwrap()).unwrap());
+    let expected = common::bits(&x.matmul(&w.t().unwrap()).unwrap());
     let sim = &mm.transfer_engine().devices().sims()[0];
     let hog = sim
         .new_stream()
@@ -111,7 +93,7 @@ fn retry_on_oom_catches_an_out_of_memory_raised_inside_a_forward() {
     assert!(hog.is_none());
     assert_eq!(calls, 2, "failed once, retried once");
     assert_eq!(
-        f32s(&y),
+        common::bits(&y),
         expected,
         "the retried forward computes candle-nn's bits"
     );
@@ -160,14 +142,14 @@ fn lora(seed: u64) -> residency::patcher::Patch {
 
 #[test]
 fn a_lora_clone_loaded_without_switching_the_layers_is_reported_and_one_call_closes_the_trap() {
-    let mm = manager_with(&["--sim-gpu", "1MiB", "--disable-dynamic-vram"]);
+    let mm = common::manager_with(&["--sim-gpu", "1MiB", "--disable-dynamic-vram"]);
     let base = one_layer(5);
     let vb = VarBuilder::from_patcher(&base, OpsMode::DisableWeightInit).unwrap();
     let proj = linear_no_bias(64, 64, vb.pp("proj")).unwrap();
     let x = common::rand_tensor(&[2, 64], 9);
     mm.load_model_gpu(&base).unwrap();
     assert_eq!(vb.source().not_loaded(), None, "the base is what is loaded");
-    let base_out = f32s(&proj.forward(&x).unwrap());
+    let base_out = common::bits(&proj.forward(&x).unwrap());
 
     // The node's clone with a LoRA, loaded, but the layers still on the base patcher.
     let mut styled = base.clone();
@@ -181,7 +163,7 @@ fn a_lora_clone_loaded_without_switching_the_layers_is_reported_and_one_call_clo
         "{why}"
     );
     assert_eq!(
-        f32s(&proj.forward(&x).unwrap()),
+        common::bits(&proj.forward(&x).unwrap()),
         base_out,
         "computes the base"
     );
@@ -191,10 +173,13 @@ fn a_lora_clone_loaded_without_switching_the_layers_is_reported_and_one_call_clo
         .load(&mm, &styled, residency::loader::LoadOptions::default())
         .unwrap();
     assert_eq!(vb.source().not_loaded(), None);
-    let styled_out = f32s(&proj.forward(&x).unwrap());
+    let styled_out = common::bits(&proj.forward(&x).unwrap());
     assert_ne!(styled_out, base_out, "the LoRA computes now");
     let merged = styled.patched_weight("proj.weight").unwrap();
-    assert_eq!(styled_out, f32s(&x.matmul(&merged.t().unwrap()).unwrap()));
+    assert_eq!(
+        styled_out,
+        common::bits(&x.matmul(&merged.t().unwrap()).unwrap())
+    );
 
     // A failed load leaves the layers on the patcher they had.
     let other = ModelPatcher::new(
@@ -213,12 +198,12 @@ fn a_lora_clone_loaded_without_switching_the_layers_is_reported_and_one_call_clo
         "{err}"
     );
     assert_eq!(err.to_string(), "the layers were built on model `net` but were given a patcher of model `big`; set_patcher takes a clone of `net` (`patcher.clone()`, then add patches)");
-    assert_eq!(f32s(&proj.forward(&x).unwrap()), styled_out);
+    assert_eq!(common::bits(&proj.forward(&x).unwrap()), styled_out);
 }
 
 #[test]
 fn a_weight_larger_than_its_device_is_refused_at_load_time_naming_it() {
-    let mm = manager_with(&["--sim-gpu", "1MiB", "--disable-dynamic-vram"]);
+    let mm = common::manager_with(&["--sim-gpu", "1MiB", "--disable-dynamic-vram"]);
     // 2 MiB of f32 on a 1 MiB device: it could only ever fail at the forward that fetches it.
     let p = ModelPatcher::new(
         Arc::new(
@@ -252,7 +237,7 @@ fn a_weight_larger_than_its_device_is_refused_at_load_time_naming_it() {
 
 #[test]
 fn a_device_map_naming_a_device_that_does_not_exist_says_so() {
-    let mm = manager_with(&["--sim-gpu", "1MiB"]);
+    let mm = common::manager_with(&["--sim-gpu", "1MiB"]);
     let p = one_layer(1).with_device_map(residency::DeviceMap::parse("proj=sim:3").unwrap());
     let err = mm.load_model_gpu(&p).unwrap_err();
     assert_eq!(
@@ -275,7 +260,7 @@ fn a_device_map_rule_that_cannot_be_used_names_the_rule_not_a_flag() {
 
 #[test]
 fn a_refused_reservation_says_reserve_less_or_raise_the_budget() {
-    let mm = manager_with(&["--sim-gpu", "1MiB", "--reserve-vram", "0"]);
+    let mm = common::manager_with(&["--sim-gpu", "1MiB", "--reserve-vram", "0"]);
     let err = mm
         .reserve_named("kv-cache", SIM0, ByteSize::mib(2))
         .map(|_| ())

@@ -3,6 +3,8 @@
 //! on a simulated GPU, and all of its weights managed — `QkNorm`'s `RmsNorm::new(vb.get(..)?)`
 //! included — so nothing it holds is outside the manager.
 
+mod common;
+
 include!("ported/shim.rs");
 
 use candle_transformers::models::flux::WithForward;
@@ -15,10 +17,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use residency::loader::MemoryManager;
 use residency::ops::OpsMode;
 use residency::patcher::ModelPatcher;
-use residency::vram::{Config, DeviceId, Hardware};
+use residency::vram::DeviceId;
 use residency::weights::Model;
 use residency::ByteSize;
 
@@ -124,14 +125,6 @@ fn step(model: &dyn WithForward, x: &[Tensor]) -> Vec<u32> {
         .collect()
 }
 
-fn manager_with(flags: &[&str]) -> MemoryManager {
-    MemoryManager::new(
-        Config::from_args(flags).unwrap(),
-        Hardware::cpu_only(ByteSize::gib(64)),
-    )
-    .unwrap()
-}
-
 #[test]
 fn the_ported_flux_gives_candle_s_bits_and_keeps_every_weight_managed() {
     let dir = tempfile::tempdir().unwrap();
@@ -159,7 +152,7 @@ fn the_ported_flux_gives_candle_s_bits_and_keeps_every_weight_managed() {
             DeviceId::Sim(0),
         ),
     ] {
-        let mm = manager_with(flags);
+        let mm = common::manager_with(flags);
         let model = Arc::new(Model::from_safetensors("flux", &[&path]).unwrap());
         let p = ModelPatcher::new(Arc::clone(&model), device, DeviceId::Cpu);
         let vb = residency::nn::VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap();

@@ -6,24 +6,16 @@ mod common;
 
 use std::sync::Arc;
 
-use candle_core::{Module, Tensor};
+use candle_core::Module;
 use residency::loader::{LoadOptions, MemoryManager};
 use residency::nn::{Linear, RmsNorm, VarBuilder};
 use residency::ops::OpsMode;
 use residency::patcher::ModelPatcher;
-use residency::vram::{Config, DeviceId, Hardware};
+use residency::vram::DeviceId;
 use residency::weights::Model;
 use residency::ByteSize;
 
 const SIM0: DeviceId = DeviceId::Sim(0);
-
-fn manager_with(flags: &[&str]) -> MemoryManager {
-    MemoryManager::new(
-        Config::from_args(flags).unwrap(),
-        Hardware::cpu_only(ByteSize::gib(64)),
-    )
-    .unwrap()
-}
 
 /// `w` (64×64), `proj.weight` (32×64), `proj.bias` (32), `q.scale` (64), all f32.
 fn model() -> Arc<Model> {
@@ -41,23 +33,13 @@ fn model() -> Arc<Model> {
     )
 }
 
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
-}
-
 fn copies(mm: &MemoryManager) -> u64 {
     mm.transfer_engine().devices().sims()[0].stats().copies
 }
 
 #[test]
 fn a_raw_parameter_the_model_keeps_is_counted_reported_and_in_the_plan() {
-    let mm = manager_with(&["--sim-gpu", "1MiB", "--novram", "--disable-dynamic-vram"]);
+    let mm = common::manager_with(&["--sim-gpu", "1MiB", "--novram", "--disable-dynamic-vram"]);
     let m = model();
     let p = ModelPatcher::new(Arc::clone(&m), SIM0, DeviceId::Cpu);
     let vb = VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap();
@@ -83,7 +65,7 @@ fn a_raw_parameter_the_model_keeps_is_counted_reported_and_in_the_plan() {
 
 #[test]
 fn layers_built_by_new_on_what_get_returned_are_managed_and_compute_candle_nn_s_bits() {
-    let mm = manager_with(&["--sim-gpu", "1MiB", "--novram", "--disable-dynamic-vram"]);
+    let mm = common::manager_with(&["--sim-gpu", "1MiB", "--novram", "--disable-dynamic-vram"]);
     let m = model();
     let p = ModelPatcher::new(Arc::clone(&m), SIM0, DeviceId::Cpu);
     let vb = VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap();
@@ -123,8 +105,8 @@ fn layers_built_by_new_on_what_get_returned_are_managed_and_compute_candle_nn_s_
     let z_ref = candle_nn::Linear::new(clean("proj.weight"), Some(clean("proj.bias")))
         .forward(&y_ref)
         .unwrap();
-    assert_eq!(bits(&y), bits(&y_ref));
-    assert_eq!(bits(&z), bits(&z_ref));
+    assert_eq!(common::bits(&y), common::bits(&y_ref));
+    assert_eq!(common::bits(&z), common::bits(&z_ref));
 }
 
 #[test]
@@ -146,7 +128,7 @@ fn a_tensor_changed_after_get_stays_the_model_s_own_and_stays_counted() {
 
 #[test]
 fn get_managed_reads_a_raw_parameter_at_use_and_keeps_it_inside() {
-    let mm = manager_with(&["--sim-gpu", "1MiB", "--novram", "--disable-dynamic-vram"]);
+    let mm = common::manager_with(&["--sim-gpu", "1MiB", "--novram", "--disable-dynamic-vram"]);
     let m = model();
     let p = ModelPatcher::new(Arc::clone(&m), SIM0, DeviceId::Cpu);
     let vb = VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap();
@@ -157,7 +139,7 @@ fn get_managed_reads_a_raw_parameter_at_use_and_keeps_it_inside() {
     let before = copies(&mm);
     let t = scale.fetch(vb.device()).unwrap();
     assert_eq!(copies(&mm), before + 1, "fetched at use");
-    assert_eq!(bits(&t), bits(&m.clean("q.scale").unwrap()));
+    assert_eq!(common::bits(&t), common::bits(&m.clean("q.scale").unwrap()));
     let err = vb.get_managed(63, "q.scale").unwrap_err();
     assert!(
         matches!(

@@ -5,6 +5,8 @@
 //! those are counted as held outside, by key, and the ledger includes them; its embeddings go
 //! through `with_tracing::Embedding` and stay managed.
 
+mod common;
+
 include!("ported/shim.rs");
 include!("ported/models_shim.rs");
 
@@ -16,10 +18,9 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use residency::loader::MemoryManager;
 use residency::ops::OpsMode;
 use residency::patcher::ModelPatcher;
-use residency::vram::{Config, DeviceId, Hardware};
+use residency::vram::DeviceId;
 use residency::weights::Model;
 use residency::ByteSize;
 
@@ -52,25 +53,7 @@ fn reference(path: &std::path::Path, ids: &Tensor) -> Vec<u32> {
         candle_core::safetensors::load(path, &Device::Cpu).unwrap();
     let vb = candle_nn::VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
     let mut model = candle_transformers::models::t5::T5EncoderModel::load(vb, &cfg).unwrap();
-    bits(&model.forward(ids).unwrap())
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
-}
-
-fn manager_with(flags: &[&str]) -> MemoryManager {
-    MemoryManager::new(
-        Config::from_args(flags).unwrap(),
-        Hardware::cpu_only(ByteSize::gib(64)),
-    )
-    .unwrap()
+    common::bits(&model.forward(ids).unwrap())
 }
 
 #[test]
@@ -89,13 +72,13 @@ fn the_ported_t5_encoder_gives_candle_s_bits_and_nothing_it_holds_escapes_the_le
         ),
         (&["--sim-gpu", "8MiB", "--novram"][..], DeviceId::Sim(0)),
     ] {
-        let mm = manager_with(flags);
+        let mm = common::manager_with(flags);
         let model = Arc::new(Model::from_safetensors("t5", &[&path]).unwrap());
         let p = ModelPatcher::new(Arc::clone(&model), device, DeviceId::Cpu);
         let vb = residency::nn::VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap();
         let mut port = t5::T5EncoderModel::load(vb, &cfg).unwrap();
         let report = mm.load_model_gpu(&p).unwrap();
-        let got = bits(
+        let got = common::bits(
             &port
                 .forward(&ids.to_device(port.device()).unwrap())
                 .unwrap(),

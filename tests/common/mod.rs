@@ -73,6 +73,26 @@ pub fn manager(budget: ByteSize, extra_flags: &[&str]) -> MemoryManager {
     .unwrap()
 }
 
+/// A manager built from `flags` alone, on a CPU-only machine with 64 GiB of host memory.
+pub fn manager_with(flags: &[&str]) -> MemoryManager {
+    MemoryManager::new(
+        Config::from_args(flags).unwrap(),
+        Hardware::cpu_only(ByteSize::gib(64)),
+    )
+    .unwrap()
+}
+
+/// The bits of an f32 tensor's values, for exact comparisons.
+pub fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
 pub fn f32s(t: &Tensor) -> Vec<f32> {
     t.to_dtype(DType::F32)
         .unwrap()
