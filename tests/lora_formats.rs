@@ -261,3 +261,85 @@ fn qwen_image_peft_with_its_adapter_name_and_simpletuner_lycoris_names_map() {
         assert_close(&styled.patched_weight(key).unwrap(), &want, key);
     }
 }
+
+/// SD3's last block (context pre-only, a `(shift, scale)` modulation of two chunks) and the
+/// others (six chunks in diffusers' own order) from one LoRA in PEFT naming.
+#[test]
+fn an_sd3_lora_in_peft_naming_patches_the_joint_blocks() {
+    let shapes: &[(&str, &[usize])] = &[
+        ("x_embedder.proj.weight", &[H, 2, 2, 2]),
+        ("joint_blocks.0.x_block.attn.qkv.weight", &[3 * H, H]),
+        ("joint_blocks.0.context_block.attn.qkv.weight", &[3 * H, H]),
+        (
+            "joint_blocks.0.context_block.adaLN_modulation.1.weight",
+            &[6 * H, H],
+        ),
+        (
+            "joint_blocks.1.context_block.adaLN_modulation.1.weight",
+            &[2 * H, H],
+        ),
+        ("final_layer.adaLN_modulation.1.weight", &[2 * H, H]),
+    ];
+    let model = Model::from_tensors(
+        "sd3",
+        shapes.iter().enumerate().map(|(i, (k, s))| {
+            (
+                format!("model.diffusion_model.{k}"),
+                common::rand_tensor(s, 50 + i as u64),
+            )
+        }),
+    )
+    .unwrap();
+    let modules: &[(&str, usize)] = &[
+        ("transformer_blocks.0.attn.to_v", H),
+        ("transformer_blocks.0.attn.add_q_proj", H),
+        ("transformer_blocks.0.norm1_context.linear", 6 * H),
+        ("transformer_blocks.1.norm1_context.linear", 2 * H),
+        ("norm_out.linear", 2 * H),
+    ];
+    let mut tensors = Vec::new();
+    let mut deltas = Vec::new();
+    for (i, (m, rows)) in modules.iter().enumerate() {
+        let (up, down) = up_down(20 + i, *rows, H);
+        deltas.push(up.matmul(&down).unwrap());
+        tensors.push((format!("transformer.{m}.lora_B.weight"), up, Dtype::F32));
+        tensors.push((format!("transformer.{m}.lora_A.weight"), down, Dtype::F32));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sd3_lora.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    let lora = lora_file::load_for(&path, &model).unwrap();
+    assert!(
+        lora.unmatched_lora_keys.is_empty(),
+        "{:?}",
+        lora.unmatched_lora_keys
+    );
+    let base = ModelPatcher::on_device(Arc::new(model), DeviceId::Cpu);
+    let mut styled = base.clone();
+    styled.add_patches(lora.patches, 1.0, 1.0).unwrap();
+    let k = |s: &str| format!("model.diffusion_model.{s}");
+    let clean = |s: &str| base.patched_weight(&k(s)).unwrap();
+    let got = |s: &str| styled.patched_weight(&k(s)).unwrap();
+    let x = "joint_blocks.0.x_block.attn.qkv.weight";
+    assert_close(&got(x), &add_rows(&clean(x), 2 * H, &deltas[0]), "x v");
+    let c = "joint_blocks.0.context_block.attn.qkv.weight";
+    assert_close(&got(c), &add_rows(&clean(c), 0, &deltas[1]), "context q");
+    let m0 = "joint_blocks.0.context_block.adaLN_modulation.1.weight";
+    assert_close(
+        &got(m0),
+        &(clean(m0) + &deltas[2]).unwrap(),
+        "six chunks: same order",
+    );
+    let m1 = "joint_blocks.1.context_block.adaLN_modulation.1.weight";
+    assert_close(
+        &got(m1),
+        &(clean(m1) + swap_halves(&deltas[3])).unwrap(),
+        "pre-only: swapped",
+    );
+    let f = "final_layer.adaLN_modulation.1.weight";
+    assert_close(
+        &got(f),
+        &(clean(f) + swap_halves(&deltas[4])).unwrap(),
+        "final: swapped",
+    );
+}

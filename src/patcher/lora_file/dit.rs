@@ -1,4 +1,5 @@
-//! Diffusers and PEFT names of Flux (and Chroma) LoRAs, mapped onto BFL's native keys.
+//! Diffusers and PEFT names of DiT LoRAs — Flux (and Chroma), SD3 / SD3.5 — mapped onto the
+//! families' native keys (BFL's `double_blocks`, Stability's `joint_blocks`).
 //!
 //! The native checkpoint fuses projections the diffusers model keeps apart: a double block's
 //! `img_attn.qkv` is q, k and v stacked by rows (`[3h, h]`), a single block's `linear1` is q, k, v
@@ -38,6 +39,10 @@ pub(super) enum Part {
     SingleMlp,
     /// The whole weight, with the output halves swapped (`(scale, shift)` → `(shift, scale)`).
     SwapHalves,
+    /// [`Part::SwapHalves`] when the native weight has two chunks of the hidden size (SD3's last
+    /// context block, whose modulation is `(shift, scale)` natively and `AdaLayerNormContinuous`'
+    /// `(scale, shift)` in diffusers), else [`Part::Whole`] (six chunks in the same order).
+    SwapHalvesIfPair,
 }
 
 /// `template` (`{N}` for a block number) matched against `name`, dotted or with every `.` as `_`.
@@ -198,6 +203,152 @@ const FLUX: &[(&str, &str, Part)] = &[
     ("proj_out", "final_layer.linear", Part::Whole),
 ];
 
+/// diffusers module → native module and part, for SD3 / SD3.5 (Stability's `joint_blocks`).
+const SD3: &[(&str, &str, Part)] = &[
+    (
+        "transformer_blocks.{N}.attn.to_q",
+        "joint_blocks.{N}.x_block.attn.qkv",
+        Part::Qkv(0),
+    ),
+    (
+        "transformer_blocks.{N}.attn.to_k",
+        "joint_blocks.{N}.x_block.attn.qkv",
+        Part::Qkv(1),
+    ),
+    (
+        "transformer_blocks.{N}.attn.to_v",
+        "joint_blocks.{N}.x_block.attn.qkv",
+        Part::Qkv(2),
+    ),
+    (
+        "transformer_blocks.{N}.attn.add_q_proj",
+        "joint_blocks.{N}.context_block.attn.qkv",
+        Part::Qkv(0),
+    ),
+    (
+        "transformer_blocks.{N}.attn.add_k_proj",
+        "joint_blocks.{N}.context_block.attn.qkv",
+        Part::Qkv(1),
+    ),
+    (
+        "transformer_blocks.{N}.attn.add_v_proj",
+        "joint_blocks.{N}.context_block.attn.qkv",
+        Part::Qkv(2),
+    ),
+    (
+        "transformer_blocks.{N}.attn.to_out.0",
+        "joint_blocks.{N}.x_block.attn.proj",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.attn.to_add_out",
+        "joint_blocks.{N}.context_block.attn.proj",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.attn2.to_q",
+        "joint_blocks.{N}.x_block.attn2.qkv",
+        Part::Qkv(0),
+    ),
+    (
+        "transformer_blocks.{N}.attn2.to_k",
+        "joint_blocks.{N}.x_block.attn2.qkv",
+        Part::Qkv(1),
+    ),
+    (
+        "transformer_blocks.{N}.attn2.to_v",
+        "joint_blocks.{N}.x_block.attn2.qkv",
+        Part::Qkv(2),
+    ),
+    (
+        "transformer_blocks.{N}.attn2.to_out.0",
+        "joint_blocks.{N}.x_block.attn2.proj",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.ff.net.0.proj",
+        "joint_blocks.{N}.x_block.mlp.fc1",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.ff.net.2",
+        "joint_blocks.{N}.x_block.mlp.fc2",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.ff_context.net.0.proj",
+        "joint_blocks.{N}.context_block.mlp.fc1",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.ff_context.net.2",
+        "joint_blocks.{N}.context_block.mlp.fc2",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.norm1.linear",
+        "joint_blocks.{N}.x_block.adaLN_modulation.1",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.norm1_context.linear",
+        "joint_blocks.{N}.context_block.adaLN_modulation.1",
+        Part::SwapHalvesIfPair,
+    ),
+    ("pos_embed.proj", "x_embedder.proj", Part::Whole),
+    ("context_embedder", "context_embedder", Part::Whole),
+    (
+        "time_text_embed.timestep_embedder.linear_1",
+        "t_embedder.mlp.0",
+        Part::Whole,
+    ),
+    (
+        "time_text_embed.timestep_embedder.linear_2",
+        "t_embedder.mlp.2",
+        Part::Whole,
+    ),
+    (
+        "time_text_embed.text_embedder.linear_1",
+        "y_embedder.mlp.0",
+        Part::Whole,
+    ),
+    (
+        "time_text_embed.text_embedder.linear_2",
+        "y_embedder.mlp.2",
+        Part::Whole,
+    ),
+    (
+        "norm_out.linear",
+        "final_layer.adaLN_modulation.1",
+        Part::SwapHalves,
+    ),
+    ("proj_out", "final_layer.linear", Part::Whole),
+];
+
+/// A DiT family whose native checkpoint names differ from diffusers': the key that identifies
+/// it, its name table, and the module whose rows are the hidden size.
+struct Family {
+    name: &'static str,
+    detect: &'static str,
+    table: &'static [(&'static str, &'static str, Part)],
+    hidden: &'static str,
+}
+
+const FAMILIES: &[Family] = &[
+    Family {
+        name: "flux",
+        detect: "double_blocks.0.img_attn.qkv.weight",
+        table: FLUX,
+        hidden: "img_in",
+    },
+    Family {
+        name: "sd3",
+        detect: "joint_blocks.0.x_block.attn.qkv.weight",
+        table: SD3,
+        hidden: "x_embedder.proj",
+    },
+];
+
 /// Prefixes trainers put before the diffusers module path: `(prefix, underscored)`.
 const LORA_PREFIXES: &[(&str, bool)] = &[
     ("base_model.model.transformer.", false),
@@ -208,20 +359,29 @@ const LORA_PREFIXES: &[(&str, bool)] = &[
     ("lycoris_", true),
 ];
 
-/// A model whose keys are BFL's Flux: its key prefix (`""`, `model.diffusion_model.`, ...).
-pub(super) struct Flux {
+/// A model of a DiT family (its native keys), and its key prefix (`""`,
+/// `model.diffusion_model.`, ...).
+pub(super) struct Dit {
+    family: &'static Family,
     prefix: String,
 }
 
-impl Flux {
-    /// The Flux layout of `keys`, if they have one.
-    pub(super) fn detect<'a>(keys: impl IntoIterator<Item = &'a str>) -> Option<Flux> {
+impl Dit {
+    /// The DiT family of `keys`, if they are one's native keys.
+    pub(super) fn detect<'a>(keys: impl IntoIterator<Item = &'a str>) -> Option<Dit> {
         keys.into_iter().find_map(|k| {
-            k.strip_suffix("double_blocks.0.img_attn.qkv.weight")
-                .map(|p| Flux {
+            FAMILIES.iter().find_map(|family| {
+                k.strip_suffix(family.detect).map(|p| Dit {
+                    family,
                     prefix: p.to_string(),
                 })
+            })
         })
+    }
+
+    /// The family's name (`flux`, `sd3`).
+    pub(super) fn name(&self) -> &'static str {
+        self.family.name
     }
 
     /// The native module the LoRA base `base` patches, when `base` is a diffusers Flux name.
@@ -230,12 +390,12 @@ impl Flux {
             let Some(rest) = base.strip_prefix(prefix) else {
                 continue;
             };
-            if let Some(t) = map(rest, underscored) {
+            if let Some(t) = map(self.family.table, rest, underscored) {
                 return Some(t);
             }
         }
         // No trainer prefix: a bare diffusers path.
-        map(base, false)
+        map(self.family.table, base, false)
     }
 
     /// The model key of `module`'s `suffix` (`.weight`, `.bias`).
@@ -267,7 +427,17 @@ impl Flux {
             }
             Ok((key.clone(), Offset { dim: 0, start, len }).into())
         };
-        match target.part {
+        let part = match target.part {
+            Part::SwapHalvesIfPair => match (rows, hidden) {
+                (Some(r), Some(h)) if r == 2 * h => Part::SwapHalves,
+                (Some(_), Some(_)) => Part::Whole,
+                _ => {
+                    return Err("whether this modulation's halves swap depends on the model's shapes: load with lora_file::load_for".into())
+                }
+            },
+            other => other,
+        };
+        match part {
             Part::Whole => Ok((key.into(), patch)),
             Part::Qkv(i) => {
                 // Double blocks: rows / 3; single blocks: the model's hidden size; without the
@@ -287,6 +457,7 @@ impl Flux {
                 };
                 Ok((region(3 * h, r.saturating_sub(3 * h))?, patch))
             }
+            Part::SwapHalvesIfPair => unreachable!("resolved above"),
             Part::SwapHalves => match patch {
                 Patch::Lora(l) if l.dora_scale.is_some() => {
                     Err("a DoRA on the modulation would need its magnitude's halves swapped too; not supported".into())
@@ -316,17 +487,17 @@ impl Flux {
         }
     }
 
-    /// The hidden size: the rows of `img_in`.
+    /// The hidden size: the rows of the family's input projection.
     fn hidden(&self, shapes: &HashMap<String, Vec<usize>>) -> Option<usize> {
         shapes
-            .get(&self.key("img_in", ".weight"))
+            .get(&self.key(self.family.hidden, ".weight"))
             .and_then(|s| s.first().copied())
     }
 }
 
-/// A diffusers Flux module path (dotted or underscored) → its native target.
-fn map(path: &str, underscored: bool) -> Option<Target> {
-    FLUX.iter().find_map(|&(from, to, part)| {
+/// A diffusers module path (dotted or underscored) → its native target in `table`.
+fn map(table: &[(&str, &str, Part)], path: &str, underscored: bool) -> Option<Target> {
+    table.iter().find_map(|&(from, to, part)| {
         let n = match_template(from, path, underscored)?;
         let module = match n {
             Some(n) => to.replace("{N}", &n.to_string()),
@@ -350,7 +521,8 @@ mod tests {
 
     #[test]
     fn diffusers_and_onetrainer_names_map_to_native_modules() {
-        let f = Flux {
+        let f = Dit {
+            family: &FAMILIES[0],
             prefix: String::new(),
         };
         let t = f

@@ -260,7 +260,7 @@ fn build(
     tensors: HashMap<String, Tensor>,
     shapes: &HashMap<String, Vec<usize>>,
 ) -> Result<LoraLoad> {
-    let flux = dit::Flux::detect(index.keys());
+    let dit = dit::Dit::detect(index.keys());
     let (groups, mut unmatched) = group_by_base(tensors);
     let mut found: Vec<(usize, String, PatchKey, Patch)> = Vec::new();
     for group in groups.values() {
@@ -283,10 +283,10 @@ fn build(
         for (patch, suffix) in [(weight, ".weight"), (bias, ".bias")] {
             let Some(patch) = patch else { continue };
             // A DiT family's diffusers names, mapped onto its native (fused) weights.
-            if let Some((flux, target)) = flux.as_ref().and_then(|f| Some((f, f.target(&base)?))) {
-                let key = flux.key(&target.module, suffix);
+            if let Some((dit, target)) = dit.as_ref().and_then(|f| Some((f, f.target(&base)?))) {
+                let key = dit.key(&target.module, suffix);
                 let placed = match index.position(&key) {
-                    Some(pos) => flux.place(&target, key, shapes, patch).map(|p| (pos, p)),
+                    Some(pos) => dit.place(&target, key, shapes, patch).map(|p| (pos, p)),
                     None => Err(format!("the model has no `{key}`")),
                 };
                 match placed {
@@ -295,7 +295,7 @@ fn build(
                         continue;
                     }
                     Err(reason) => {
-                        tracing::warn!(lora_key = %base, family = "flux", %reason, "LoRA module not placed");
+                        tracing::warn!(lora_key = %base, family = dit.name(), %reason, "LoRA module not placed");
                         unmatched.extend(all.iter().map(|(_, n)| n.clone()));
                         continue;
                     }
