@@ -343,3 +343,59 @@ fn an_sd3_lora_in_peft_naming_patches_the_joint_blocks() {
         "final: swapped",
     );
 }
+
+#[test]
+fn a_module_no_model_key_takes_is_reported_with_the_family_and_the_nearest_key() {
+    let model = flux("");
+    let (up, down) = up_down(0, H, H);
+    let tensors = vec![
+        // Block 7 does not exist in this one-block model.
+        (
+            "transformer.transformer_blocks.7.attn.to_q.lora_B.weight".to_string(),
+            up.clone(),
+            Dtype::F32,
+        ),
+        (
+            "transformer.transformer_blocks.7.attn.to_q.lora_A.weight".to_string(),
+            down.clone(),
+            Dtype::F32,
+        ),
+        // Not a Flux module at all.
+        (
+            "transformer.mystery.proj.lora_B.weight".to_string(),
+            up,
+            Dtype::F32,
+        ),
+        (
+            "transformer.mystery.proj.lora_A.weight".to_string(),
+            down,
+            Dtype::F32,
+        ),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("stray.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    let lora = lora_file::load_for(&path, &model).unwrap();
+    assert!(lora.patches.is_empty());
+    let by_name = |m: &str| {
+        lora.unmatched_modules
+            .iter()
+            .find(|u| u.lora_module == m)
+            .unwrap_or_else(|| panic!("{m} not reported: {:?}", lora.unmatched_modules))
+    };
+    let block = by_name("transformer.transformer_blocks.7.attn.to_q");
+    assert_eq!(block.family, "flux");
+    assert!(
+        block.reason.contains("double_blocks.7.img_attn.qkv.weight"),
+        "{}",
+        block.reason
+    );
+    let stray = by_name("transformer.mystery.proj");
+    assert_eq!(stray.family, "flux");
+    assert_eq!(
+        stray.nearest_model_key.as_deref(),
+        Some("double_blocks.0.img_attn.proj.weight"),
+        "the key sharing its last part"
+    );
+    assert_eq!(lora.unmatched_lora_keys.len(), 4);
+}

@@ -172,6 +172,52 @@ pub struct LoraLoad {
     /// File tensor names that were not used (unknown suffix, no matching model key, malformed
     /// group, alpha or DoRA scale without an adapter), sorted.
     pub unmatched_lora_keys: Vec<String>,
+    /// Each LoRA module (a group of tensors forming one patch) that found no model key: the
+    /// family detected from the model's keys, why, and the nearest model key — said, never
+    /// guessed.
+    pub unmatched_modules: Vec<UnmatchedModule>,
+}
+
+/// A LoRA module no model key took ([`LoraLoad::unmatched_modules`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnmatchedModule {
+    /// The module's name in the file (its tensors' common base).
+    pub lora_module: String,
+    /// The model family detected from the model's keys (`flux`, `sd3`, `sd-unet`, `unknown`).
+    pub family: &'static str,
+    /// Why it was not placed.
+    pub reason: String,
+    /// The model key sharing the longest tail of name parts with it, if any does.
+    pub nearest_model_key: Option<String>,
+}
+
+/// The model key whose name parts (split at `.` and `_`) share the longest tail with
+/// `lora_module`'s, then the most parts; `None` when none shares its last part.
+fn nearest_key<'a>(keys: impl Iterator<Item = &'a str>, lora_module: &str) -> Option<String> {
+    let parts = |s: &str| -> Vec<String> {
+        s.split(['.', '_'])
+            .filter(|p| !p.is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    let want = parts(lora_module);
+    keys.filter_map(|k| {
+        let module = k
+            .strip_suffix(".weight")
+            .or_else(|| k.strip_suffix(".bias"))
+            .unwrap_or(k);
+        let have = parts(module);
+        let tail = want
+            .iter()
+            .rev()
+            .zip(have.iter().rev())
+            .take_while(|(a, b)| a == b)
+            .count();
+        let common = want.iter().filter(|p| have.contains(p)).count();
+        (tail > 0).then(|| ((tail, common, std::cmp::Reverse(k.len())), k.to_string()))
+    })
+    .max_by(|a, b| a.0.cmp(&b.0))
+    .map(|(_, k)| k)
 }
 
 /// Reads LoRA tensors from `source` and maps them onto `model_keys` (see the
@@ -261,6 +307,17 @@ fn build(
     shapes: &HashMap<String, Vec<usize>>,
 ) -> Result<LoraLoad> {
     let dit = dit::Dit::detect(index.keys());
+    let family = match &dit {
+        Some(d) => d.name(),
+        None if index
+            .keys()
+            .any(|k| k.contains("input_blocks.") || k.contains("down_blocks.")) =>
+        {
+            "sd-unet"
+        }
+        None => "unknown",
+    };
+    let mut unplaced: Vec<(String, String)> = Vec::new();
     let (groups, mut unmatched) = group_by_base(tensors);
     let mut found: Vec<(usize, String, PatchKey, Patch)> = Vec::new();
     for group in groups.values() {
@@ -297,6 +354,7 @@ fn build(
                     Err(reason) => {
                         tracing::warn!(lora_key = %base, family = dit.name(), %reason, "LoRA module not placed");
                         unmatched.extend(all.iter().map(|(_, n)| n.clone()));
+                        unplaced.push((base.clone(), reason));
                         continue;
                     }
                 }
@@ -304,6 +362,7 @@ fn build(
             match index.resolve(&base, suffix) {
                 Some((pos, key)) => found.push((pos, base.clone(), key.into(), patch)),
                 None => {
+                    unplaced.push((base.clone(), format!("no model key for `{base}{suffix}`")));
                     // Report the tensors this patch was built from.
                     let for_bias = suffix == ".bias";
                     unmatched.extend(
@@ -328,7 +387,26 @@ fn build(
     }
     unmatched.sort();
     unmatched.dedup();
+    let unmatched_modules: Vec<UnmatchedModule> = unplaced
+        .into_iter()
+        .map(|(lora_module, reason)| UnmatchedModule {
+            nearest_model_key: nearest_key(index.keys(), &lora_module),
+            lora_module,
+            family,
+            reason,
+        })
+        .collect();
+    if !unmatched_modules.is_empty() {
+        tracing::warn!(
+            family,
+            modules = unmatched_modules.len(),
+            first = %unmatched_modules[0].lora_module,
+            nearest = ?unmatched_modules[0].nearest_model_key,
+            "LoRA modules without a model key"
+        );
+    }
     Ok(LoraLoad {
+        unmatched_modules,
         patches: found.into_iter().map(|(_, _, k, p)| (k, p)).collect(),
         matched_model_keys,
         unmatched_lora_keys: unmatched,
