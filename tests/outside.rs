@@ -4,9 +4,11 @@
 
 mod common;
 
+use proptest::prelude::*;
+
 use std::sync::Arc;
 
-use candle_core::Module;
+use candle_core::{Module, Tensor};
 use residency::loader::{LoadOptions, MemoryManager};
 use residency::nn::{Linear, RmsNorm, VarBuilder};
 use residency::ops::OpsMode;
@@ -162,4 +164,121 @@ fn a_model_dropped_and_built_again_does_not_count_its_tensors_twice() {
     }
     // The builder and everything built from it are gone: nothing counts.
     assert!(m.held_outside().is_empty(), "{:?}", m.held_outside());
+}
+
+/// One step of the model-based run below.
+#[derive(Debug, Clone)]
+enum Step {
+    /// `vb.get` of weight `w`, kept by the "model".
+    Get(usize),
+    /// `vb.get_unchecked` of weight `w`, kept.
+    GetUnchecked(usize),
+    /// `Linear::new(vb.get(w)?, None)`: adopted, managed.
+    Adopt(usize),
+    /// Drops the newest kept tensor.
+    DropOne,
+    /// Drops the builder, every layer and every kept tensor (the model is gone), and starts a
+    /// new builder.
+    Rebuild,
+    Load,
+    UnloadAll,
+}
+
+/// The weights of [`model`] a step may read: (key, shape).
+const WEIGHTS: [(&str, &[usize]); 4] = [
+    ("w", &[64, 64]),
+    ("proj.weight", &[32, 64]),
+    ("proj.bias", &[32]),
+    ("q.scale", &[64]),
+];
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    /// Model-based: a reference list of the tensors the model keeps or dropped while its builder
+    /// lives (key, bytes), against
+    /// `held_outside` and the ledger, after every step of a random sequence of reads, adoptions,
+    /// drops, rebuilds, loads and unloads.
+    #[test]
+    fn held_outside_and_the_ledger_follow_what_the_model_keeps(
+        steps in proptest::collection::vec(proptest::prop_oneof![
+            3 => (0..4usize).prop_map(Step::Get),
+            1 => (0..4usize).prop_map(Step::GetUnchecked),
+            2 => (0..2usize).prop_map(Step::Adopt),
+            2 => proptest::strategy::Just(Step::DropOne),
+            1 => proptest::strategy::Just(Step::Rebuild),
+            2 => proptest::strategy::Just(Step::Load),
+            1 => proptest::strategy::Just(Step::UnloadAll),
+        ], 1..40)
+    ) {
+        let mm = common::manager_with(&["--vram-budget", "1MiB", "--reserve-vram", "0"]);
+        let m = model();
+        let p = ModelPatcher::new(Arc::clone(&m), DeviceId::Cpu, DeviceId::Cpu);
+        let mut vb = Some(VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap());
+        let mut kept: Vec<(String, Tensor)> = Vec::new();
+        let mut dropped: Vec<(String, candle_core::TensorId, ByteSize)> = Vec::new();
+        let mut layers: Vec<Linear> = Vec::new();
+        let mut registered = false;
+        for (i, step) in steps.iter().enumerate() {
+            let b = vb.as_ref().unwrap();
+            match step.clone() {
+                Step::Get(w) => {
+                    let (key, shape) = WEIGHTS[w];
+                    kept.push((key.to_string(), b.get(shape, key).unwrap()));
+                }
+                Step::GetUnchecked(w) => {
+                    let key = WEIGHTS[w].0;
+                    kept.push((key.to_string(), b.get_unchecked(key).unwrap()));
+                }
+                Step::Adopt(w) => {
+                    let (key, shape) = [("w", &[64usize, 64][..]), ("proj.weight", &[32, 64])][w];
+                    let layer = Linear::new(b.get(shape, key).unwrap(), None);
+                    prop_assert!(layer.weights().is_some(), "step {}: adopted", i);
+                    layers.push(layer);
+                }
+                Step::DropOne => {
+                    // A dropped tensor cannot be seen: it stays counted while its builder lives
+                    // (never under the truth), so the reference moves it to `dropped`.
+                    if let Some(last) = kept.pop() {
+                        dropped.push((last.0, last.1.id(), ByteSize(last.1.elem_count() as u64 * 4)));
+                    }
+                }
+                Step::Rebuild => {
+                    kept.clear();
+                    dropped.clear();
+                    layers.clear();
+                    drop(vb.take());
+                    vb = Some(VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap());
+                }
+                Step::Load => {
+                    mm.load_model_gpu(&p).unwrap();
+                    registered = true;
+                }
+                Step::UnloadAll => {
+                    mm.unload_all_models();
+                    registered = false;
+                }
+            }
+            // The reference: every tensor kept (or dropped while its builder lives), each
+            // distinct tensor once (a clean weight read twice is one tensor), summed by key.
+            let charged: std::collections::BTreeMap<(String, String), ByteSize> = kept
+                .iter()
+                .map(|(k, t)| ((k.clone(), format!("{:?}", t.id())), ByteSize((t.elem_count() * t.dtype().size_in_bytes()) as u64)))
+                .chain(dropped.iter().map(|(k, id, b)| ((k.clone(), format!("{id:?}")), *b)))
+                .collect();
+            let mut want: std::collections::BTreeMap<String, ByteSize> = Default::default();
+            for ((k, _), bytes) in charged {
+                let e = want.entry(k).or_default();
+                *e = e.saturating_add(bytes);
+            }
+            let want: Vec<(String, ByteSize)> = want.into_iter().collect();
+            prop_assert_eq!(m.held_outside(), want.clone(), "step {}: {:?}", i, step);
+            let outside: ByteSize = want.iter().map(|(_, b)| *b).sum();
+            let expected = if registered {
+                m.resident_bytes(DeviceId::Cpu).saturating_add(outside)
+            } else {
+                ByteSize::ZERO
+            };
+            prop_assert_eq!(mm.ledger(DeviceId::Cpu), expected, "step {}: {:?}", i, step);
+        }
+    }
 }

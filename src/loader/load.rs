@@ -33,33 +33,23 @@ impl MemoryManager {
         let models: Vec<&ModelPatcher> = models.iter().map(|m| m.borrow()).collect();
         let mut report = self.load_models(&models, options)?;
         for m in expand(&models) {
-            m.model().note_loaded_patches(m.patches().version());
-            if let Some(load) = report
-                .models
-                .iter_mut()
-                .find(|l| l.name == m.model().name())
-            {
-                load.resident_on = m
-                    .devices()
-                    .into_iter()
-                    .map(|d| (d, m.model().resident_bytes(d)))
-                    .filter(|(_, b)| *b > ByteSize::ZERO)
-                    .collect();
-            }
-            let outside = m.model().held_outside();
-            if outside.is_empty() {
+            let model = m.model();
+            model.note_loaded_patches(m.patches().version());
+            let outside = model.held_outside();
+            let Some(load) = report.models.iter_mut().find(|l| l.name == model.name()) else {
                 continue;
-            }
-            let bytes: ByteSize = outside.iter().map(|(_, b)| *b).sum();
-            if let Some(load) = report
-                .models
-                .iter_mut()
-                .find(|l| l.name == m.model().name())
-            {
-                load.held_outside = bytes;
+            };
+            load.resident_on = m
+                .devices()
+                .into_iter()
+                .map(|d| (d, model.resident_bytes(d)))
+                .filter(|(_, b)| *b > ByteSize::ZERO)
+                .collect();
+            if !outside.is_empty() {
+                load.held_outside = outside.iter().map(|(_, b)| *b).sum();
                 load.outside_keys = outside.iter().map(|(k, _)| k.clone()).collect();
+                model.warn_outside_once(&outside, load.held_outside);
             }
-            m.model().warn_outside_once(&outside, bytes);
         }
         Ok(report)
     }

@@ -117,19 +117,22 @@ static RAW: crate::lock::Mutex<std::collections::VecDeque<RawGet>> = crate::lock
 /// How many handed-out parameters are remembered for adoption.
 const RAW_KEPT: usize = 4096;
 
-/// The parameters one model's code holds as its own tensors, by key: bytes, the device the
+/// The parameters one model's code holds as its own tensors, by key and tensor (a key read twice
+/// and kept twice is two tensors): bytes, the device the
 /// tensor was made for (the patcher's load device), and the source it was read through. A
 /// tensor's drop cannot be seen, so an entry counts while its source lives: the model built from
 /// that `VarBuilder` (its managed layers hold the source) — a model dropped and built again does
 /// not count twice.
-type Outside = std::collections::BTreeMap<
-    String,
-    (
-        crate::ByteSize,
-        crate::vram::DeviceId,
-        crate::ops::WeakSource,
-    ),
->;
+type Outside = std::collections::HashMap<(String, candle_core::TensorId), OutsideTensor>;
+
+/// One handed-out tensor (a clean weight read twice may be handed out twice as one tensor).
+struct OutsideTensor {
+    bytes: crate::ByteSize,
+    device: crate::vram::DeviceId,
+    source: crate::ops::WeakSource,
+    /// Hand-outs not adopted by a layer: counted while any is left.
+    handouts: u32,
+}
 
 /// Per model (by id): the parameters its code holds as its own tensors.
 static OUTSIDE: crate::lock::Mutex<Option<std::collections::HashMap<u64, Outside>>> =
@@ -162,13 +165,28 @@ pub(crate) fn note_raw(t: &Tensor, weights: &LayerWeights) {
         .get_or_insert_with(Default::default)
         .entry(model_id)
         .or_default()
-        .insert(key, (bytes, device, weights.source().downgrade()));
+        .entry((key, t.id()))
+        .and_modify(|o| {
+            // Handed out again by a builder of a model rebuilt since: the old count is over.
+            if !o.source.alive() {
+                o.source = weights.source().downgrade();
+                o.handouts = 0;
+            }
+            o.handouts += 1;
+        })
+        .or_insert(OutsideTensor {
+            bytes,
+            device,
+            source: weights.source().downgrade(),
+            handouts: 1,
+        });
 }
 
 /// The managed form of a layer made on `weight` (and `bias`) when `VarBuilder::get` handed them
 /// out unchanged, from one source in one mode: the layer fetches those keys instead of holding the
 /// tensors, and they no longer count as outside the ledger. `None` for any other tensor.
 pub(crate) fn adopt(weight: &Tensor, bias: Option<&Tensor>) -> Option<LayerWeights> {
+    let bias_id = bias.map(|t| t.id());
     let (w, b) = {
         let mut raw = RAW.lock();
         let w = raw.iter().rposition(|r| r.id == weight.id())?;
@@ -206,9 +224,17 @@ pub(crate) fn adopt(weight: &Tensor, bias: Option<&Tensor>) -> Option<LayerWeigh
         .weights_at(w.key.clone(), &w.shape, bias.clone())
         .ok()?;
     if let Some(map) = OUTSIDE.lock().as_mut().and_then(|m| m.get_mut(&w.model_id)) {
-        map.remove(&w.key);
-        if let Some((key, _)) = &bias {
-            map.remove(key);
+        let mut adopted = |entry: (String, candle_core::TensorId)| {
+            if let Some(o) = map.get_mut(&entry) {
+                o.handouts = o.handouts.saturating_sub(1);
+                if o.handouts == 0 {
+                    map.remove(&entry);
+                }
+            }
+        };
+        adopted((w.key.clone(), w.id));
+        if let (Some((key, _)), Some(b)) = (&bias, bias_id) {
+            adopted((key.clone(), b));
         }
     }
     Some(layer)
@@ -217,10 +243,15 @@ pub(crate) fn adopt(weight: &Tensor, bias: Option<&Tensor>) -> Option<LayerWeigh
 /// The parameters model `model_id` holds outside the ledger (handed out by `VarBuilder::get` and
 /// kept by the model as its own tensors), by key, with their bytes.
 pub(crate) fn outside_of(model_id: u64) -> Vec<(String, crate::ByteSize)> {
-    live_outside(model_id)
-        .into_iter()
-        .map(|(k, b, _)| (k, b))
-        .collect()
+    let mut by_key: Vec<(String, crate::ByteSize)> = Vec::new();
+    // Live entries come sorted by key: one row per key, its tensors summed.
+    for (k, b, _) in live_outside(model_id) {
+        match by_key.last_mut() {
+            Some((last, sum)) if *last == k => *sum = sum.saturating_add(b),
+            _ => by_key.push((k, b)),
+        }
+    }
+    by_key
 }
 
 /// Bytes of the parameters model `model_id`'s code holds on `device` (see [`outside_of`]).
@@ -238,10 +269,13 @@ fn live_outside(model_id: u64) -> Vec<(String, crate::ByteSize, crate::vram::Dev
     let Some(keys) = outside.as_mut().and_then(|m| m.get_mut(&model_id)) else {
         return Vec::new();
     };
-    keys.retain(|_, (_, _, source)| source.alive());
-    keys.iter()
-        .map(|(k, (b, d, _))| (k.clone(), *b, *d))
-        .collect()
+    keys.retain(|_, o| o.source.alive());
+    let mut live: Vec<_> = keys
+        .iter()
+        .map(|((k, _), o)| (k.clone(), o.bytes, o.device))
+        .collect();
+    live.sort_by(|a, b| a.0.cmp(&b.0));
+    live
 }
 
 /// Forgets model `model_id` (it was dropped).

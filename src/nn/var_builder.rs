@@ -272,7 +272,9 @@ impl<'a> VarBuilder<'a> {
             slot.shape().to_vec()
         };
         let weights = self.ops.weights_at(key, &shape, None).map_err(to_candle)?;
-        self.read(&weights)
+        let t = self.read(&weights)?;
+        super::held::note_raw(&t, &weights);
+        Ok(t)
     }
 
     /// [`VarBuilder::get_unchecked`] in `dtype`.
