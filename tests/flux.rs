@@ -23,52 +23,24 @@ use residency::vram::DeviceId;
 use residency::weights::Model;
 use residency::ByteSize;
 
-/// A tiny Flux: one double block, one single block, 2 heads of 16.
-macro_rules! tiny_config {
-    ($t:ty) => {
-        <$t>::dev_like(4, 8, 8, 32, 2.0, 2, 1, 1, vec![4, 6, 6])
-    };
-}
+/// A tiny Flux: one double block, one single block, 2 heads of 16 — as either crate's `Config`
+/// (the two are the same struct, defined twice).
+struct TinyConfig;
 
-trait DevLike: Sized {
-    #[allow(clippy::too_many_arguments)]
-    fn dev_like(
-        in_channels: usize,
-        vec_in_dim: usize,
-        context_in_dim: usize,
-        hidden_size: usize,
-        mlp_ratio: f64,
-        num_heads: usize,
-        depth: usize,
-        depth_single_blocks: usize,
-        axes_dim: Vec<usize>,
-    ) -> Self;
-}
-
-macro_rules! impl_dev_like {
+macro_rules! from_tiny {
     ($t:ty) => {
-        impl DevLike for $t {
-            fn dev_like(
-                in_channels: usize,
-                vec_in_dim: usize,
-                context_in_dim: usize,
-                hidden_size: usize,
-                mlp_ratio: f64,
-                num_heads: usize,
-                depth: usize,
-                depth_single_blocks: usize,
-                axes_dim: Vec<usize>,
-            ) -> Self {
+        impl From<TinyConfig> for $t {
+            fn from(_: TinyConfig) -> Self {
                 Self {
-                    in_channels,
-                    vec_in_dim,
-                    context_in_dim,
-                    hidden_size,
-                    mlp_ratio,
-                    num_heads,
-                    depth,
-                    depth_single_blocks,
-                    axes_dim,
+                    in_channels: 4,
+                    vec_in_dim: 8,
+                    context_in_dim: 8,
+                    hidden_size: 32,
+                    mlp_ratio: 2.0,
+                    num_heads: 2,
+                    depth: 1,
+                    depth_single_blocks: 1,
+                    axes_dim: vec![4, 6, 6],
                     theta: 10_000,
                     qkv_bias: true,
                     guidance_embed: false,
@@ -77,12 +49,12 @@ macro_rules! impl_dev_like {
         }
     };
 }
-impl_dev_like!(candle_transformers::models::flux::model::Config);
-impl_dev_like!(flux::Config);
+from_tiny!(candle_transformers::models::flux::model::Config);
+from_tiny!(flux::Config);
 
 /// Every weight candle-transformers' Flux asks for, random, in a safetensors file.
 fn checkpoint(dir: &std::path::Path) -> std::path::PathBuf {
-    let cfg = tiny_config!(candle_transformers::models::flux::model::Config);
+    let cfg = <candle_transformers::models::flux::model::Config>::from(TinyConfig);
     let varmap = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     candle_transformers::models::flux::model::Flux::new(&cfg, vb).unwrap();
@@ -134,11 +106,11 @@ fn the_ported_flux_gives_candle_s_bits_and_keeps_every_weight_managed() {
         let tensors: HashMap<String, Tensor> =
             candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
         let vb = candle_nn::VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
-        let cfg = tiny_config!(candle_transformers::models::flux::model::Config);
+        let cfg = <candle_transformers::models::flux::model::Config>::from(TinyConfig);
         let model = candle_transformers::models::flux::model::Flux::new(&cfg, vb).unwrap();
         step(&model, &x)
     };
-    let cfg = tiny_config!(flux::Config);
+    let cfg = <flux::Config>::from(TinyConfig);
     for (flags, device) in [
         (&["--vram-budget", "64MiB"][..], DeviceId::Cpu),
         (&["--vram-budget", "64MiB", "--novram"][..], DeviceId::Cpu),
