@@ -120,11 +120,9 @@ fn assert_close(got: &Tensor, want: &Tensor, what: &str) {
     }
 }
 
-fn check(prefix: &str, onetrainer: bool) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = write_lora(dir.path(), onetrainer);
-    let model = flux(prefix);
-    let lora = lora_file::load_for(&path, &model).unwrap();
+/// `model` as a patcher, and a clone with the LoRA at `path` (every tensor of which must map).
+fn patched(model: Model, path: &std::path::Path) -> (ModelPatcher, ModelPatcher) {
+    let lora = lora_file::load_for(path, &model).unwrap();
     assert!(
         lora.unmatched_lora_keys.is_empty(),
         "{:?}",
@@ -133,6 +131,14 @@ fn check(prefix: &str, onetrainer: bool) {
     let base = ModelPatcher::on_device(Arc::new(model), DeviceId::Cpu);
     let mut styled = base.clone();
     styled.add_patches(lora.patches, 1.0, 1.0).unwrap();
+    (base, styled)
+}
+
+fn check(prefix: &str, onetrainer: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_lora(dir.path(), onetrainer);
+    let model = flux(prefix);
+    let (base, styled) = patched(model, &path);
     let k = |s: &str| format!("{prefix}{s}");
     let clean = |s: &str| base.patched_weight(&k(s)).unwrap();
     let got = |s: &str| styled.patched_weight(&k(s)).unwrap();
@@ -308,15 +314,7 @@ fn an_sd3_lora_in_peft_naming_patches_the_joint_blocks() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sd3_lora.safetensors");
     save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
-    let lora = lora_file::load_for(&path, &model).unwrap();
-    assert!(
-        lora.unmatched_lora_keys.is_empty(),
-        "{:?}",
-        lora.unmatched_lora_keys
-    );
-    let base = ModelPatcher::on_device(Arc::new(model), DeviceId::Cpu);
-    let mut styled = base.clone();
-    styled.add_patches(lora.patches, 1.0, 1.0).unwrap();
+    let (base, styled) = patched(model, &path);
     let k = |s: &str| format!("model.diffusion_model.{s}");
     let clean = |s: &str| base.patched_weight(&k(s)).unwrap();
     let got = |s: &str| styled.patched_weight(&k(s)).unwrap();
