@@ -134,6 +134,10 @@ struct OutsideTensor {
     handouts: u32,
 }
 
+/// Set by the first hand-out: until then (most processes: no model keeps raw tensors) the
+/// ledger's per-model lookup is one atomic load, not a lock.
+static ANY_OUTSIDE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Per model (by id): the parameters its code holds as its own tensors.
 static OUTSIDE: crate::lock::Mutex<Option<std::collections::HashMap<u64, Outside>>> =
     crate::lock::Mutex::new(crate::lock::Rank::NnHandedOut, None);
@@ -146,6 +150,7 @@ pub(crate) fn note_raw(t: &Tensor, weights: &LayerWeights) {
     let key = weights.weight_key().to_string();
     let bytes = crate::ByteSize((t.elem_count() * t.dtype().size_in_bytes()) as u64);
     let device = patcher.load_device();
+    ANY_OUTSIDE.store(true, std::sync::atomic::Ordering::Relaxed);
     {
         let mut raw = RAW.lock();
         if raw.len() == RAW_KEPT {
@@ -265,6 +270,9 @@ pub(crate) fn outside_on(model_id: u64, device: crate::vram::DeviceId) -> crate:
 
 /// The entries of `model_id` whose source still lives (dead ones are dropped).
 fn live_outside(model_id: u64) -> Vec<(String, crate::ByteSize, crate::vram::DeviceId)> {
+    if !ANY_OUTSIDE.load(std::sync::atomic::Ordering::Relaxed) {
+        return Vec::new();
+    }
     let mut outside = OUTSIDE.lock();
     let Some(keys) = outside.as_mut().and_then(|m| m.get_mut(&model_id)) else {
         return Vec::new();
