@@ -5,7 +5,7 @@
 
 use candle_core::Tensor;
 
-use super::{f32_on, scale, shape_err, Addition, DoraNorm, WeightAdapter};
+use super::{f32_on, scale, shape_err, DoraNorm, Region, WeightAdapter};
 use crate::error::{Result, TensorContext};
 
 /// The parts of a [`Patch::Diff`](super::Patch::Diff).
@@ -70,16 +70,26 @@ impl WeightAdapter for Diff<'_> {
         (vec![("diff", self.diff)], None)
     }
 
-    /// Without padding, `apply` adds `s · diff`: the same scaled diff, in place.
-    fn addition(&self, key: &str, w: &Tensor, s: f32) -> Result<Addition> {
-        if self.pad && self.diff.dims() != w.dims() {
-            return Ok(Addition::Other);
+    /// Without padding, `apply` adds `s · diff`: the same scaled diff, in place, a block of
+    /// rows at a time (a diff stored in half precision is upcast one block at a time).
+    fn add_into(&self, key: &str, w: &Tensor, region: Region, s: f32) -> Result<bool> {
+        // Validated: a diff of the target's element count has its shape (a padding one that
+        // grows the weight has more).
+        if self.diff.elem_count() != region.len * region.rest {
+            return Ok(false);
         }
         if s == 0.0 {
-            return Ok(Addition::Unchanged);
+            return Ok(true);
         }
-        let diff = f32_on(key, self.diff, w.device(), "diff")?;
-        Ok(Addition::Delta(scale(key, &diff, s)?))
+        for (first, n) in region.blocks() {
+            let rows = self
+                .diff
+                .narrow(0, first, n)
+                .ctx(|| format!("`{key}`: rows {first}..{} of the diff", first + n))?;
+            let d = scale(key, &f32_on(key, &rows, w.device(), "diff")?, s)?;
+            region.add_rows(key, w, first, &d)?;
+        }
+        Ok(true)
     }
 }
 

@@ -46,10 +46,40 @@ impl<'a> Factor<'a> {
     /// The factor in f32 on `dev`, scaled by `factor` (folded into `a`); `what` names a whole
     /// factor in messages.
     pub(super) fn value(&self, key: &str, dev: &Device, factor: f32, what: &str) -> Result<Tensor> {
+        self.rows(key, dev, factor, what, None)
+    }
+
+    /// [`Factor::value`], or only its rows `first..first + n` (along dimension 0, the output
+    /// dimension): the same products, for those rows alone.
+    pub(super) fn rows(
+        &self,
+        key: &str,
+        dev: &Device,
+        factor: f32,
+        what: &str,
+        rows: Option<(usize, usize)>,
+    ) -> Result<Tensor> {
         match self {
-            Factor::Whole(w) => scale(key, &f32_on(key, w, dev, what)?, factor),
-            Factor::Product(a, b) => factor_product(key, a, b, None, dev, factor),
-            Factor::Tucker(t, a, b) => factor_product(key, a, b, Some(t), dev, factor),
+            Factor::Whole(w) => {
+                let w = match rows {
+                    Some((first, n)) => w
+                        .narrow(0, first, n)
+                        .ctx(|| format!("`{key}`: rows of the {what}"))?,
+                    None => (*w).clone(),
+                };
+                scale(key, &f32_on(key, &w, dev, what)?, factor)
+            }
+            Factor::Product(a, b) => factor_product(key, a, b, None, dev, factor, rows),
+            Factor::Tucker(t, a, b) => factor_product(key, a, b, Some(t), dev, factor, rows),
+        }
+    }
+
+    /// The rows of the factor's value (its dimension 0).
+    pub(super) fn out_rows(&self) -> usize {
+        match self {
+            Factor::Whole(w) => w.dims().first().copied().unwrap_or(1),
+            Factor::Product(a, _) => a.dims().first().copied().unwrap_or(1),
+            Factor::Tucker(_, a, _) => a.dims().get(1).copied().unwrap_or(1),
         }
     }
 }
@@ -91,7 +121,8 @@ fn factor_shape(
     }
 }
 
-/// A factor `a · b` (flattened to 2-D, `factor` folded into `a`), or the Tucker form with `t`.
+/// A factor `a · b` (flattened to 2-D, `factor` folded into `a`), or the Tucker form with `t`;
+/// with `rows`, only those output rows (rows of `a`, or columns of a Tucker `a`).
 fn factor_product(
     key: &str,
     a: &Tensor,
@@ -99,9 +130,15 @@ fn factor_product(
     t: Option<&Tensor>,
     dev: &Device,
     factor: f32,
+    rows: Option<(usize, usize)>,
 ) -> Result<Tensor> {
     let ctx = || format!("`{key}`: computing a factor product");
-    let a = scale(key, &f32_on(key, a, dev, "factor")?, factor)?;
+    let out_dim = if t.is_some() { 1 } else { 0 };
+    let a = match rows {
+        Some((first, n)) => a.narrow(out_dim, first, n).ctx(ctx)?,
+        None => a.clone(),
+    };
+    let a = scale(key, &f32_on(key, &a, dev, "factor")?, factor)?;
     let b = f32_on(key, b, dev, "factor")?;
     match t {
         Some(t) => tucker(key, &f32_on(key, t, dev, "tucker core")?, &a, &b),

@@ -65,7 +65,17 @@ impl DeltaAdapter for LoHa {
     }
 
     fn delta(&self, key: &str, w: &Tensor, factor: f32) -> Result<Tensor> {
-        loha_delta(key, self, w.device(), factor)
+        loha_delta(key, self, w.device(), factor, None)
+    }
+
+    fn delta_rows(
+        &self,
+        key: &str,
+        dev: &Device,
+        factor: f32,
+        rows: (usize, usize),
+    ) -> Result<Option<Tensor>> {
+        loha_delta(key, self, dev, factor, Some(rows)).map(Some)
     }
 
     fn dora_scale(&self) -> Option<&Tensor> {
@@ -86,13 +96,20 @@ impl DeltaAdapter for LoHa {
     }
 }
 
-fn loha_delta(key: &str, h: &LoHa, dev: &Device, factor: f32) -> Result<Tensor> {
+/// The delta, or its rows `first..first + n` (the same rows of both factors).
+fn loha_delta(
+    key: &str,
+    h: &LoHa,
+    dev: &Device,
+    factor: f32,
+    rows: Option<(usize, usize)>,
+) -> Result<Tensor> {
     let ctx = || format!("`{key}`: computing the LoHa delta");
     let rank = h.w1b.dim(0).ctx(ctx)?;
     let f = factor * alpha_scale(h.alpha, rank);
     let [w1, w2] = h.factors();
-    let m1 = w1.value(key, dev, f, "loha w1")?;
-    let m2 = w2.value(key, dev, 1.0, "loha w2")?;
+    let m1 = w1.rows(key, dev, f, "loha w1", rows)?;
+    let m2 = w2.rows(key, dev, 1.0, "loha w2", rows)?;
     let m2 = m2.reshape(m1.shape()).ctx(ctx)?;
     (&m1 * &m2).ctx(ctx)
 }

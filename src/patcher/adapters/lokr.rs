@@ -64,6 +64,16 @@ impl DeltaAdapter for LoKr {
         lokr_delta(key, self, w.device(), factor)
     }
 
+    fn delta_rows(
+        &self,
+        key: &str,
+        dev: &Device,
+        factor: f32,
+        rows: (usize, usize),
+    ) -> Result<Option<Tensor>> {
+        lokr_delta_rows(key, self, dev, factor, rows).map(Some)
+    }
+
     fn dora_scale(&self) -> Option<&Tensor> {
         self.dora_scale.as_ref()
     }
@@ -89,15 +99,54 @@ impl DeltaAdapter for LoKr {
 
 fn lokr_delta(key: &str, k: &LoKr, dev: &Device, factor: f32) -> Result<Tensor> {
     let ctx = || format!("`{key}`: computing the LoKr delta");
+    let (w1, w2, f) = lokr_scaled(key, k, factor)?;
+    let w1 = w1.value(key, dev, f, "lokr w1")?;
+    let w2 = w2.value(key, dev, 1.0, "lokr w2")?;
+    kron(&w1, &w2).ctx(ctx)
+}
+
+/// Rows `first..first + n` of the delta, flattened: row `i · m2 + j` of `kron(w1, w2)` (`m2`
+/// rows in `w2`) is `kron` of row `i` of `w1` with row `j` of `w2`, so each run of rows sharing
+/// an `i` is the Kronecker product of one row of `w1` with rows of `w2`, the same products as in
+/// the whole delta. `w1` (the small factor) is built whole, `w2` only in the rows needed.
+fn lokr_delta_rows(
+    key: &str,
+    k: &LoKr,
+    dev: &Device,
+    factor: f32,
+    (first, n): (usize, usize),
+) -> Result<Tensor> {
+    let ctx = || format!("`{key}`: computing rows of the LoKr delta");
+    let (w1, w2, f) = lokr_scaled(key, k, factor)?;
+    let w1 = w1.value(key, dev, f, "lokr w1")?;
+    let m2 = w2.out_rows().max(1);
+    let mut pieces = Vec::new();
+    let mut row = first;
+    while row < first + n {
+        let (i, j) = (row / m2, row % m2);
+        let take = (m2 - j).min(first + n - row);
+        let w2_rows = w2.rows(key, dev, 1.0, "lokr w2", Some((j, take)))?;
+        let piece = w1
+            .narrow(0, i, 1)
+            .and_then(|w1_row| kron(&w1_row, &w2_rows))
+            .and_then(|p| p.flatten_from(1))
+            .ctx(ctx)?;
+        pieces.push(piece);
+        row += take;
+    }
+    Tensor::cat(&pieces, 0).ctx(ctx)
+}
+
+/// The two factors and the scale folded into `w1`: `factor`, times `alpha / rank` when a factor
+/// is factorised.
+fn lokr_scaled<'a>(key: &str, k: &'a LoKr, factor: f32) -> Result<(Factor<'a>, Factor<'a>, f32)> {
     let (w1, w2, rank) = lokr_parts(key, k)?;
     let f = factor
         * match rank {
             Some(r) => alpha_scale(k.alpha, r),
             None => 1.0,
         };
-    let w1 = w1.value(key, dev, f, "lokr w1")?;
-    let w2 = w2.value(key, dev, 1.0, "lokr w2")?;
-    kron(&w1, &w2).ctx(ctx)
+    Ok((w1, w2, f))
 }
 
 /// The two LoKr factors and the rank used for alpha scaling: `w2`'s when it is factorised, else

@@ -53,7 +53,17 @@ impl DeltaAdapter for Lora {
     }
 
     fn delta(&self, key: &str, w: &Tensor, factor: f32) -> Result<Tensor> {
-        lora_delta(key, self, w.device(), factor)
+        lora_delta(key, self, w.device(), factor, None)
+    }
+
+    fn delta_rows(
+        &self,
+        key: &str,
+        dev: &Device,
+        factor: f32,
+        rows: (usize, usize),
+    ) -> Result<Option<Tensor>> {
+        lora_delta(key, self, dev, factor, Some(rows)).map(Some)
     }
 
     fn dora_scale(&self) -> Option<&Tensor> {
@@ -110,7 +120,14 @@ fn lora_shape(key: &str, l: &Lora) -> Result<Vec<usize>> {
     }
 }
 
-fn lora_delta(key: &str, l: &Lora, dev: &Device, factor: f32) -> Result<Tensor> {
+/// The delta, or its rows `first..first + n` (of `up`'s rows: the same dot products).
+fn lora_delta(
+    key: &str,
+    l: &Lora,
+    dev: &Device,
+    factor: f32,
+    rows: Option<(usize, usize)>,
+) -> Result<Tensor> {
     let ctx = || format!("`{key}`: computing the LoRA delta");
     let rank = l.down.dim(0).ctx(ctx)?;
     let up = f32_on(key, &l.up, dev, "lora up")?
@@ -139,6 +156,10 @@ fn lora_delta(key: &str, l: &Lora, dev: &Device, factor: f32) -> Result<Tensor> 
                 .and_then(|t| t.reshape((a, inn * spatial)))
                 .ctx(ctx)?
         }
+    };
+    let up = match rows {
+        Some((first, n)) => up.narrow(0, first, n).ctx(ctx)?,
+        None => up,
     };
     let up = scale(key, &up, factor * alpha_scale(l.alpha, rank))?;
     up.matmul(&down).ctx(ctx)

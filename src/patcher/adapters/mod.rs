@@ -101,7 +101,7 @@ pub use lora::Lora;
 pub use offset::Offset;
 pub use oft::Oft;
 pub use owned::apply_owned;
-use owned::Addition;
+use owned::Region;
 
 /// One change to one weight. See the [module docs](self) for how entries apply, and each kind's
 /// type for its math.
@@ -259,7 +259,45 @@ fn all_finite(t: &Tensor) -> candle_core::Result<bool> {
 /// Applies `entries` in order to `weight` and returns the patched weight in f32, on the weight's
 /// device. The weight (of any float dtype) is not modified. Each entry is validated against the
 /// shape accumulated so far before it is computed; on error nothing is returned.
+///
+/// On the CPU the weight is decoded into a buffer of its own and the entries that add a delta
+/// are added into it in row blocks (`owned.rs`); elsewhere each entry is computed whole with
+/// candle's operations. Both give the same values on the CPU (bit for bit, tested).
 pub fn apply(key: &str, weight: &Tensor, entries: &[PatchEntry], dora: DoraNorm) -> Result<Tensor> {
+    if !weight.device().is_cpu() {
+        return apply_whole(key, weight, entries, dora);
+    }
+    apply_fresh(key, fresh_f32(key, weight)?, entries, dora)
+}
+
+/// [`apply`] on `w`, an `f32` tensor whose storage is this call's alone (a fresh decode): on the
+/// CPU the deltas are added into it, without the copy [`apply`] makes first.
+pub(crate) fn apply_fresh(
+    key: &str,
+    w: Tensor,
+    entries: &[PatchEntry],
+    dora: DoraNorm,
+) -> Result<Tensor> {
+    owned::apply_unique(key, w, entries, dora, owned::BLOCK_ELEMS)
+}
+
+/// `t` in f32 in a new buffer of its own (a copy when it already is f32).
+pub(crate) fn fresh_f32(key: &str, t: &Tensor) -> Result<Tensor> {
+    let ctx = || format!("`{key}`: upcasting the weight to f32");
+    if t.dtype() == DType::F32 {
+        return t.copy().ctx(ctx);
+    }
+    t.to_dtype(DType::F32).ctx(ctx)
+}
+
+/// [`apply`] with every entry computed whole by candle's operations, a new accumulator per entry:
+/// the path of devices other than the CPU.
+pub(crate) fn apply_whole(
+    key: &str,
+    weight: &Tensor,
+    entries: &[PatchEntry],
+    dora: DoraNorm,
+) -> Result<Tensor> {
     let mut w = weight
         .to_dtype(DType::F32)
         .ctx(|| format!("`{key}`: upcasting the weight to f32"))?;
@@ -356,11 +394,11 @@ trait WeightAdapter {
     /// Every tensor of the patch, with the name messages give it, and its alpha.
     fn parts(&self) -> Parts<'_>;
 
-    /// What [`WeightAdapter::apply`] does to the whole target `w` (no offset, a
-    /// `strength_model` of 1) when it is a plain elementwise addition, so [`apply_owned`] can do
-    /// it in place; the delta must be computed exactly as `apply` computes it.
-    fn addition(&self, _key: &str, _w: &Tensor, _s: f32) -> Result<Addition> {
-        Ok(Addition::Other)
+    /// Adds what the patch does to the target rows `region` of `w` into `w`'s own buffer, when
+    /// that is `target + delta` elementwise, and says whether it did (`false`: the whole path
+    /// computes it). The values must be [`WeightAdapter::apply`]'s (see `owned.rs`).
+    fn add_into(&self, _key: &str, _w: &Tensor, _region: Region, _s: f32) -> Result<bool> {
+        Ok(false)
     }
 }
 
@@ -380,6 +418,19 @@ trait DeltaAdapter {
 
     /// The delta for the target `w`, scaled by `factor` (and by the adapter's `alpha / rank`).
     fn delta(&self, key: &str, w: &Tensor, factor: f32) -> Result<Tensor>;
+
+    /// Rows `first..first + n` of the delta (flattened to `[out, rest]`, scaled as
+    /// [`DeltaAdapter::delta`]), computed without the rest, or `None` when this kind only
+    /// computes its delta whole. Must hold the same values as those rows of the whole delta.
+    fn delta_rows(
+        &self,
+        _key: &str,
+        _dev: &Device,
+        _factor: f32,
+        _rows: (usize, usize),
+    ) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
 
     /// The DoRA magnitude, if any.
     fn dora_scale(&self) -> Option<&Tensor>;
@@ -421,19 +472,25 @@ impl<T: DeltaAdapter> WeightAdapter for T {
     }
 
     /// `apply` leaves the target alone at strength 0, and without DoRA adds the delta (strength
-    /// folded in): the same delta, in place.
-    fn addition(&self, key: &str, w: &Tensor, s: f32) -> Result<Addition> {
+    /// folded in): the same delta, block by block, or whole for a kind without row blocks.
+    fn add_into(&self, key: &str, w: &Tensor, region: Region, s: f32) -> Result<bool> {
         if s == 0.0 {
-            return Ok(Addition::Unchanged);
+            return Ok(true);
         }
         if self.dora_scale().is_some() {
-            return Ok(Addition::Other);
+            return Ok(false);
         }
-        let d = self
-            .delta(key, w, s)?
-            .reshape(w.shape())
-            .ctx(|| format!("`{key}`: adding the adapter delta"))?;
-        Ok(Addition::Delta(d))
+        for (first, n) in region.blocks() {
+            match self.delta_rows(key, w.device(), s, (first, n))? {
+                Some(d) => region.add_rows(key, w, first, &d)?,
+                None => {
+                    let d = self.delta(key, &region.view(key, w)?, s)?;
+                    region.add_rows(key, w, 0, &d)?;
+                    break;
+                }
+            }
+        }
+        Ok(true)
     }
 }
 

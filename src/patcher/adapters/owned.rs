@@ -1,48 +1,111 @@
-//! [`apply_owned`]: [`apply`](super::apply) for a weight the caller hands over as an `f32`
-//! buffer, adding plain deltas into that buffer in place.
+//! The patch engine on the CPU: entries added into the weight's own `f32` buffer, in row blocks.
 //!
 //! # Why
 //!
-//! [`apply`](super::apply) never modifies its weight (candle tensors are shared, and the base
-//! weight must stay clean), so each entry allocates a new accumulator: while a LoRA is added the
-//! weight, its delta and their sum are alive together, three weights' worth of memory. A caller
-//! that owns the weight's `f32` values outright (the streaming merge of `tools.rs`, which reads
-//! each weight from the file only to patch it) can let the sum overwrite them: two weights'
-//! worth (the values and one delta).
+//! Candle tensors are immutable, so the whole-tensor path ([`apply_whole`](super::apply_whole),
+//! which other devices use) allocates a new accumulator per entry and builds each delta whole:
+//! while a LoHa is added the weight, both of its full-size factor products, their product and
+//! the sum are alive together. On the CPU the patched weight is a buffer this engine owns
+//! outright (a fresh decode of the clean weight, never the clean weight itself), so an entry that
+//! adds a delta adds it into that buffer in place, a block of rows at a time: the delta of rows
+//! `r..r + n` of the weight flattened to `[out, rest]` is computed (about [`BLOCK_ELEMS`]
+//! values) and added, then the next block. A chain of LoRA, LoCon, LoHa, LoKr and diffs costs
+//! the weight's buffer plus one block, whatever the kinds — and no fresh weight-sized buffer is
+//! faulted in per entry.
 //!
-//! # Same bits
+//! # Which entries go in place
 //!
-//! An entry is added in place only when [`apply`](super::apply) would compute exactly
-//! `w + delta` elementwise for it ([`Addition::Delta`]): no offset, `strength_model` 1, and a
-//! `Diff` that does not pad or an adapter without DoRA. The delta is computed by the same code,
-//! and `w[i] + delta[i]` is one IEEE addition either way, so the result is bit for bit
-//! [`apply`](super::apply)'s. Every other entry goes through [`apply`](super::apply)'s own path;
-//! its result may share storage with a patch tensor (a `Set` returns its value), so from then on
+//! An entry is added in place when what it does to its target is `target + delta` elementwise:
+//! a non-padding `Diff` or an adapter without DoRA (GLoRA's delta, which reads the weight, is
+//! computed whole and then added), with `strength_model` 1 and no offset or an offset on
+//! dimension 0 (a fused projection's rows: the target is a run of whole rows). A block's delta is
+//! the same rows of the whole delta computed by the same operations (a row of a matmul is the
+//! same dot products; a Kronecker row is the same products), so the engine gives the whole path's
+//! values; the tests compare the two bit for bit. Every other entry (DoRA, a `strength_model`, an
+//! offset on another dimension, a padding diff, `Set`, OFT) goes through the whole path; its
+//! result may share storage with a patch tensor (a `Set` returns its value), so after a `Set`
 //! the chain never writes in place again.
 
 use candle_core::{CpuStorage, Device, Layout, Tensor};
 use rayon::prelude::*;
 
-use super::{apply_entry, entry_output_shape, DoraNorm, PatchEntry};
+use super::{apply_entry, entry_output_shape, DoraNorm, Patch, PatchEntry};
 use crate::error::{Error, Result, TensorContext};
 
-/// What one entry does to its target, when that is simple enough to do in place.
-pub(super) enum Addition {
-    /// Nothing: the result is the target itself (a strength of 0).
-    Unchanged,
-    /// The result is `target + delta`, elementwise; `delta` has the target's shape.
-    Delta(Tensor),
-    /// Anything else: [`apply`](super::apply)'s own path computes it.
-    Other,
-}
+/// About how many values one block of a delta holds (8 MiB of `f32`): large enough that a
+/// block's matmul runs at full speed, small enough to stay beside the weight unnoticed.
+pub(super) const BLOCK_ELEMS: usize = 1 << 21;
 
 /// Elements one parallel task adds.
 const CHUNK: usize = 64 * 1024;
 
+/// The rows of a weight an entry targets: rows `start..start + len` of the weight flattened to
+/// `[rows, rest]`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Region {
+    /// First row of the weight in the target.
+    pub(super) start: usize,
+    /// Rows in the target.
+    pub(super) len: usize,
+    /// Values per row.
+    pub(super) rest: usize,
+    /// Rows per block.
+    block_rows: usize,
+}
+
+impl Region {
+    /// The region `entry` targets in a weight of `shape`, when it is a run of whole rows.
+    fn of(shape: &[usize], entry: &PatchEntry, block_elems: usize) -> Option<Region> {
+        let (&rows, rest) = shape.split_first()?;
+        let rest: usize = rest.iter().product();
+        let (start, len) = match entry.offset {
+            None => (0, rows),
+            Some(o) if o.dim == 0 => (o.start, o.len),
+            Some(_) => return None,
+        };
+        Some(Region {
+            start,
+            len,
+            rest,
+            block_rows: (block_elems / rest.max(1)).max(1),
+        })
+    }
+
+    /// The blocks of the target: `(first row within the target, rows)`.
+    pub(super) fn blocks(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (0..self.len)
+            .step_by(self.block_rows)
+            .map(|r| (r, self.block_rows.min(self.len - r)))
+    }
+
+    /// The target itself, shaped as the weight with `len` rows: what a whole delta is computed
+    /// for.
+    pub(super) fn view(&self, key: &str, w: &Tensor) -> Result<Tensor> {
+        w.narrow(0, self.start, self.len).ctx(|| {
+            format!(
+                "`{key}`: the rows {}..{}",
+                self.start,
+                self.start + self.len
+            )
+        })
+    }
+
+    /// Adds `d` (the delta of the target's rows from `row`, any shape of that many values) into
+    /// `w`.
+    pub(super) fn add_rows(&self, key: &str, w: &Tensor, row: usize, d: &Tensor) -> Result<()> {
+        let d = d
+            .contiguous()
+            .ctx(|| format!("`{key}`: laying out the delta"))?;
+        let at = (self.start + row) * self.rest;
+        w.inplace_op2(&d, &AddAt(at))
+            .ctx(|| format!("`{key}`: adding the delta in place"))
+    }
+}
+
 /// Applies `entries` in order to the weight whose `f32` values are `weight` (row-major, `shape`)
-/// and returns the patched weight on the CPU: bit for bit what [`apply`](super::apply) returns
-/// for the same values, validated the same way, but entries that only add a delta add it into
-/// `weight`'s buffer, so a LoRA chain peaks at two weights' worth of memory instead of three.
+/// and returns the patched weight on the CPU: [`apply`](super::apply)'s values, validated the same
+/// way, with entries that add a delta added into `weight`'s own buffer in row blocks (the
+/// [module docs](self)): a chain of any delta kinds peaks at the weight plus one block.
 ///
 /// # Errors
 /// As [`apply`](super::apply); [`Error::ShapeMismatch`] when `weight` does not have `shape`'s
@@ -62,52 +125,49 @@ pub fn apply_owned(
         });
     }
     // Built here from the caller's buffer: no other handle to this storage exists.
-    let mut w = Tensor::from_vec(weight, shape, &Device::Cpu)
+    let w = Tensor::from_vec(weight, shape, &Device::Cpu)
         .ctx(|| format!("`{key}`: the weight's f32 values"))?;
-    let mut owned = true;
+    apply_unique(key, w, entries, dora, BLOCK_ELEMS)
+}
+
+/// The engine: `w` is an `f32` tensor whose storage no other handle shares (the caller made it),
+/// so entries may be added into it. On a device other than the CPU every entry goes through the
+/// whole path.
+pub(super) fn apply_unique(
+    key: &str,
+    mut w: Tensor,
+    entries: &[PatchEntry],
+    dora: DoraNorm,
+    block_elems: usize,
+) -> Result<Tensor> {
+    let mut owned = w.device().is_cpu();
     for entry in entries {
         entry_output_shape(key, w.dims(), entry)?;
-        if owned {
-            match addition(key, &w, entry)? {
-                Addition::Unchanged => continue,
-                Addition::Delta(d) => {
-                    add_into(key, &w, &d)?;
+        if owned && entry.strength_model == 1.0 {
+            if let Some(region) = Region::of(w.dims(), entry, block_elems) {
+                let done = entry
+                    .patch
+                    .adapter(|a| a.add_into(key, &w, region, entry.strength_patch))?;
+                if done {
                     continue;
                 }
-                Addition::Other => {}
             }
         }
         w = apply_entry(key, &w, entry, dora)?;
-        owned = false;
+        if matches!(*entry.patch, Patch::Set(_)) {
+            owned = false;
+        }
     }
     Ok(w)
 }
 
-/// The [`Addition`] of `entry` on the whole target `w`.
-fn addition(key: &str, w: &Tensor, entry: &PatchEntry) -> Result<Addition> {
-    if entry.offset.is_some() || entry.strength_model != 1.0 {
-        return Ok(Addition::Other);
-    }
-    entry
-        .patch
-        .adapter(|a| a.addition(key, w, entry.strength_patch))
-}
+/// The in-place `s1[at..at + n] += s2` of two contiguous `f32` CPU storages, `n` being `s2`'s
+/// length.
+struct AddAt(usize);
 
-/// `w += d`, elementwise, in `w`'s own storage.
-fn add_into(key: &str, w: &Tensor, d: &Tensor) -> Result<()> {
-    let d = d
-        .contiguous()
-        .ctx(|| format!("`{key}`: laying out the delta"))?;
-    w.inplace_op2(&d, &AddInto)
-        .ctx(|| format!("`{key}`: adding the delta in place"))
-}
-
-/// The in-place `s1 += s2` of two contiguous `f32` CPU storages of one length.
-struct AddInto;
-
-impl candle_core::InplaceOp2 for AddInto {
+impl candle_core::InplaceOp2 for AddAt {
     fn name(&self) -> &'static str {
-        "add-into"
+        "add-at"
     }
 
     fn cpu_fwd(
@@ -118,16 +178,22 @@ impl candle_core::InplaceOp2 for AddInto {
         l2: &Layout,
     ) -> candle_core::Result<()> {
         let (CpuStorage::F32(a), CpuStorage::F32(b)) = (s1, s2) else {
-            candle_core::bail!("add-into: both operands must be f32");
+            candle_core::bail!("add-at: both operands must be f32");
         };
         let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
         else {
-            candle_core::bail!("add-into: both operands must be contiguous");
+            candle_core::bail!("add-at: both operands must be contiguous");
         };
-        if a1 - a0 != b1 - b0 {
-            candle_core::bail!("add-into: {} values against {}", a1 - a0, b1 - b0);
+        let n = b1 - b0;
+        let start = a0 + self.0;
+        if start + n > a1 {
+            candle_core::bail!(
+                "add-at: {n} values at {} overrun {} values",
+                self.0,
+                a1 - a0
+            );
         }
-        a[a0..a1]
+        a[start..start + n]
             .par_chunks_mut(CHUNK)
             .zip(b[b0..b1].par_chunks(CHUNK))
             .for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, &b)| *a += b));

@@ -587,12 +587,13 @@ fn bits(t: &Tensor) -> Vec<u32> {
         .collect()
 }
 
-/// `apply_owned` gives `apply`'s bits for chains of every kind: plain deltas (added in place),
-/// strength 0, DoRA, offsets, `strength_model`, padding diffs, OFT, and a `Set` after which the
-/// chain must stop writing in place (its value tensor is shared with the patch, and stays
-/// untouched).
+/// The CPU engine (entries added in place, in row blocks) gives the whole path's bits for chains
+/// of every kind: plain deltas (added in place), strength 0, DoRA, offsets, `strength_model`,
+/// padding diffs, OFT, and a `Set` after which the chain must stop writing in place (its value
+/// tensor is shared with the patch, and stays untouched). Blocks of 1 row, of a few rows and
+/// whole; `apply`, and `apply_owned` on the same values, agree.
 #[test]
-fn apply_owned_gives_apply_bits_and_never_writes_into_a_patch() {
+fn the_row_block_engine_gives_the_whole_paths_bits_and_never_writes_into_a_patch() {
     let (out, inn) = (4usize, 6usize);
     let lora = |seed: u32, alpha: Option<f32>| {
         Patch::Lora(Lora {
@@ -663,7 +664,7 @@ fn apply_owned_gives_apply_bits_and_never_writes_into_a_patch() {
             ],
         ),
         (
-            "offset, strength_model, oft",
+            "offsets on rows and columns, strength_model, oft",
             vec![
                 entry(
                     Patch::Lora(Lora::new(noise(&[3, 2], 12), noise(&[2, inn], 13))),
@@ -673,6 +674,15 @@ fn apply_owned_gives_apply_bits_and_never_writes_into_a_patch() {
                     dim: 0,
                     start: 1,
                     len: 3,
+                }),
+                entry(
+                    Patch::Lora(Lora::new(noise(&[out, 2], 30), noise(&[2, 2], 31))),
+                    1.0,
+                )
+                .with_offset(Offset {
+                    dim: 1,
+                    start: 2,
+                    len: 2,
                 }),
                 PatchEntry::new(lora(14, None)).with_strengths(1.0, 0.5),
                 entry(oft, 1.0),
@@ -699,17 +709,104 @@ fn apply_owned_gives_apply_bits_and_never_writes_into_a_patch() {
     ];
     let w = noise(&[out, inn], 99);
     let values = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    for (name, chain) in chains {
-        let want = apply("k", &w, &chain, DoraNorm::Standard).unwrap();
-        let got =
-            apply_owned("k", values.clone(), &[out, inn], &chain, DoraNorm::Standard).unwrap();
-        assert_eq!(got.dims(), want.dims(), "{name}");
-        assert_eq!(bits(&got), bits(&want), "{name}");
+    for (name, chain) in &chains {
+        let want = apply_whole("k", &w, chain, DoraNorm::Standard).unwrap();
+        for block in [1, inn * 3, out * inn] {
+            let fresh = w.copy().unwrap();
+            let got = owned::apply_unique("k", fresh, chain, DoraNorm::Standard, block).unwrap();
+            assert_eq!(got.dims(), want.dims(), "{name}, blocks of {block}");
+            assert_eq!(bits(&got), bits(&want), "{name}, blocks of {block}");
+        }
+        let got = apply("k", &w, chain, DoraNorm::Standard).unwrap();
+        assert_eq!(bits(&got), bits(&want), "{name}: apply");
+        let got = apply_owned("k", values.clone(), &[out, inn], chain, DoraNorm::Standard).unwrap();
+        assert_eq!(bits(&got), bits(&want), "{name}: apply_owned");
     }
     assert_eq!(
         bits(&set_value),
         set_bits,
         "the Set's value was written into"
     );
+    assert_eq!(
+        bits(&w),
+        bits(&noise(&[out, inn], 99)),
+        "the weight was written into"
+    );
     assert!(apply_owned("k", vec![0.0; 5], &[out, inn], &[], DoraNorm::Standard).is_err());
+}
+
+/// The same at sizes where the matmuls run their full kernels and blocks split rows unevenly: a
+/// rank-16 LoRA on a 320×200 weight, a conv LoCon with a Tucker mid, a LoHa with Tucker cores, a
+/// LoKr whose `w2` is factorised (blocks cut through its rows), an f16 diff — blocks of 7, 64
+/// rows and whole.
+#[test]
+fn row_blocks_give_the_whole_bits_at_kernel_sizes() {
+    let (out, inn) = (320usize, 200usize);
+    let lora = Patch::Lora(Lora {
+        alpha: Some(8.0),
+        ..Lora::new(noise(&[out, 16], 1), noise(&[16, inn], 2))
+    });
+    let lokr = Patch::LoKr(LoKr {
+        w1: Some(noise(&[4, 5], 3)),
+        w2a: Some(noise(&[80, 6], 4)),
+        w2b: Some(noise(&[6, 40], 5)),
+        alpha: Some(3.0),
+        ..LoKr::default()
+    });
+    let loha = Patch::LoHa(LoHa {
+        w1a: noise(&[out, 8], 6),
+        w1b: noise(&[8, inn], 7),
+        w2a: noise(&[out, 8], 8),
+        w2b: noise(&[8, inn], 9),
+        t1: None,
+        t2: None,
+        alpha: Some(4.0),
+        dora_scale: None,
+    });
+    let diff = Patch::Diff {
+        diff: noise(&[out, inn], 10).to_dtype(DType::F16).unwrap(),
+        pad: false,
+    };
+    let linear: Vec<PatchEntry> = [lora, lokr, loha, diff]
+        .into_iter()
+        .zip([0.8f32, 1.0, -0.5, 0.25])
+        .map(|(p, s)| PatchEntry::new(p).with_strengths(s, 1.0))
+        .collect();
+    let (co, ci) = (48usize, 40usize);
+    let locon = Patch::Lora(Lora {
+        up: noise(&[co, 4, 1, 1], 11),
+        down: noise(&[4, ci, 1, 1], 12),
+        mid: Some(noise(&[4, 4, 3, 3], 13)),
+        alpha: Some(2.0),
+        dora_scale: None,
+    });
+    let loha_tucker = Patch::LoHa(LoHa {
+        w1a: noise(&[4, co], 14),
+        w1b: noise(&[4, ci], 15),
+        w2a: noise(&[4, co], 16),
+        w2b: noise(&[4, ci], 17),
+        t1: Some(noise(&[4, 4, 3, 3], 18)),
+        t2: Some(noise(&[4, 4, 3, 3], 19)),
+        alpha: Some(2.0),
+        dora_scale: None,
+    });
+    let conv: Vec<PatchEntry> = vec![PatchEntry::new(locon), PatchEntry::new(loha_tucker)];
+    for (name, w, chain) in [
+        ("linear", noise(&[out, inn], 20), linear),
+        ("conv", noise(&[co, ci, 3, 3], 21), conv),
+    ] {
+        let want = apply_whole("k", &w, &chain, DoraNorm::Standard).unwrap();
+        let rest = w.elem_count() / w.dim(0).unwrap();
+        for rows in [7, 64, w.dim(0).unwrap()] {
+            let got = owned::apply_unique(
+                "k",
+                w.copy().unwrap(),
+                &chain,
+                DoraNorm::Standard,
+                rows * rest,
+            )
+            .unwrap();
+            assert_eq!(bits(&got), bits(&want), "{name}, blocks of {rows} rows");
+        }
+    }
 }

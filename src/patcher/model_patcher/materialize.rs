@@ -33,9 +33,9 @@ impl ModelPatcher {
                 index,
                 &self.clean_qtensor(index, &slot.clean()?, &candle_core::Device::Cpu)?,
             )?,
-            None => float::to_f32(&slot.clean()?, slot.dtype())?,
+            None => fresh_f32(slot.name(), &slot.clean()?, slot.dtype())?,
         };
-        self.patch_f32(index, &w)
+        self.patch_f32(index, w)
     }
 
     /// Quantized weight `index` as candle's `QTensor` on `device`, from `blocks` (its block
@@ -96,29 +96,31 @@ impl ModelPatcher {
         q: &candle_core::quantized::QTensor,
         dtype: Dtype,
     ) -> Result<Tensor> {
-        let patched = self.patch_f32(index, &self.dequantized(index, q)?)?;
+        // A dequantized tensor is a new buffer.
+        let patched = self.patch_f32(index, self.dequantized(index, q)?)?;
         cast_weight(&patched, Dtype::F32, dtype)
     }
 
     /// Applies weight `index`'s patches to its f32 value `w` (in stored units: a per-tensor scale
-    /// is applied before the patches and removed after them).
-    fn patch_f32(&self, index: usize, w: &Tensor) -> Result<Tensor> {
+    /// is applied before the patches and removed after them). `w` must be a buffer of its own (a
+    /// fresh decode, never the clean weight's storage): on the CPU the patches are added into it.
+    fn patch_f32(&self, index: usize, w: Tensor) -> Result<Tensor> {
         let slot = &self.model.slots()[index];
         let entries = self.patches.get(slot.name());
         if entries.is_empty() {
-            return Ok(w.clone());
+            return Ok(w);
         }
         self.model.usage().note_patched();
         let chain: Vec<PatchEntry> = entries.iter().map(|e| e.entry.clone()).collect();
         let scale = self.weight_scale(index)?;
-        let mut w = w.clone();
+        let mut w = w;
         if let Some(s) = scale {
             // Patches act on the weight the layer computes with: decoded × scale.
             w = w
                 .affine(f64::from(s), 0.0)
                 .map_err(|e| Error::tensor(format!("`{}`: applying its scale", slot.name()), e))?;
         }
-        let mut patched = adapters::apply(slot.name(), &w, &chain, self.options.dora)?;
+        let mut patched = adapters::apply_fresh(slot.name(), w, &chain, self.options.dora)?;
         if let Some(s) = scale {
             patched = (patched / f64::from(s))
                 .map_err(|e| Error::tensor(format!("`{}`: removing its scale", slot.name()), e))?;
@@ -152,8 +154,7 @@ impl ModelPatcher {
             let n = bytes.len();
             return Tensor::from_vec(bytes, n, &cpu).map_err(ctx);
         }
-        let w = float::to_f32(clean, slot.dtype())?;
-        let patched = self.patch_f32(index, &w)?;
+        let patched = self.patch_f32(index, fresh_f32(slot.name(), clean, slot.dtype())?)?;
         let rounding = if slot.dtype().is_fp8() {
             Rounding::stochastic_for(slot.name())
         } else {
@@ -343,6 +344,15 @@ impl ModelPatcher {
             }
         }
     }
+}
+
+/// `t` (stored as `dtype`) decoded to f32 in a buffer of its own: a decode makes one, an f32
+/// weight is copied (its own storage is the clean weight's).
+fn fresh_f32(key: &str, t: &Tensor, dtype: Dtype) -> Result<Tensor> {
+    if dtype == Dtype::F32 {
+        return adapters::fresh_f32(key, t);
+    }
+    float::to_f32(t, dtype)
 }
 
 /// Casts a weight from dtype `from` to `to` the one way every path does (I3, docs/ARCHITECTURE.md
