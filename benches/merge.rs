@@ -12,7 +12,9 @@
 //! `sync`, so the earlier runs' writeback is over) runs the merge once more in a child process
 //! (this binary, re-executed) to report what a user of the tool sees: wall time of the whole
 //! process, its peak RSS beside the goal of 2 × the largest tensor + 64 MiB, and its minor page
-//! faults beside the bytes written / 4 KiB.
+//! faults beside the bytes written / 4 KiB. Then the same for a checkpoint of few, large weights
+//! carrying every delta kind (LoCon, LoHa, LoKr, a diff, LoRA), whose peak the patch math's row
+//! blocks bound.
 //!
 //! `cargo bench --bench merge` (sample size 10; a merge takes seconds).
 
@@ -67,32 +69,69 @@ fn write_inputs(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// The conv checkpoint (few, large, 4-D weights, all patched): one 288 MiB `[4096, 2048, 3,
-/// 3]`, four 144 MiB `[2048, 2048, 3, 3]` and five 16 MiB `[4096, 1024]` f32 weights, a rank-16
-/// LoRA (LoCon layout: up `[out, 16, 1, 1]`, down `[16, in, 3, 3]`) on every one. Written into
-/// `dir` as `base.safetensors` and `lora.safetensors`; returns (base bytes, largest weight bytes).
-fn write_conv_inputs(dir: &Path) -> (u64, u64) {
-    let mut shapes: Vec<Vec<usize>> = vec![vec![4096, 2048, 3, 3]];
+/// The mixed checkpoint (few, large weights, every one patched, every delta kind): one 288 MiB
+/// `[4096, 2048, 3, 3]` conv with a LoCon (up `[out, 16, 1, 1]`, down `[16, in, 3, 3]`), one
+/// 256 MiB `[8192, 8192]` linear with a LoHa (rank 16), four 144 MiB `[2048, 2048, 3, 3]` convs
+/// with a LoHa, a LoKr (`w1 [4, 4]`, `w2 [512, 512, 3, 3]`), an f16 diff and a LoCon, and five
+/// 16 MiB `[4096, 1024]` linears with a LoRA, all f32. Written into `dir` as `base.safetensors`
+/// and `lora.safetensors`; returns (base bytes, largest weight bytes).
+fn write_mixed_inputs(dir: &Path) -> (u64, u64) {
+    let mut shapes: Vec<Vec<usize>> = vec![vec![4096, 2048, 3, 3], vec![8192, 8192]];
     shapes.extend((0..4).map(|_| vec![2048, 2048, 3, 3]));
     shapes.extend((0..5).map(|_| vec![4096, 1024]));
+    let kinds = [
+        "locon", "loha", "loha", "lokr", "diff", "locon", "lora", "lora", "lora", "lora", "lora",
+    ];
     let mut base: HashMap<String, Tensor> = HashMap::new();
     let mut lora: HashMap<String, Tensor> = HashMap::new();
-    for (i, shape) in shapes.iter().enumerate() {
-        let w = residency::float::uniform_tensor(shape, 400 + i as u64).expect("weight");
-        base.insert(format!("convs.{i}.weight"), w);
-        let mut up = vec![shape[0], RANK];
-        let mut down = vec![RANK];
-        down.extend_from_slice(&shape[1..]);
-        if shape.len() == 4 {
-            up.extend([1, 1]);
-        }
+    let rand = |shape: &[usize], seed: usize| {
+        residency::float::uniform_tensor(shape, seed as u64).expect("tensor")
+    };
+    for (i, (shape, kind)) in shapes.iter().zip(kinds).enumerate() {
+        base.insert(format!("convs.{i}.weight"), rand(shape, 400 + i));
         let module = format!("convs.{i}");
-        let up = residency::float::uniform_tensor(&up, 500 + i as u64).expect("up");
-        let down = residency::float::uniform_tensor(&down, 600 + i as u64).expect("down");
-        lora.insert(format!("{module}.lora_up.weight"), up);
-        lora.insert(format!("{module}.lora_down.weight"), down);
-        let alpha = Tensor::new(RANK as f32 / 2.0, &Device::Cpu).expect("alpha");
-        lora.insert(format!("{module}.alpha"), alpha);
+        let rest: Vec<usize> = shape[1..].to_vec();
+        let seed = 500 + 10 * i;
+        let mut put = |name: &str, t: Tensor| {
+            lora.insert(format!("{module}.{name}"), t);
+        };
+        match kind {
+            "loha" => {
+                let mut b = vec![RANK];
+                b.extend(&rest);
+                put("hada_w1_a", rand(&[shape[0], RANK], seed));
+                put("hada_w1_b", rand(&b, seed + 1));
+                put("hada_w2_a", rand(&[shape[0], RANK], seed + 2));
+                put("hada_w2_b", rand(&b, seed + 3));
+            }
+            "lokr" => {
+                put("lokr_w1", rand(&[4, 4], seed));
+                let mut w2 = vec![shape[0] / 4, shape[1] / 4];
+                w2.extend(&shape[2..]);
+                put("lokr_w2", rand(&w2, seed + 1));
+            }
+            "diff" => {
+                let d = (rand(shape, seed) * 0.01).expect("diff");
+                put(
+                    "diff",
+                    d.to_dtype(candle_core::DType::F16).expect("f16 diff"),
+                );
+            }
+            _ => {
+                let mut up = vec![shape[0], RANK];
+                if shape.len() == 4 {
+                    up.extend([1, 1]);
+                }
+                let mut down = vec![RANK];
+                down.extend(&rest);
+                put("lora_up.weight", rand(&up, seed));
+                put("lora_down.weight", rand(&down, seed + 1));
+            }
+        }
+        if kind != "diff" && kind != "lokr" {
+            let alpha = Tensor::new(RANK as f32 / 2.0, &Device::Cpu).expect("alpha");
+            put("alpha", alpha);
+        }
     }
     candle_core::safetensors::save(&base, dir.join("base.safetensors")).expect("write base");
     drop(base);
@@ -254,20 +293,22 @@ fn bench(c: &mut Criterion, dir: &Path) {
         None => println!("  whole process: the child run failed"),
     }
 
-    // The conv checkpoint: few, large 4-D weights, every one patched.
-    let conv = dir.join("conv");
-    if std::fs::create_dir_all(&conv).is_err() {
-        println!("  conv checkpoint: cannot create {}", conv.display());
+    // The mixed checkpoint: few, large weights, every one patched, every delta kind.
+    let mixed = dir.join("mixed");
+    if std::fs::create_dir_all(&mixed).is_err() {
+        println!("  mixed checkpoint: cannot create {}", mixed.display());
         return;
     }
-    let (bytes, largest) = write_conv_inputs(&conv);
+    let (bytes, largest) = write_mixed_inputs(&mixed);
     // SAFETY: as above.
     unsafe { libc::sync() };
-    match child_merge(&conv) {
+    match child_merge(&mixed) {
         Some((wall, rss, _)) => {
             let goal = 2 * largest + (64 << 20);
             println!(
-                "  conv checkpoint {:.2} GiB f32 (10 weights, largest {:.0} MiB 4-D, all patched), whole process {:.2} s, peak RSS {:.0} MiB (goal <= 2 x largest + 64 MiB = {:.0} MiB: {})",
+                "  mixed checkpoint {:.2} GiB f32 (11 weights, every one patched: LoCon on the largest, {:.0} MiB 4-D, \
+                 LoHa on a 256 MiB linear and a conv, LoKr, an f16 diff, LoRA), whole process {:.2} s, \
+                 peak RSS {:.0} MiB (goal <= 2 x largest + 64 MiB = {:.0} MiB: {})",
                 bytes as f64 / (1u64 << 30) as f64,
                 largest as f64 / (1u64 << 20) as f64,
                 wall.as_secs_f64(),
@@ -276,7 +317,7 @@ fn bench(c: &mut Criterion, dir: &Path) {
                 if rss <= goal { "met" } else { "not met" },
             );
         }
-        None => println!("  conv checkpoint: the child run failed"),
+        None => println!("  mixed checkpoint: the child run failed"),
     }
 }
 

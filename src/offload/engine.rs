@@ -29,8 +29,7 @@ use super::prefetch::Reservation;
 use super::upload::{self, Copied};
 use crate::device::{DeviceHold, Devices, Gpu, Stream};
 use crate::error::{Error, Result};
-use crate::float::Dtype;
-use crate::patcher::ModelPatcher;
+use crate::patcher::{Finish, ModelPatcher};
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
 use crate::weights::HostTier;
@@ -397,9 +396,9 @@ enum ArrivedKind {
     OnDevice {
         copied: Copied,
         gpu: Gpu,
-        cast: Option<(Dtype, Dtype)>,
+        finish: Option<Finisher>,
     },
-    /// Built by a kernel queued on the copy's stream (the sim's cast after a copy): ready once
+    /// Built by a kernel queued on the copy's stream (the sim's finish after a copy): ready once
     /// `ready` completed. The kernel keeps the copy's device buffer beside its result until the
     /// weight is used or retired.
     Built {
@@ -408,6 +407,20 @@ enum ArrivedKind {
         gpu: Gpu,
         stream: crate::device::sim::SimStream,
     },
+}
+
+/// What is left to do to a copied weight on its device (a cast, or its patches), with the
+/// patcher that knows how.
+struct Finisher {
+    patcher: ModelPatcher,
+    index: usize,
+    finish: Finish,
+}
+
+impl Finisher {
+    fn run(self, copied: &Tensor) -> Result<Tensor> {
+        self.patcher.finish(self.index, copied, self.finish)
+    }
 }
 
 /// A kernel's result and the device buffer it was computed from.
@@ -469,15 +482,17 @@ impl Arrived {
                     }),
                 }
             }
-            Some(ArrivedKind::OnDevice { copied, gpu, cast }) => {
+            Some(ArrivedKind::OnDevice {
+                copied,
+                gpu,
+                finish,
+            }) => {
                 copy_wait(&gpu, &copied.ready)?;
                 let (t, hold) = copied.buffer.into_held_tensor(&copied.shape)?;
-                match cast {
+                match finish {
                     None => Ok((t, hold)),
-                    // A cast makes a new tensor: the copy's memory is not the result's.
-                    Some((from, to)) => {
-                        crate::patcher::cast_weight(&t, from, to).map(|t| (t, Default::default()))
-                    }
+                    // A finish makes a new tensor: the copy's memory is not the result's.
+                    Some(f) => f.run(&t).map(|t| (t, Default::default())),
                 }
             }
         }
@@ -585,7 +600,7 @@ fn stream_weight(
             .materialize_from(index, &clean, dtype, device)
             .map(|t| ArrivedKind::Complete(t).into());
     };
-    let (host, cast_after_copy) = patcher.host_part(index, &clean, dtype, device)?;
+    let (host, finish) = patcher.host_part(index, &clean, dtype, device)?;
     // Copied straight from its host copy when what is copied is the clean host copy itself (no
     // patch or cast made a new tensor): a streamed weight is pinned in place first (within the
     // pin budget); any copy of a weight already pinned records itself in the pin, so unpinning
@@ -612,38 +627,51 @@ fn stream_weight(
     };
     let copied =
         upload::upload(&host, &stream, route.pool, route.stats, pin.as_deref()).map_err(named)?;
-    let cast = cast_after_copy.map(|to| (slot.dtype(), to));
-    if let (Stream::Sim(sim_stream), Some((from, to))) = (&stream, cast) {
-        // The widening cast as a kernel on the copy's stream, after the copy (a GPU runs it on
-        // the device; the sim's stream worker stands in for it), so compute only waits.
-        let built: KernelSlot = Arc::new(Mutex::new(Rank::KernelResult, None));
-        let out = Arc::clone(&built);
-        let Copied { buffer, shape, .. } = copied;
-        let crate::device::DeviceBuffer::Sim(buffer) = buffer else {
-            return Err(Error::Device {
-                device: gpu.id().to_string(),
-                reason: "a simulated stream's copy landed in a CUDA buffer".into(),
-            });
-        };
-        sim_stream.launch(move || {
-            let (r, buffer) = match buffer.into_held_tensor(&shape) {
-                Ok((t, buffer)) => (crate::patcher::cast_weight(&t, from, to), buffer),
-                Err(e) => {
-                    *out.lock() = None;
-                    tracing::error!(error = %e, "a kernel could not read its copy");
-                    return;
-                }
-            };
-            *out.lock() = Some((r, buffer));
-        });
-        let ready = stream.record_event()?;
-        return Ok(ArrivedKind::Built {
-            slot: built,
-            ready,
-            gpu,
-            stream: sim_stream.clone(),
+    let finish = finish.map(|finish| Finisher {
+        patcher: patcher.clone(),
+        index,
+        finish,
+    });
+    let (sim_stream, finish) = match (&stream, finish) {
+        (Stream::Sim(s), Some(f)) => (s, f),
+        (_, finish) => {
+            return Ok(ArrivedKind::OnDevice {
+                copied,
+                gpu,
+                finish,
+            }
+            .into())
         }
-        .into());
+    };
+    // What is left (the exact cast, the patches) as a kernel on the copy's stream, after the
+    // copy (a GPU runs it on the device; the sim's stream worker stands in for it), so compute
+    // only waits.
+    let built: KernelSlot = Arc::new(Mutex::new(Rank::KernelResult, None));
+    let out = Arc::clone(&built);
+    let Copied { buffer, shape, .. } = copied;
+    let crate::device::DeviceBuffer::Sim(buffer) = buffer else {
+        return Err(Error::Device {
+            device: gpu.id().to_string(),
+            reason: "a simulated stream's copy landed in a CUDA buffer".into(),
+        });
+    };
+    sim_stream.launch(move || {
+        let (r, buffer) = match buffer.into_held_tensor(&shape) {
+            Ok((t, buffer)) => (finish.run(&t), buffer),
+            Err(e) => {
+                *out.lock() = None;
+                tracing::error!(error = %e, "a kernel could not read its copy");
+                return;
+            }
+        };
+        *out.lock() = Some((r, buffer));
+    });
+    let ready = stream.record_event()?;
+    Ok(ArrivedKind::Built {
+        slot: built,
+        ready,
+        gpu,
+        stream: sim_stream.clone(),
     }
-    Ok(ArrivedKind::OnDevice { copied, gpu, cast }.into())
+    .into())
 }

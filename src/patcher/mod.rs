@@ -32,7 +32,7 @@ pub mod lora {
 
 pub use adapters::{DoraNorm, GLora, LoHa, LoKr, Lora, Offset, Oft, Patch, PatchEntry};
 pub use device_map::{AutoMapOptions, DeviceMap, SplitStats, Target};
-pub(crate) use model_patcher::{cast_weight, ResidencySignature};
+pub(crate) use model_patcher::{cast_weight, Finish, ResidencySignature};
 pub use model_patcher::{
     LoadOutcome, MemoryEstimator, ModelPatcher, PatchKey, PatchSet, PatcherOptions, SetEntry,
     WeightWrapper, WEIGHT_SCALE_SUFFIX,

@@ -67,11 +67,16 @@
 //! A rank-`r` LoRA on an `[out, in]` weight costs one `out·r·in` matmul plus one elementwise pass
 //! (a GLoRA two, `w·a1` then `·a2`, plus `b1·b2`; an OFT one batched `[n, n] × [n, rest]`
 //! matmul per block, `out·n·rest` in all, after a host Cayley transform of `k·n³`);
-//! DoRA adds two elementwise passes and a row reduction. Every entry allocates a new accumulator of
-//! the weight's size (candle tensors are immutable); an offset entry also re-concatenates the
-//! weight along the offset's dimension. [`apply_owned`] (`owned.rs`), for a caller that hands
-//! over the weight's `f32` values, adds plain deltas into them in place instead: the same bits,
-//! two weights' worth of memory instead of three.
+//! DoRA adds two elementwise passes and a row reduction.
+//!
+//! Memory: the weight is decoded once into an `f32` buffer of its own, and every entry that adds
+//! a delta (LoRA, LoCon, LoHa, LoKr, GLoRA, a diff; whole or on a run of rows, as a fused
+//! projection's offsets are) is added into it a block of about 2 M values at a time: the delta of
+//! those rows alone (LoHa's two factor products, LoKr's Kronecker rows, a half-precision diff's
+//! upcast) is computed, added, and dropped (`owned.rs`). A chain of such entries costs the weight
+//! plus one 8 MiB block. DoRA, a `strength_model` other than 1, an offset on another dimension,
+//! a padding diff, `Set` and OFT are computed whole (a new weight-sized accumulator each).
+//! [`apply_owned`] takes the caller's `f32` values as that buffer (the streaming merge).
 
 mod diff;
 mod dora;
@@ -260,13 +265,11 @@ fn all_finite(t: &Tensor) -> candle_core::Result<bool> {
 /// device. The weight (of any float dtype) is not modified. Each entry is validated against the
 /// shape accumulated so far before it is computed; on error nothing is returned.
 ///
-/// On the CPU the weight is decoded into a buffer of its own and the entries that add a delta
-/// are added into it in row blocks (`owned.rs`); elsewhere each entry is computed whole with
-/// candle's operations. Both give the same values on the CPU (bit for bit, tested).
+/// The weight is decoded into a buffer of its own and the entries that add a delta are added into
+/// it a block of rows at a time (`owned.rs`): a chain costs the weight plus one block of
+/// temporaries. On the CPU this gives bit for bit the values of computing every entry whole with
+/// candle's operations (tested).
 pub fn apply(key: &str, weight: &Tensor, entries: &[PatchEntry], dora: DoraNorm) -> Result<Tensor> {
-    if !weight.device().is_cpu() {
-        return apply_whole(key, weight, entries, dora);
-    }
     apply_fresh(key, fresh_f32(key, weight)?, entries, dora)
 }
 
@@ -291,7 +294,8 @@ pub(crate) fn fresh_f32(key: &str, t: &Tensor) -> Result<Tensor> {
 }
 
 /// [`apply`] with every entry computed whole by candle's operations, a new accumulator per entry:
-/// the path of devices other than the CPU.
+/// what the row-block engine is tested against.
+#[cfg(test)]
 pub(crate) fn apply_whole(
     key: &str,
     weight: &Tensor,

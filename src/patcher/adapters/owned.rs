@@ -1,13 +1,15 @@
-//! The patch engine on the CPU: entries added into the weight's own `f32` buffer, in row blocks.
+//! The patch engine: entries added into the weight's own `f32` buffer, in row blocks.
 //!
 //! # Why
 //!
-//! Candle tensors are immutable, so the whole-tensor path ([`apply_whole`](super::apply_whole),
-//! which other devices use) allocates a new accumulator per entry and builds each delta whole:
+//! Candle tensors are immutable, so computing each entry with whole-tensor operations allocates a
+//! new accumulator per entry and builds each delta whole:
 //! while a LoHa is added the weight, both of its full-size factor products, their product and
 //! the sum are alive together. On the CPU the patched weight is a buffer this engine owns
-//! outright (a fresh decode of the clean weight, never the clean weight itself), so an entry that
-//! adds a delta adds it into that buffer in place, a block of rows at a time: the delta of rows
+//! outright (a fresh decode of the clean weight, never the clean weight itself; on a GPU, the
+//! decode of the copy), so an entry that
+//! adds a delta adds it into that buffer in place (on a GPU, each block's sum is written over its
+//! rows), a block of rows at a time: the delta of rows
 //! `r..r + n` of the weight flattened to `[out, rest]` is computed (about [`BLOCK_ELEMS`]
 //! values) and added, then the next block. A chain of LoRA, LoCon, LoHa, LoKr and diffs costs
 //! the weight's buffer plus one block, whatever the kinds — and no fresh weight-sized buffer is
@@ -92,13 +94,27 @@ impl Region {
 
     /// Adds `d` (the delta of the target's rows from `row`, any shape of that many values) into
     /// `w`.
+    ///
+    /// On the CPU the values are added into `w`'s storage; on another device the block's sum is
+    /// computed beside it and written over those rows (`slice_set`): a block's worth of
+    /// temporaries either way.
     pub(super) fn add_rows(&self, key: &str, w: &Tensor, row: usize, d: &Tensor) -> Result<()> {
+        let ctx = || format!("`{key}`: adding the delta in place");
         let d = d
             .contiguous()
             .ctx(|| format!("`{key}`: laying out the delta"))?;
-        let at = (self.start + row) * self.rest;
-        w.inplace_op2(&d, &AddAt(at))
-            .ctx(|| format!("`{key}`: adding the delta in place"))
+        let first = self.start + row;
+        if w.device().is_cpu() {
+            return w.inplace_op2(&d, &AddAt(first * self.rest)).ctx(ctx);
+        }
+        let n = d.elem_count() / self.rest.max(1);
+        let rows = w.narrow(0, first, n).ctx(ctx)?;
+        let sum = d
+            .reshape(rows.shape())
+            .and_then(|d| &rows + &d)
+            .and_then(|s| s.contiguous())
+            .ctx(ctx)?;
+        w.slice_set(&sum, 0, first).ctx(ctx)
     }
 }
 
@@ -131,8 +147,7 @@ pub fn apply_owned(
 }
 
 /// The engine: `w` is an `f32` tensor whose storage no other handle shares (the caller made it),
-/// so entries may be added into it. On a device other than the CPU every entry goes through the
-/// whole path.
+/// so entries may be added into it, on any device.
 pub(super) fn apply_unique(
     key: &str,
     mut w: Tensor,
@@ -140,7 +155,7 @@ pub(super) fn apply_unique(
     dora: DoraNorm,
     block_elems: usize,
 ) -> Result<Tensor> {
-    let mut owned = w.device().is_cpu();
+    let mut owned = true;
     for entry in entries {
         entry_output_shape(key, w.dims(), entry)?;
         if owned && entry.strength_model == 1.0 {

@@ -230,7 +230,7 @@ impl ModelPatcher {
         let slot = &self.model.slots()[index];
         #[cfg(test)]
         crate::fault::check(self.model.slots()[index].name())?;
-        let (host, cast_after_copy) = self.host_part(index, clean, dtype, device)?;
+        let (host, finish) = self.host_part(index, clean, dtype, device)?;
         if device.is_cpu() {
             return Ok(host);
         }
@@ -238,24 +238,31 @@ impl ModelPatcher {
         let moved = host
             .to_device(&dev)
             .map_err(|e| Error::tensor(format!("`{}`: copying to {device}", slot.name()), e))?;
-        match cast_after_copy {
-            Some(to) => cast_weight(&moved, slot.dtype(), to),
+        match finish {
+            Some(f) => self.finish(index, &moved, f),
             None => Ok(moved),
         }
     }
 
-    /// The host side of materializing weight `index` for `device`: the patched weight, and
-    /// whether the cast to `dtype` is left for after the copy. For a GPU, a cast that widens
-    /// exactly ([`Dtype::widens_exactly_to`]: bf16/f16/fp8 → f32, fp8 → bf16/f16) runs on the
-    /// device after the copy — fewer bytes cross the bus, and an exact cast gives the same bits
-    /// wherever it runs; every other cast runs here. The transfer lanes copy what this returns.
+    /// The host side of materializing weight `index` for `device`: what is copied, and what is
+    /// left for the device after the copy ([`Finish`]). The transfer lanes copy what this
+    /// returns and run the rest on the copy's stream; a CPU destination gets the finished weight.
+    ///
+    /// Which device computes what (docs/ARCHITECTURE.md §9): for a GPU, a dense weight in a
+    /// half-precision or f32 storage dtype is copied **clean** and patched on the GPU
+    /// ([`Finish::Patch`]): its LoRA factors are small and go with it, the patch math runs
+    /// there. A cast that widens exactly ([`Dtype::widens_exactly_to`]) also runs there
+    /// ([`Finish::Cast`]): fewer bytes cross the bus, and an exact cast gives the same bits
+    /// wherever it runs. fp8 weights (whose patched value is rounded stochastically, with a
+    /// per-tensor scale) and quantized ones (re-quantized or dequantized at use) are patched on
+    /// the host, and every other cast runs here.
     pub(crate) fn host_part(
         &self,
         index: usize,
         clean: &Tensor,
         dtype: Dtype,
         device: DeviceId,
-    ) -> Result<(Tensor, Option<Dtype>)> {
+    ) -> Result<(Tensor, Option<Finish>)> {
         let slot = &self.model.slots()[index];
         if slot.quantized().is_some() {
             // Quantized weights move as their blocks: clean (patches apply at use), or patched
@@ -265,11 +272,32 @@ impl ModelPatcher {
             }
             return Ok((clean.clone(), None));
         }
+        let patched = !self.patches.get(slot.name()).is_empty();
+        if !device.is_cpu() && patched && !slot.dtype().is_fp8() {
+            return Ok((clean.clone(), Some(Finish::Patch { to: dtype })));
+        }
         let stored = self.patched_storage_from(index, clean)?;
         if !device.is_cpu() && slot.dtype().widens_exactly_to(dtype) {
-            return Ok((stored, Some(dtype)));
+            let from = slot.dtype();
+            return Ok((stored, Some(Finish::Cast { from, to: dtype })));
         }
         Ok((cast_weight(&stored, slot.dtype(), dtype)?, None))
+    }
+
+    /// Runs `finish` on `copied`, weight `index` as [`ModelPatcher::host_part`] had it copied, on
+    /// the device it was copied to: the same operations as the host path
+    /// ([`ModelPatcher::patched_weight`] then the cast), on that device's tensors.
+    pub(crate) fn finish(&self, index: usize, copied: &Tensor, finish: Finish) -> Result<Tensor> {
+        match finish {
+            Finish::Cast { from, to } => cast_weight(copied, from, to),
+            Finish::Patch { to } => {
+                let slot = &self.model.slots()[index];
+                let storage = slot.dtype();
+                let patched = self.patch_f32(index, fresh_f32(slot.name(), copied, storage)?)?;
+                let stored = cast_weight(&patched, Dtype::F32, storage)?;
+                cast_weight(&stored, storage, to)
+            }
+        }
     }
 
     /// The resident copy of weight `index` when it is current for this patcher on its load
@@ -344,6 +372,24 @@ impl ModelPatcher {
             }
         }
     }
+}
+
+/// What is left to do to a weight once its copy reaches a GPU, run there after the copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Finish {
+    /// An exact widening cast from the storage dtype `from` to the resident dtype `to`.
+    Cast {
+        /// The storage dtype.
+        from: Dtype,
+        /// The resident dtype.
+        to: Dtype,
+    },
+    /// The weight was copied clean: its patches are applied in f32, the result rounded to the
+    /// storage dtype (nearest-even) and cast to `to`, as the host path does.
+    Patch {
+        /// The resident dtype.
+        to: Dtype,
+    },
 }
 
 /// `t` (stored as `dtype`) decoded to f32 in a buffer of its own: a decode makes one, an f32

@@ -18,7 +18,7 @@ mod materialize;
 mod patches;
 mod placement;
 
-pub(crate) use materialize::cast_weight;
+pub(crate) use materialize::{cast_weight, Finish};
 
 use super::adapters::{self, DoraNorm, Offset, Patch, PatchEntry};
 use crate::error::{Error, Result};
