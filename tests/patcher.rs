@@ -653,26 +653,33 @@ fn glora_and_oft_groups_from_a_file_patch_a_model() {
         ("lin.alpha", Tensor::new(1.0f32, &dev).unwrap()),
         // OFT, one 2×2 block with q = 0.5: R = [[.6, .8], [-.8, .6]].
         ("conv.oft_blocks", t(&[0.0, 0.5, 0.0, 0.0], &[1, 2, 2])),
-        // BOFT: not supported, reported.
-        ("other.oft_blocks", t(&[0.0; 8], &[2, 1, 2, 2])),
+        // BOFT, one factor of one 2×2 block with q = 1: R = [[0, 1], [-1, 0]], applied as R·W.
+        ("other.oft_blocks", t(&[0.0, 1.0, 0.0, 0.0], &[1, 1, 2, 2])),
     ]
     .map(|(k, t)| (k.to_string(), t, Dtype::F32));
     let lora_path = dir.path().join("lyco.safetensors");
     save_safetensors(&lora_path, &lora_tensors, &SafetensorsOptions::default()).unwrap();
 
     let loaded = residency::patcher::lora::load(lora_path.as_path(), model.keys()).unwrap();
-    assert_eq!(loaded.unmatched_lora_keys, ["other.oft_blocks"]);
+    assert!(loaded.unmatched_lora_keys.is_empty());
     let kinds: Vec<(&str, &str)> = loaded
         .patches
         .iter()
         .map(|(k, p)| (k.key.as_str(), p.kind()))
         .collect();
-    assert_eq!(kinds, [("conv.weight", "oft"), ("lin.weight", "glora")]);
+    assert_eq!(
+        kinds,
+        [
+            ("conv.weight", "oft"),
+            ("lin.weight", "glora"),
+            ("other.weight", "boft")
+        ]
+    );
 
     let mut p = cpu_patcher(model);
     let mut matched = p.add_patches(loaded.patches.clone(), 1.0, 1.0).unwrap();
     matched.sort();
-    assert_eq!(matched, ["conv.weight", "lin.weight"]);
+    assert_eq!(matched, ["conv.weight", "lin.weight", "other.weight"]);
     // W + W·A + B = [[1,2],[3,4]] + [[0,1],[0,3]] + [[1,-1],[2,-2]].
     assert_eq!(
         f32s(&p.patched_weight("lin.weight").unwrap()),
@@ -685,7 +692,7 @@ fn glora_and_oft_groups_from_a_file_patch_a_model() {
     );
     assert_eq!(
         f32s(&p.patched_weight("other.weight").unwrap()),
-        [1.0, 2.0, 3.0, 4.0]
+        [3.0, 4.0, -1.0, -2.0]
     );
 
     // A valid GLoRA with an OFT built for 4 rows, both on `lin`: refused, nothing added.

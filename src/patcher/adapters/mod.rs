@@ -78,6 +78,7 @@
 //! a padding diff, `Set` and OFT are computed whole (a new weight-sized accumulator each).
 //! [`apply_owned`] takes the caller's `f32` values as that buffer (the streaming merge).
 
+mod boft;
 mod diff;
 mod dora;
 mod factor;
@@ -98,6 +99,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::error::{Error, Result, TensorContext};
 use diff::{Diff, Set};
 
+pub use boft::Boft;
 pub use dora::DoraNorm;
 pub use glora::GLora;
 pub use loha::LoHa;
@@ -131,6 +133,9 @@ pub enum Patch {
     GLora(GLora),
     /// An OFT (orthogonal fine-tuning) adapter: a block-diagonal rotation of the output rows.
     Oft(Oft),
+    /// A BOFT (butterfly OFT) adapter: butterfly factors of block-diagonal rotations of the
+    /// output rows.
+    Boft(Boft),
 }
 
 impl Patch {
@@ -150,6 +155,7 @@ impl Patch {
             Patch::LoKr(k) => f(k),
             Patch::GLora(g) => f(g),
             Patch::Oft(o) => f(o),
+            Patch::Boft(o) => f(o),
         }
     }
 }

@@ -22,12 +22,12 @@ use crate::error::{Result, TensorContext};
 /// (`modules/diag_oft.py`) interpolates linearly, `(s·R + (1 − s)·I)`, and checks the norm
 /// against `alpha · out` rather than `alpha`. Both agree at `s = 1` with no active
 /// constraint. The Cayley transform is solved on the host in f64 (Gauss–Jordan; the blocks
-/// are small, `k·n³`), the rotation applied in f32. DoRA, `rescale` and 4-D butterfly
-/// blocks (BOFT) are not supported.
+/// are small, `k·n³`), the rotation applied in f32. DoRA and `rescale` are not supported; 4-D
+/// butterfly blocks are [`Boft`](super::Boft).
 #[derive(Debug, Clone)]
 pub struct Oft {
-    /// `[k, n, n]`, `k·n` = the weight's output dimension. (4-D butterfly blocks, BOFT, are not
-    /// supported.)
+    /// `[k, n, n]`, `k·n` = the weight's output dimension. (4-D butterfly blocks are
+    /// [`Boft`](super::Boft).)
     pub blocks: Tensor,
     /// Norm constraint: when positive and `‖Q‖ + 1e-8` (Frobenius, over all blocks) exceeds it,
     /// `Q` is scaled to `Q · alpha / (‖Q‖ + 1e-8)`. None, zero or negative: unconstrained.
@@ -69,7 +69,7 @@ fn oft_shape(key: &str, target: &[usize], o: &Oft) -> Result<Vec<usize>> {
     if d.len() == 4 {
         return Err(bad(
             key,
-            format!("OFT blocks {d:?} are 4-D (BOFT, butterfly factors), which is not supported"),
+            format!("OFT blocks {d:?} are 4-D (butterfly factors): that is a BOFT patch"),
         ));
     }
     if d.len() != 3 || d[1] != d[2] || d[0] == 0 || d[1] == 0 {

@@ -810,3 +810,95 @@ fn row_blocks_give_the_whole_bits_at_kernel_sizes() {
         }
     }
 }
+
+/// One BOFT factor of `k` 2×2 blocks, each with `q = t` above the diagonal.
+fn boft_blocks(m: usize, k: usize, t: f32) -> Tensor {
+    let one: [f32; 4] = [0.0, t, 0.0, 0.0];
+    let data: Vec<f32> = (0..m * k).flat_map(|_| one).collect();
+    tn(&data, &[m, k, 2, 2])
+}
+
+/// With `q = 1` a 2×2 Cayley block is `R = [[0, 1], [-1, 0]]`; BOFT applies `R·x` (OFT `Rᵀ·x`).
+#[test]
+fn boft_one_factor_rotates_row_pairs_by_r() {
+    let w = t2(&[&[1.0, 2.0], &[3.0, 4.0]]);
+    let entry = PatchEntry::new(Patch::Boft(Boft::new(boft_blocks(1, 1, 1.0))));
+    assert_close(&run(&w, &[entry]), &[3.0, 4.0, -1.0, -2.0], 1e-6);
+}
+
+/// Two butterfly factors on 4 rows: the first rotates the pairs (0, 1), (2, 3), the second the
+/// pairs two rows apart, (0, 2), (1, 3). By hand: `x = (w1, −w0, w3, −w2)`, then
+/// `y0 = x2, y2 = −x0, y1 = x3, y3 = −x1`.
+#[test]
+fn boft_second_factor_pairs_rows_two_apart() {
+    let w = tn(&[1.0, 2.0, 3.0, 4.0], &[4, 1]);
+    let entry = PatchEntry::new(Patch::Boft(Boft::new(boft_blocks(2, 2, 1.0))));
+    assert_close(&run(&w, &[entry]), &[4.0, -3.0, -2.0, 1.0], 1e-6);
+}
+
+/// ComfyUI's strength enters twice: each rotation becomes `s·R + (1 − s)·I`, and the weight
+/// moves by `s · (x − w)`; `rescale` multiplies `x`'s rows. By hand for `w = (1, 3)`, `s = 0.5`:
+/// `x = [[.5, .5], [−.5, .5]]·w = (2, 1)`, so `w + .5·(x − w) = (1.5, 2)`; with rescale
+/// `(2, 1)`, `x = (4, 1)` and the result is `(2.5, 2)`.
+#[test]
+fn boft_strength_interpolates_the_rotations_and_the_step_and_rescale_scales_rows() {
+    let w = tn(&[1.0, 3.0], &[2, 1]);
+    let plain = Boft::new(boft_blocks(1, 1, 1.0));
+    let rescaled = Boft {
+        rescale: Some(tn(&[2.0, 1.0], &[2, 1])),
+        ..plain.clone()
+    };
+    let at = |b: Boft| PatchEntry::new(Patch::Boft(b)).with_strengths(0.5, 1.0);
+    assert_close(&run(&w, &[at(plain)]), &[1.5, 2.0], 1e-6);
+    assert_close(&run(&w, &[at(rescaled)]), &[2.5, 2.0], 1e-6);
+    let zero =
+        PatchEntry::new(Patch::Boft(Boft::new(boft_blocks(1, 1, 1.0)))).with_strengths(0.0, 1.0);
+    assert_eq!(bits(&run(&w, &[zero])), bits(&w));
+}
+
+/// At strength 1 without rescale BOFT is an orthogonal map of the output rows: every column's
+/// norm is kept, for random blocks of 3 factors over 16 rows of a conv weight.
+#[test]
+fn boft_keeps_column_norms() {
+    let w = noise(&[16, 3, 2, 2], 5);
+    let entry = PatchEntry::new(Patch::Boft(Boft::new(noise(&[3, 4, 4, 4], 6))));
+    let out = run(&w, &[entry]);
+    let norms = |t: &Tensor| -> Vec<f32> {
+        let v = vals(&t.reshape((16, 12)).unwrap());
+        (0..12)
+            .map(|c| (0..16).map(|r| v[r * 12 + c].powi(2)).sum::<f32>().sqrt())
+            .collect()
+    };
+    let (a, b) = (norms(&w), norms(&out));
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-4 * x.max(1.0), "{a:?} vs {b:?}");
+    }
+    assert_ne!(bits(&out), bits(&w), "nothing rotated");
+}
+
+#[test]
+fn boft_of_the_wrong_size_or_odd_blocks_is_rejected() {
+    let w = noise(&[6, 4], 1);
+    let e = |b: Tensor| PatchEntry::new(Patch::Boft(Boft::new(b)));
+    // 2 blocks of 2 rotate 4 rows, not 6.
+    let err = validate("k", w.dims(), &e(boft_blocks(1, 2, 1.0))).unwrap_err();
+    assert_patch_shape(&err, "k", &[6, 4], &[4, 4]);
+    // Odd block size.
+    let odd = noise(&[1, 2, 3, 3], 2);
+    assert!(matches!(
+        validate("k", w.dims(), &e(odd)).unwrap_err(),
+        Error::BadPatch { .. }
+    ));
+    // 3 blocks of 2 rotate 6 rows, but a second factor's stride 4 does not divide them.
+    let err = validate("k", w.dims(), &e(boft_blocks(2, 3, 1.0))).unwrap_err();
+    assert_patch_shape(&err, "k", &[6, 4], &[6, 4]);
+    // A rescale of the wrong length.
+    let b = Boft {
+        rescale: Some(noise(&[4, 1], 3)),
+        ..Boft::new(boft_blocks(1, 3, 1.0))
+    };
+    assert!(matches!(
+        validate("k", w.dims(), &PatchEntry::new(Patch::Boft(b))).unwrap_err(),
+        Error::BadPatch { .. }
+    ));
+}

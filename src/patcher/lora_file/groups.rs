@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{DType, Tensor};
 
-use crate::patcher::adapters::{GLora, LoHa, LoKr, Lora, Oft, Patch};
+use crate::patcher::adapters::{Boft, GLora, LoHa, LoKr, Lora, Oft, Patch};
 
 /// The part of a patch a file tensor holds, named by its suffix ([`SUFFIXES`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -357,21 +357,27 @@ fn glora(group: &mut Group, alpha: Option<f32>) -> GroupResult<Patch> {
 }
 
 fn oft(group: &mut Group, alpha: Option<f32>) -> GroupResult<Patch> {
-    if group.parts.contains_key(&PartKind::OftRescale) {
-        return Err("is a rescaled OFT (rescale), which is not supported".into());
-    }
     if group.parts.contains_key(&PartKind::DoraScale) {
         return Err("is an OFT with a dora_scale, which is not supported".into());
     }
     let Some(blocks) = group.take(PartKind::OftBlocks) else {
         return Err("lacks oft_blocks".into());
     };
+    let rescale = group.take(PartKind::OftRescale);
     match blocks.rank() {
-        3 => {}
-        4 => return Err("has 4-D oft_blocks (BOFT), which is not supported".into()),
-        r => return Err(format!("has {r}-D oft_blocks; OFT blocks are [k, n, n]")),
+        3 if rescale.is_some() => Err(
+            "is a rescaled diag-OFT (3-D oft_blocks with rescale), which is not supported".into(),
+        ),
+        3 => Ok(Patch::Oft(Oft { blocks, alpha })),
+        4 => Ok(Patch::Boft(Boft {
+            blocks,
+            rescale,
+            alpha,
+        })),
+        r => Err(format!(
+            "has {r}-D oft_blocks; OFT blocks are [k, n, n], BOFT's [m, k, b, b]"
+        )),
     }
-    Ok(Patch::Oft(Oft { blocks, alpha }))
 }
 
 fn scalar(t: &Tensor) -> GroupResult<f32> {

@@ -18,13 +18,14 @@
 //! | `.hada_w1_a`, `.hada_w1_b`, `.hada_w2_a`, `.hada_w2_b`, `.hada_t1`, `.hada_t2` | LoHa |
 //! | `.lokr_w1`, `.lokr_w1_a`, `.lokr_w1_b`, `.lokr_w2`, `.lokr_w2_a`, `.lokr_w2_b`, `.lokr_t2` | LoKr |
 //! | `.a1.weight`, `.a2.weight`, `.b1.weight`, `.b2.weight` | GLoRA (`.bm.weight`, a Tucker GLoRA, is recognised and refused) |
-//! | `.oft_blocks`, `.rescale` | OFT blocks; `.alpha` is then its norm constraint (`.rescale` and 4-D BOFT blocks are recognised and refused) |
+//! | `.oft_blocks`, `.rescale` | OFT blocks (3-D, diag-OFT) or BOFT's butterfly factors (4-D, with an optional `.rescale`); `.alpha` is then the norm constraint (a `.rescale` beside 3-D blocks is recognised and refused) |
 //! | `.diff`, `.diff_b` | full difference of the weight, of the bias |
 //!
 //! A group becomes a [`Patch::Lora`] (up and down present), [`Patch::LoHa`] (all four `hada_w*`),
 //! [`Patch::LoKr`] (`w1` or `w1_a`+`w1_b`, and `w2` or `w2_a`+`w2_b`) or [`Patch::GLora`] (all
 //! four of `a1`, `a2`, `b1`, `b2`, no `bm`) or [`Patch::Oft`] (3-D `oft_blocks`, no `rescale`, no
-//! `dora_scale`) on `<module>.weight`,
+//! `dora_scale`) or [`Patch::Boft`] (4-D `oft_blocks`, an optional `rescale`, no `dora_scale`) on
+//! `<module>.weight`,
 //! or a [`Patch::Diff`] on `<module>.weight`; a `diff_b` gives a second [`Patch::Diff`] on
 //! `<module>.bias`. A group that mixes kinds or lacks a part is malformed: its tensors are
 //! reported as unmatched (and logged), the rest of the file still loads. Old diffusers

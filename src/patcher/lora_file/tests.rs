@@ -296,7 +296,7 @@ fn glora_groups_become_glora_patches_and_bad_ones_are_reported() {
 }
 
 #[test]
-fn oft_groups_become_oft_patches_and_boft_or_rescaled_ones_are_reported() {
+fn oft_groups_become_oft_and_boft_patches_and_rescaled_diag_ones_are_reported() {
     let mut t = HashMap::new();
     let base = "lora_unet_input_blocks_1_1_proj_in";
     t.insert(format!("{base}.oft_blocks"), ones(&[2, 2, 2]));
@@ -306,27 +306,47 @@ fn oft_groups_become_oft_patches_and_boft_or_rescaled_ones_are_reported() {
     );
     let boft = "lora_unet_middle_block_1_transformer_blocks_0_attn1_to_q";
     t.insert(format!("{boft}.oft_blocks"), ones(&[1, 2, 2, 2]));
+    t.insert(format!("{boft}.rescale"), ones(&[4, 1]));
     let rescaled = "lora_unet_middle_block_1_transformer_blocks_0_attn1_to_out_0";
     t.insert(format!("{rescaled}.oft_blocks"), ones(&[2, 2, 2]));
     t.insert(format!("{rescaled}.rescale"), ones(&[4, 1]));
     let dir = tempfile::tempdir().unwrap();
     let out = load(save(&dir, "oft.safetensors", &t), SDXL_KEYS.iter().copied()).unwrap();
-    assert_eq!(out.patches.len(), 1);
+    let mut kinds: Vec<(&str, &str)> = out
+        .patches
+        .iter()
+        .map(|(k, p)| (k.key.as_str(), p.kind()))
+        .collect();
+    kinds.sort();
     assert_eq!(
-        out.patches[0].0,
-        "diffusion_model.input_blocks.1.1.proj_in.weight"
+        kinds,
+        [
+            ("diffusion_model.input_blocks.1.1.proj_in.weight", "oft"),
+            (
+                "diffusion_model.middle_block.1.transformer_blocks.0.attn1.to_q.weight",
+                "boft"
+            ),
+        ]
     );
-    let Patch::Oft(o) = &out.patches[0].1 else {
-        panic!("not OFT: {}", out.patches[0].1.kind())
-    };
-    assert_eq!(out.patches[0].1.kind(), "oft");
-    assert_eq!(o.alpha, Some(0.5));
+    for (_, patch) in &out.patches {
+        match patch {
+            Patch::Oft(o) => assert_eq!(o.alpha, Some(0.5)),
+            Patch::Boft(b) => {
+                assert_eq!(b.blocks.dims(), [1, 2, 2, 2]);
+                assert_eq!(
+                    b.rescale.as_ref().map(|r| r.dims().to_vec()),
+                    Some(vec![4, 1])
+                );
+                assert_eq!(b.alpha, None);
+            }
+            other => panic!("unexpected {}", other.kind()),
+        }
+    }
     assert_eq!(
         out.unmatched_lora_keys,
         [
             format!("{rescaled}.oft_blocks"),
             format!("{rescaled}.rescale"),
-            format!("{boft}.oft_blocks"),
         ]
     );
 }
