@@ -76,13 +76,15 @@ fn setup(model: &Arc<Model>, lora: bool, budget: Option<ByteSize>, mode: &str) -
         .with_transfer_lanes(2)
         .with_prefetch_depth(2);
     let mm = MemoryManager::new(cfg, Hardware::cpu_only(ByteSize::gib(16))).unwrap();
-    // Residency is per model: each setup gets its own model over the same clean tensors.
+    // Residency is per model: each setup gets its own model (and host copies, pinned by its own
+    // manager).
     let own = Arc::new(
         Model::from_tensors(
             "deep-mlp",
             (0..LAYERS).map(|l| {
                 let key = format!("layers.{l}.weight");
-                let t = model.clean(&key).unwrap();
+                // Its own copy: two managers cannot pin the same host bytes.
+                let t = model.clean(&key).unwrap().copy().unwrap();
                 (key, t)
             }),
         )

@@ -151,3 +151,43 @@ fn an_fp8_weight_is_still_patched_on_the_host_and_copied_patched() {
     // Its patched bytes are a new host tensor: staged, not copied from the pinned clean copy.
     assert!(t.bytes_staged.bytes() > 0, "{t:?}");
 }
+
+/// A `Set` patch hands its value through the patch math: finishing on the device rounds the
+/// result to bf16 in a buffer of its own, never in the Set's value.
+#[test]
+fn a_set_value_is_never_rounded_in_place_by_the_device_finish() {
+    let value = rand_tensor(&[WIDTH, WIDTH], 77);
+    let before: Vec<u32> = f32s(&value).into_iter().map(f32::to_bits).collect();
+    let mm = manager(&[
+        "--sim-gpu",
+        "64MiB@25GB/s",
+        "--novram",
+        "--disable-dynamic-vram",
+    ]);
+    let mut p = ModelPatcher::new(model(Dtype::BF16), SIM, DeviceId::Cpu)
+        .with_compute_dtype(Some(Dtype::F32));
+    p.add_patches(
+        [("layers.0.weight".to_string(), Patch::Set(value.clone()))],
+        1.0,
+        1.0,
+    )
+    .unwrap();
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    let (w, _) = fetch_weight(&p, "layers.0.weight").unwrap();
+    let want = residency::float::from_f32(&value, Dtype::BF16, residency::Rounding::Nearest)
+        .and_then(|t| residency::float::to_f32(&t, Dtype::BF16))
+        .unwrap();
+    assert_eq!(
+        f32s(&w),
+        f32s(&want),
+        "the weight is the Set value rounded to bf16"
+    );
+    let after: Vec<u32> = f32s(&value).into_iter().map(f32::to_bits).collect();
+    assert_eq!(before, after, "the Set's value was rounded in place");
+    assert_ne!(
+        f32s(&w),
+        f32s(&value),
+        "the value has digits bf16 does not keep"
+    );
+}
