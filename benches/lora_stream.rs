@@ -174,13 +174,20 @@ fn bench(_: &mut Criterion) {
                 ms(l),
                 l.as_secs_f64() / b.as_secs_f64()
             );
+            let host = lora.mm.memory_report().host;
             println!(
                 "  LoRA'd copies per forward: {} straight from the pinned clean copy, {} staged, {} pageable \
-                 (host buffers made per fetch: none; a fresh 8 MiB buffer costs {:.2} ms here)",
+                 (pinned in place {} of a pin budget of {}, {} pin failures; host buffers made per fetch: none; \
+                 a fresh 8 MiB buffer costs {:.2} ms here); prefetch {} hits / {} misses",
                 per(after.bytes_direct, before.bytes_direct),
                 per(after.bytes_staged, before.bytes_staged),
                 per(after.bytes_pageable, before.bytes_pageable),
-                ms(fresh_buffer())
+                host.pinned,
+                host.pin_budget,
+                host.pin_failures,
+                ms(fresh_buffer()),
+                after.prefetch_hits - before.prefetch_hits,
+                after.prefetch_misses - before.prefetch_misses,
             );
         }
     }

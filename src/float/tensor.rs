@@ -253,8 +253,8 @@ pub fn from_f32(t: &Tensor, dtype: Dtype, rounding: Rounding) -> Result<Tensor> 
 }
 
 /// Rounds a contiguous CPU `f32` tensor through `dtype` in place: every value becomes
-/// `to_f32(from_f32(x))` with [`from_f32`]'s nearest-even rounding, without either conversion's
-/// buffer. Only for bf16 and f16 (whose encoders are `half`'s RNE, tested equal); says whether it
+/// `to_f32(from_f32(x))` with [`from_f32`]'s nearest-even rounding (its own encoders), without
+/// either conversion's buffer. Only for bf16 and f16; says whether it
 /// applied (`false`: another dtype, or not a contiguous CPU `f32` tensor — nothing was changed).
 /// The caller must own `t`'s storage: every handle sharing it sees the rounding.
 pub(crate) fn round_through_in_place(t: &Tensor, dtype: Dtype) -> Result<bool> {
@@ -283,20 +283,13 @@ impl candle_core::InplaceOp1 for RoundThrough {
         storage: &mut CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<()> {
-        use rayon::prelude::*;
         let CpuStorage::F32(v) = storage else {
             candle_core::bail!("round-through: the tensor must be f32");
         };
         let Some((start, end)) = layout.contiguous_offsets() else {
             candle_core::bail!("round-through: the tensor must be contiguous");
         };
-        let round: fn(&mut f32) = match self.0 {
-            Dtype::BF16 => |x| *x = bf16::from_f32(*x).to_f32(),
-            _ => |x| *x = f16::from_f32(*x).to_f32(),
-        };
-        v[start..end]
-            .par_chunks_mut(64 * 1024)
-            .for_each(|c| c.iter_mut().for_each(round));
+        super::cast::round_through(&mut v[start..end], self.0 == Dtype::F16);
         Ok(())
     }
 }

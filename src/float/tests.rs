@@ -746,3 +746,56 @@ fn f16_hardware_encoder_matches_portable_on_every_exponent_and_tie() {
         }
     }
 }
+
+/// Rounding an f32 tensor through bf16 / f16 in place gives exactly the encode-then-decode of
+/// `from_f32` and `to_f32`, specials included, over more than one parallel chunk; other dtypes
+/// are left alone (and say so).
+#[test]
+fn round_through_in_place_is_encode_then_decode() {
+    let mut v: Vec<f32> = uniform_tensor(&[200_003], 7)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .enumerate()
+        .map(|(i, x)| x * 10f32.powi((i % 13) as i32 - 6))
+        .collect();
+    v.extend([
+        f32::NAN,
+        -f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        f32::MAX,
+        f32::MIN_POSITIVE / 3.0,
+        65504.0,
+        65520.0,
+        1e-8,
+    ]);
+    let n = v.len();
+    for dtype in [Dtype::BF16, Dtype::F16] {
+        let t = Tensor::from_vec(v.clone(), n, &Device::Cpu).unwrap();
+        let want = to_f32(&from_f32(&t, dtype, Rounding::Nearest).unwrap(), dtype).unwrap();
+        assert!(super::round_through_in_place(&t, dtype).unwrap());
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.to_vec1::<f32>()
+                .unwrap()
+                .into_iter()
+                .map(f32::to_bits)
+                .collect()
+        };
+        assert_eq!(bits(&t), bits(&want), "{dtype}");
+    }
+    let t = Tensor::from_vec(v.clone(), n, &Device::Cpu).unwrap();
+    for dtype in [Dtype::F32, Dtype::F8E4M3FN] {
+        assert!(!super::round_through_in_place(&t, dtype).unwrap());
+    }
+    let same = t
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .zip(&v)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same, "a refused dtype changed the values");
+}
