@@ -397,3 +397,121 @@ fn a_module_no_model_key_takes_is_reported_with_the_family_and_the_nearest_key()
     );
     assert_eq!(lora.unmatched_lora_keys.len(), 4);
 }
+
+/// HunyuanVideo under ComfyUI's in-memory names (Flux-style: `img_attn.qkv`, `img_mod.lin`,
+/// `img_mlp.0`) and a LoRA in diffusion-pipe's names (Tencent's: `img_attn_qkv`,
+/// `img_mod.linear`, `img_mlp.fc1`), under `transformer.` and the old `diffusion_model.`: every
+/// module maps and patches the whole weight it names.
+#[test]
+fn a_hunyuan_video_lora_in_diffusion_pipe_naming_patches_comfyui_s_keys() {
+    // (model path, the LoRA's path)
+    let modules: &[(&str, &str)] = &[
+        (
+            "double_blocks.0.img_attn.qkv",
+            "double_blocks.0.img_attn_qkv",
+        ),
+        (
+            "double_blocks.0.img_attn.proj",
+            "double_blocks.0.img_attn_proj",
+        ),
+        (
+            "double_blocks.0.txt_attn.qkv",
+            "double_blocks.0.txt_attn_qkv",
+        ),
+        (
+            "double_blocks.0.img_mod.lin",
+            "double_blocks.0.img_mod.linear",
+        ),
+        ("double_blocks.0.img_mlp.0", "double_blocks.0.img_mlp.fc1"),
+        ("double_blocks.0.txt_mlp.2", "double_blocks.0.txt_mlp.fc2"),
+        ("single_blocks.0.linear1", "single_blocks.0.linear1"),
+        (
+            "single_blocks.0.modulation.lin",
+            "single_blocks.0.modulation.linear",
+        ),
+    ];
+    let model = Model::from_tensors(
+        "hunyuan_video",
+        modules.iter().enumerate().map(|(i, (m, _))| {
+            (
+                format!("diffusion_model.{m}.weight"),
+                common::rand_tensor(&[H, H], 10 + i as u64),
+            )
+        }),
+    )
+    .unwrap();
+    let mut tensors = Vec::new();
+    for (i, (_, lora)) in modules.iter().enumerate() {
+        let (up, down) = up_down(i, H, H);
+        // Half under diffusion-pipe's `transformer.`, half under the old `diffusion_model.`.
+        let prefix = if i % 2 == 0 {
+            "transformer"
+        } else {
+            "diffusion_model"
+        };
+        tensors.push((format!("{prefix}.{lora}.lora_B.weight"), up, Dtype::F32));
+        tensors.push((format!("{prefix}.{lora}.lora_A.weight"), down, Dtype::F32));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("hunyuan_video.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    let (base, styled) = patched(model, &path);
+    for (i, (m, _)) in modules.iter().enumerate() {
+        let key = format!("diffusion_model.{m}.weight");
+        let (up, down) = up_down(i, H, H);
+        let want = (base.patched_weight(&key).unwrap() + up.matmul(&down).unwrap()).unwrap();
+        assert_close(&styled.patched_weight(&key).unwrap(), &want, &key);
+    }
+}
+
+/// Families whose LoRAs use the native path under a trainer's prefix (ComfyUI maps them the same
+/// way): HiDream (SimpleTuner's `transformer.` and `lycoris_`) and HunyuanDiT (the official
+/// `base_model.model.`), on ComfyUI's `diffusion_model.` keys.
+#[test]
+fn hidream_and_hunyuan_dit_loras_under_their_trainers_prefixes_map() {
+    let cases: &[(&str, &str)] = &[
+        (
+            "double_stream_blocks.0.block.attn1.to_q",
+            "transformer.double_stream_blocks.0.block.attn1.to_q.lora_{}.weight",
+        ),
+        (
+            "double_stream_blocks.0.block.attn1.to_k",
+            "lycoris_double_stream_blocks_0_block_attn1_to_k.lora_{}.weight",
+        ),
+        (
+            "blocks.0.attn1.Wqkv",
+            "base_model.model.blocks.0.attn1.Wqkv.lora_{}.weight",
+        ),
+    ];
+    let model = Model::from_tensors(
+        "dit",
+        cases.iter().enumerate().map(|(i, (m, _))| {
+            (
+                format!("diffusion_model.{m}.weight"),
+                common::rand_tensor(&[H, H], 30 + i as u64),
+            )
+        }),
+    )
+    .unwrap();
+    let mut tensors = Vec::new();
+    for (i, (_, name)) in cases.iter().enumerate() {
+        let (up, down) = up_down(i, H, H);
+        let (u, d) = if name.starts_with("lycoris_") {
+            ("up", "down")
+        } else {
+            ("B", "A")
+        };
+        tensors.push((name.replace("{}", u), up, Dtype::F32));
+        tensors.push((name.replace("{}", d), down, Dtype::F32));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dit.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    let (base, styled) = patched(model, &path);
+    for (i, (m, _)) in cases.iter().enumerate() {
+        let key = format!("diffusion_model.{m}.weight");
+        let (up, down) = up_down(i, H, H);
+        let want = (base.patched_weight(&key).unwrap() + up.matmul(&down).unwrap()).unwrap();
+        assert_close(&styled.patched_weight(&key).unwrap(), &want, &key);
+    }
+}

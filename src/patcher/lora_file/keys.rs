@@ -51,6 +51,19 @@ const LORA_PREFIXES: &[(&str, Component, bool)] = &[
     ("text_encoder.", Component::TextEncoder(1), false),
 ];
 
+/// `(in-memory, as trainers spell it)` fragments of one native module's path, each with its
+/// trailing `.`: HunyuanVideo's Tencent names (`img_attn_qkv`, `img_mod.linear`, `img_mlp.fc1`),
+/// which diffusion-pipe LoRAs use (`transformer.double_blocks.0.img_attn_qkv`), where ComfyUI's
+/// model holds Flux-style ones (`img_attn.qkv`, `img_mod.lin`, `img_mlp.0`).
+const ALIASES: &[(&str, &str)] = &[
+    ("_mod.lin.", "_mod.linear."),
+    ("_attn.qkv.", "_attn_qkv."),
+    ("_attn.proj.", "_attn_proj."),
+    ("mlp.0.", "mlp.fc1."),
+    ("mlp.2.", "mlp.fc2."),
+    (".modulation.lin.", ".modulation.linear."),
+];
+
 fn split_model_prefix(module: &str) -> (Component, &str) {
     let m = module.strip_prefix("text_encoders.").unwrap_or(module);
     for &(prefix, comp) in MODEL_PREFIXES {
@@ -166,7 +179,33 @@ impl ModelIndex {
             diffusion
         };
         index.add_renamed(&unet);
+        index.add_aliases(&unet);
         index
+    }
+
+    /// Indexes the diffusion model's modules under the other spellings trainers use for the same
+    /// native module ([`ALIASES`]: HunyuanVideo's original names, which diffusion-pipe writes,
+    /// against ComfyUI's in-memory ones), beside the renamed UNet paths. A path none of them
+    /// changes is not indexed again.
+    fn add_aliases(&mut self, modules: &[(Component, String, String)]) {
+        for (comp, module, path) in modules {
+            let mut alias = format!("{path}.");
+            for (native, spelled) in ALIASES {
+                alias = alias.replace(native, spelled);
+            }
+            let Some(alias) = alias.strip_suffix('.').filter(|a| a != path) else {
+                continue;
+            };
+            let entry = (*comp, module.clone());
+            self.renamed_underscored
+                .entry(alias.replace('.', "_"))
+                .or_default()
+                .push(entry.clone());
+            self.renamed_dotted
+                .entry(alias.to_string())
+                .or_default()
+                .push(entry);
+        }
     }
 
     /// Indexes the UNet modules `unet` under their names in the other UNet naming, when their
