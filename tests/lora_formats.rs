@@ -515,3 +515,89 @@ fn hidream_and_hunyuan_dit_loras_under_their_trainers_prefixes_map() {
         assert_close(&styled.patched_weight(&key).unwrap(), &want, &key);
     }
 }
+
+/// AuraFlow under fal's native names (`double_layers`, `single_layers` numbered from 0 each) and a
+/// LoRA in diffusers naming (`joint_transformer_blocks`, `single_transformer_blocks`): each
+/// module patches its native weight, the final modulation with its halves swapped.
+#[test]
+fn an_auraflow_lora_in_diffusers_naming_patches_the_native_layers() {
+    // (native module, diffusers module, swapped)
+    let modules: &[(&str, &str, bool)] = &[
+        (
+            "double_layers.0.attn.w2q",
+            "joint_transformer_blocks.0.attn.to_q",
+            false,
+        ),
+        (
+            "double_layers.0.attn.w1k",
+            "joint_transformer_blocks.0.attn.add_k_proj",
+            false,
+        ),
+        (
+            "double_layers.0.mlpC.c_proj",
+            "joint_transformer_blocks.0.ff_context.out_projection",
+            false,
+        ),
+        (
+            "double_layers.0.modX.1",
+            "joint_transformer_blocks.0.norm1.linear",
+            false,
+        ),
+        (
+            "single_layers.0.attn.w1v",
+            "single_transformer_blocks.0.attn.to_v",
+            false,
+        ),
+        (
+            "single_layers.0.mlp.c_fc2",
+            "single_transformer_blocks.0.ff.linear_2",
+            false,
+        ),
+        ("cond_seq_linear", "context_embedder", false),
+        ("modF.1", "norm_out.linear", true),
+    ];
+    let model = Model::from_tensors(
+        "auraflow",
+        modules
+            .iter()
+            .enumerate()
+            .map(|(i, (m, _, swapped))| {
+                let rows = if *swapped { 2 * H } else { H };
+                (
+                    format!("diffusion_model.{m}.weight"),
+                    common::rand_tensor(&[rows, H], 50 + i as u64),
+                )
+            })
+            .chain([(
+                "diffusion_model.init_x_linear.weight".to_string(),
+                common::rand_tensor(&[H, 6], 49),
+            )]),
+    )
+    .unwrap();
+    let mut tensors = Vec::new();
+    for (i, (_, lora, swapped)) in modules.iter().enumerate() {
+        let rows = if *swapped { 2 * H } else { H };
+        let (up, down) = up_down(i, rows, H);
+        tensors.push((format!("transformer.{lora}.lora_B.weight"), up, Dtype::F32));
+        tensors.push((
+            format!("transformer.{lora}.lora_A.weight"),
+            down,
+            Dtype::F32,
+        ));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("auraflow.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    let (base, styled) = patched(model, &path);
+    for (i, (m, _, swapped)) in modules.iter().enumerate() {
+        let key = format!("diffusion_model.{m}.weight");
+        let rows = if *swapped { 2 * H } else { H };
+        let (up, down) = up_down(i, rows, H);
+        let mut d = up.matmul(&down).unwrap();
+        if *swapped {
+            d = swap_halves(&d);
+        }
+        let want = (base.patched_weight(&key).unwrap() + d).unwrap();
+        assert_close(&styled.patched_weight(&key).unwrap(), &want, &key);
+    }
+}

@@ -1,5 +1,6 @@
-//! Diffusers and PEFT names of DiT LoRAs — Flux (and Chroma), SD3 / SD3.5 — mapped onto the
-//! families' native keys (BFL's `double_blocks`, Stability's `joint_blocks`).
+//! Diffusers and PEFT names of DiT LoRAs — Flux (and Chroma), SD3 / SD3.5, AuraFlow — mapped onto
+//! the families' native keys (BFL's `double_blocks`, Stability's `joint_blocks`, fal's
+//! `double_layers` / `single_layers`).
 //!
 //! The native checkpoint fuses projections the diffusers model keeps apart: a double block's
 //! `img_attn.qkv` is q, k and v stacked by rows (`[3h, h]`), a single block's `linear1` is q, k, v
@@ -325,6 +326,138 @@ const SD3: &[(&str, &str, Part)] = &[
     ("proj_out", "final_layer.linear", Part::Whole),
 ];
 
+/// diffusers module → native module and part, for AuraFlow (fal's native names: `double_layers`,
+/// `single_layers`, numbered from 0 each, where diffusers numbers `joint_transformer_blocks` and
+/// `single_transformer_blocks`). Nothing is fused; the final modulation swaps its halves.
+const AURAFLOW: &[(&str, &str, Part)] = &[
+    (
+        "joint_transformer_blocks.{N}.attn.to_q",
+        "double_layers.{N}.attn.w2q",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.attn.to_k",
+        "double_layers.{N}.attn.w2k",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.attn.to_v",
+        "double_layers.{N}.attn.w2v",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.attn.to_out.0",
+        "double_layers.{N}.attn.w2o",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.attn.add_q_proj",
+        "double_layers.{N}.attn.w1q",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.attn.add_k_proj",
+        "double_layers.{N}.attn.w1k",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.attn.add_v_proj",
+        "double_layers.{N}.attn.w1v",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.attn.to_add_out",
+        "double_layers.{N}.attn.w1o",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.ff.linear_1",
+        "double_layers.{N}.mlpX.c_fc1",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.ff.linear_2",
+        "double_layers.{N}.mlpX.c_fc2",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.ff.out_projection",
+        "double_layers.{N}.mlpX.c_proj",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.ff_context.linear_1",
+        "double_layers.{N}.mlpC.c_fc1",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.ff_context.linear_2",
+        "double_layers.{N}.mlpC.c_fc2",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.ff_context.out_projection",
+        "double_layers.{N}.mlpC.c_proj",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.norm1.linear",
+        "double_layers.{N}.modX.1",
+        Part::Whole,
+    ),
+    (
+        "joint_transformer_blocks.{N}.norm1_context.linear",
+        "double_layers.{N}.modC.1",
+        Part::Whole,
+    ),
+    (
+        "single_transformer_blocks.{N}.attn.to_q",
+        "single_layers.{N}.attn.w1q",
+        Part::Whole,
+    ),
+    (
+        "single_transformer_blocks.{N}.attn.to_k",
+        "single_layers.{N}.attn.w1k",
+        Part::Whole,
+    ),
+    (
+        "single_transformer_blocks.{N}.attn.to_v",
+        "single_layers.{N}.attn.w1v",
+        Part::Whole,
+    ),
+    (
+        "single_transformer_blocks.{N}.attn.to_out.0",
+        "single_layers.{N}.attn.w1o",
+        Part::Whole,
+    ),
+    (
+        "single_transformer_blocks.{N}.norm1.linear",
+        "single_layers.{N}.modCX.1",
+        Part::Whole,
+    ),
+    (
+        "single_transformer_blocks.{N}.ff.linear_1",
+        "single_layers.{N}.mlp.c_fc1",
+        Part::Whole,
+    ),
+    (
+        "single_transformer_blocks.{N}.ff.linear_2",
+        "single_layers.{N}.mlp.c_fc2",
+        Part::Whole,
+    ),
+    (
+        "single_transformer_blocks.{N}.ff.out_projection",
+        "single_layers.{N}.mlp.c_proj",
+        Part::Whole,
+    ),
+    ("context_embedder", "cond_seq_linear", Part::Whole),
+    ("pos_embed.proj", "init_x_linear", Part::Whole),
+    ("time_step_proj.linear_1", "t_embedder.mlp.0", Part::Whole),
+    ("time_step_proj.linear_2", "t_embedder.mlp.2", Part::Whole),
+    ("proj_out", "final_linear", Part::Whole),
+    ("norm_out.linear", "modF.1", Part::SwapHalves),
+];
+
 /// A DiT family whose native checkpoint names differ from diffusers': the key that identifies
 /// it, its name table, and the module whose rows are the hidden size.
 struct Family {
@@ -346,6 +479,12 @@ const FAMILIES: &[Family] = &[
         detect: "joint_blocks.0.x_block.attn.qkv.weight",
         table: SD3,
         hidden: "x_embedder.proj",
+    },
+    Family {
+        name: "auraflow",
+        detect: "double_layers.0.attn.w2q.weight",
+        table: AURAFLOW,
+        hidden: "init_x_linear",
     },
 ];
 
@@ -379,7 +518,7 @@ impl Dit {
         })
     }
 
-    /// The family's name (`flux`, `sd3`).
+    /// The family's name (`flux`, `sd3`, `auraflow`).
     pub(super) fn name(&self) -> &'static str {
         self.family.name
     }
