@@ -601,3 +601,55 @@ fn an_auraflow_lora_in_diffusers_naming_patches_the_native_layers() {
         assert_close(&styled.patched_weight(&key).unwrap(), &want, &key);
     }
 }
+
+/// Wan under Alibaba's native names (what ComfyUI holds) and a LoRA in diffusers/PEFT naming
+/// (`blocks.0.attn1.to_q`, `attn2.add_k_proj`, `ffn.net.0.proj`, `proj_out`) — plus one module in
+/// the native naming, which maps directly: each patches its native weight.
+#[test]
+fn a_wan_lora_in_diffusers_naming_patches_the_native_blocks() {
+    // (native module, the LoRA's module)
+    let modules: &[(&str, &str)] = &[
+        ("blocks.0.self_attn.q", "blocks.0.attn1.to_q"),
+        ("blocks.0.self_attn.o", "blocks.0.attn1.to_out.0"),
+        ("blocks.0.cross_attn.q", "blocks.0.attn2.to_q"),
+        ("blocks.0.cross_attn.k_img", "blocks.0.attn2.add_k_proj"),
+        ("blocks.0.ffn.0", "blocks.0.ffn.net.0.proj"),
+        ("blocks.0.ffn.2", "blocks.0.ffn.net.2"),
+        (
+            "time_embedding.0",
+            "condition_embedder.time_embedder.linear_1",
+        ),
+        ("head.head", "proj_out"),
+        ("blocks.0.cross_attn.v", "blocks.0.cross_attn.v"),
+    ];
+    let model = Model::from_tensors(
+        "wan",
+        modules.iter().enumerate().map(|(i, (m, _))| {
+            (
+                format!("diffusion_model.{m}.weight"),
+                common::rand_tensor(&[H, H], 70 + i as u64),
+            )
+        }),
+    )
+    .unwrap();
+    let mut tensors = Vec::new();
+    for (i, (_, lora)) in modules.iter().enumerate() {
+        let (up, down) = up_down(i, H, H);
+        tensors.push((format!("transformer.{lora}.lora_B.weight"), up, Dtype::F32));
+        tensors.push((
+            format!("transformer.{lora}.lora_A.weight"),
+            down,
+            Dtype::F32,
+        ));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wan.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    let (base, styled) = patched(model, &path);
+    for (i, (m, _)) in modules.iter().enumerate() {
+        let key = format!("diffusion_model.{m}.weight");
+        let (up, down) = up_down(i, H, H);
+        let want = (base.patched_weight(&key).unwrap() + up.matmul(&down).unwrap()).unwrap();
+        assert_close(&styled.patched_weight(&key).unwrap(), &want, &key);
+    }
+}

@@ -1,6 +1,6 @@
-//! Diffusers and PEFT names of DiT LoRAs — Flux (and Chroma), SD3 / SD3.5, AuraFlow — mapped onto
-//! the families' native keys (BFL's `double_blocks`, Stability's `joint_blocks`, fal's
-//! `double_layers` / `single_layers`).
+//! Diffusers and PEFT names of DiT LoRAs — Flux (and Chroma), SD3 / SD3.5, AuraFlow, Wan — mapped
+//! onto the families' native keys (BFL's `double_blocks`, Stability's `joint_blocks`, fal's
+//! `double_layers` / `single_layers`, Alibaba's `blocks.N.self_attn`).
 //!
 //! The native checkpoint fuses projections the diffusers model keeps apart: a double block's
 //! `img_attn.qkv` is q, k and v stacked by rows (`[3h, h]`), a single block's `linear1` is q, k, v
@@ -458,6 +458,100 @@ const AURAFLOW: &[(&str, &str, Part)] = &[
     ("norm_out.linear", "modF.1", Part::SwapHalves),
 ];
 
+/// diffusers module → native module, for Wan 2.1 / 2.2 (Alibaba's names: `self_attn.q`,
+/// `cross_attn.k_img`, `ffn.0`, `head.head`; diffusers' `attn1.to_q`, `attn2.add_k_proj`,
+/// `ffn.net.0.proj`, `proj_out`). Nothing is fused; LoRAs in the native names map directly.
+const WAN: &[(&str, &str, Part)] = &[
+    (
+        "blocks.{N}.attn1.to_q",
+        "blocks.{N}.self_attn.q",
+        Part::Whole,
+    ),
+    (
+        "blocks.{N}.attn1.to_k",
+        "blocks.{N}.self_attn.k",
+        Part::Whole,
+    ),
+    (
+        "blocks.{N}.attn1.to_v",
+        "blocks.{N}.self_attn.v",
+        Part::Whole,
+    ),
+    (
+        "blocks.{N}.attn1.to_out.0",
+        "blocks.{N}.self_attn.o",
+        Part::Whole,
+    ),
+    (
+        "blocks.{N}.attn2.to_q",
+        "blocks.{N}.cross_attn.q",
+        Part::Whole,
+    ),
+    (
+        "blocks.{N}.attn2.to_k",
+        "blocks.{N}.cross_attn.k",
+        Part::Whole,
+    ),
+    (
+        "blocks.{N}.attn2.to_v",
+        "blocks.{N}.cross_attn.v",
+        Part::Whole,
+    ),
+    (
+        "blocks.{N}.attn2.to_out.0",
+        "blocks.{N}.cross_attn.o",
+        Part::Whole,
+    ),
+    (
+        "blocks.{N}.attn2.add_k_proj",
+        "blocks.{N}.cross_attn.k_img",
+        Part::Whole,
+    ),
+    (
+        "blocks.{N}.attn2.add_v_proj",
+        "blocks.{N}.cross_attn.v_img",
+        Part::Whole,
+    ),
+    ("blocks.{N}.ffn.net.0.proj", "blocks.{N}.ffn.0", Part::Whole),
+    ("blocks.{N}.ffn.net.2", "blocks.{N}.ffn.2", Part::Whole),
+    (
+        "condition_embedder.time_embedder.linear_1",
+        "time_embedding.0",
+        Part::Whole,
+    ),
+    (
+        "condition_embedder.time_embedder.linear_2",
+        "time_embedding.2",
+        Part::Whole,
+    ),
+    (
+        "condition_embedder.text_embedder.linear_1",
+        "text_embedding.0",
+        Part::Whole,
+    ),
+    (
+        "condition_embedder.text_embedder.linear_2",
+        "text_embedding.2",
+        Part::Whole,
+    ),
+    (
+        "condition_embedder.time_proj",
+        "time_projection.1",
+        Part::Whole,
+    ),
+    (
+        "condition_embedder.image_embedder.ff.net.0.proj",
+        "img_emb.proj.1",
+        Part::Whole,
+    ),
+    (
+        "condition_embedder.image_embedder.ff.net.2",
+        "img_emb.proj.3",
+        Part::Whole,
+    ),
+    ("proj_out", "head.head", Part::Whole),
+];
+
 /// A DiT family whose native checkpoint names differ from diffusers': the key that identifies
 /// it, its name table, and the module whose rows are the hidden size.
 struct Family {
@@ -485,6 +579,12 @@ const FAMILIES: &[Family] = &[
         detect: "double_layers.0.attn.w2q.weight",
         table: AURAFLOW,
         hidden: "init_x_linear",
+    },
+    Family {
+        name: "wan",
+        detect: "blocks.0.cross_attn.q.weight",
+        table: WAN,
+        hidden: "time_embedding.0",
     },
 ];
 
@@ -518,7 +618,7 @@ impl Dit {
         })
     }
 
-    /// The family's name (`flux`, `sd3`, `auraflow`).
+    /// The family's name (`flux`, `sd3`, `auraflow`, `wan`).
     pub(super) fn name(&self) -> &'static str {
         self.family.name
     }
