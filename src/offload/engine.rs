@@ -396,7 +396,7 @@ enum ArrivedKind {
     OnDevice {
         copied: Copied,
         gpu: Gpu,
-        finish: Option<Finisher>,
+        finish: Option<Box<Finisher>>,
     },
     /// Built by a kernel queued on the copy's stream (the sim's finish after a copy): ready once
     /// `ready` completed. The kernel keeps the copy's device buffer beside its result until the
@@ -627,10 +627,12 @@ fn stream_weight(
     };
     let copied =
         upload::upload(&host, &stream, route.pool, route.stats, pin.as_deref()).map_err(named)?;
-    let finish = finish.map(|finish| Finisher {
-        patcher: patcher.clone(),
-        index,
-        finish,
+    let finish = finish.map(|finish| {
+        Box::new(Finisher {
+            patcher: patcher.clone(),
+            index,
+            finish,
+        })
     });
     let (sim_stream, finish) = match (&stream, finish) {
         (Stream::Sim(s), Some(f)) => (s, f),

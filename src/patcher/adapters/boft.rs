@@ -71,7 +71,7 @@ impl WeightAdapter for Boft {
 /// stride `2^i · b` dividing them; a `rescale` of one value per output row.
 fn boft_shape(key: &str, target: &[usize], o: &Boft) -> Result<Vec<usize>> {
     let d = o.blocks.dims();
-    if d.len() != 4 || d[2] != d[3] || d.iter().any(|&x| x == 0) || d[2] % 2 != 0 {
+    if d.len() != 4 || d[2] != d[3] || d.contains(&0) || !d[2].is_multiple_of(2) {
         return Err(bad(
             key,
             format!("BOFT blocks {d:?} must be [m, k, b, b] with m, k > 0 and b even"),

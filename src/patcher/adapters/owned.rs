@@ -121,7 +121,8 @@ impl Region {
 /// Applies `entries` in order to the weight whose `f32` values are `weight` (row-major, `shape`)
 /// and returns the patched weight on the CPU: [`apply`](super::apply)'s values, validated the same
 /// way, with entries that add a delta added into `weight`'s own buffer in row blocks (the
-/// [module docs](self)): a chain of any delta kinds peaks at the weight plus one block.
+/// [`adapters`](super) docs, *Cost*): a chain of any delta kinds peaks at the weight plus one
+/// block.
 ///
 /// # Errors
 /// As [`apply`](super::apply); [`Error::ShapeMismatch`] when `weight` does not have `shape`'s
