@@ -42,7 +42,10 @@ fn flux_shapes() -> Vec<(String, Vec<usize>)> {
         ("vector_in.in_layer.weight".into(), vec![h, 768]),
         ("vector_in.out_layer.weight".into(), vec![h, h]),
         ("final_layer.linear.weight".into(), vec![64, h]),
-        ("final_layer.adaLN_modulation.1.weight".into(), vec![2 * h, h]),
+        (
+            "final_layer.adaLN_modulation.1.weight".into(),
+            vec![2 * h, h],
+        ),
     ];
     for n in 0..DOUBLE {
         for s in ["img", "txt"] {
@@ -166,9 +169,19 @@ fn bench(_: &mut Criterion) {
     for (i, (m, o, inn)) in modules.iter().enumerate() {
         let up = Tensor::randn(0f32, 0.01, (*o, RANK), &Device::Cpu).unwrap();
         let down = Tensor::randn(0f32, 0.01, (RANK, *inn), &Device::Cpu).unwrap();
-        let bf = |t: Tensor| residency::float::from_f32(&t, Dtype::BF16, residency::Rounding::Nearest).unwrap();
-        tensors.push((format!("transformer.{m}.lora_B.weight"), bf(up), Dtype::BF16));
-        tensors.push((format!("transformer.{m}.lora_A.weight"), bf(down), Dtype::BF16));
+        let bf = |t: Tensor| {
+            residency::float::from_f32(&t, Dtype::BF16, residency::Rounding::Nearest).unwrap()
+        };
+        tensors.push((
+            format!("transformer.{m}.lora_B.weight"),
+            bf(up),
+            Dtype::BF16,
+        ));
+        tensors.push((
+            format!("transformer.{m}.lora_A.weight"),
+            bf(down),
+            Dtype::BF16,
+        ));
         let _ = i;
     }
     let lora_path = dir.path().join("flux-lora.safetensors");
@@ -192,7 +205,11 @@ fn bench(_: &mut Criterion) {
         let t0 = Instant::now();
         let mut finite = true;
         for t in raw.values() {
-            let v = t.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap();
+            let v = t
+                .to_dtype(candle_core::DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap();
             finite &= v.to_vec1::<f32>().unwrap().iter().all(|x| x.is_finite());
         }
         scan.push(t0.elapsed());
@@ -206,7 +223,9 @@ fn bench(_: &mut Criterion) {
         unmatched = lora.unmatched_lora_keys.len();
         let t0 = Instant::now();
         let mut styled = base.clone();
-        styled.add_patches(lora.patches, 1.0, 1.0).expect("add_patches");
+        styled
+            .add_patches(lora.patches, 1.0, 1.0)
+            .expect("add_patches");
         register.push(t0.elapsed());
         std::hint::black_box(&styled);
     }
@@ -230,7 +249,10 @@ fn bench(_: &mut Criterion) {
         "  load_for (read, group, map)      {:>8.1} ms   {patches_n} patches, {unmatched} LoRA tensors unmatched",
         ms(map)
     );
-    println!("  add_patches on a clone           {:>8.1} ms   (shapes and values checked)", ms(register));
+    println!(
+        "  add_patches on a clone           {:>8.1} ms   (shapes and values checked)",
+        ms(register)
+    );
     println!(
         "  total                            {:>8.1} ms   limits: reading the file {:.1} ms, one pass over its values {:.1} ms",
         ms(map + register),
