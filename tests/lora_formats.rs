@@ -653,3 +653,85 @@ fn a_wan_lora_in_diffusers_naming_patches_the_native_blocks() {
         assert_close(&styled.patched_weight(&key).unwrap(), &want, &key);
     }
 }
+
+/// XLabs' Flux LoRAs (`double_blocks.N.processor.qkv_lora1.up.weight`, ...): the double blocks'
+/// `qkv_lora1/2` patch the whole fused `img_attn.qkv` / `txt_attn.qkv`, `proj_lora1/2` the
+/// projections, a single block's `qkv_lora` the q, k and v rows at the start of `linear1` and
+/// `proj_lora` its `linear2`; ComfyUI's own `linear1_qkv` names the same rows.
+#[test]
+fn an_xlabs_flux_lora_patches_the_fused_weights_and_linear1_s_qkv_rows() {
+    // (XLabs module, native weight, rows of the LoRA)
+    let modules: &[(&str, &str, usize, usize)] = &[
+        (
+            "double_blocks.0.processor.qkv_lora1",
+            "double_blocks.0.img_attn.qkv.weight",
+            3 * H,
+            H,
+        ),
+        (
+            "double_blocks.0.processor.qkv_lora2",
+            "double_blocks.0.txt_attn.qkv.weight",
+            3 * H,
+            H,
+        ),
+        (
+            "double_blocks.0.processor.proj_lora1",
+            "double_blocks.0.img_attn.proj.weight",
+            H,
+            H,
+        ),
+        (
+            "single_blocks.0.processor.qkv_lora",
+            "single_blocks.0.linear1.weight",
+            3 * H,
+            H,
+        ),
+        (
+            "single_blocks.0.processor.proj_lora",
+            "single_blocks.0.linear2.weight",
+            H,
+            H + MLP,
+        ),
+    ];
+    let mut tensors = Vec::new();
+    for (i, (m, _, rows, cols)) in modules.iter().enumerate() {
+        let (up, down) = up_down(40 + i, *rows, *cols);
+        tensors.push((format!("{m}.up.weight"), up, Dtype::F32));
+        tensors.push((format!("{m}.down.weight"), down, Dtype::F32));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("xlabs.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    let (base, styled) = patched(flux("diffusion_model."), &path);
+    for (i, (_, key, rows, cols)) in modules.iter().enumerate() {
+        let key = format!("diffusion_model.{key}");
+        let (up, down) = up_down(40 + i, *rows, *cols);
+        let d = up.matmul(&down).unwrap();
+        let want = add_rows(&base.patched_weight(&key).unwrap(), 0, &d);
+        assert_close(&styled.patched_weight(&key).unwrap(), &want, &key);
+    }
+    // ComfyUI's `linear1_qkv` (kohya-style parts): the same rows.
+    let (up, down) = up_down(60, 3 * H, H);
+    let tensors = vec![
+        (
+            "diffusion_model.single_blocks.0.linear1_qkv.lora_up.weight".to_string(),
+            up.clone(),
+            Dtype::F32,
+        ),
+        (
+            "diffusion_model.single_blocks.0.linear1_qkv.lora_down.weight".to_string(),
+            down.clone(),
+            Dtype::F32,
+        ),
+    ];
+    let path = dir.path().join("linear1_qkv.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    let (base, styled) = patched(flux(""), &path);
+    let key = "single_blocks.0.linear1.weight";
+    let want = add_rows(
+        &base.patched_weight(key).unwrap(),
+        0,
+        &up.matmul(&down).unwrap(),
+    );
+    assert_close(&styled.patched_weight(key).unwrap(), &want, key);
+}

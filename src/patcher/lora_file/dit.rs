@@ -38,6 +38,9 @@ pub(super) enum Part {
     Qkv(usize),
     /// The MLP input rows after q, k and v in a single block's `linear1`.
     SingleMlp,
+    /// The q, k and v rows together at the start of a single block's `linear1` (XLabs'
+    /// `qkv_lora`, ComfyUI's `linear1_qkv`).
+    SingleQkv,
     /// The whole weight, with the output halves swapped (`(scale, shift)` → `(shift, scale)`).
     SwapHalves,
     /// [`Part::SwapHalves`] when the native weight has two chunks of the hidden size (SD3's last
@@ -202,6 +205,43 @@ const FLUX: &[(&str, &str, Part)] = &[
         Part::SwapHalves,
     ),
     ("proj_out", "final_layer.linear", Part::Whole),
+    // XLabs' names (`…processor.qkv_lora1.up.weight`, grouped whole by `groups.rs`) and
+    // ComfyUI's own `linear1_qkv`.
+    (
+        "double_blocks.{N}.processor.qkv_lora1",
+        "double_blocks.{N}.img_attn.qkv",
+        Part::Whole,
+    ),
+    (
+        "double_blocks.{N}.processor.qkv_lora2",
+        "double_blocks.{N}.txt_attn.qkv",
+        Part::Whole,
+    ),
+    (
+        "double_blocks.{N}.processor.proj_lora1",
+        "double_blocks.{N}.img_attn.proj",
+        Part::Whole,
+    ),
+    (
+        "double_blocks.{N}.processor.proj_lora2",
+        "double_blocks.{N}.txt_attn.proj",
+        Part::Whole,
+    ),
+    (
+        "single_blocks.{N}.processor.qkv_lora",
+        "single_blocks.{N}.linear1",
+        Part::SingleQkv,
+    ),
+    (
+        "single_blocks.{N}.processor.proj_lora",
+        "single_blocks.{N}.linear2",
+        Part::Whole,
+    ),
+    (
+        "single_blocks.{N}.linear1_qkv",
+        "single_blocks.{N}.linear1",
+        Part::SingleQkv,
+    ),
 ];
 
 /// diffusers module → native module and part, for SD3 / SD3.5 (Stability's `joint_blocks`).
@@ -689,6 +729,14 @@ impl Dit {
                 .or(own_rows)
                 .ok_or("the fused weight's size is unknown: load with lora_file::load_for")?;
                 Ok((region(i * h, h)?, patch))
+            }
+            Part::SingleQkv => {
+                // q, k and v of the hidden size each; without the model's shapes, the LoRA's
+                // own output rows.
+                let n = hidden.map(|h| 3 * h).or(own_rows).ok_or(
+                    "the fused weight's size is unknown: load with lora_file::load_for",
+                )?;
+                Ok((region(0, n)?, patch))
             }
             Part::SingleMlp => {
                 let (Some(h), Some(r)) = (hidden, rows) else {

@@ -82,8 +82,31 @@ const SUFFIXES: &[(&str, PartKind, bool)] = &[
     (".diff_b", PartKind::DiffB, false),
 ];
 
+/// XLabs' Flux LoRA modules (`double_blocks.N.processor.qkv_lora1.up.weight`): their `up` /
+/// `down` parts keep the whole `processor.…` base name, which the Flux table (`dit.rs`) maps
+/// onto the fused native weights. Checked before [`SUFFIXES`], whose old-diffusers processor
+/// form would otherwise take a single block's `qkv_lora.up.weight` apart.
+const XLABS_MODULES: &[&str] = &[
+    ".processor.qkv_lora1",
+    ".processor.qkv_lora2",
+    ".processor.proj_lora1",
+    ".processor.proj_lora2",
+    ".processor.qkv_lora",
+    ".processor.proj_lora",
+];
+
 /// Splits a file tensor name into its base name and part.
 fn split_part(name: &str) -> Option<(String, PartKind)> {
+    for (suffix, kind) in [
+        (".up.weight", PartKind::Up),
+        (".down.weight", PartKind::Down),
+    ] {
+        if let Some(base) = name.strip_suffix(suffix) {
+            if XLABS_MODULES.iter().any(|m| base.ends_with(m)) {
+                return Some((base.to_string(), kind));
+            }
+        }
+    }
     SUFFIXES.iter().find_map(|&(suffix, kind, processor)| {
         let base = name.strip_suffix(suffix)?;
         if base.is_empty() {
