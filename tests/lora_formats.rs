@@ -126,7 +126,10 @@ fn patched(model: Model, path: &std::path::Path) -> (ModelPatcher, ModelPatcher)
     assert!(
         lora.unmatched_lora_keys.is_empty(),
         "{:?}",
-        lora.unmatched_lora_keys
+        lora.unmatched_modules
+            .iter()
+            .map(|m| format!("{} ({}): {}", m.lora_module, m.family, m.reason))
+            .collect::<Vec<_>>()
     );
     let base = ModelPatcher::on_device(Arc::new(model), DeviceId::Cpu);
     let mut styled = base.clone();
@@ -734,4 +737,114 @@ fn an_xlabs_flux_lora_patches_the_fused_weights_and_linear1_s_qkv_rows() {
         &up.matmul(&down).unwrap(),
     );
     assert_close(&styled.patched_weight(key).unwrap(), &want, key);
+}
+
+/// Lumina 2 / Z-Image under NextDiT's native names (a fused `attention.qkv` with grouped
+/// key/value heads: q 6 rows, k and v 2 each) and LoRAs in ComfyUI's (`attention.to_q`),
+/// diffusers' (`attn.to_k`, `feed_forward.linear_1`), SimpleTuner's (`lycoris_`) and the native
+/// naming: q, k and v patch their rows of `qkv` (found from `attention.out`'s columns), the rest
+/// their whole weights.
+#[test]
+fn a_lumina2_lora_patches_the_grouped_head_qkv_rows() {
+    const D: usize = 6;
+    const KV: usize = 2;
+    let weights: &[(&str, &[usize])] = &[
+        ("x_embedder", &[D, 4]),
+        ("layers.0.attention.qkv", &[D + 2 * KV, D]),
+        ("layers.0.attention.out", &[D, D]),
+        ("layers.0.feed_forward.w2", &[D, 8]),
+        ("noise_refiner.0.feed_forward.w1", &[8, D]),
+        ("context_refiner.0.attention.qkv", &[D + 2 * KV, D]),
+        ("context_refiner.0.attention.out", &[D, D]),
+    ];
+    let model = Model::from_tensors(
+        "lumina2",
+        weights.iter().enumerate().map(|(i, (m, s))| {
+            (
+                format!("diffusion_model.{m}.weight"),
+                common::rand_tensor(s, 90 + i as u64),
+            )
+        }),
+    )
+    .unwrap();
+    // (LoRA base, native weight, first row, rows, cols)
+    let cases: &[(&str, &str, usize, usize, usize)] = &[
+        (
+            "transformer.layers.0.attention.to_q",
+            "layers.0.attention.qkv",
+            0,
+            D,
+            D,
+        ),
+        (
+            "diffusion_model.layers.0.attn.to_k",
+            "layers.0.attention.qkv",
+            D,
+            KV,
+            D,
+        ),
+        (
+            "layers.0.attn.to_v",
+            "layers.0.attention.qkv",
+            D + KV,
+            KV,
+            D,
+        ),
+        (
+            "transformer.layers.0.attn.to_out.0",
+            "layers.0.attention.out",
+            0,
+            D,
+            D,
+        ),
+        (
+            "transformer.noise_refiner.0.feed_forward.linear_1",
+            "noise_refiner.0.feed_forward.w1",
+            0,
+            8,
+            D,
+        ),
+        (
+            "lycoris_context_refiner_0_attention_to_v",
+            "context_refiner.0.attention.qkv",
+            D + KV,
+            KV,
+            D,
+        ),
+        (
+            "transformer.layers.0.feed_forward.w2",
+            "layers.0.feed_forward.w2",
+            0,
+            D,
+            8,
+        ),
+    ];
+    let mut tensors = Vec::new();
+    for (i, (base, _, _, rows, cols)) in cases.iter().enumerate() {
+        let (up, down) = up_down(80 + i, *rows, *cols);
+        let (u, d) = if base.starts_with("lycoris_") {
+            ("lora_up", "lora_down")
+        } else {
+            ("lora_B", "lora_A")
+        };
+        tensors.push((format!("{base}.{u}.weight"), up, Dtype::F32));
+        tensors.push((format!("{base}.{d}.weight"), down, Dtype::F32));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("lumina2.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    let (base, styled) = patched(model, &path);
+    // Each native weight's expected value: every case on it, added at its rows.
+    let mut want: std::collections::HashMap<String, Tensor> = std::collections::HashMap::new();
+    for (i, (_, native, start, rows, cols)) in cases.iter().enumerate() {
+        let key = format!("diffusion_model.{native}.weight");
+        let w = want
+            .remove(&key)
+            .unwrap_or_else(|| base.patched_weight(&key).unwrap());
+        let (up, down) = up_down(80 + i, *rows, *cols);
+        want.insert(key, add_rows(&w, *start, &up.matmul(&down).unwrap()));
+    }
+    for (key, w) in &want {
+        assert_close(&styled.patched_weight(key).unwrap(), w, key);
+    }
 }

@@ -1,6 +1,7 @@
-//! Diffusers and PEFT names of DiT LoRAs — Flux (and Chroma), SD3 / SD3.5, AuraFlow, Wan — mapped
-//! onto the families' native keys (BFL's `double_blocks`, Stability's `joint_blocks`, fal's
-//! `double_layers` / `single_layers`, Alibaba's `blocks.N.self_attn`).
+//! Diffusers and PEFT names of DiT LoRAs — Flux (and Chroma), SD3 / SD3.5, AuraFlow, Lumina 2 /
+//! Z-Image, Wan — mapped onto the families' native keys (BFL's `double_blocks`, Stability's
+//! `joint_blocks`, fal's `double_layers` / `single_layers`, NextDiT's `layers.N.attention.qkv`,
+//! Alibaba's `blocks.N.self_attn`).
 //!
 //! The native checkpoint fuses projections the diffusers model keeps apart: a double block's
 //! `img_attn.qkv` is q, k and v stacked by rows (`[3h, h]`), a single block's `linear1` is q, k, v
@@ -41,6 +42,9 @@ pub(super) enum Part {
     /// The q, k and v rows together at the start of a single block's `linear1` (XLabs'
     /// `qkv_lora`, ComfyUI's `linear1_qkv`).
     SingleQkv,
+    /// The `i`-th of q, k, v in a fused `qkv` with grouped key/value heads (Lumina 2, Z-Image):
+    /// q has as many rows as the sibling `out` projection has columns, k and v share the rest.
+    GqaQkv(usize),
     /// The whole weight, with the output halves swapped (`(scale, shift)` → `(shift, scale)`).
     SwapHalves,
     /// [`Part::SwapHalves`] when the native weight has two chunks of the hidden size (SD3's last
@@ -592,6 +596,178 @@ const WAN: &[(&str, &str, Part)] = &[
     ("proj_out", "head.head", Part::Whole),
 ];
 
+/// diffusers (`attn.to_q`, `feed_forward.linear_1`) and ComfyUI's own (`attention.to_q`) names
+/// → native modules, for Lumina 2 and Z-Image (Alpha-VLLM's / Tongyi's NextDiT: a fused
+/// `attention.qkv` with grouped key/value heads, `attention.out`, `feed_forward.w1/w2/w3`, in the
+/// main `layers` and the `noise_refiner` / `context_refiner` blocks).
+const LUMINA2: &[(&str, &str, Part)] = &[
+    (
+        "layers.{N}.attention.to_q",
+        "layers.{N}.attention.qkv",
+        Part::GqaQkv(0),
+    ),
+    (
+        "layers.{N}.attention.to_k",
+        "layers.{N}.attention.qkv",
+        Part::GqaQkv(1),
+    ),
+    (
+        "layers.{N}.attention.to_v",
+        "layers.{N}.attention.qkv",
+        Part::GqaQkv(2),
+    ),
+    (
+        "layers.{N}.attention.to_out.0",
+        "layers.{N}.attention.out",
+        Part::Whole,
+    ),
+    (
+        "layers.{N}.attn.to_q",
+        "layers.{N}.attention.qkv",
+        Part::GqaQkv(0),
+    ),
+    (
+        "layers.{N}.attn.to_k",
+        "layers.{N}.attention.qkv",
+        Part::GqaQkv(1),
+    ),
+    (
+        "layers.{N}.attn.to_v",
+        "layers.{N}.attention.qkv",
+        Part::GqaQkv(2),
+    ),
+    (
+        "layers.{N}.attn.to_out.0",
+        "layers.{N}.attention.out",
+        Part::Whole,
+    ),
+    (
+        "layers.{N}.feed_forward.linear_1",
+        "layers.{N}.feed_forward.w1",
+        Part::Whole,
+    ),
+    (
+        "layers.{N}.feed_forward.linear_2",
+        "layers.{N}.feed_forward.w2",
+        Part::Whole,
+    ),
+    (
+        "layers.{N}.feed_forward.linear_3",
+        "layers.{N}.feed_forward.w3",
+        Part::Whole,
+    ),
+    (
+        "noise_refiner.{N}.attention.to_q",
+        "noise_refiner.{N}.attention.qkv",
+        Part::GqaQkv(0),
+    ),
+    (
+        "noise_refiner.{N}.attention.to_k",
+        "noise_refiner.{N}.attention.qkv",
+        Part::GqaQkv(1),
+    ),
+    (
+        "noise_refiner.{N}.attention.to_v",
+        "noise_refiner.{N}.attention.qkv",
+        Part::GqaQkv(2),
+    ),
+    (
+        "noise_refiner.{N}.attention.to_out.0",
+        "noise_refiner.{N}.attention.out",
+        Part::Whole,
+    ),
+    (
+        "noise_refiner.{N}.attn.to_q",
+        "noise_refiner.{N}.attention.qkv",
+        Part::GqaQkv(0),
+    ),
+    (
+        "noise_refiner.{N}.attn.to_k",
+        "noise_refiner.{N}.attention.qkv",
+        Part::GqaQkv(1),
+    ),
+    (
+        "noise_refiner.{N}.attn.to_v",
+        "noise_refiner.{N}.attention.qkv",
+        Part::GqaQkv(2),
+    ),
+    (
+        "noise_refiner.{N}.attn.to_out.0",
+        "noise_refiner.{N}.attention.out",
+        Part::Whole,
+    ),
+    (
+        "noise_refiner.{N}.feed_forward.linear_1",
+        "noise_refiner.{N}.feed_forward.w1",
+        Part::Whole,
+    ),
+    (
+        "noise_refiner.{N}.feed_forward.linear_2",
+        "noise_refiner.{N}.feed_forward.w2",
+        Part::Whole,
+    ),
+    (
+        "noise_refiner.{N}.feed_forward.linear_3",
+        "noise_refiner.{N}.feed_forward.w3",
+        Part::Whole,
+    ),
+    (
+        "context_refiner.{N}.attention.to_q",
+        "context_refiner.{N}.attention.qkv",
+        Part::GqaQkv(0),
+    ),
+    (
+        "context_refiner.{N}.attention.to_k",
+        "context_refiner.{N}.attention.qkv",
+        Part::GqaQkv(1),
+    ),
+    (
+        "context_refiner.{N}.attention.to_v",
+        "context_refiner.{N}.attention.qkv",
+        Part::GqaQkv(2),
+    ),
+    (
+        "context_refiner.{N}.attention.to_out.0",
+        "context_refiner.{N}.attention.out",
+        Part::Whole,
+    ),
+    (
+        "context_refiner.{N}.attn.to_q",
+        "context_refiner.{N}.attention.qkv",
+        Part::GqaQkv(0),
+    ),
+    (
+        "context_refiner.{N}.attn.to_k",
+        "context_refiner.{N}.attention.qkv",
+        Part::GqaQkv(1),
+    ),
+    (
+        "context_refiner.{N}.attn.to_v",
+        "context_refiner.{N}.attention.qkv",
+        Part::GqaQkv(2),
+    ),
+    (
+        "context_refiner.{N}.attn.to_out.0",
+        "context_refiner.{N}.attention.out",
+        Part::Whole,
+    ),
+    (
+        "context_refiner.{N}.feed_forward.linear_1",
+        "context_refiner.{N}.feed_forward.w1",
+        Part::Whole,
+    ),
+    (
+        "context_refiner.{N}.feed_forward.linear_2",
+        "context_refiner.{N}.feed_forward.w2",
+        Part::Whole,
+    ),
+    (
+        "context_refiner.{N}.feed_forward.linear_3",
+        "context_refiner.{N}.feed_forward.w3",
+        Part::Whole,
+    ),
+];
+
 /// A DiT family whose native checkpoint names differ from diffusers': the key that identifies
 /// it, its name table, and the module whose rows are the hidden size.
 struct Family {
@@ -619,6 +795,12 @@ const FAMILIES: &[Family] = &[
         detect: "double_layers.0.attn.w2q.weight",
         table: AURAFLOW,
         hidden: "init_x_linear",
+    },
+    Family {
+        name: "lumina2",
+        detect: "layers.0.attention.qkv.weight",
+        table: LUMINA2,
+        hidden: "x_embedder",
     },
     Family {
         name: "wan",
@@ -658,7 +840,7 @@ impl Dit {
         })
     }
 
-    /// The family's name (`flux`, `sd3`, `auraflow`, `wan`).
+    /// The family's name (`flux`, `sd3`, `auraflow`, `lumina2`, `wan`).
     pub(super) fn name(&self) -> &'static str {
         self.family.name
     }
@@ -729,6 +911,23 @@ impl Dit {
                 .or(own_rows)
                 .ok_or("the fused weight's size is unknown: load with lora_file::load_for")?;
                 Ok((region(i * h, h)?, patch))
+            }
+            Part::GqaQkv(i) => {
+                let out = target
+                    .module
+                    .strip_suffix(".qkv")
+                    .map(|m| self.key(&format!("{m}.out"), ".weight"));
+                let q = out.and_then(|k| shapes.get(&k)).and_then(|s| s.get(1).copied());
+                let (Some(q), Some(r)) = (q, rows) else {
+                    return Err("q, k and v of a grouped-head qkv need the model's shapes: load with lora_file::load_for".into());
+                };
+                let kv = r.saturating_sub(q) / 2;
+                let (start, len) = match i {
+                    0 => (0, q),
+                    1 => (q, kv),
+                    _ => (q + kv, kv),
+                };
+                Ok((region(start, len)?, patch))
             }
             Part::SingleQkv => {
                 // q, k and v of the hidden size each; without the model's shapes, the LoRA's
