@@ -848,3 +848,113 @@ fn a_lumina2_lora_patches_the_grouped_head_qkv_rows() {
         assert_close(&styled.patched_weight(key).unwrap(), w, key);
     }
 }
+
+/// PixArt under its original names (ComfyUI's: a fused `attn.qkv` in thirds, a fused cross-attention
+/// `kv_linear` in halves) and a LoRA in diffusers naming under the prefixes its trainers use
+/// (`transformer.`, `base_model.model.`, the old `unet.base_model.model.`): q, k and v patch their
+/// rows, the rest their whole weights.
+#[test]
+fn a_pixart_lora_in_diffusers_naming_patches_the_fused_attention_rows() {
+    let weights: &[(&str, &[usize])] = &[
+        ("blocks.0.attn.qkv", &[3 * H, H]),
+        ("blocks.0.attn.proj", &[H, H]),
+        ("blocks.0.cross_attn.q_linear", &[H, H]),
+        ("blocks.0.cross_attn.kv_linear", &[2 * H, H]),
+        ("blocks.0.mlp.fc1", &[MLP, H]),
+        ("t_block.1", &[6 * H, H]),
+        ("final_layer.linear", &[H, H]),
+    ];
+    let model = Model::from_tensors(
+        "pixart",
+        weights.iter().enumerate().map(|(i, (m, s))| {
+            (
+                format!("diffusion_model.{m}.weight"),
+                common::rand_tensor(s, 120 + i as u64),
+            )
+        }),
+    )
+    .unwrap();
+    // (LoRA base, native weight, first row, rows, cols)
+    let cases: &[(&str, &str, usize, usize, usize)] = &[
+        (
+            "transformer.transformer_blocks.0.attn1.to_q",
+            "blocks.0.attn.qkv",
+            0,
+            H,
+            H,
+        ),
+        (
+            "transformer.transformer_blocks.0.attn1.to_k",
+            "blocks.0.attn.qkv",
+            H,
+            H,
+            H,
+        ),
+        (
+            "base_model.model.transformer_blocks.0.attn1.to_v",
+            "blocks.0.attn.qkv",
+            2 * H,
+            H,
+            H,
+        ),
+        (
+            "transformer.transformer_blocks.0.attn1.to_out.0",
+            "blocks.0.attn.proj",
+            0,
+            H,
+            H,
+        ),
+        (
+            "transformer.transformer_blocks.0.attn2.to_q",
+            "blocks.0.cross_attn.q_linear",
+            0,
+            H,
+            H,
+        ),
+        (
+            "unet.base_model.model.transformer_blocks.0.attn2.to_k",
+            "blocks.0.cross_attn.kv_linear",
+            0,
+            H,
+            H,
+        ),
+        (
+            "transformer.transformer_blocks.0.attn2.to_v",
+            "blocks.0.cross_attn.kv_linear",
+            H,
+            H,
+            H,
+        ),
+        (
+            "transformer.transformer_blocks.0.ff.net.0.proj",
+            "blocks.0.mlp.fc1",
+            0,
+            MLP,
+            H,
+        ),
+        ("transformer.adaln_single.linear", "t_block.1", 0, 6 * H, H),
+        ("transformer.proj_out", "final_layer.linear", 0, H, H),
+    ];
+    let mut tensors = Vec::new();
+    for (i, (base, _, _, rows, cols)) in cases.iter().enumerate() {
+        let (up, down) = up_down(140 + i, *rows, *cols);
+        tensors.push((format!("{base}.lora_B.weight"), up, Dtype::F32));
+        tensors.push((format!("{base}.lora_A.weight"), down, Dtype::F32));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pixart.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    let (base, styled) = patched(model, &path);
+    let mut want: std::collections::HashMap<String, Tensor> = std::collections::HashMap::new();
+    for (i, (_, native, start, rows, cols)) in cases.iter().enumerate() {
+        let key = format!("diffusion_model.{native}.weight");
+        let w = want
+            .remove(&key)
+            .unwrap_or_else(|| base.patched_weight(&key).unwrap());
+        let (up, down) = up_down(140 + i, *rows, *cols);
+        want.insert(key, add_rows(&w, *start, &up.matmul(&down).unwrap()));
+    }
+    for (key, w) in &want {
+        assert_close(&styled.patched_weight(key).unwrap(), w, key);
+    }
+}

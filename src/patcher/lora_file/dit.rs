@@ -1,7 +1,7 @@
 //! Diffusers and PEFT names of DiT LoRAs — Flux (and Chroma), SD3 / SD3.5, AuraFlow, Lumina 2 /
-//! Z-Image, Wan — mapped onto the families' native keys (BFL's `double_blocks`, Stability's
-//! `joint_blocks`, fal's `double_layers` / `single_layers`, NextDiT's `layers.N.attention.qkv`,
-//! Alibaba's `blocks.N.self_attn`).
+//! Z-Image, PixArt, Wan — mapped onto the families' native keys (BFL's `double_blocks`,
+//! Stability's `joint_blocks`, fal's `double_layers` / `single_layers`, NextDiT's
+//! `layers.N.attention.qkv`, PixArt's `blocks.N.attn.qkv`, Alibaba's `blocks.N.self_attn`).
 //!
 //! The native checkpoint fuses projections the diffusers model keeps apart: a double block's
 //! `img_attn.qkv` is q, k and v stacked by rows (`[3h, h]`), a single block's `linear1` is q, k, v
@@ -42,6 +42,8 @@ pub(super) enum Part {
     /// The q, k and v rows together at the start of a single block's `linear1` (XLabs'
     /// `qkv_lora`, ComfyUI's `linear1_qkv`).
     SingleQkv,
+    /// The `i`-th half (k, then v) of a fused `kv` weight (PixArt's cross-attention `kv_linear`).
+    Kv(usize),
     /// The `i`-th of q, k, v in a fused `qkv` with grouped key/value heads (Lumina 2, Z-Image):
     /// q has as many rows as the sibling `out` projection has columns, k and v share the rest.
     GqaQkv(usize),
@@ -768,6 +770,84 @@ const LUMINA2: &[(&str, &str, Part)] = &[
     ),
 ];
 
+/// diffusers module → native module and part, for PixArt-α / Σ (the original `blocks.N` names
+/// ComfyUI holds: a fused self-attention `attn.qkv`, a fused cross-attention `kv_linear`).
+const PIXART: &[(&str, &str, Part)] = &[
+    (
+        "transformer_blocks.{N}.attn1.to_q",
+        "blocks.{N}.attn.qkv",
+        Part::Qkv(0),
+    ),
+    (
+        "transformer_blocks.{N}.attn1.to_k",
+        "blocks.{N}.attn.qkv",
+        Part::Qkv(1),
+    ),
+    (
+        "transformer_blocks.{N}.attn1.to_v",
+        "blocks.{N}.attn.qkv",
+        Part::Qkv(2),
+    ),
+    (
+        "transformer_blocks.{N}.attn1.to_out.0",
+        "blocks.{N}.attn.proj",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.attn2.to_q",
+        "blocks.{N}.cross_attn.q_linear",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.attn2.to_k",
+        "blocks.{N}.cross_attn.kv_linear",
+        Part::Kv(0),
+    ),
+    (
+        "transformer_blocks.{N}.attn2.to_v",
+        "blocks.{N}.cross_attn.kv_linear",
+        Part::Kv(1),
+    ),
+    (
+        "transformer_blocks.{N}.attn2.to_out.0",
+        "blocks.{N}.cross_attn.proj",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.ff.net.0.proj",
+        "blocks.{N}.mlp.fc1",
+        Part::Whole,
+    ),
+    (
+        "transformer_blocks.{N}.ff.net.2",
+        "blocks.{N}.mlp.fc2",
+        Part::Whole,
+    ),
+    ("pos_embed.proj", "x_embedder.proj", Part::Whole),
+    (
+        "adaln_single.emb.timestep_embedder.linear_1",
+        "t_embedder.mlp.0",
+        Part::Whole,
+    ),
+    (
+        "adaln_single.emb.timestep_embedder.linear_2",
+        "t_embedder.mlp.2",
+        Part::Whole,
+    ),
+    ("adaln_single.linear", "t_block.1", Part::Whole),
+    (
+        "caption_projection.linear_1",
+        "y_embedder.y_proj.fc1",
+        Part::Whole,
+    ),
+    (
+        "caption_projection.linear_2",
+        "y_embedder.y_proj.fc2",
+        Part::Whole,
+    ),
+    ("proj_out", "final_layer.linear", Part::Whole),
+];
+
 /// A DiT family whose native checkpoint names differ from diffusers': the key that identifies
 /// it, its name table, and the module whose rows are the hidden size.
 struct Family {
@@ -803,6 +883,12 @@ const FAMILIES: &[Family] = &[
         hidden: "x_embedder",
     },
     Family {
+        name: "pixart",
+        detect: "blocks.0.cross_attn.kv_linear.weight",
+        table: PIXART,
+        hidden: "x_embedder.proj",
+    },
+    Family {
         name: "wan",
         detect: "blocks.0.cross_attn.q.weight",
         table: WAN,
@@ -813,6 +899,8 @@ const FAMILIES: &[Family] = &[
 /// Prefixes trainers put before the diffusers module path: `(prefix, underscored)`.
 const LORA_PREFIXES: &[(&str, bool)] = &[
     ("base_model.model.transformer.", false),
+    // PixArt's old reference PEFT script.
+    ("unet.base_model.model.", false),
     ("base_model.model.", false),
     ("transformer.", false),
     ("diffusion_model.", false),
@@ -840,7 +928,7 @@ impl Dit {
         })
     }
 
-    /// The family's name (`flux`, `sd3`, `auraflow`, `lumina2`, `wan`).
+    /// The family's name (`flux`, `sd3`, `auraflow`, `lumina2`, `pixart`, `wan`).
     pub(super) fn name(&self) -> &'static str {
         self.family.name
     }
@@ -910,6 +998,13 @@ impl Dit {
                 }
                 .or(own_rows)
                 .ok_or("the fused weight's size is unknown: load with lora_file::load_for")?;
+                Ok((region(i * h, h)?, patch))
+            }
+            Part::Kv(i) => {
+                let h = rows
+                    .map(|r| r / 2)
+                    .or(own_rows)
+                    .ok_or("the fused weight's size is unknown: load with lora_file::load_for")?;
                 Ok((region(i * h, h)?, patch))
             }
             Part::GqaQkv(i) => {
