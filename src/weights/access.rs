@@ -234,6 +234,14 @@ impl Model {
     pub fn index_of(&self, key: &str) -> Option<usize> {
         self.index.get(key).copied()
     }
+
+    /// How many times weight `key` was fetched for compute so far (every use through the
+    /// manager's paths, resident or streamed), or `None` when the model has no such weight. What
+    /// residency by use orders weights by; for a mixture of experts, how often each expert was
+    /// routed to.
+    pub fn uses(&self, key: &str) -> Option<u32> {
+        self.index_of(key).map(|i| self.usage().of(i).count)
+    }
     /// The slot named `key`, or an error naming model and key.
     pub fn slot(&self, key: &str) -> Result<&Slot> {
         self.index_of(key)

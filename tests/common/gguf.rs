@@ -225,6 +225,73 @@ fn write_llama(path: &Path, tied: bool) {
     std::io::Write::flush(&mut w).unwrap();
 }
 
+/// Experts of the tiny mixture of experts ([`write_tiny_moe`]).
+pub const EXPERTS: usize = 8;
+/// Experts each token is routed to.
+pub const EXPERTS_USED: usize = 2;
+/// Each expert's feed-forward width.
+pub const EXPERT_FFN: usize = 256;
+
+/// The tiny Llama with every block's feed-forward replaced by a mixture of [`EXPERTS`] experts,
+/// [`EXPERTS_USED`] per token, in the one-tensor-per-expert layout candle-transformers'
+/// `quantized_llama` reads (Mixtral's: `blk.N.ffn_gate_inp.weight`, `blk.N.ffn_gate.E.weight`,
+/// `ffn_up.E`, `ffn_down.E`). The router's rows are scaled by `1 + e/2` for expert `e`, so its
+/// logits for the later experts spread wider and routing is skewed, as trained routers are.
+pub fn write_tiny_moe(path: &Path) {
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    for (i, (name, shape, dtype, init)) in specs().into_iter().enumerate() {
+        if name.contains(".ffn_gate.") || name.contains(".ffn_up.") || name.contains(".ffn_down.") {
+            continue;
+        }
+        let t = init_tensor(&shape, i as u64, init);
+        tensors.push((name, QTensor::quantize(&t, dtype).unwrap()));
+    }
+    for b in 0..BLOCKS {
+        let p = format!("blk.{b}");
+        let seed = 1000 + 100 * b as u64;
+        let skew: Vec<f32> = (0..EXPERTS).map(|e| 1.0 + e as f32 / 2.0).collect();
+        let skew = Tensor::from_vec(skew, (EXPERTS, 1), &Device::Cpu).unwrap();
+        let router = init_tensor(&[EXPERTS, EMBD], seed, OUTPUT)
+            .broadcast_mul(&skew)
+            .unwrap();
+        tensors.push((
+            format!("{p}.ffn_gate_inp.weight"),
+            QTensor::quantize(&router, GgmlDType::F32).unwrap(),
+        ));
+        for e in 0..EXPERTS {
+            let s = seed + 1 + 3 * e as u64;
+            let (gate_t, up_t) = if e % 2 == 0 {
+                (GgmlDType::Q4K, GgmlDType::Q4_0)
+            } else {
+                (GgmlDType::Q8_0, GgmlDType::Q4K)
+            };
+            let mats = [
+                ("ffn_gate", vec![EXPERT_FFN, EMBD], gate_t),
+                ("ffn_up", vec![EXPERT_FFN, EMBD], up_t),
+                ("ffn_down", vec![EMBD, EXPERT_FFN], GgmlDType::Q8_0),
+            ];
+            for (j, (name, shape, dtype)) in mats.into_iter().enumerate() {
+                let t = init_tensor(&shape, s + j as u64, MATRIX);
+                tensors.push((
+                    format!("{p}.{name}.{e}.weight"),
+                    QTensor::quantize(&t, dtype).unwrap(),
+                ));
+            }
+        }
+    }
+    let mut metadata = metadata();
+    metadata.push(("llama.expert_count", gguf_file::Value::U32(EXPERTS as u32)));
+    metadata.push((
+        "llama.expert_used_count",
+        gguf_file::Value::U32(EXPERTS_USED as u32),
+    ));
+    let md: Vec<(&str, &gguf_file::Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, q)| (k.as_str(), q)).collect();
+    let mut w = BufWriter::new(File::create(path).unwrap());
+    gguf_file::write(&mut w, &md, &ts).unwrap();
+    std::io::Write::flush(&mut w).unwrap();
+}
+
 /// The index of the largest value (the first one on ties).
 pub fn argmax(v: &[f32]) -> u32 {
     let mut best = 0;
