@@ -119,9 +119,15 @@ fn a_lora_d_weight_is_copied_clean_and_patched_on_the_simulated_gpu_with_the_cpu
         let t = mm.transfer_stats();
         assert!(t.fetches > 0, "{mode}: nothing streamed");
         // Every streamed copy, patched weights included, went straight from the pinned clean
-        // copy in bf16 (a weight patched on the host would be a new tensor, staged); only the
-        // resident loads were staged.
-        assert_eq!(t.bytes_direct, t.bytes_transferred, "{mode}: {t:?}");
+        // copy in bf16, unless pinning that copy failed (the driver refuses a range sharing a
+        // page with a pinned neighbour, which adjacent heap allocations can): a weight patched
+        // on the host would be a new tensor, never pinned, staged without a failed pin.
+        let failed = mm.memory_report().host.pin_failures;
+        assert!(
+            t.bytes_direct.bytes() + failed * bf16_layer >= t.bytes_transferred.bytes(),
+            "{mode}: {t:?}, {failed} pins failed"
+        );
+        assert!(t.bytes_direct.bytes() > 0, "{mode}: {t:?}");
         assert_eq!(t.bytes_pageable, ByteSize::ZERO, "{mode}: {t:?}");
         assert_eq!(
             t.bytes_copied().bytes() % bf16_layer,
