@@ -1,0 +1,241 @@
+//! A mixture of experts decoded under a budget: a tiny Mixtral-layout GGUF (2 blocks, 8 experts
+//! each, top-2 routing with a skewed router, one tensor per expert), written here with candle's
+//! GGUF writer, run by candle-transformers' `quantized_llama` ported by its `use` lines, for
+//! `--tokens` greedy decode steps on a simulated GPU at 25 GB/s with `--budget-percent` of the
+//! model's bytes — three ways, same tokens:
+//!
+//! - **resident**: the whole model on a device large enough (the limit);
+//! - **classic**: ComfyUI's load-time partial load, every other weight (most experts) copied at
+//!   each use and dropped (plain streaming);
+//! - **by use**: residency by use — a routed expert faults in while there is room and stays while
+//!   it is used — which is the expert cache.
+//!
+//! For each: tokens/s, the bytes copied per token, the checksum of the logits (identical), and
+//! for residency by use its hits and misses beside Belady's offline optimum for the same uses and
+//! room, and how the routing spread over the experts.
+//!
+//! `cargo run --release --example moe -- --tokens 64 --budget-percent 30`; any further flags are
+//! ComfyUI's memory flags (`--async-offload 0`, ...), given to all three managers.
+
+#[path = "../tests/common/gguf.rs"]
+#[allow(dead_code)]
+mod gguf;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::Tensor;
+use residency::loader::{LoadOptions, MemoryManager};
+use residency::quantized::gguf_file;
+use residency::vram::{Config, DeviceId, Hardware};
+use residency::{ByteSize, ModelPatcher};
+
+include!("../tests/ported/shim.rs");
+
+#[path = "../tests/ported/quantized_llama.rs"]
+#[allow(dead_code, clippy::all)]
+mod quantized_llama;
+
+const PROMPT: [u32; 5] = [1, 17, 42, 5, 63];
+
+struct Args {
+    tokens: usize,
+    budget_percent: u64,
+    flags: Vec<String>,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut args = Args {
+        tokens: 64,
+        budget_percent: 30,
+        flags: Vec::new(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| {
+            it.next()
+                .ok_or_else(|| format!("{name} needs a value"))
+                .and_then(|v| v.parse::<u64>().map_err(|e| format!("{name} {v}: {e}")))
+        };
+        match a.as_str() {
+            "--tokens" => args.tokens = value("--tokens")? as usize,
+            "--budget-percent" => args.budget_percent = value("--budget-percent")?.clamp(1, 100),
+            "--help" | "-h" => {
+                return Err(
+                    "usage: moe [--tokens N] [--budget-percent P] [ComfyUI memory flags]".into(),
+                )
+            }
+            _ => args.flags.push(a),
+        }
+    }
+    Ok(args)
+}
+
+/// One run's figures.
+struct Run {
+    name: &'static str,
+    tokens_per_s: f64,
+    copied_per_token: ByteSize,
+    checksum: u64,
+    tokens: Vec<u32>,
+}
+
+/// Decodes `n` greedy tokens after the prompt on a fresh manager built from `flags`.
+fn run(
+    name: &'static str,
+    path: &std::path::Path,
+    flags: &[String],
+    n: usize,
+) -> Result<(Run, MemoryManager, ModelPatcher), Box<dyn std::error::Error>> {
+    let mut all = vec!["--reserve-vram".to_string(), "0".to_string()];
+    all.extend(flags.iter().cloned());
+    let mm = MemoryManager::new(
+        Config::from_args(&all)?,
+        Hardware::cpu_only(ByteSize::gib(16)),
+    )?;
+    let model = mm.read_gguf("tiny-moe", path)?;
+    let p = ModelPatcher::new(Arc::new(model), mm.compute_device(), DeviceId::Cpu);
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())?;
+    let device = p.load_device().to_candle()?;
+    let ct = gguf_file::Content::from_patcher(&p);
+    let mut unused = std::io::Cursor::new(Vec::<u8>::new());
+    let mut model = quantized_llama::ModelWeights::from_gguf(ct, &mut unused, &device)?;
+    let mut checksum = 0u64;
+    let mut tokens = Vec::with_capacity(n);
+    let input = Tensor::new(&PROMPT, &device)?.unsqueeze(0)?;
+    let mut logits = model.forward(&input, 0)?.flatten_all()?.to_vec1::<f32>()?;
+    let copied_before = mm.transfer_stats().bytes_copied();
+    let t0 = Instant::now();
+    for step in 0..n {
+        let next = gguf::argmax(&logits);
+        tokens.push(next);
+        let input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
+        logits = model
+            .forward(&input, PROMPT.len() + step)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        checksum = logits
+            .iter()
+            .fold(checksum, |h, x| h.rotate_left(5) ^ u64::from(x.to_bits()));
+    }
+    let dt = t0.elapsed().as_secs_f64();
+    let copied = mm
+        .transfer_stats()
+        .bytes_copied()
+        .saturating_sub(copied_before);
+    let run = Run {
+        name,
+        tokens_per_s: n as f64 / dt,
+        copied_per_token: ByteSize(copied.bytes() / n.max(1) as u64),
+        checksum,
+        tokens,
+    };
+    Ok((run, mm, p))
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("tiny-moe.gguf");
+    gguf::write_tiny_moe(&path);
+    let size = residency::weights::Model::from_gguf("tiny-moe", &path)?.model_size();
+    let budget = ByteSize(size.bytes() * args.budget_percent / 100);
+    println!(
+        "tiny MoE: {} of blocks ({} blocks x {} experts, top-{}), {} decode tokens; simulated GPU at 25 GB/s, budget {budget} = {}% of the model",
+        size,
+        gguf::BLOCKS,
+        gguf::EXPERTS,
+        gguf::EXPERTS_USED,
+        args.tokens,
+        args.budget_percent
+    );
+    let sim = |spec: String, mode: &str| -> Vec<String> {
+        let mut v = vec!["--sim-gpu".to_string(), spec, mode.to_string()];
+        v.extend(args.flags.iter().cloned());
+        v
+    };
+    let large = format!("{}@25GB/s", ByteSize(size.bytes() * 4).bytes());
+    let tight = format!("{}@25GB/s", budget.bytes());
+    let (resident, ..) = run(
+        "resident (limit)",
+        &path,
+        &sim(large, "--highvram"),
+        args.tokens,
+    )?;
+    let (classic, ..) = run(
+        "classic partial load",
+        &path,
+        &sim(tight.clone(), "--disable-dynamic-vram"),
+        args.tokens,
+    )?;
+    let (by_use, mm, p) = run(
+        "residency by use",
+        &path,
+        &sim(tight, "--enable-dynamic-vram"),
+        args.tokens,
+    )?;
+    for r in [&resident, &classic, &by_use] {
+        println!(
+            "  {:<22} {:>8.1} tokens/s  {:>10} copied per token  checksum {:016x}",
+            r.name,
+            r.tokens_per_s,
+            r.copied_per_token.to_string(),
+            r.checksum
+        );
+    }
+    let same = resident.tokens == classic.tokens && resident.tokens == by_use.tokens;
+    let same_bits = resident.checksum == classic.checksum && resident.checksum == by_use.checksum;
+    println!(
+        "  same tokens in all three: {same}; same logits bits: {same_bits}; by use / classic {:.2}x, by use / resident {:.2}x",
+        by_use.tokens_per_s / classic.tokens_per_s,
+        by_use.tokens_per_s / resident.tokens_per_s
+    );
+    for d in mm.dynamic_report() {
+        let total = d.hits + d.misses;
+        let rate = |h: u64| {
+            if total > 0 {
+                100.0 * h as f64 / total as f64
+            } else {
+                0.0
+            }
+        };
+        print!(
+            "  by use on {}: {} hits, {} misses ({:.1} % hits), {} faults-in, {} evictions",
+            d.device,
+            d.hits,
+            d.misses,
+            rate(d.hits),
+            d.faults_in,
+            d.evictions
+        );
+        match d.optimum_hits {
+            Some(o) => println!(
+                "; Belady's optimum for the same uses and room {:.1} %",
+                rate(o)
+            ),
+            None => println!(),
+        }
+    }
+    for b in 0..gguf::BLOCKS {
+        let counts: Vec<String> = (0..gguf::EXPERTS)
+            .map(|e| {
+                p.model()
+                    .uses(&format!("blk.{b}.ffn_gate.{e}.weight"))
+                    .unwrap_or(0)
+                    .to_string()
+            })
+            .collect();
+        println!("  layer {b}: uses per expert {}", counts.join(" "));
+    }
+    if !same_bits {
+        eprintln!("error: the runs disagree");
+        std::process::exit(1);
+    }
+    Ok(())
+}
