@@ -1,9 +1,11 @@
-//! Transfer lanes: weights are patched, cast and copied off the compute thread.
+//! Transfer lanes: weights are copied (and patched and cast) off the compute thread.
 //!
 //! A [`TransferEngine`] runs `N` lanes. Each lane materializes a streamed weight exactly as a
-//! synchronous fetch would — apply the patcher's patches to the clean weight and cast it to the
-//! compute dtype on the host — and, for a GPU, copies it into a page-locked staging buffer and
-//! from there to the device on the lane's own CUDA stream, recording an event after the copy.
+//! synchronous fetch would ([`ModelPatcher::host_part`]: for a GPU, a patched dense weight is
+//! copied clean and patched on the device after the copy, an exact widening cast runs there too;
+//! everything else is patched and cast on the host) and, for a GPU, copies it — straight from its
+//! page-locked host copy, or through a page-locked staging buffer — to the device on the lane's
+//! own stream, recording an event after the copy.
 //! The result is handed over through a [`Pending`] handle, which must be waited on before the
 //! weight can be used (the only way to get the tensor is [`Pending::wait`], which consumes the
 //! handle); waiting makes the compute thread's stream wait on the copy's event, so the compute
@@ -561,10 +563,11 @@ struct Route<'a> {
     streamed: bool,
 }
 
-/// The transfer path of a weight: patch and cast on the host (the same
-/// [`ModelPatcher::materialize_from`] every path uses, so the bits never depend on the path),
-/// then, for a GPU, copy on `lane`'s stream (or the calling thread's own stream without a lane):
-/// straight from the host copy when it is page-locked in place, else through a staging buffer.
+/// The transfer path of a weight: its host part ([`ModelPatcher::host_part`], the split every
+/// path uses, so the bits never depend on the path), then, for a GPU, a copy on `lane`'s stream
+/// (or the calling thread's own stream without a lane) — straight from the host copy when it is
+/// page-locked in place, else through a staging buffer — and the finish left for the device
+/// after it (on the simulated GPU a kernel queued behind the copy).
 /// A streamed weight whose host part is its clean host copy is pinned in place first, within the
 /// pin budget. A CPU destination has no copy, so nothing is staged or pinned.
 fn stream_weight(
