@@ -24,9 +24,9 @@
 //! the same rows of the whole delta computed by the same operations (a row of a matmul is the
 //! same dot products; a Kronecker row is the same products), so the engine gives the whole path's
 //! values; the tests compare the two bit for bit. Every other entry (DoRA, a `strength_model`, an
-//! offset on another dimension, a padding diff, `Set`, OFT) goes through the whole path; its
-//! result may share storage with a patch tensor (a `Set` returns its value), so after a `Set`
-//! the chain never writes in place again.
+//! offset on another dimension, a padding diff, `Set`, OFT) goes through the whole path and its
+//! result becomes the buffer; a `Set` returns its value, the patch's own tensor, which is copied
+//! first, so nothing is ever written into a patch and the result is always the caller's alone.
 
 use candle_core::{CpuStorage, Device, Layout, Tensor};
 use rayon::prelude::*;
@@ -148,7 +148,8 @@ pub fn apply_owned(
 }
 
 /// The engine: `w` is an `f32` tensor whose storage no other handle shares (the caller made it),
-/// so entries may be added into it, on any device.
+/// so entries may be added into it, on any device. The result is again a tensor no other handle
+/// shares, so a caller may go on writing into it (the device finish rounds it in place).
 pub(super) fn apply_unique(
     key: &str,
     mut w: Tensor,
@@ -156,10 +157,9 @@ pub(super) fn apply_unique(
     dora: DoraNorm,
     block_elems: usize,
 ) -> Result<Tensor> {
-    let mut owned = true;
     for entry in entries {
         entry_output_shape(key, w.dims(), entry)?;
-        if owned && entry.strength_model == 1.0 {
+        if entry.strength_model == 1.0 {
             if let Some(region) = Region::of(w.dims(), entry, block_elems) {
                 let done = entry
                     .patch
@@ -171,7 +171,9 @@ pub(super) fn apply_unique(
         }
         w = apply_entry(key, &w, entry, dora)?;
         if matches!(*entry.patch, Patch::Set(_)) {
-            owned = false;
+            // A `Set` hands back its value, the patch's own tensor: copied, so the buffer stays
+            // this call's (every other whole-path result is a new tensor).
+            w = w.copy().ctx(|| format!("`{key}`: copying a set value"))?;
         }
     }
     Ok(w)

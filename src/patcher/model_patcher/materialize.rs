@@ -295,15 +295,10 @@ impl ModelPatcher {
                 let storage = slot.dtype();
                 let patched = self.patch_f32(index, fresh_f32(slot.name(), copied, storage)?)?;
                 // Computing in f32 from half-precision storage (the common case): the rounding
-                // to the storage dtype and the widening back, in place in the patched buffer —
-                // the same values, two buffers fewer. The buffer is this call's own unless a
-                // `Set` handed its value through.
-                let sets = self
-                    .patches
-                    .get(slot.name())
-                    .iter()
-                    .any(|e| matches!(*e.entry.patch, crate::patcher::adapters::Patch::Set(_)));
-                if to == Dtype::F32 && !sets && float::round_through_in_place(&patched, storage)? {
+                // to the storage dtype and the widening back, in place in the patched buffer
+                // (the patch engine's result is this call's alone) — the same values, two
+                // buffers fewer.
+                if to == Dtype::F32 && float::round_through_in_place(&patched, storage)? {
                     return Ok(patched);
                 }
                 let stored = cast_weight(&patched, Dtype::F32, storage)?;
