@@ -137,6 +137,58 @@ fn patched(model: Model, path: &std::path::Path) -> (ModelPatcher, ModelPatcher)
     (base, styled)
 }
 
+/// One LoRA module of a test: its base name in the file, the native weight (after
+/// `diffusion_model.`) it patches, the first row it patches and the LoRA's `(rows, cols)`.
+type Case<'a> = (&'a str, &'a str, usize, usize, usize);
+
+/// A model of `weights` (native paths and shapes) under ComfyUI's `diffusion_model.` prefix.
+fn native_model(name: &str, weights: &[(&str, &[usize])], seed: u64) -> Model {
+    Model::from_tensors(
+        name,
+        weights.iter().enumerate().map(|(i, (m, shape))| {
+            (
+                format!("diffusion_model.{m}.weight"),
+                common::rand_tensor(shape, seed + i as u64),
+            )
+        }),
+    )
+    .unwrap()
+}
+
+/// Writes a rank-2 LoRA of `cases` (PEFT's `lora_B` / `lora_A` parts; kohya's `lora_up` /
+/// `lora_down` for SimpleTuner's `lycoris_` names; case `i` from `up_down(seed + i, ..)`), loads
+/// it onto `model` (every tensor must map) and checks that each native weight is its base plus
+/// every case's delta at the case's rows.
+fn check_cases(model: Model, cases: &[Case], seed: usize) {
+    let mut tensors = Vec::new();
+    for (i, (base, _, _, rows, cols)) in cases.iter().enumerate() {
+        let (up, down) = up_down(seed + i, *rows, *cols);
+        let (u, d) = if base.starts_with("lycoris_") {
+            ("lora_up", "lora_down")
+        } else {
+            ("lora_B", "lora_A")
+        };
+        tensors.push((format!("{base}.{u}.weight"), up, Dtype::F32));
+        tensors.push((format!("{base}.{d}.weight"), down, Dtype::F32));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("lora.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    let (base, styled) = patched(model, &path);
+    let mut want: std::collections::HashMap<String, Tensor> = std::collections::HashMap::new();
+    for (i, (_, native, start, rows, cols)) in cases.iter().enumerate() {
+        let key = format!("diffusion_model.{native}.weight");
+        let w = want
+            .remove(&key)
+            .unwrap_or_else(|| base.patched_weight(&key).unwrap());
+        let (up, down) = up_down(seed + i, *rows, *cols);
+        want.insert(key, add_rows(&w, *start, &up.matmul(&down).unwrap()));
+    }
+    for (key, w) in &want {
+        assert_close(&styled.patched_weight(key).unwrap(), w, key);
+    }
+}
+
 fn check(prefix: &str, onetrainer: bool) {
     let dir = tempfile::tempdir().unwrap();
     let path = write_lora(dir.path(), onetrainer);
@@ -433,38 +485,26 @@ fn a_hunyuan_video_lora_in_diffusion_pipe_naming_patches_comfyui_s_keys() {
             "single_blocks.0.modulation.linear",
         ),
     ];
-    let model = Model::from_tensors(
-        "hunyuan_video",
-        modules.iter().enumerate().map(|(i, (m, _))| {
-            (
-                format!("diffusion_model.{m}.weight"),
-                common::rand_tensor(&[H, H], 10 + i as u64),
-            )
-        }),
-    )
-    .unwrap();
-    let mut tensors = Vec::new();
-    for (i, (_, lora)) in modules.iter().enumerate() {
-        let (up, down) = up_down(i, H, H);
-        // Half under diffusion-pipe's `transformer.`, half under the old `diffusion_model.`.
-        let prefix = if i % 2 == 0 {
-            "transformer"
-        } else {
-            "diffusion_model"
-        };
-        tensors.push((format!("{prefix}.{lora}.lora_B.weight"), up, Dtype::F32));
-        tensors.push((format!("{prefix}.{lora}.lora_A.weight"), down, Dtype::F32));
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("hunyuan_video.safetensors");
-    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
-    let (base, styled) = patched(model, &path);
-    for (i, (m, _)) in modules.iter().enumerate() {
-        let key = format!("diffusion_model.{m}.weight");
-        let (up, down) = up_down(i, H, H);
-        let want = (base.patched_weight(&key).unwrap() + up.matmul(&down).unwrap()).unwrap();
-        assert_close(&styled.patched_weight(&key).unwrap(), &want, &key);
-    }
+    let weights: Vec<(&str, &[usize])> = modules.iter().map(|(m, _)| (*m, &[H, H][..])).collect();
+    // Half under diffusion-pipe's `transformer.`, half under the old `diffusion_model.`.
+    let bases: Vec<String> = modules
+        .iter()
+        .enumerate()
+        .map(|(i, (_, lora))| {
+            let prefix = if i % 2 == 0 {
+                "transformer"
+            } else {
+                "diffusion_model"
+            };
+            format!("{prefix}.{lora}")
+        })
+        .collect();
+    let cases: Vec<Case> = modules
+        .iter()
+        .zip(&bases)
+        .map(|((m, _), b)| (b.as_str(), *m, 0, H, H))
+        .collect();
+    check_cases(native_model("hunyuan_video", &weights, 10), &cases, 0);
 }
 
 /// Families whose LoRAs use the native path under a trainer's prefix (ComfyUI maps them the same
@@ -472,51 +512,31 @@ fn a_hunyuan_video_lora_in_diffusion_pipe_naming_patches_comfyui_s_keys() {
 /// `base_model.model.`), on ComfyUI's `diffusion_model.` keys.
 #[test]
 fn hidream_and_hunyuan_dit_loras_under_their_trainers_prefixes_map() {
-    let cases: &[(&str, &str)] = &[
+    let cases: &[Case] = &[
         (
+            "transformer.double_stream_blocks.0.block.attn1.to_q",
             "double_stream_blocks.0.block.attn1.to_q",
-            "transformer.double_stream_blocks.0.block.attn1.to_q.lora_{}.weight",
+            0,
+            H,
+            H,
         ),
         (
+            "lycoris_double_stream_blocks_0_block_attn1_to_k",
             "double_stream_blocks.0.block.attn1.to_k",
-            "lycoris_double_stream_blocks_0_block_attn1_to_k.lora_{}.weight",
+            0,
+            H,
+            H,
         ),
         (
+            "base_model.model.blocks.0.attn1.Wqkv",
             "blocks.0.attn1.Wqkv",
-            "base_model.model.blocks.0.attn1.Wqkv.lora_{}.weight",
+            0,
+            H,
+            H,
         ),
     ];
-    let model = Model::from_tensors(
-        "dit",
-        cases.iter().enumerate().map(|(i, (m, _))| {
-            (
-                format!("diffusion_model.{m}.weight"),
-                common::rand_tensor(&[H, H], 30 + i as u64),
-            )
-        }),
-    )
-    .unwrap();
-    let mut tensors = Vec::new();
-    for (i, (_, name)) in cases.iter().enumerate() {
-        let (up, down) = up_down(i, H, H);
-        let (u, d) = if name.starts_with("lycoris_") {
-            ("up", "down")
-        } else {
-            ("B", "A")
-        };
-        tensors.push((name.replace("{}", u), up, Dtype::F32));
-        tensors.push((name.replace("{}", d), down, Dtype::F32));
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("dit.safetensors");
-    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
-    let (base, styled) = patched(model, &path);
-    for (i, (m, _)) in cases.iter().enumerate() {
-        let key = format!("diffusion_model.{m}.weight");
-        let (up, down) = up_down(i, H, H);
-        let want = (base.patched_weight(&key).unwrap() + up.matmul(&down).unwrap()).unwrap();
-        assert_close(&styled.patched_weight(&key).unwrap(), &want, &key);
-    }
+    let weights: Vec<(&str, &[usize])> = cases.iter().map(|c| (c.1, &[H, H][..])).collect();
+    check_cases(native_model("dit", &weights, 30), cases, 0);
 }
 
 /// AuraFlow under fal's native names (`double_layers`, `single_layers` numbered from 0 each) and a
@@ -625,36 +645,17 @@ fn a_wan_lora_in_diffusers_naming_patches_the_native_blocks() {
         ("head.head", "proj_out"),
         ("blocks.0.cross_attn.v", "blocks.0.cross_attn.v"),
     ];
-    let model = Model::from_tensors(
-        "wan",
-        modules.iter().enumerate().map(|(i, (m, _))| {
-            (
-                format!("diffusion_model.{m}.weight"),
-                common::rand_tensor(&[H, H], 70 + i as u64),
-            )
-        }),
-    )
-    .unwrap();
-    let mut tensors = Vec::new();
-    for (i, (_, lora)) in modules.iter().enumerate() {
-        let (up, down) = up_down(i, H, H);
-        tensors.push((format!("transformer.{lora}.lora_B.weight"), up, Dtype::F32));
-        tensors.push((
-            format!("transformer.{lora}.lora_A.weight"),
-            down,
-            Dtype::F32,
-        ));
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("wan.safetensors");
-    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
-    let (base, styled) = patched(model, &path);
-    for (i, (m, _)) in modules.iter().enumerate() {
-        let key = format!("diffusion_model.{m}.weight");
-        let (up, down) = up_down(i, H, H);
-        let want = (base.patched_weight(&key).unwrap() + up.matmul(&down).unwrap()).unwrap();
-        assert_close(&styled.patched_weight(&key).unwrap(), &want, &key);
-    }
+    let weights: Vec<(&str, &[usize])> = modules.iter().map(|(m, _)| (*m, &[H, H][..])).collect();
+    let bases: Vec<String> = modules
+        .iter()
+        .map(|(_, l)| format!("transformer.{l}"))
+        .collect();
+    let cases: Vec<Case> = modules
+        .iter()
+        .zip(&bases)
+        .map(|((m, _), b)| (b.as_str(), *m, 0, H, H))
+        .collect();
+    check_cases(native_model("wan", &weights, 70), &cases, 0);
 }
 
 /// XLabs' Flux LoRAs (`double_blocks.N.processor.qkv_lora1.up.weight`, ...): the double blocks'
@@ -757,18 +758,8 @@ fn a_lumina2_lora_patches_the_grouped_head_qkv_rows() {
         ("context_refiner.0.attention.qkv", &[D + 2 * KV, D]),
         ("context_refiner.0.attention.out", &[D, D]),
     ];
-    let model = Model::from_tensors(
-        "lumina2",
-        weights.iter().enumerate().map(|(i, (m, s))| {
-            (
-                format!("diffusion_model.{m}.weight"),
-                common::rand_tensor(s, 90 + i as u64),
-            )
-        }),
-    )
-    .unwrap();
-    // (LoRA base, native weight, first row, rows, cols)
-    let cases: &[(&str, &str, usize, usize, usize)] = &[
+    let model = native_model("lumina2", weights, 90);
+    let cases: &[Case] = &[
         (
             "transformer.layers.0.attention.to_q",
             "layers.0.attention.qkv",
@@ -819,34 +810,7 @@ fn a_lumina2_lora_patches_the_grouped_head_qkv_rows() {
             8,
         ),
     ];
-    let mut tensors = Vec::new();
-    for (i, (base, _, _, rows, cols)) in cases.iter().enumerate() {
-        let (up, down) = up_down(80 + i, *rows, *cols);
-        let (u, d) = if base.starts_with("lycoris_") {
-            ("lora_up", "lora_down")
-        } else {
-            ("lora_B", "lora_A")
-        };
-        tensors.push((format!("{base}.{u}.weight"), up, Dtype::F32));
-        tensors.push((format!("{base}.{d}.weight"), down, Dtype::F32));
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("lumina2.safetensors");
-    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
-    let (base, styled) = patched(model, &path);
-    // Each native weight's expected value: every case on it, added at its rows.
-    let mut want: std::collections::HashMap<String, Tensor> = std::collections::HashMap::new();
-    for (i, (_, native, start, rows, cols)) in cases.iter().enumerate() {
-        let key = format!("diffusion_model.{native}.weight");
-        let w = want
-            .remove(&key)
-            .unwrap_or_else(|| base.patched_weight(&key).unwrap());
-        let (up, down) = up_down(80 + i, *rows, *cols);
-        want.insert(key, add_rows(&w, *start, &up.matmul(&down).unwrap()));
-    }
-    for (key, w) in &want {
-        assert_close(&styled.patched_weight(key).unwrap(), w, key);
-    }
+    check_cases(model, cases, 80);
 }
 
 /// PixArt under its original names (ComfyUI's: a fused `attn.qkv` in thirds, a fused cross-attention
@@ -864,18 +828,7 @@ fn a_pixart_lora_in_diffusers_naming_patches_the_fused_attention_rows() {
         ("t_block.1", &[6 * H, H]),
         ("final_layer.linear", &[H, H]),
     ];
-    let model = Model::from_tensors(
-        "pixart",
-        weights.iter().enumerate().map(|(i, (m, s))| {
-            (
-                format!("diffusion_model.{m}.weight"),
-                common::rand_tensor(s, 120 + i as u64),
-            )
-        }),
-    )
-    .unwrap();
-    // (LoRA base, native weight, first row, rows, cols)
-    let cases: &[(&str, &str, usize, usize, usize)] = &[
+    let cases: &[Case] = &[
         (
             "transformer.transformer_blocks.0.attn1.to_q",
             "blocks.0.attn.qkv",
@@ -935,26 +888,5 @@ fn a_pixart_lora_in_diffusers_naming_patches_the_fused_attention_rows() {
         ("transformer.adaln_single.linear", "t_block.1", 0, 6 * H, H),
         ("transformer.proj_out", "final_layer.linear", 0, H, H),
     ];
-    let mut tensors = Vec::new();
-    for (i, (base, _, _, rows, cols)) in cases.iter().enumerate() {
-        let (up, down) = up_down(140 + i, *rows, *cols);
-        tensors.push((format!("{base}.lora_B.weight"), up, Dtype::F32));
-        tensors.push((format!("{base}.lora_A.weight"), down, Dtype::F32));
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("pixart.safetensors");
-    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
-    let (base, styled) = patched(model, &path);
-    let mut want: std::collections::HashMap<String, Tensor> = std::collections::HashMap::new();
-    for (i, (_, native, start, rows, cols)) in cases.iter().enumerate() {
-        let key = format!("diffusion_model.{native}.weight");
-        let w = want
-            .remove(&key)
-            .unwrap_or_else(|| base.patched_weight(&key).unwrap());
-        let (up, down) = up_down(140 + i, *rows, *cols);
-        want.insert(key, add_rows(&w, *start, &up.matmul(&down).unwrap()));
-    }
-    for (key, w) in &want {
-        assert_close(&styled.patched_weight(key).unwrap(), w, key);
-    }
+    check_cases(native_model("pixart", weights, 120), cases, 140);
 }

@@ -10,11 +10,11 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 use common::gguf::{argmax, reference_logits, write_tiny_moe, BLOCKS, EXPERTS, EXPERTS_USED};
-use residency::loader::{LoadOptions, MemoryManager};
+use residency::loader::LoadOptions;
 use residency::quantized::gguf_file;
-use residency::vram::{Config, DeviceId, Hardware};
+use residency::vram::DeviceId;
 use residency::weights::Model;
-use residency::{ByteSize, ModelPatcher};
+use residency::ModelPatcher;
 
 include!("ported/shim.rs");
 
@@ -69,16 +69,6 @@ fn ported(patcher: &ModelPatcher, tokens: &[u32]) -> (Vec<Vec<u32>>, Vec<Vec<Vec
         call(&[next], PROMPT.len() + step);
     }
     (logits, routed)
-}
-
-fn manager_with(args: &[&str]) -> MemoryManager {
-    let mut all = vec!["--reserve-vram", "0"];
-    all.extend_from_slice(args);
-    MemoryManager::new(
-        Config::from_args(&all).unwrap(),
-        Hardware::cpu_only(ByteSize::gib(32)),
-    )
-    .unwrap()
 }
 
 #[test]
@@ -162,8 +152,9 @@ fn a_mixture_of_experts_computes_candles_bits_in_every_budget_and_reads_only_rou
         ),
     ];
     for (what, args) in budgets {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let mm = manager_with(&args);
+        let mut all = vec!["--reserve-vram", "0"];
+        all.extend(args.iter().map(String::as_str));
+        let mm = common::manager_with(&all);
         let model = mm.read_gguf("tiny-moe", &path).unwrap();
         let device = mm.compute_device();
         let p = ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu);
