@@ -72,7 +72,9 @@ fn forwards(p: &ModelPatcher) -> Vec<u32> {
     out
 }
 
-/// The LoRA'd model's output loaded on `device` under `args`, and the manager.
+/// The LoRA'd model's output loaded on `device` under `args`, and the manager. On a simulated
+/// GPU its checker must have seen no misuse (no kernel read a copy before it landed, no buffer
+/// reused under a copy).
 fn run(dtype: Dtype, device: DeviceId, args: &[&str]) -> (Vec<u32>, MemoryManager) {
     let mm = manager(args);
     let base =
@@ -80,7 +82,11 @@ fn run(dtype: Dtype, device: DeviceId, args: &[&str]) -> (Vec<u32>, MemoryManage
     let p = lora_clone(&base);
     mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
         .unwrap();
-    (forwards(&p), mm)
+    let out = forwards(&p);
+    for sim in mm.transfer_engine().devices().sims() {
+        assert!(sim.check().is_ok(), "{args:?}: {:?}", sim.check());
+    }
+    (out, mm)
 }
 
 #[test]
