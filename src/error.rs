@@ -162,6 +162,16 @@ pub enum Error {
         reason: String,
     },
 
+    /// The routing handed to a mixture-of-experts matmul (`residency::nn::moe`) does not fit
+    /// its input or its experts.
+    #[error("mixture-of-experts routing for `{what}`: {reason}")]
+    BadRouting {
+        /// The expert weights (a key, or "owned experts").
+        what: String,
+        /// What was wrong.
+        reason: String,
+    },
+
     /// A file could not be read, parsed or written.
     #[error("{}: {reason}", path.display())]
     File {

@@ -7,8 +7,9 @@
 //! Differences from upstream, as everywhere in [`crate::nn`]: accessors that return a layer's
 //! tensor fetch it ([`Embedding::embeddings`] returns the fetched table by value), and
 //! `from_weights` on a tensor [`VarBuilder::get`] just returned builds the managed layer on its
-//! key. Not provided:
-//! `QMatMul` (quantized models port through [`crate::quantized`] and [`crate::quantized_nn`]).
+//! key. [`QMatMul`] is upstream's wrapper on [`crate::quantized::QMatMul`] (a managed quantized
+//! weight fetched at every forward), so quantized model files that import it from
+//! `with_tracing` (`quantized_qwen3`, `quantized_qwen3_moe`) port the same way.
 
 use candle_core::{Module, Result, Tensor};
 
@@ -246,5 +247,52 @@ impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _enter = self.span.enter();
         self.inner.forward(x)
+    }
+}
+
+/// candle's `QMatMul` on a managed quantized weight, its forward traced (upstream's
+/// `with_tracing::QMatMul`).
+#[derive(Clone)]
+pub struct QMatMul {
+    inner: crate::quantized::QMatMul,
+    span: tracing::Span,
+}
+
+impl QMatMul {
+    /// The weight `weight` `[out_dim, in_dim]` under `vb` (upstream asks for the shape
+    /// `(in_dim, out_dim)`, candle's GGUF order; so does this).
+    ///
+    /// # Errors
+    /// A missing weight or another shape, typed inside candle's error.
+    pub fn new(
+        out_dim: usize,
+        in_dim: usize,
+        vb: crate::quantized_var_builder::VarBuilder,
+    ) -> Result<Self> {
+        let ws = vb.get((in_dim, out_dim), "weight")?;
+        QMatMul::from_weights(ws)
+    }
+
+    /// A matmul on a weight handle (managed or owned).
+    ///
+    /// # Errors
+    /// candle's errors for an owned tensor.
+    pub fn from_weights(ws: std::sync::Arc<crate::quantized::QTensor>) -> Result<Self> {
+        let inner = crate::quantized::QMatMul::from_arc(ws)?;
+        let span = tracing::span!(tracing::Level::TRACE, "qmatmul");
+        Ok(Self { inner, span })
+    }
+}
+
+impl Module for QMatMul {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let _enter = self.span.enter();
+        self.inner.forward(xs)
+    }
+}
+
+impl std::fmt::Debug for QMatMul {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "QMatMul")
     }
 }

@@ -118,7 +118,50 @@ fn a_mixture_of_experts_computes_candles_bits_in_every_budget_and_reads_only_rou
         routed.iter().skip(1).map(|l| &l[0]).collect();
     assert!(distinct.len() > 1, "routing never changed: {routed:?}");
 
-    let budgets: Vec<(&str, Vec<String>)> = vec![
+    let budgets = budgets(size, file_bytes);
+    for (what, args) in budgets {
+        let mut all = vec!["--reserve-vram", "0"];
+        all.extend(args.iter().map(String::as_str));
+        let mm = common::manager_with(&all);
+        let model = mm.read_gguf("tiny-moe", &path).unwrap();
+        let device = mm.compute_device();
+        let p = ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu);
+        mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+            .unwrap();
+        for round in 0..2 {
+            let (got, routed_here) = ported(&p, &tokens);
+            assert_eq!(got, want, "{what}, round {round}");
+            assert_eq!(
+                routed_here, routed,
+                "{what}, round {round}: the routing differs"
+            );
+        }
+        if what == "sim-gpu quarter, by use" {
+            // What the forwards kept: within the budget, and more than nothing.
+            let kept = mm.ledger(device).bytes();
+            assert!(
+                kept > 0 && kept <= size / 4,
+                "{what}: kept {kept} of {size}"
+            );
+            let d = &mm.memory_report().dynamic_devices[0];
+            assert!(d.faults_in > 0 && d.hits > 0, "{what}: {d}");
+        }
+        for sim in mm.transfer_engine().devices().sims() {
+            assert!(sim.check().is_ok(), "{what}: {:?}", sim.check());
+        }
+        if let Some(cap) = mm.host_tier().budget() {
+            assert!(
+                mm.host_tier().stats().peak <= cap,
+                "{what}: host tier over budget"
+            );
+        }
+    }
+}
+
+/// The budgets every MoE port runs in: fully resident, a quarter, `--novram`, a simulated GPU at
+/// a quarter (classic and by use), and `--ram-budget` below the file under `--novram`.
+fn budgets(size: u64, file_bytes: u64) -> Vec<(&'static str, Vec<String>)> {
+    vec![
         ("full", vec!["--vram-budget".into(), "64MiB".into()]),
         (
             "quarter",
@@ -150,18 +193,281 @@ fn a_mixture_of_experts_computes_candles_bits_in_every_budget_and_reads_only_rou
                 (file_bytes / 3).to_string(),
             ],
         ),
-    ];
-    for (what, args) in budgets {
+    ]
+}
+
+/// candle-transformers' `quantized_qwen3_moe` (with `quantized_qwen3` and `fused_moe`) on
+/// residency: candle-core with `quantized` = residency's mirror, residency's `quantized_nn`,
+/// `with_tracing` and `nn::moe` (experts fetched one at a time by the routing).
+#[allow(dead_code, unused_imports, clippy::all)]
+mod managed {
+    pub mod candle {
+        pub use candle_core::*;
+        pub mod quantized {
+            pub use residency::quantized::*;
+        }
+    }
+    pub use residency::nn::moe;
+    pub use residency::{quantized_nn, quantized_var_builder, with_tracing};
+    pub mod fused_moe {
+        include!("ported/fused_moe.rs");
+    }
+    pub mod quantized_qwen3 {
+        include!("ported/quantized_qwen3.rs");
+    }
+    pub mod quantized_qwen3_moe {
+        include!("ported/quantized_qwen3_moe.rs");
+    }
+}
+
+/// The same three files on candle's own crates, with the one thing candle lacks on the CPU: its
+/// `moe_gemm_gguf` (a CUDA kernel only), written here as that kernel defines it — each pair
+/// `token * topk + j` multiplies its input row (the token's, or the pair's own with
+/// `topk_weights`) by its expert's weight, scaled by its routing weight when given — each
+/// expert run once by candle's `QMatMul` on the rows routed to it, its blocks cut out of the
+/// stacked tensor.
+#[allow(dead_code, unused_imports, clippy::all)]
+mod reference {
+    pub use candle_core as candle;
+    pub use candle_transformers::models::with_tracing;
+    pub use candle_transformers::{quantized_nn, quantized_var_builder};
+    pub mod moe {
+        use candle_core::quantized::{QMatMul, QStorage, QTensor};
+        use candle_core::{DType, Device, Module, Result, Tensor};
+        pub use candle_nn::moe::moe_gemm;
+
+        #[allow(clippy::too_many_arguments)]
+        pub fn moe_gemm_gguf(
+            input: &Tensor,
+            weights: &QTensor,
+            topk_weights: &Option<Tensor>,
+            sorted_token_ids: &Tensor,
+            experts_ids: &Tensor,
+            topk: usize,
+            _is_prefill: bool,
+            _dtype: DType,
+        ) -> Result<Tensor> {
+            let (experts, n, k) = weights.shape().dims3()?;
+            let data = weights.data()?;
+            let each = data.len() / experts;
+            let pairs = sorted_token_ids.to_vec1::<u32>()?;
+            let ids = experts_ids.to_vec1::<u32>()?;
+            let scales = match topk_weights {
+                Some(w) => Some(w.flatten_all()?.to_vec1::<f32>()?),
+                None => None,
+            };
+            let rows = input.to_vec2::<f32>()?;
+            let mut out = vec![Vec::new(); pairs.len()];
+            for e in 0..experts {
+                let mine: Vec<usize> = pairs
+                    .iter()
+                    .zip(&ids)
+                    .filter(|(_, &x)| x as usize == e)
+                    .map(|(&p, _)| p as usize)
+                    .collect();
+                if mine.is_empty() {
+                    continue;
+                }
+                let x: Vec<f32> = mine
+                    .iter()
+                    .flat_map(|&p| rows[if scales.is_some() { p } else { p / topk }].clone())
+                    .collect();
+                let x = Tensor::from_vec(x, (mine.len(), k), &Device::Cpu)?;
+                let blocks = std::borrow::Cow::Borrowed(&data[e * each..(e + 1) * each]);
+                let storage = QStorage::from_data(blocks, &Device::Cpu, weights.dtype())?;
+                let w = QMatMul::from_qtensor(QTensor::new(storage, (n, k))?)?;
+                let y = w.forward(&x)?.to_vec2::<f32>()?;
+                for (i, &p) in mine.iter().enumerate() {
+                    out[p] = match &scales {
+                        Some(s) => y[i].iter().map(|v| v * s[p]).collect(),
+                        None => y[i].clone(),
+                    };
+                }
+            }
+            Tensor::from_vec(out.concat(), (pairs.len(), n), &Device::Cpu)
+        }
+    }
+    pub mod fused_moe {
+        include!("ported/fused_moe.rs");
+    }
+    pub mod quantized_qwen3 {
+        include!("ported/quantized_qwen3.rs");
+    }
+    pub mod quantized_qwen3_moe {
+        include!("ported/quantized_qwen3_moe.rs");
+    }
+}
+
+/// Logits (as bits) of the prompt and `STEPS` greedy decode steps fed `tokens`.
+fn decode(
+    mut forward: impl FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
+    tokens: &[u32],
+) -> Vec<Vec<u32>> {
+    let device = candle_core::Device::Cpu;
+    let mut logits = Vec::new();
+    let mut call = |input: &[u32], pos: usize| {
+        let input = Tensor::new(input, &device).unwrap().unsqueeze(0).unwrap();
+        let out = forward(&input, pos).unwrap();
+        let v = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        logits.push(v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
+    };
+    call(&PROMPT, 0);
+    for (step, &next) in tokens.iter().take(STEPS).enumerate() {
+        call(&[next], PROMPT.len() + step);
+    }
+    logits
+}
+
+/// The reference's logits with its own greedy tokens.
+fn qwen3_reference(path: &std::path::Path) -> (Vec<Vec<u32>>, Vec<u32>) {
+    use candle_core::{DType, Device};
+    let mut file = std::fs::File::open(path).unwrap();
+    let ct = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
+    let mut model = reference::quantized_qwen3_moe::GGUFQWenMoE::from_gguf(
+        ct,
+        &mut file,
+        &Device::Cpu,
+        DType::F32,
+    )
+    .unwrap();
+    let mut tokens = Vec::new();
+    let mut logits = Vec::new();
+    let input = Tensor::new(&PROMPT, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let mut out = model.forward(&input, 0).unwrap();
+    for step in 0..=STEPS {
+        let v = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        logits.push(v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
+        if step == STEPS {
+            break;
+        }
+        let next = argmax(&v);
+        tokens.push(next);
+        let input = Tensor::new(&[next], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        out = model.forward(&input, PROMPT.len() + step).unwrap();
+    }
+    (logits, tokens)
+}
+
+/// The managed port's logits, and each call's routed experts per layer (the experts of
+/// `ffn_gate_exps` whose own weight was used during the call).
+fn qwen3_managed(patcher: &ModelPatcher, tokens: &[u32]) -> (Vec<Vec<u32>>, Vec<Vec<Vec<usize>>>) {
+    let device = patcher.load_device().to_candle().unwrap();
+    let ct = gguf_file::Content::from_patcher(patcher);
+    let mut reader = std::io::Cursor::new(Vec::<u8>::new());
+    let mut model = managed::quantized_qwen3_moe::GGUFQWenMoE::from_gguf(
+        ct,
+        &mut reader,
+        &device,
+        candle_core::DType::F32,
+    )
+    .unwrap();
+    let uses = |p: &ModelPatcher| -> Vec<Vec<u32>> {
+        (0..BLOCKS)
+            .map(|b| {
+                (0..EXPERTS)
+                    .map(|e| {
+                        let key = format!("blk.{b}.ffn_gate_exps.{e}.weight");
+                        p.model().uses(&key).unwrap()
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    let mut routed = Vec::new();
+    let logits = decode(
+        |input, pos| {
+            let before = uses(patcher);
+            let input = input.to_device(&device)?;
+            let out = model.forward(&input, pos)?;
+            let after = uses(patcher);
+            routed.push(
+                (0..BLOCKS)
+                    .map(|b| {
+                        (0..EXPERTS)
+                            .filter(|&e| after[b][e] > before[b][e])
+                            .collect::<Vec<usize>>()
+                    })
+                    .collect::<Vec<_>>(),
+            );
+            out.to_device(&candle_core::Device::Cpu)
+        },
+        tokens,
+    );
+    (logits, routed)
+}
+
+#[test]
+fn stacked_experts_are_one_weight_each_and_quantized_qwen3_moe_computes_the_references_bits_in_every_budget(
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-qwen3moe.gguf");
+    common::gguf::write_tiny_qwen3_moe(&path);
+    let (want, tokens) = qwen3_reference(&path);
+    let distinct: std::collections::HashSet<&u32> = tokens.iter().collect();
+    assert!(
+        distinct.len() > 1,
+        "the greedy tokens never change: {tokens:?}"
+    );
+    let file_bytes = std::fs::metadata(&path).unwrap().len();
+
+    // Each stacked tensor is a stack of EXPERTS weights, each its own byte range of the file.
+    let model = Model::from_gguf("tiny-qwen3moe", &path).unwrap();
+    let size = model.model_size().bytes();
+    for b in 0..BLOCKS {
+        for m in ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] {
+            let name = format!("blk.{b}.{m}.weight");
+            assert!(model.index_of(&name).is_none(), "{name} is not a slot");
+            let stack = model.stack(&name).unwrap_or_else(|| panic!("{name}"));
+            assert_eq!(stack.experts().len(), EXPERTS);
+            assert_eq!(stack.shape()[0], EXPERTS);
+            for (e, &i) in stack.experts().iter().enumerate() {
+                let slot = &model.slots()[i];
+                assert_eq!(slot.name(), format!("blk.{b}.{m}.{e}.weight"));
+                assert_eq!(slot.shape(), &stack.shape()[1..]);
+            }
+        }
+    }
+    let expert_bytes: u64 = model
+        .slots()
+        .iter()
+        .filter(|s| s.name().contains("_exps."))
+        .map(|s| s.bytes().bytes())
+        .sum();
+    assert!(expert_bytes * 2 > size, "experts {expert_bytes} of {size}");
+
+    let plain = ModelPatcher::new(Arc::new(model), DeviceId::Cpu, DeviceId::Cpu);
+    let (got, routed) = qwen3_managed(&plain, &tokens);
+    assert_eq!(got, want, "unmanaged");
+    for (step, layers) in routed.iter().enumerate().skip(1) {
+        for (b, experts) in layers.iter().enumerate() {
+            assert_eq!(
+                experts.len(),
+                EXPERTS_USED,
+                "step {step}, layer {b}: {experts:?}"
+            );
+        }
+    }
+    let distinct: std::collections::HashSet<&Vec<usize>> =
+        routed.iter().skip(1).map(|l| &l[0]).collect();
+    assert!(distinct.len() > 1, "routing never changed: {routed:?}");
+
+    for (what, args) in budgets(size, file_bytes) {
         let mut all = vec!["--reserve-vram", "0"];
         all.extend(args.iter().map(String::as_str));
         let mm = common::manager_with(&all);
-        let model = mm.read_gguf("tiny-moe", &path).unwrap();
+        let model = mm.read_gguf("tiny-qwen3moe", &path).unwrap();
         let device = mm.compute_device();
         let p = ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu);
         mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
             .unwrap();
         for round in 0..2 {
-            let (got, routed_here) = ported(&p, &tokens);
+            let (got, routed_here) = qwen3_managed(&p, &tokens);
             assert_eq!(got, want, "{what}, round {round}");
             assert_eq!(
                 routed_here, routed,
@@ -169,12 +475,6 @@ fn a_mixture_of_experts_computes_candles_bits_in_every_budget_and_reads_only_rou
             );
         }
         if what == "sim-gpu quarter, by use" {
-            // What the forwards kept: within the budget, and more than nothing.
-            let kept = mm.ledger(device).bytes();
-            assert!(
-                kept > 0 && kept <= size / 4,
-                "{what}: kept {kept} of {size}"
-            );
             let d = &mm.memory_report().dynamic_devices[0];
             assert!(d.faults_in > 0 && d.hits > 0, "{what}: {d}");
         }

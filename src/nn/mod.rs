@@ -18,6 +18,9 @@
 //!   names as candle-nn's ([`linear()`], [`conv2d()`], [`layer_norm()`], ...). Each also has candle-nn's
 //!   `new` on owned tensors; a layer made that way holds them as candle-nn does and is not
 //!   managed.
+//! - [`moe`]: candle-nn's `moe_gemm_gguf` and `moe_gemm` (mixture-of-experts matmuls) on
+//!   CPU and on managed experts: a stacked GGUF tensor's experts are weights of their own, and
+//!   a call fetches only the experts its routing names.
 //! - The rest of candle-nn that model code uses is re-exported unchanged: [`ops`],
 //!   [`Activation`], [`rotary_emb`], [`kv_cache`], [`encoding`], [`Init`], [`Module`], ...
 //!
@@ -49,6 +52,7 @@ pub mod group_norm;
 pub(crate) mod held;
 pub mod layer_norm;
 pub mod linear;
+pub mod moe;
 #[cfg(test)]
 mod tests;
 pub mod var_builder;

@@ -60,6 +60,16 @@ enum Inner {
     Quantized(Arc<QRef>),
     /// A dense (F32/F16/BF16) weight of a managed model, used in f32.
     Dense(Arc<DenseRef>),
+    /// A layer's experts stacked in one GGUF tensor, each expert a weight of its own.
+    Stacked(Arc<StackRef>),
+}
+
+#[derive(Debug)]
+struct StackRef {
+    key: String,
+    experts: Vec<QTensor>,
+    shape: Shape,
+    ggml: GgmlDType,
 }
 
 #[derive(Debug)]
@@ -119,6 +129,19 @@ impl QTensor {
     pub(crate) fn managed(source: &OpsSource, key: &str) -> Result<QTensor> {
         let patcher = source.patcher();
         let model = patcher.model();
+        if let Some(stack) = model.stack(key) {
+            let experts = (0..stack.experts().len())
+                .map(|e| QTensor::managed(source, &crate::weights::expert_key(key, e)))
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(QTensor {
+                inner: Inner::Stacked(Arc::new(StackRef {
+                    key: key.to_string(),
+                    experts,
+                    shape: Shape::from(stack.shape().to_vec()),
+                    ggml: stack.ggml(),
+                })),
+            });
+        }
         let index = model.index_of(key).ok_or_else(|| Error::UnknownWeight {
             model: model.name().to_string(),
             key: key.to_string(),
@@ -156,6 +179,7 @@ impl QTensor {
             Inner::Owned(q) => q.dtype(),
             Inner::Quantized(r) => r.ggml,
             Inner::Dense(d) => d.ggml,
+            Inner::Stacked(s) => s.ggml,
         }
     }
 
@@ -165,6 +189,7 @@ impl QTensor {
             Inner::Owned(q) => q.shape(),
             Inner::Quantized(r) => &r.shape,
             Inner::Dense(d) => &d.shape,
+            Inner::Stacked(s) => &s.shape,
         }
     }
 
@@ -194,6 +219,7 @@ impl QTensor {
                     .to_candle()
                     .map_err(to_candle)
             }
+            Inner::Stacked(s) => s.experts[0].device(),
         }
     }
 
@@ -203,6 +229,7 @@ impl QTensor {
             Inner::Owned(_) => None,
             Inner::Quantized(r) => Some(&r.key),
             Inner::Dense(d) => Some(d.weights.weight_key()),
+            Inner::Stacked(s) => Some(&s.key),
         }
     }
 
@@ -224,6 +251,85 @@ impl QTensor {
                 let index = patcher.model().index_of(d.weights.weight_key());
                 index.map_or(0, |i| patcher.model().slots()[i].bytes().bytes() as usize)
             }
+            Inner::Stacked(s) => s.experts.iter().map(QTensor::storage_size_in_bytes).sum(),
+        }
+    }
+
+    /// The candle `QTensor` an owned handle holds (`None` for a managed one).
+    pub fn owned(&self) -> Option<&cq::QTensor> {
+        match &self.inner {
+            Inner::Owned(q) => Some(q),
+            _ => None,
+        }
+    }
+
+    /// The number of experts of a stacked-expert tensor (`[n_expert, rows, cols]`, a GGUF
+    /// `…_exps` tensor): its first dimension; `None` for a tensor of another rank.
+    pub fn experts_len(&self) -> Option<usize> {
+        match &self.inner {
+            Inner::Stacked(s) => Some(s.experts.len()),
+            _ if self.rank() == 3 => Some(self.shape().dims()[0]),
+            _ => None,
+        }
+    }
+
+    /// Expert `e` of a stacked-expert tensor, `[rows, cols]`: for a managed model its own
+    /// weight (`blk.0.ffn_gate_exps.3.weight`, fetched, cached and evicted alone); for an owned
+    /// candle `QTensor` its blocks copied out.
+    ///
+    /// # Errors
+    /// [`Error::BadWeight`] naming the tensor when it is not 3-D or `e` is out of range;
+    /// candle's errors copying an owned tensor's blocks.
+    pub fn expert(&self, e: usize) -> candle_core::Result<QTensor> {
+        let out_of_range = |n: usize| {
+            to_candle(Error::BadWeight {
+                model: String::new(),
+                key: self.key().unwrap_or("an owned QTensor").to_string(),
+                reason: format!("expert {e} of a tensor of {n} experts"),
+            })
+        };
+        match &self.inner {
+            Inner::Stacked(s) => s
+                .experts
+                .get(e)
+                .cloned()
+                .ok_or_else(|| out_of_range(s.experts.len())),
+            Inner::Owned(q) => {
+                let &[n, rows, cols] = q.shape().dims() else {
+                    return Err(to_candle(Error::BadWeight {
+                        model: String::new(),
+                        key: "an owned QTensor".into(),
+                        reason: format!("{:?} is not [experts, rows, cols]", q.shape()),
+                    }));
+                };
+                if e >= n {
+                    return Err(out_of_range(n));
+                }
+                let data = q.data()?;
+                let each = data.len() / n;
+                let bytes = &data[e * each..(e + 1) * each];
+                let q = crate::weights::qtensor_from_slice(
+                    bytes,
+                    q.dtype(),
+                    &[rows, cols],
+                    &q.device(),
+                )?;
+                Ok(QTensor::from(q))
+            }
+            _ => Err(to_candle(Error::BadWeight {
+                model: self.model_name(),
+                key: self.key().unwrap_or_default().to_string(),
+                reason: format!("{:?} is not a stacked-expert tensor", self.shape()),
+            })),
+        }
+    }
+
+    fn model_name(&self) -> String {
+        match &self.inner {
+            Inner::Owned(_) => String::new(),
+            Inner::Quantized(r) => r.source.patcher().model().name().to_string(),
+            Inner::Dense(d) => d.weights.source().patcher().model().name().to_string(),
+            Inner::Stacked(s) => s.experts[0].model_name(),
         }
     }
 
@@ -250,6 +356,14 @@ impl QTensor {
                     .map_err(to_candle)?,
             )
             .map_err(to_candle)?,
+            Inner::Stacked(s) => {
+                let experts = s
+                    .experts
+                    .iter()
+                    .map(|e| e.dequantize(device))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                return Tensor::stack(&experts, 0);
+            }
         };
         t.to_device(device)
     }
@@ -274,6 +388,13 @@ impl QTensor {
                 let (w, _) = cast_bias_weight(&d.weights, device, d.weights.mode())?;
                 Ok(Fetched::Dense(w))
             }
+            Inner::Stacked(s) => Err(Error::BadWeight {
+                model: self.model_name(),
+                key: s.key.clone(),
+                reason: "a stacked-expert tensor is used an expert at a time \
+                         (`residency::nn::moe::moe_gemm_gguf`, `QTensor::expert`)"
+                    .into(),
+            }),
         }
     }
 
@@ -300,6 +421,7 @@ impl QTensor {
             Inner::Owned(_) => f(x),
             Inner::Quantized(r) => crate::ops::on_device_of(&r.source, r.index, x, to_candle, f),
             Inner::Dense(d) => crate::ops::on_weight_device(&d.weights, x, to_candle, f),
+            Inner::Stacked(s) => s.experts[0].on_weight_device(x, f),
         }
     }
 }

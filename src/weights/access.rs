@@ -218,6 +218,12 @@ impl Model {
     pub fn gguf_metadata(&self) -> Option<&GgufMetadata> {
         self.metadata.as_deref()
     }
+    /// The stacked-expert tensor `name` of a GGUF model (`blk.0.ffn_gate_exps.weight`): not a
+    /// slot itself, its experts are (`blk.0.ffn_gate_exps.3.weight`, ...). `None` for any other
+    /// name.
+    pub fn stack(&self, name: &str) -> Option<&Stack> {
+        self.stacks.get(name)
+    }
     /// Number of weights.
     pub fn len(&self) -> usize {
         self.slots.len()

@@ -50,8 +50,9 @@ use crate::vram::DeviceId;
 pub use self::host::{HeldCopy, HostStats, HostTier, MIN_PIN_BYTES};
 pub(crate) use self::pin::host_bytes;
 pub use self::pin::PinnedWeight;
+pub(crate) use self::quant::build as qtensor_from_slice;
 pub(crate) use self::quant::qtensor_from_bytes;
-pub use self::quant::{block_bytes, GgufMetadata};
+pub use self::quant::{block_bytes, expert_key, GgufMetadata, Stack};
 pub(crate) use self::safetensors::{
     read_file_tensors, safetensors_dtype, write_le_bytes, FileTensor, TensorFile,
 };
@@ -435,6 +436,8 @@ pub struct Model {
     quantized: (ByteSize, u64),
     /// The GGUF file's metadata, for a model read from one.
     metadata: Option<Arc<GgufMetadata>>,
+    /// Stacked-expert tensors of a GGUF file, each held as one slot per expert.
+    stacks: HashMap<String, quant::Stack>,
     state: RwLock<Residency>,
     forward_order: Mutex<ForwardOrder>,
     /// Set once the forward order is complete: every later fetch skips the order's lock.
@@ -612,6 +615,7 @@ impl Model {
             numel,
             quantized,
             metadata: None,
+            stacks: HashMap::new(),
             state: RwLock::new(Rank::ModelState, residency),
             forward_order: Mutex::new(
                 Rank::ForwardOrder,

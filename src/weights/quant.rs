@@ -112,7 +112,7 @@ pub(crate) fn qtensor_from_bytes(
 
 /// Builds the QTensor from `bytes`, copying them to an 8-byte aligned buffer first when they are
 /// not (candle's block structs hold f16/f32 fields and are read in place).
-fn build(
+pub(crate) fn build(
     bytes: &[u8],
     ggml: GgmlDType,
     shape: &[usize],
@@ -141,31 +141,120 @@ struct Planned {
     len: u64,
 }
 
-fn plan(path: &Path, entries: Vec<super::gguf::GgufEntry>) -> Result<Vec<Planned>> {
-    entries
-        .into_iter()
-        .map(|e| {
-            let len = e.end - e.start;
+/// Whether a GGUF tensor holds a layer's experts stacked on its first dimension: llama.cpp
+/// names them `…_exps` (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`, `ffn_gate_up_exps`),
+/// `[n_expert, rows, cols]`.
+fn is_stacked_experts(e: &super::gguf::GgufEntry) -> bool {
+    e.shape.len() == 3 && e.shape[0] > 0 && e.name.contains("_exps")
+}
+
+/// The key of expert `expert` of the stacked tensor `name`: `blk.0.ffn_gate_exps.weight` →
+/// `blk.0.ffn_gate_exps.3.weight`, as Mixtral's per-expert tensors are named
+/// (`blk.0.ffn_gate.3.weight`).
+pub fn expert_key(name: &str, expert: usize) -> String {
+    match name.strip_suffix(".weight") {
+        Some(stem) => format!("{stem}.{expert}.weight"),
+        None => format!("{name}.{expert}"),
+    }
+}
+
+/// The stacked-expert tensors of a file, by name.
+type Stacks = Vec<(String, Stack)>;
+
+fn plan(
+    path: &Path,
+    entries: Vec<super::gguf::GgufEntry>,
+) -> Result<(Vec<Planned>, Stacks)> {
+    let mut planned = Vec::new();
+    let mut stacks = Vec::new();
+    for e in entries {
+        let len = e.end - e.start;
+        let slot = |key: String, shape: Vec<usize>, start: u64, len: u64| -> Result<Planned> {
             let (dtype, quant, read_as, read_shape) = match dense_dtype(e.ggml) {
-                Some((d, c)) => (d, None, c, e.shape.clone()),
+                Some((d, c)) => (d, None, c, shape.clone()),
                 None => {
                     let n = usize::try_from(len)
-                        .map_err(|_| file_err(path, format!("tensor `{}`: {len} bytes", e.name)))?;
+                        .map_err(|_| file_err(path, format!("tensor `{key}`: {len} bytes")))?;
                     (Dtype::F32, Some(e.ggml), DType::U8, vec![n])
                 }
             };
             Ok(Planned {
-                key: e.name,
-                shape: e.shape,
+                key,
+                shape,
                 dtype,
                 quant,
                 read_as,
                 read_shape,
-                start: e.start,
+                start,
                 len,
             })
-        })
-        .collect()
+        };
+        if !is_stacked_experts(&e) {
+            planned.push(slot(e.name.clone(), e.shape.clone(), e.start, len)?);
+            continue;
+        }
+        // One slot per expert: its byte range of the stacked tensor, read, streamed, cached and
+        // evicted alone; the stack keeps the layer's view of the whole.
+        let n = e.shape[0];
+        let each = block_bytes(e.ggml, &e.shape[1..])
+            .filter(|b| b.checked_mul(n as u64) == Some(len))
+            .ok_or_else(|| {
+                file_err(
+                    path,
+                    format!(
+                        "tensor `{}`: {len} bytes are not {n} experts of {:?} {:?}",
+                        e.name,
+                        e.ggml,
+                        &e.shape[1..]
+                    ),
+                )
+            })?;
+        let mut experts = Vec::with_capacity(n);
+        for x in 0..n {
+            experts.push(planned.len());
+            planned.push(slot(
+                expert_key(&e.name, x),
+                e.shape[1..].to_vec(),
+                e.start + x as u64 * each,
+                each,
+            )?);
+        }
+        stacks.push((
+            e.name.clone(),
+            Stack {
+                experts,
+                shape: e.shape.clone(),
+                ggml: e.ggml,
+            },
+        ));
+    }
+    Ok((planned, stacks))
+}
+
+/// A layer's experts stacked in one GGUF tensor (`blk.N.ffn_gate_exps.weight`,
+/// `[n_expert, rows, cols]`), held as one slot per expert ([`expert_key`] names them), so each
+/// expert is read, streamed, cached and evicted alone; [`crate::quantized::QTensor`] hands the
+/// layer the stacked view ([`Model::stack`]).
+#[derive(Clone, Debug)]
+pub struct Stack {
+    experts: Vec<usize>,
+    shape: Vec<usize>,
+    ggml: GgmlDType,
+}
+
+impl Stack {
+    /// The slot index of each expert, in expert order.
+    pub fn experts(&self) -> &[usize] {
+        &self.experts
+    }
+    /// The stacked shape, `[n_expert, rows, cols]`.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    /// The GGML format of every expert's bytes.
+    pub fn ggml(&self) -> GgmlDType {
+        self.ggml
+    }
 }
 
 impl Model {
@@ -185,7 +274,8 @@ impl Model {
         let (wf, header) = read_gguf_header(path)?;
         let mut slots = Vec::new();
         let mut index = HashMap::new();
-        for p in plan(path, header.tensors)? {
+        let (planned, stacks) = plan(path, header.tensors)?;
+        for p in planned {
             let t = read_range(&wf, p.start, p.read_as, &p.read_shape, &p.key)?;
             index.insert(p.key.clone(), slots.len());
             slots.push(Slot {
@@ -199,6 +289,7 @@ impl Model {
         }
         let mut model = Model::assemble(name, slots, index, Vec::new())?;
         model.metadata = Some(Arc::new(header.metadata));
+        model.stacks = stacks.into_iter().collect();
         Ok(model)
     }
 
@@ -221,7 +312,8 @@ impl Model {
         let (wf, header) = read_gguf_header(path)?;
         let mut slots = Vec::new();
         let mut index = HashMap::new();
-        for p in plan(path, header.tensors)? {
+        let (planned, stacks) = plan(path, header.tensors)?;
+        for p in planned {
             let i = slots.len();
             index.insert(p.key.clone(), i);
             let disk = DiskWeight::new(
@@ -248,6 +340,7 @@ impl Model {
         match Model::assemble_with_id(id, name, slots, index, Vec::new(), Some(tier.clone())) {
             Ok(mut model) => {
                 model.metadata = Some(Arc::new(header.metadata));
+                model.stacks = stacks.into_iter().collect();
                 Ok(model)
             }
             Err(e) => {

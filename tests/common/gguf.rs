@@ -334,3 +334,93 @@ pub fn greedy_tokens(path: &Path, prompt: &[u32], steps: usize) -> Vec<u32> {
         .map(|l| argmax(l))
         .collect()
 }
+
+/// A tiny Qwen3-MoE (`general.architecture = qwen3moe`) in the *stacked* layout
+/// candle-transformers' `quantized_qwen3_moe` reads: each block's experts in three tensors
+/// `blk.N.ffn_gate_exps.weight` / `ffn_up_exps` `[EXPERTS, EXPERT_FFN, EMBD]` and
+/// `ffn_down_exps` `[EXPERTS, EMBD, EXPERT_FFN]` (Q4K, Q8_0 and Q6K; block 1 swaps gate and up
+/// to Q8_0 / Q4K), an F32 router `ffn_gate_inp` skewed as [`write_tiny_moe`]'s, per-head q/k
+/// RMS norms, and the tiny Llama's attention, embedding and head otherwise.
+pub fn write_tiny_qwen3_moe(path: &Path) {
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    for (i, (name, shape, dtype, init)) in specs().into_iter().enumerate() {
+        if name.contains(".ffn_gate.") || name.contains(".ffn_up.") || name.contains(".ffn_down.") {
+            continue;
+        }
+        let t = init_tensor(&shape, i as u64, init);
+        tensors.push((name, QTensor::quantize(&t, dtype).unwrap()));
+    }
+    for b in 0..BLOCKS {
+        let p = format!("blk.{b}");
+        let seed = 5000 + 100 * b as u64;
+        for (j, norm) in ["attn_q_norm", "attn_k_norm"].into_iter().enumerate() {
+            let t = init_tensor(&[HEAD_DIM], seed + 90 + j as u64, NORM);
+            tensors.push((
+                format!("{p}.{norm}.weight"),
+                QTensor::quantize(&t, GgmlDType::F32).unwrap(),
+            ));
+        }
+        let skew: Vec<f32> = (0..EXPERTS).map(|e| 1.0 + e as f32 / 2.0).collect();
+        let skew = Tensor::from_vec(skew, (EXPERTS, 1), &Device::Cpu).unwrap();
+        let router = init_tensor(&[EXPERTS, EMBD], seed, OUTPUT)
+            .broadcast_mul(&skew)
+            .unwrap();
+        tensors.push((
+            format!("{p}.ffn_gate_inp.weight"),
+            QTensor::quantize(&router, GgmlDType::F32).unwrap(),
+        ));
+        let (gate_t, up_t) = if b == 0 {
+            (GgmlDType::Q4K, GgmlDType::Q8_0)
+        } else {
+            (GgmlDType::Q8_0, GgmlDType::Q4K)
+        };
+        let mats = [
+            ("ffn_gate_exps", [EXPERTS, EXPERT_FFN, EMBD], gate_t),
+            ("ffn_up_exps", [EXPERTS, EXPERT_FFN, EMBD], up_t),
+            ("ffn_down_exps", [EXPERTS, EMBD, EXPERT_FFN], GgmlDType::Q6K),
+        ];
+        for (j, (name, shape, dtype)) in mats.into_iter().enumerate() {
+            let t = init_tensor(&shape, seed + 1 + j as u64, MATRIX);
+            tensors.push((
+                format!("{p}.{name}.weight"),
+                QTensor::quantize(&t, dtype).unwrap(),
+            ));
+        }
+    }
+    use gguf_file::Value;
+    let metadata: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("qwen3moe".into())),
+        (
+            "general.name",
+            Value::String("residency-tiny-qwen3moe".into()),
+        ),
+        ("qwen3moe.attention.head_count", Value::U32(HEADS as u32)),
+        (
+            "qwen3moe.attention.head_count_kv",
+            Value::U32(KV_HEADS as u32),
+        ),
+        ("qwen3moe.attention.key_length", Value::U32(HEAD_DIM as u32)),
+        ("qwen3moe.block_count", Value::U32(BLOCKS as u32)),
+        ("qwen3moe.embedding_length", Value::U32(EMBD as u32)),
+        ("qwen3moe.context_length", Value::U32(64)),
+        (
+            "qwen3moe.attention.layer_norm_rms_epsilon",
+            Value::F32(1e-6),
+        ),
+        ("qwen3moe.rope.freq_base", Value::F32(1_000_000.0)),
+        (
+            "qwen3moe.expert_feed_forward_length",
+            Value::U32(EXPERT_FFN as u32),
+        ),
+        ("qwen3moe.expert_count", Value::U32(EXPERTS as u32)),
+        (
+            "qwen3moe.expert_used_count",
+            Value::U32(EXPERTS_USED as u32),
+        ),
+    ];
+    let md: Vec<(&str, &gguf_file::Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, q)| (k.as_str(), q)).collect();
+    let mut w = BufWriter::new(File::create(path).unwrap());
+    gguf_file::write(&mut w, &md, &ts).unwrap();
+    std::io::Write::flush(&mut w).unwrap();
+}
