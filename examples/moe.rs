@@ -1,6 +1,9 @@
-//! A mixture of experts decoded under a budget: a tiny Mixtral-layout GGUF (2 blocks, 8 experts
-//! each, top-2 routing with a skewed router, one tensor per expert), written here with candle's
-//! GGUF writer, run by candle-transformers' `quantized_llama` ported by its `use` lines, for
+//! A mixture of experts decoded under a budget: a tiny MoE GGUF (2 blocks, 8 experts each, top-2
+//! routing with a skewed router) written here with candle's GGUF writer — by default in
+//! Mixtral's layout (one tensor per expert) run by candle-transformers' `quantized_llama`; with
+//! `--layout stacked` a Qwen3-MoE (each block's experts stacked in `ffn_*_exps` tensors, held
+//! as one weight per expert) run by candle-transformers' `quantized_qwen3_moe` — each ported by
+//! its `use` lines, for
 //! `--tokens` greedy decode steps on a simulated GPU at 25 GB/s with `--budget-percent` of the
 //! model's bytes — three ways, same tokens:
 //!
@@ -12,9 +15,10 @@
 //!
 //! For each: tokens/s, the bytes copied per token, the checksum of the logits (identical), and
 //! for residency by use its hits and misses beside Belady's offline optimum for the same uses and
-//! room, and how the routing spread over the experts.
+//! room, device-wide and layer by layer, and how the routing spread over the experts.
 //!
-//! `cargo run --release --example moe -- --tokens 64 --budget-percent 30`; any further flags are
+//! `cargo run --release --example moe -- --tokens 64 --budget-percent 30 [--layout stacked]`;
+//! any further flags are
 //! ComfyUI's memory flags (`--async-offload 0`, ...), given to all three managers.
 
 #[path = "../tests/common/gguf.rs"]
@@ -36,11 +40,88 @@ include!("../tests/ported/shim.rs");
 #[allow(dead_code, clippy::all)]
 mod quantized_llama;
 
+/// candle-transformers' `quantized_qwen3_moe` (with `quantized_qwen3` and `fused_moe`) on
+/// residency, as `tests/moe.rs` ports it.
+#[allow(dead_code, unused_imports, clippy::all)]
+mod managed {
+    pub mod candle {
+        pub use candle_core::*;
+        pub mod quantized {
+            pub use residency::quantized::*;
+        }
+    }
+    pub use residency::nn::moe;
+    pub use residency::{quantized_nn, quantized_var_builder, with_tracing};
+    pub mod fused_moe {
+        include!("../tests/ported/fused_moe.rs");
+    }
+    pub mod quantized_qwen3 {
+        include!("../tests/ported/quantized_qwen3.rs");
+    }
+    pub mod quantized_qwen3_moe {
+        include!("../tests/ported/quantized_qwen3_moe.rs");
+    }
+}
+
+/// The two GGUF layouts of experts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// One tensor per expert (Mixtral: `blk.N.ffn_gate.E.weight`), `quantized_llama`.
+    PerExpert,
+    /// Stacked (`blk.N.ffn_gate_exps.weight`), `quantized_qwen3_moe`.
+    Stacked,
+}
+
+impl Layout {
+    /// The key of expert `e`'s gate weight in block `b`.
+    fn gate_key(self, b: usize, e: usize) -> String {
+        match self {
+            Layout::PerExpert => format!("blk.{b}.ffn_gate.{e}.weight"),
+            Layout::Stacked => format!("blk.{b}.ffn_gate_exps.{e}.weight"),
+        }
+    }
+}
+
+/// Either port, behind one forward.
+enum Decoder {
+    Llama(Box<quantized_llama::ModelWeights>),
+    Qwen3Moe(managed::quantized_qwen3_moe::GGUFQWenMoE),
+}
+
+impl Decoder {
+    fn new(layout: Layout, p: &ModelPatcher) -> Result<Decoder, Box<dyn std::error::Error>> {
+        let device = p.load_device().to_candle()?;
+        let ct = gguf_file::Content::from_patcher(p);
+        let mut unused = std::io::Cursor::new(Vec::<u8>::new());
+        Ok(match layout {
+            Layout::PerExpert => Decoder::Llama(Box::new(
+                quantized_llama::ModelWeights::from_gguf(ct, &mut unused, &device)?,
+            )),
+            Layout::Stacked => {
+                Decoder::Qwen3Moe(managed::quantized_qwen3_moe::GGUFQWenMoE::from_gguf(
+                    ct,
+                    &mut unused,
+                    &device,
+                    candle_core::DType::F32,
+                )?)
+            }
+        })
+    }
+
+    fn forward(&mut self, input: &Tensor, pos: usize) -> candle_core::Result<Tensor> {
+        match self {
+            Decoder::Llama(m) => m.forward(input, pos),
+            Decoder::Qwen3Moe(m) => m.forward(input, pos),
+        }
+    }
+}
+
 const PROMPT: [u32; 5] = [1, 17, 42, 5, 63];
 
 struct Args {
     tokens: usize,
     budget_percent: u64,
+    layout: Layout,
     flags: Vec<String>,
 }
 
@@ -48,6 +129,7 @@ fn parse() -> Result<Args, String> {
     let mut args = Args {
         tokens: 64,
         budget_percent: 30,
+        layout: Layout::PerExpert,
         flags: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -57,12 +139,20 @@ fn parse() -> Result<Args, String> {
                 .ok_or_else(|| format!("{name} needs a value"))
                 .and_then(|v| v.parse::<u64>().map_err(|e| format!("{name} {v}: {e}")))
         };
+        if a == "--layout" {
+            args.layout = match it.next().as_deref() {
+                Some("stacked") => Layout::Stacked,
+                Some("per-expert") => Layout::PerExpert,
+                other => return Err(format!("--layout {other:?}: per-expert or stacked")),
+            };
+            continue;
+        }
         match a.as_str() {
             "--tokens" => args.tokens = value("--tokens")? as usize,
             "--budget-percent" => args.budget_percent = value("--budget-percent")?.clamp(1, 100),
             "--help" | "-h" => {
                 return Err(
-                    "usage: moe [--tokens N] [--budget-percent P] [ComfyUI memory flags]".into(),
+                    "usage: moe [--tokens N] [--budget-percent P] [--layout per-expert|stacked] [ComfyUI memory flags]".into(),
                 )
             }
             _ => args.flags.push(a),
@@ -83,6 +173,7 @@ struct Run {
 /// Decodes `n` greedy tokens after the prompt on a fresh manager built from `flags`.
 fn run(
     name: &'static str,
+    layout: Layout,
     path: &std::path::Path,
     flags: &[String],
     n: usize,
@@ -97,9 +188,7 @@ fn run(
     let p = ModelPatcher::new(Arc::new(model), mm.compute_device(), DeviceId::Cpu);
     mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())?;
     let device = p.load_device().to_candle()?;
-    let ct = gguf_file::Content::from_patcher(&p);
-    let mut unused = std::io::Cursor::new(Vec::<u8>::new());
-    let mut model = quantized_llama::ModelWeights::from_gguf(ct, &mut unused, &device)?;
+    let mut model = Decoder::new(layout, &p)?;
     let mut checksum = 0u64;
     let mut tokens = Vec::with_capacity(n);
     let input = Tensor::new(&PROMPT, &device)?.unsqueeze(0)?;
@@ -143,11 +232,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("tiny-moe.gguf");
-    gguf::write_tiny_moe(&path);
+    match args.layout {
+        Layout::PerExpert => gguf::write_tiny_moe(&path),
+        Layout::Stacked => gguf::write_tiny_qwen3_moe(&path),
+    }
     let size = residency::weights::Model::from_gguf("tiny-moe", &path)?.model_size();
     let budget = ByteSize(size.bytes() * args.budget_percent / 100);
     println!(
-        "tiny MoE: {} of blocks ({} blocks x {} experts, top-{}), {} decode tokens; simulated GPU at 25 GB/s, budget {budget} = {}% of the model",
+        "tiny MoE ({}): {} of blocks ({} blocks x {} experts, top-{}), {} decode tokens; simulated GPU at 25 GB/s, budget {budget} = {}% of the model",
+        match args.layout {
+            Layout::PerExpert => "Mixtral layout, quantized_llama",
+            Layout::Stacked => "stacked experts, quantized_qwen3_moe",
+        },
         size,
         gguf::BLOCKS,
         gguf::EXPERTS,
@@ -164,18 +260,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let tight = format!("{}@25GB/s", budget.bytes());
     let (resident, ..) = run(
         "resident (limit)",
+        args.layout,
         &path,
         &sim(large, "--highvram"),
         args.tokens,
     )?;
     let (classic, ..) = run(
         "classic partial load",
+        args.layout,
         &path,
         &sim(tight.clone(), "--disable-dynamic-vram"),
         args.tokens,
     )?;
     let (by_use, mm, p) = run(
         "residency by use",
+        args.layout,
         &path,
         &sim(tight, "--enable-dynamic-vram"),
         args.tokens,
@@ -222,11 +321,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             None => println!(),
         }
     }
+    for l in mm.dynamic_layer_report() {
+        println!(
+            "    {} {:<12} {:>5} uses  {:>5.1} % hits  Belady {:>5.1} %",
+            l.model,
+            l.layer,
+            l.uses,
+            100.0 * l.hit_rate(),
+            100.0 * l.optimum_hit_rate()
+        );
+    }
     for b in 0..gguf::BLOCKS {
         let counts: Vec<String> = (0..gguf::EXPERTS)
             .map(|e| {
                 p.model()
-                    .uses(&format!("blk.{b}.ffn_gate.{e}.weight"))
+                    .uses(&args.layout.gate_key(b, e))
                     .unwrap_or(0)
                     .to_string()
             })

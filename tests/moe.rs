@@ -477,6 +477,26 @@ fn stacked_experts_are_one_weight_each_and_quantized_qwen3_moe_computes_the_refe
         if what == "sim-gpu quarter, by use" {
             let d = &mm.memory_report().dynamic_devices[0];
             assert!(d.faults_in > 0 && d.hits > 0, "{what}: {d}");
+            // Layer by layer: the device's uses, hits and optimum split over the layers used,
+            // each block's experts a layer of its own.
+            let whole = &mm.dynamic_report()[0];
+            let layers = mm.dynamic_layer_report();
+            assert!(!whole.truncated);
+            assert_eq!(layers.iter().map(|l| l.uses).sum::<u64>(), whole.uses);
+            assert_eq!(whole.uses, whole.hits + whole.misses);
+            assert_eq!(layers.iter().map(|l| l.hits).sum::<u64>(), whole.hits);
+            assert_eq!(
+                Some(layers.iter().map(|l| l.optimum_hits).sum::<u64>()),
+                whole.optimum_hits
+            );
+            for b in 0..BLOCKS {
+                let l = layers
+                    .iter()
+                    .find(|l| l.layer == format!("blk.{b}"))
+                    .unwrap_or_else(|| panic!("no blk.{b} in {layers:?}"));
+                assert_eq!(l.model, "tiny-qwen3moe");
+                assert!(l.hits <= l.uses && l.optimum_hits <= l.uses, "{l}");
+            }
         }
         for sim in mm.transfer_engine().devices().sims() {
             assert!(sim.check().is_ok(), "{what}: {:?}", sim.check());

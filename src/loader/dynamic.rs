@@ -150,6 +150,8 @@ struct DeviceStats {
     peak_resident: ByteSize,
     /// The uses, in order: (model id, weight index, bytes).
     trace: Vec<(u64, u32, u64)>,
+    /// Whether each use of `trace` was a hit.
+    trace_hits: Vec<bool>,
     truncated: bool,
 }
 
@@ -231,6 +233,62 @@ impl std::fmt::Display for DynamicDeviceReport {
             }
         }
         Ok(())
+    }
+}
+
+/// What residency by use did for one layer of one model on one device (a mixture of experts'
+/// expert cache, layer by layer), beside Belady's offline optimum: the optimum is the one for
+/// the whole device (its room shared by every layer, as the online order's is), its hits
+/// counted per layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct DynamicLayerReport {
+    /// The device.
+    pub device: DeviceId,
+    /// The model's name.
+    pub model: String,
+    /// The layer: weight names up to their first number (`blk.3`), as
+    /// [`crate::DeviceMap::auto`] groups them; `?` for a model no longer registered.
+    pub layer: String,
+    /// Uses of the layer's weights recorded (the device's first 2^18 uses at most).
+    pub uses: u64,
+    /// Of them, served by a resident copy.
+    pub hits: u64,
+    /// Of them, hits of Belady's optimum for the device's uses and room.
+    pub optimum_hits: u64,
+}
+
+impl DynamicLayerReport {
+    /// Hits over uses.
+    pub fn hit_rate(&self) -> f64 {
+        ratio(self.hits, self.uses)
+    }
+    /// The optimum's hits over uses.
+    pub fn optimum_hit_rate(&self) -> f64 {
+        ratio(self.optimum_hits, self.uses)
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+impl std::fmt::Display for DynamicLayerReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {} {}: {} uses, {:.1} % hits, Belady's optimum {:.1} %",
+            self.device,
+            self.model,
+            self.layer,
+            self.uses,
+            100.0 * self.hit_rate(),
+            100.0 * self.optimum_hit_rate()
+        )
     }
 }
 
@@ -414,6 +472,61 @@ impl Dynamic {
             r.optimum_hits = Some(belady_hits(trace, r.room.bytes()));
         }
         reports
+    }
+
+    /// Every device's recorded uses by layer (`layer_of` names a use's model and layer), with
+    /// the optimum's hits among them, in the order layers were first used.
+    pub(crate) fn layer_report(
+        &self,
+        layer_of: impl Fn(u64, u32) -> (String, String),
+    ) -> Vec<DynamicLayerReport> {
+        type Recorded = (DeviceId, Vec<(u64, u32, u64)>, Vec<bool>, u64);
+        let traces: Vec<Recorded> = {
+            let stats = self.stats.lock();
+            stats
+                .iter()
+                .filter_map(|s| {
+                    Some((
+                        s.device?,
+                        s.trace.clone(),
+                        s.trace_hits.clone(),
+                        s.peak_resident.bytes(),
+                    ))
+                })
+                .collect()
+        };
+        let mut out = Vec::new();
+        for (device, trace, hits, room) in traces {
+            let optimum = belady(&trace, room);
+            let mut rows: Vec<DynamicLayerReport> = Vec::new();
+            let mut index: std::collections::HashMap<(String, String), usize> =
+                std::collections::HashMap::new();
+            let mut names: std::collections::HashMap<(u64, u32), (String, String)> =
+                std::collections::HashMap::new();
+            for (i, &(model, weight, _)) in trace.iter().enumerate() {
+                let key = names
+                    .entry((model, weight))
+                    .or_insert_with(|| layer_of(model, weight))
+                    .clone();
+                let row = *index.entry(key.clone()).or_insert_with(|| {
+                    rows.push(DynamicLayerReport {
+                        device,
+                        model: key.0,
+                        layer: key.1,
+                        uses: 0,
+                        hits: 0,
+                        optimum_hits: 0,
+                    });
+                    rows.len() - 1
+                });
+                let r = &mut rows[row];
+                r.uses += 1;
+                r.hits += u64::from(hits[i]);
+                r.optimum_hits += u64::from(optimum[i]);
+            }
+            out.extend(rows);
+        }
+        out
     }
 
     /// Forgets the statistics and traces (a new measurement starts).
@@ -638,6 +751,7 @@ impl Keeper for Dynamic {
             }
             if s.trace.len() < TRACE_LIMIT {
                 s.trace.push((model, index as u32, bytes));
+                s.trace_hits.push(hit);
             } else {
                 s.truncated = true;
             }
@@ -650,6 +764,11 @@ impl Keeper for Dynamic {
 /// only copies used later than it (a copy used sooner is worth more than the newcomer; exact
 /// for equal sizes, the standard rule with sizes).
 pub(crate) fn belady_hits(trace: &[(u64, u32, u64)], capacity: u64) -> u64 {
+    belady(trace, capacity).iter().filter(|&&h| h).count() as u64
+}
+
+/// [`belady_hits`]'s decision for each use: whether the optimum served it from a kept copy.
+pub(crate) fn belady(trace: &[(u64, u32, u64)], capacity: u64) -> Vec<bool> {
     use std::collections::{BTreeSet, HashMap};
     let n = trace.len();
     // Next use of each position's weight.
@@ -666,11 +785,11 @@ pub(crate) fn belady_hits(trace: &[(u64, u32, u64)], capacity: u64) -> u64 {
     let mut by_next: BTreeSet<(usize, (u64, u32))> = BTreeSet::new();
     let mut cached: HashMap<(u64, u32), (usize, u64)> = HashMap::new();
     let mut used = 0u64;
-    let mut hits = 0u64;
+    let mut hits = vec![false; n];
     for (i, &(m, w, bytes)) in trace.iter().enumerate() {
         let k = (m, w);
         if let Some((nu, b)) = cached.remove(&k) {
-            hits += 1;
+            hits[i] = true;
             by_next.remove(&(nu, k));
             by_next.insert((next[i], k));
             cached.insert(k, (next[i], b));

@@ -67,7 +67,7 @@ use crate::vram::{Config, DeviceId, Hardware, Policy, VramState};
 use crate::weights::{HostTier, Model};
 
 use self::ledger::Ledger;
-pub use dynamic::DynamicDeviceReport;
+pub use dynamic::{DynamicDeviceReport, DynamicLayerReport};
 pub use global::{global, init_global};
 pub use options::{weight_budget, InputShape, LoadOptions, MIN_WEIGHT_BUDGET};
 pub use plan::{LoadPlan, PlacedOn, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad};
@@ -585,6 +585,29 @@ impl MemoryManager {
     /// uses): the cheap [`MemoryManager::memory_report`] leaves it out).
     pub fn dynamic_report(&self) -> Vec<DynamicDeviceReport> {
         self.dynamic.report(true)
+    }
+
+    /// [`MemoryManager::dynamic_report`] layer by layer: each layer's uses, hits and Belady's
+    /// hits (the device-wide optimum, counted per layer) — for a mixture of experts, how well
+    /// each layer's experts are cached. Layers in the order they were first used.
+    pub fn dynamic_layer_report(&self) -> Vec<DynamicLayerReport> {
+        let view = Arc::clone(&self.view.lock());
+        let models: std::collections::HashMap<u64, Arc<crate::weights::Model>> = view
+            .iter()
+            .filter_map(|e| e.model.upgrade())
+            .map(|m| (m.id(), m))
+            .collect();
+        self.dynamic
+            .layer_report(|id, weight| match models.get(&id) {
+                Some(m) => {
+                    let layer = m
+                        .slots()
+                        .get(weight as usize)
+                        .map_or_else(|| "?".to_string(), |s| crate::patcher::layer_of(s.name()));
+                    (m.name().to_string(), layer)
+                }
+                None => (format!("model #{id}"), "?".to_string()),
+            })
     }
 
     /// Starts a new measurement of residency by use: forgets the hits, misses and recorded uses

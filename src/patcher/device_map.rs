@@ -243,6 +243,17 @@ fn group_key(name: &str, options: AutoMapOptions) -> String {
     key
 }
 
+/// The layer a weight belongs to, as [`DeviceMap::auto`] groups weights: its name up to and
+/// including the first all-digit component (`blk.3` of `blk.3.ffn_gate_exps.5.weight`), else
+/// all but the last component (`output_norm`).
+pub(crate) fn layer_of(name: &str) -> String {
+    let mut key = group_key(name, AutoMapOptions::default());
+    if key.ends_with('.') {
+        key.pop();
+    }
+    key
+}
+
 /// Natural order of names: digit runs compare as numbers.
 fn natural_key(s: &str) -> Vec<(u8, u128, String)> {
     let mut out = Vec::new();

@@ -31,6 +31,7 @@ pub mod lora {
 }
 
 pub use adapters::{DoraNorm, GLora, LoHa, LoKr, Lora, Offset, Oft, Patch, PatchEntry};
+pub(crate) use device_map::layer_of;
 pub use device_map::{AutoMapOptions, DeviceMap, SplitStats, Target};
 pub(crate) use model_patcher::{cast_weight, Finish, ResidencySignature};
 pub use model_patcher::{

@@ -161,10 +161,7 @@ pub fn expert_key(name: &str, expert: usize) -> String {
 /// The stacked-expert tensors of a file, by name.
 type Stacks = Vec<(String, Stack)>;
 
-fn plan(
-    path: &Path,
-    entries: Vec<super::gguf::GgufEntry>,
-) -> Result<(Vec<Planned>, Stacks)> {
+fn plan(path: &Path, entries: Vec<super::gguf::GgufEntry>) -> Result<(Vec<Planned>, Stacks)> {
     let mut planned = Vec::new();
     let mut stacks = Vec::new();
     for e in entries {

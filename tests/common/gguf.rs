@@ -402,7 +402,7 @@ pub fn write_tiny_qwen3_moe(path: &Path) {
         ("qwen3moe.attention.key_length", Value::U32(HEAD_DIM as u32)),
         ("qwen3moe.block_count", Value::U32(BLOCKS as u32)),
         ("qwen3moe.embedding_length", Value::U32(EMBD as u32)),
-        ("qwen3moe.context_length", Value::U32(64)),
+        ("qwen3moe.context_length", Value::U32(512)),
         (
             "qwen3moe.attention.layer_norm_rms_epsilon",
             Value::F32(1e-6),
