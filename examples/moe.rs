@@ -276,10 +276,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "residency by use",
         args.layout,
         &path,
-        &sim(tight, "--enable-dynamic-vram"),
+        &sim(tight.clone(), "--enable-dynamic-vram"),
         args.tokens,
     )?;
-    for r in [&resident, &classic, &by_use] {
+    let (costed, mm_costed, _) = run(
+        "by use, cost-aware",
+        args.layout,
+        &path,
+        &{
+            let mut f = sim(tight.clone(), "--enable-dynamic-vram");
+            f.push("--cost-aware-misses".into());
+            f
+        },
+        args.tokens,
+    )?;
+    for r in [&resident, &classic, &by_use, &costed] {
         println!(
             "  {:<22} {:>8.1} tokens/s  {:>10} copied per token  checksum {:016x}",
             r.name,
@@ -288,13 +299,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             r.checksum
         );
     }
-    let same = resident.tokens == classic.tokens && resident.tokens == by_use.tokens;
-    let same_bits = resident.checksum == classic.checksum && resident.checksum == by_use.checksum;
+    let runs = [&resident, &classic, &by_use, &costed];
+    let same = runs.iter().all(|r| r.tokens == resident.tokens);
+    let same_bits = runs.iter().all(|r| r.checksum == resident.checksum);
     println!(
-        "  same tokens in all three: {same}; same logits bits: {same_bits}; by use / classic {:.2}x, by use / resident {:.2}x",
+        "  same tokens in all four: {same}; same logits bits: {same_bits}; by use / classic {:.2}x, by use cost-aware / classic {:.2}x, cost-aware / resident {:.2}x",
         by_use.tokens_per_s / classic.tokens_per_s,
-        by_use.tokens_per_s / resident.tokens_per_s
+        costed.tokens_per_s / classic.tokens_per_s,
+        costed.tokens_per_s / resident.tokens_per_s
     );
+    if let Some(m) = mm_costed.miss_report() {
+        println!("  {m}");
+    }
     for d in mm.dynamic_report() {
         let total = d.hits + d.misses;
         let rate = |h: u64| {

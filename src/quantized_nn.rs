@@ -243,8 +243,7 @@ impl RmsNorm {
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let w = match self.weight.fetch_for_forward(x.device()) {
-            Ok(crate::quantized::Fetched::Dense(w)) => w,
-            Ok(crate::quantized::Fetched::Quantized(q)) => q.dequantize(x.device())?,
+            Ok(fetched) => fetched.dense_on(x.device())?,
             Err(e) => return Err(crate::ops::to_candle(e)),
         };
         candle_nn::ops::rms_norm(x, &w, self.eps as f32)

@@ -149,6 +149,7 @@ fn a_mixture_of_experts_computes_candles_bits_in_every_budget_and_reads_only_rou
         for sim in mm.transfer_engine().devices().sims() {
             assert!(sim.check().is_ok(), "{what}: {:?}", sim.check());
         }
+        check_misses(what, &mm);
         if let Some(cap) = mm.host_tier().budget() {
             assert!(
                 mm.host_tier().stats().peak <= cap,
@@ -159,7 +160,8 @@ fn a_mixture_of_experts_computes_candles_bits_in_every_budget_and_reads_only_rou
 }
 
 /// The budgets every MoE port runs in: fully resident, a quarter, `--novram`, a simulated GPU at
-/// a quarter (classic and by use), and `--ram-budget` below the file under `--novram`.
+/// a quarter (classic and by use, each with and without cost-aware misses), and `--ram-budget`
+/// below the file under `--novram`.
 fn budgets(size: u64, file_bytes: u64) -> Vec<(&'static str, Vec<String>)> {
     vec![
         ("full", vec!["--vram-budget".into(), "64MiB".into()]),
@@ -501,11 +503,29 @@ fn stacked_experts_are_one_weight_each_and_quantized_qwen3_moe_computes_the_refe
         for sim in mm.transfer_engine().devices().sims() {
             assert!(sim.check().is_ok(), "{what}: {:?}", sim.check());
         }
+        check_misses(what, &mm);
         if let Some(cap) = mm.host_tier().budget() {
             assert!(
                 mm.host_tier().stats().peak <= cap,
                 "{what}: host tier over budget"
             );
         }
+    }
+}
+
+/// With cost-aware misses, both sides ran (each is measured before the rule decides) and the
+/// report says so; without, there is no report.
+fn check_misses(what: &str, mm: &residency::loader::MemoryManager) {
+    match mm.miss_report() {
+        Some(r) => {
+            assert!(what.contains("cost-aware"), "{what}: {r}");
+            assert!(r.on_host > 0 && r.on_device > 0, "{what}: {r}");
+            assert!(
+                r.bytes_not_copied > 0 && r.link_ps_per_byte.is_some(),
+                "{what}: {r}"
+            );
+            assert!(mm.memory_report().to_string().contains("cost-aware misses"));
+        }
+        None => assert!(!what.contains("cost-aware"), "{what}: no report"),
     }
 }

@@ -285,6 +285,9 @@ impl MemoryManager {
         };
         let gate: Arc<dyn PrefetchGate> = self.ledger.clone();
         streamer.set_gate(Some((gate, keep_free)));
+        if let Some(costs) = &self.misses {
+            streamer.set_misses(Arc::clone(costs));
+        }
         if self.policy.dynamic_vram() {
             // Residency by use: what is kept leaves `keep_free` free and, on a GPU, the room a
             // partial load leaves for streaming: the prefetch window and the weight in use.

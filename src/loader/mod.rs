@@ -140,6 +140,9 @@ pub struct MemoryManager {
     view: Arc<Mutex<Arc<[ViewEntry]>>>,
     /// Residency by use (dynamic mode): the keeper streamers of loaded models fault in through.
     dynamic: Arc<dynamic::Dynamic>,
+    /// The measured costs of cost-aware misses (`--cost-aware-misses`), shared by every
+    /// streamer this manager attaches; `None` when off.
+    misses: Option<Arc<crate::offload::MissCosts>>,
 }
 
 /// A registry entry as reports see it: membership and order as of the last release of the
@@ -258,6 +261,7 @@ impl MemoryManager {
         let view: Arc<Mutex<Arc<[ViewEntry]>>> =
             Arc::new(Mutex::new(Rank::ManagerView, Arc::from(Vec::new())));
         let casts = Arc::new(Mutex::new(Rank::ManagerCasts, Vec::new()));
+        let config_misses = policy.config().cost_aware_misses;
         let dynamic = Arc::new(dynamic::Dynamic::new(
             Arc::clone(&ledger),
             Arc::clone(&view),
@@ -282,6 +286,7 @@ impl MemoryManager {
             ),
             view,
             dynamic,
+            misses: config_misses.then(|| Arc::new(crate::offload::MissCosts::new())),
         }
     }
 
@@ -610,6 +615,13 @@ impl MemoryManager {
             })
     }
 
+    /// What cost-aware misses did (`--cost-aware-misses`): misses run on the host and uploaded,
+    /// the bytes not copied, the measured link and matmul costs the rule compares. `None` when
+    /// the mode is off.
+    pub fn miss_report(&self) -> Option<crate::offload::MissReport> {
+        self.misses.as_ref().map(|m| m.report())
+    }
+
     /// Starts a new measurement of residency by use: forgets the hits, misses and recorded uses
     /// [`MemoryReport::dynamic_devices`] reports (a benchmark's steady state, say).
     pub fn reset_dynamic_stats(&self) {
@@ -666,6 +678,7 @@ impl MemoryManager {
             reservations: self.reservations(),
             dynamic: self.policy.dynamic_vram(),
             dynamic_devices: self.dynamic.report(false),
+            misses: self.miss_report(),
         }
     }
 }

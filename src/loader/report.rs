@@ -219,6 +219,8 @@ pub struct MemoryReport {
     /// In dynamic mode, per device: hits, misses, faults-in, evictions, and the offline optimum
     /// for the same uses.
     pub dynamic_devices: Vec<super::DynamicDeviceReport>,
+    /// Cost-aware misses (`--cost-aware-misses`): where misses ran and the measured costs.
+    pub misses: Option<crate::offload::MissReport>,
 }
 
 impl fmt::Display for MemoryReport {
@@ -297,6 +299,9 @@ impl fmt::Display for MemoryReport {
             for d in &self.dynamic_devices {
                 writeln!(f, "  {d}")?;
             }
+        }
+        if let Some(m) = &self.misses {
+            writeln!(f, "{m}")?;
         }
         let t = &self.transfers;
         writeln!(

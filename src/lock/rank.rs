@@ -71,8 +71,9 @@ ranks! {
     WarnLatch = 31, "attention warning latch", "warnings already printed";
     DynamicStats = 32, "loader::Dynamic statistics", "hits, misses, faults-in and the recorded uses, per device";
     ManagerView = 33, "MemoryManager::view", "the registry as reports read it (published when the manager lock is released)";
-    Trace = 34, "trace::Trace records", "a recording's records (an event may be emitted under any lock above)";
-    TrackNames = 35, "trace track names", "each thread's track number and name";
+    MissCosts = 34, "offload::MissCosts figures", "the measured costs of cost-aware misses and their counts";
+    Trace = 35, "trace::Trace records", "a recording's records (an event may be emitted under any lock above)";
+    TrackNames = 36, "trace track names", "each thread's track number and name";
 }
 
 impl Rank {

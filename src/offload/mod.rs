@@ -27,6 +27,7 @@
 
 mod engine;
 mod keep;
+mod misses;
 mod pinned;
 mod prefetch;
 mod upload;
@@ -37,8 +38,9 @@ use candle_core::Tensor;
 
 pub use engine::{Pending, TransferEngine, TransferSnapshot, TransferStats};
 pub(crate) use keep::Keeper;
+pub use misses::{MissCosts, MissReport, MissRun};
 pub use pinned::{default_limit, PinnedPool, PoolStats, StagingBuffer, MIN_CLASS};
-pub(crate) use prefetch::Reservation;
+pub(crate) use prefetch::{Fetch, Reservation};
 pub use prefetch::{PrefetchGate, Streamer};
 pub use upload::copy_to_device;
 pub(crate) use upload::upload;

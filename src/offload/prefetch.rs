@@ -155,6 +155,15 @@ pub struct Streamer {
     cap: AtomicU64,
     gate: Mutex<Option<Gate>>,
     inflight: Mutex<VecDeque<InFlight>>,
+    /// The manager's cost-aware misses, when on (`--cost-aware-misses`).
+    misses: once_cell::sync::OnceCell<Arc<super::MissCosts>>,
+}
+
+/// A streamed fetch's result: the weight on its device, or — a cost-aware miss run on the host —
+/// its clean host copy, not copied.
+pub(crate) enum Fetch {
+    Device(Tensor),
+    Host(Tensor),
 }
 
 impl std::fmt::Debug for Streamer {
@@ -175,7 +184,19 @@ impl Streamer {
             cap: AtomicU64::new(cap.bytes()),
             gate: Mutex::new(Rank::StreamerGate, None),
             inflight: Mutex::new(Rank::StreamerQueue, VecDeque::new()),
+            misses: once_cell::sync::OnceCell::new(),
         }
+    }
+
+    /// Turns cost-aware misses on for this streamer's model, with the manager's figures (once:
+    /// later calls keep the first).
+    pub(crate) fn set_misses(&self, costs: Arc<super::MissCosts>) {
+        let _ = self.misses.set(costs);
+    }
+
+    /// The cost-aware misses' figures, when on.
+    pub(crate) fn misses(&self) -> Option<&Arc<super::MissCosts>> {
+        self.misses.get()
     }
 
     /// The engine.
@@ -261,6 +282,20 @@ impl Streamer {
     /// then requests the next weights predicted from use. With a keeper (dynamic mode) the copy
     /// is kept resident when there is room, or room can be made by the priority order.
     pub fn fetch(&self, patcher: &ModelPatcher, index: usize) -> Result<Tensor> {
+        match self.fetch_for(patcher, index, None)? {
+            Fetch::Device(t) | Fetch::Host(t) => Ok(t),
+        }
+    }
+
+    /// [`Streamer::fetch`]; with `host` (the weight's GGML format and the rows of the matmul it
+    /// is fetched for) and cost-aware misses on, a miss that is not kept may run on the host
+    /// instead ([`super::MissCosts::choose`]): its clean host copy is returned, nothing copied.
+    pub(crate) fn fetch_for(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+        host: Option<(candle_core::quantized::GgmlDType, usize)>,
+    ) -> Result<Fetch> {
         let key = Streamer::key(patcher, index);
         let found = {
             let mut q = self.inflight.lock();
@@ -307,6 +342,18 @@ impl Streamer {
                 let booked = keeper
                     .as_ref()
                     .is_some_and(|(k, room)| k.book(patcher, index, *room));
+                let costs = host.and_then(|h| self.misses.get().map(|c| (c, h)));
+                let bytes = patcher.model().slots()[index].bytes().bytes();
+                if let Some((c, (ggml, rows))) = costs.filter(|_| !booked) {
+                    if c.choose(ggml, rows, bytes) == super::MissRun::Host {
+                        let clean = patcher.model().slots()[index].clean()?;
+                        if let Some((k, _)) = &keeper {
+                            k.note_use(patcher, index, false);
+                        }
+                        self.prefetch_after(patcher, index);
+                        return Ok(Fetch::Host(clean));
+                    }
+                }
                 // A weight not kept is booked in flight while it is copied, like a prefetch
                 // (`book_miss` makes the room when there is none).
                 let transit = if booked {
@@ -316,7 +363,11 @@ impl Streamer {
                 };
                 let t0 = std::time::Instant::now();
                 let fetched = self.fetch_through_pressure(patcher, index);
-                stats.waited(t0.elapsed().as_nanos() as u64);
+                let waited = t0.elapsed().as_nanos() as u64;
+                stats.waited(waited);
+                if let Some((c, _)) = costs.filter(|_| fetched.is_ok()) {
+                    c.note_fetch(bytes, waited);
+                }
                 match (fetched, &keeper) {
                     (Ok((t, hold)), Some((k, _))) if booked => {
                         k.commit(patcher, index, &t, hold);
@@ -338,7 +389,7 @@ impl Streamer {
             k.note_use(patcher, index, false);
         }
         self.prefetch_after(patcher, index);
-        Ok(weight)
+        Ok(Fetch::Device(weight))
     }
 
     /// Fetches weight `index` now; a device out of memory for its copy (copies in flight on

@@ -110,6 +110,32 @@ pub(crate) enum Fetched {
     Quantized(Arc<cq::QTensor>),
     /// Dense f32 (or the compute dtype): a patched quantized weight, or a dense one.
     Dense(Tensor),
+    /// A cost-aware miss run on the host (`--cost-aware-misses`): the clean blocks as a host
+    /// `QTensor`, the input to be moved to it.
+    Host(Arc<cq::QTensor>, MissNote),
+    /// A streamed fetch with cost-aware misses on: the blocks on the device, the matmul timed
+    /// for the rule.
+    Uploaded(Arc<cq::QTensor>, MissNote),
+}
+
+/// What a cost-aware miss's matmul reports its time to.
+pub(crate) struct MissNote {
+    costs: Arc<crate::offload::MissCosts>,
+    ggml: GgmlDType,
+    rows: usize,
+    bytes: u64,
+}
+
+impl Fetched {
+    /// The weight dense in f32 on `device` (a norm's gain, say).
+    pub(crate) fn dense_on(self, device: &Device) -> candle_core::Result<Tensor> {
+        match self {
+            Fetched::Dense(w) => Ok(w),
+            Fetched::Quantized(q) | Fetched::Host(q, _) | Fetched::Uploaded(q, _) => {
+                q.dequantize(&q.device())?.to_device(device)
+            }
+        }
+    }
 }
 
 /// The format a dense slot of `dtype` has in a GGUF file.
@@ -342,9 +368,9 @@ impl QTensor {
     pub fn dequantize(&self, device: &Device) -> candle_core::Result<Tensor> {
         let t = match &self.inner {
             Inner::Owned(q) => return q.dequantize(device),
-            Inner::Quantized(r) => match r.fetch(false).map_err(to_candle)? {
-                Fetched::Quantized(q) => q.dequantize(&q.device())?,
+            Inner::Quantized(r) => match r.fetch(false, None).map_err(to_candle)? {
                 Fetched::Dense(t) => t.to_dtype(candle_core::DType::F32)?,
+                other => other.dense_on(device)?,
             },
             Inner::Dense(d) => weight_outside_forward(
                 &d.weights,
@@ -381,9 +407,15 @@ impl QTensor {
 
     /// The weight for a forward on `device` (recorded in the forward order).
     pub(crate) fn fetch_for_forward(&self, device: &Device) -> Result<Fetched> {
+        self.fetch_for_matmul(device, None)
+    }
+
+    /// [`QTensor::fetch_for_forward`] for a matmul on `rows` input rows (a cost-aware miss may
+    /// then run on the host).
+    fn fetch_for_matmul(&self, device: &Device, rows: Option<usize>) -> Result<Fetched> {
         match &self.inner {
             Inner::Owned(q) => Ok(Fetched::Quantized(Arc::clone(q))),
-            Inner::Quantized(r) => r.fetch(true),
+            Inner::Quantized(r) => r.fetch(true, rows),
             Inner::Dense(d) => {
                 let (w, _) = cast_bias_weight(&d.weights, device, d.weights.mode())?;
                 Ok(Fetched::Dense(w))
@@ -405,7 +437,10 @@ impl QTensor {
     pub fn embedding(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         self.on_weight_device(ids, |ids| {
             match self.fetch_for_forward(ids.device()).map_err(to_candle)? {
-                Fetched::Quantized(q) => q.embedding(ids),
+                Fetched::Quantized(q) | Fetched::Uploaded(q, _) => q.embedding(ids),
+                Fetched::Host(q, _) => q
+                    .embedding(&ids.to_device(&Device::Cpu)?)?
+                    .to_device(ids.device()),
                 Fetched::Dense(w) => cq::QMatMul::Tensor(w).embedding(ids),
             }
         })
@@ -429,13 +464,19 @@ impl QTensor {
 impl QRef {
     /// The weight for a use: its resident `QTensor` when current, else its blocks streamed and
     /// built on the load device; dense when the patcher patches it (module docs).
-    fn fetch(&self, record: bool) -> Result<Fetched> {
+    ///
+    /// `rows`: the input rows of the matmul it is fetched for; with cost-aware misses on, an
+    /// unpatched miss may then run on the host ([`crate::offload::MissCosts`]).
+    fn fetch(&self, record: bool, rows: Option<usize>) -> Result<Fetched> {
         let patcher = self.source.patcher();
         let model = patcher.model();
         if record {
             model.record_use(self.index);
         }
         let device = patcher.weight_device(self.index);
+        let patches = patcher.patches();
+        let unpatched = patches.is_empty() || patches.get(&self.key).is_empty();
+        let mut note = None;
         let (q, streamed) = match patcher.resident_weight(self.index) {
             Some(ResidentWeight::Quantized(q)) => {
                 if model.is_dynamic() {
@@ -447,7 +488,32 @@ impl QRef {
             }
             _ => {
                 let blocks = match crate::offload::streamer_of(&patcher) {
-                    Some(s) => s.fetch(&patcher, self.index)?,
+                    Some(s) => {
+                        let host = rows
+                            .filter(|_| unpatched && !device.is_cpu())
+                            .map(|r| (self.ggml, r));
+                        let bytes = model.slots()[self.index].bytes().bytes();
+                        note = host.and_then(|(ggml, rows)| {
+                            s.misses().map(|c| MissNote {
+                                costs: Arc::clone(c),
+                                ggml,
+                                rows,
+                                bytes,
+                            })
+                        });
+                        match s.fetch_for(&patcher, self.index, host)? {
+                            crate::offload::Fetch::Device(t) => t,
+                            crate::offload::Fetch::Host(clean) => {
+                                let q = patcher.clean_qtensor(self.index, &clean, &Device::Cpu)?;
+                                let note = note.ok_or_else(|| Error::BadWeight {
+                                    model: model.name().to_string(),
+                                    key: self.key.clone(),
+                                    reason: "run on the host without cost-aware misses".into(),
+                                })?;
+                                return Ok(Fetched::Host(Arc::new(q), note));
+                            }
+                        }
+                    }
                     None => {
                         model.note_use_without_load(device);
                         patcher.materialize(
@@ -462,12 +528,11 @@ impl QRef {
             }
         };
         // Unpatched (an empty patch set: no key lookup), or patched into the blocks themselves.
-        let patches = patcher.patches();
-        if patches.is_empty()
-            || patches.get(&self.key).is_empty()
-            || patcher.requantizes(self.index)
-        {
-            return Ok(Fetched::Quantized(q));
+        if unpatched || patcher.requantizes(self.index) {
+            return Ok(match note.filter(|_| streamed) {
+                Some(note) => Fetched::Uploaded(q, note),
+                None => Fetched::Quantized(q),
+            });
         }
         dense_patched(&patcher, self.index, &q, streamed).map(Fetched::Dense)
     }
@@ -584,12 +649,28 @@ impl Module for QMatMul {
 impl QMatMul {
     /// The forward on the device of the weight.
     fn forward_here(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let rows = xs.elem_count() / xs.dims().last().copied().unwrap_or(1).max(1);
         match self
             .weight
-            .fetch_for_forward(xs.device())
+            .fetch_for_matmul(xs.device(), Some(rows))
             .map_err(to_candle)?
         {
             Fetched::Quantized(q) => cq::QMatMul::from_arc(q)?.forward(xs),
+            Fetched::Uploaded(q, note) => {
+                let t0 = std::time::Instant::now();
+                let y = cq::QMatMul::from_arc(q)?.forward(xs)?;
+                let ns = t0.elapsed().as_nanos() as u64;
+                note.costs.note_device(note.ggml, note.rows, note.bytes, ns);
+                Ok(y)
+            }
+            Fetched::Host(q, note) => {
+                let x = xs.to_device(&Device::Cpu)?;
+                let t0 = std::time::Instant::now();
+                let y = cq::QMatMul::from_arc(q)?.forward(&x)?;
+                let ns = t0.elapsed().as_nanos() as u64;
+                note.costs.note_host(note.ggml, note.rows, note.bytes, ns);
+                y.to_device(xs.device())
+            }
             Fetched::Dense(w) => {
                 let w = if w.dtype() == xs.dtype() {
                     w

@@ -123,6 +123,12 @@ pub struct Config {
     /// GPUs ([`crate::device::SimGpu`]), `sim:0`, `sim:1`, ... in order. When given, models
     /// compute on `sim:0` (unless `--cpu`).
     pub sim_gpus: Vec<super::SimSpec>,
+    /// `--cost-aware-misses` (a residency extension): a quantized weight that misses on a GPU
+    /// and would not be kept runs where it finishes first, on the host from its host copy or
+    /// uploaded, by costs measured at run time ([`crate::offload::MissCosts`]). The one mode
+    /// whose outputs depend on placement on a real GPU (host and device kernels round
+    /// differently); the same bits on a simulated GPU. Off by default.
+    pub cost_aware_misses: bool,
 }
 
 /// The `GPU=VALUE` parts of a per-GPU flag value (`0=8GiB,1=12GiB`), each GPU number parsed;
@@ -176,6 +182,7 @@ enum Action {
     Upcast(UpcastFlag),
     CudaDevice,
     Deterministic,
+    CostAwareMisses,
     InferenceMemory,
     SimGpu,
     SimGpus,
@@ -245,6 +252,7 @@ const FLAGS: &[(&str, Action)] = &[
     ("--dont-upcast-attention", Action::Upcast(UpcastFlag::Never)),
     ("--cuda-device", Action::CudaDevice),
     ("--deterministic", Action::Deterministic),
+    ("--cost-aware-misses", Action::CostAwareMisses),
     ("--inference-memory", Action::InferenceMemory),
     ("--sim-gpu", Action::SimGpu),
     ("--sim-gpus", Action::SimGpus),
@@ -666,6 +674,7 @@ impl Config {
                 )
             }
             Action::Deterministic => self.deterministic = true,
+            Action::CostAwareMisses => self.cost_aware_misses = true,
             Action::InferenceMemory => self.inference_memory = Some(value_str.parse()?),
             Action::SimGpu => self.sim_gpus.push(value_str.parse().map_err(invalid)?),
             Action::SimGpus => {

@@ -1,0 +1,229 @@
+//! Cost-aware misses (`--cost-aware-misses`, [`crate::vram::Config::cost_aware_misses`]): a
+//! quantized weight that misses on a GPU and would not be kept runs where it finishes first —
+//! uploaded and multiplied on the device, or multiplied on the host from its host copy, the
+//! input moved instead of the weight.
+//!
+//! Both costs are measured while the model runs, per GGML format:
+//!
+//! - the host's: nanoseconds per (input row × weight byte) of candle's quantized matmul on the
+//!   host (a matvec at batch 1 reads the weight once from RAM);
+//! - the device's: nanoseconds per weight byte of a synchronous fetch (the link and everything
+//!   around a copy: staging, pinning, the transfer; on a simulated GPU its modelled bandwidth),
+//!   plus nanoseconds per (row × byte) of the matmul that follows where it ran.
+//!
+//! The rule, for a miss of `b` bytes on `r` input rows: run it on the host when
+//! `r · b · host < b · link + r · b · device`. Before a format has both figures the first miss
+//! uploads and the next one runs on the host (each side measured once), then the rule decides;
+//! every run updates its figure (an exponential average, weight 1/4). At decode (`r = 1`) the
+//! host usually wins on a PCIe link; at prefill the device does, so one expert may run on the
+//! host at decode and be uploaded at prefill.
+//!
+//! This is the one mode whose outputs may depend on placement: on a real GPU the host's and the
+//! device's kernels round differently (close, not equal); on the simulated GPU both are the host's
+//! kernels on the same blocks, so the bits are the same as every other mode's. It is opt-in.
+
+use std::collections::HashMap;
+
+use candle_core::quantized::GgmlDType;
+
+use crate::lock::{Mutex, Rank};
+
+/// Where a miss runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MissRun {
+    /// On the host, from the weight's host copy.
+    Host,
+    /// Uploaded, on the device.
+    Device,
+}
+
+/// The measured figures and what the rule chose.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct MissReport {
+    /// Misses run on the host.
+    pub on_host: u64,
+    /// Misses uploaded and run on the device.
+    pub on_device: u64,
+    /// Weight bytes the host runs did not copy.
+    pub bytes_not_copied: u64,
+    /// Picoseconds per weight byte of a synchronous fetch, as measured.
+    pub link_ps_per_byte: Option<u64>,
+    /// Per GGML format (its name): the host's and the device's picoseconds per (row × byte).
+    pub per_format: Vec<(String, Option<u64>, Option<u64>)>,
+}
+
+impl std::fmt::Display for MissReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ns = |v: Option<u64>| {
+            v.map_or_else(
+                || "unmeasured".to_string(),
+                |v| format!("{:.3} ns", v as f64 / 1000.0),
+            )
+        };
+        write!(
+            f,
+            "cost-aware misses: {} on the host, {} uploaded ({} not copied); rule: host when rows × host < link + rows × device; link {} per byte",
+            self.on_host,
+            self.on_device,
+            crate::size::ByteSize(self.bytes_not_copied),
+            ns(self.link_ps_per_byte)
+        )?;
+        for (format, host, device) in &self.per_format {
+            write!(
+                f,
+                "; {format}: host {} device {} per row·byte",
+                ns(*host),
+                ns(*device)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Default)]
+struct Figures {
+    link: Option<f64>,
+    host: HashMap<GgmlDType, f64>,
+    device: HashMap<GgmlDType, f64>,
+    on_host: u64,
+    on_device: u64,
+    bytes_not_copied: u64,
+}
+
+/// The measured costs of one manager's misses, and the rule on them (module docs).
+#[derive(Debug)]
+pub struct MissCosts {
+    figures: Mutex<Figures>,
+}
+
+impl Default for MissCosts {
+    fn default() -> Self {
+        MissCosts::new()
+    }
+}
+
+/// An exponential average's new value: `old` moved a quarter of the way to `new`.
+fn average(old: Option<f64>, new: f64) -> f64 {
+    match old {
+        Some(o) => o + (new - o) / 4.0,
+        None => new,
+    }
+}
+
+impl MissCosts {
+    /// Nothing measured yet.
+    pub fn new() -> MissCosts {
+        MissCosts {
+            figures: Mutex::new(Rank::MissCosts, Figures::default()),
+        }
+    }
+
+    /// Where a miss of `bytes` of format `ggml` on `rows` input rows runs.
+    pub fn choose(&self, ggml: GgmlDType, rows: usize, bytes: u64) -> MissRun {
+        let f = self.figures.lock();
+        let (Some(link), Some(&host)) = (f.link, f.host.get(&ggml)) else {
+            // Measure each side once: the device first (its figure is the link's, shared by
+            // every format), then the host.
+            return if f.link.is_none() {
+                MissRun::Device
+            } else {
+                MissRun::Host
+            };
+        };
+        let device = f.device.get(&ggml).copied().unwrap_or(0.0);
+        let (r, b) = (rows.max(1) as f64, bytes as f64);
+        if r * b * host < b * link + r * b * device {
+            MissRun::Host
+        } else {
+            MissRun::Device
+        }
+    }
+
+    /// A miss ran on the host in `ns`.
+    pub fn note_host(&self, ggml: GgmlDType, rows: usize, bytes: u64, ns: u64) {
+        let mut f = self.figures.lock();
+        let per = ns as f64 / (rows.max(1) as f64 * bytes.max(1) as f64);
+        let v = average(f.host.get(&ggml).copied(), per);
+        f.host.insert(ggml, v);
+        f.on_host += 1;
+        f.bytes_not_copied += bytes;
+    }
+
+    /// A miss of `bytes` was fetched to the device in `ns`.
+    pub fn note_fetch(&self, bytes: u64, ns: u64) {
+        let mut f = self.figures.lock();
+        f.link = Some(average(f.link, ns as f64 / bytes.max(1) as f64));
+        f.on_device += 1;
+    }
+
+    /// The device's matmul on a fetched miss took `ns` (as the host thread saw it).
+    pub fn note_device(&self, ggml: GgmlDType, rows: usize, bytes: u64, ns: u64) {
+        let mut f = self.figures.lock();
+        let per = ns as f64 / (rows.max(1) as f64 * bytes.max(1) as f64);
+        let v = average(f.device.get(&ggml).copied(), per);
+        f.device.insert(ggml, v);
+    }
+
+    /// The figures and counts so far.
+    pub fn report(&self) -> MissReport {
+        let ps = |v: Option<f64>| v.map(|v| (v * 1000.0).round() as u64);
+        let f = self.figures.lock();
+        let mut formats: Vec<GgmlDType> = f.host.keys().chain(f.device.keys()).copied().collect();
+        formats.sort_by_key(|g| format!("{g:?}"));
+        formats.dedup();
+        MissReport {
+            on_host: f.on_host,
+            on_device: f.on_device,
+            bytes_not_copied: f.bytes_not_copied,
+            link_ps_per_byte: ps(f.link),
+            per_format: formats
+                .into_iter()
+                .map(|g| {
+                    let host = ps(f.host.get(&g).copied());
+                    (format!("{g:?}"), host, ps(f.device.get(&g).copied()))
+                })
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_side_is_measured_once_then_the_cheaper_one_runs_and_batch_moves_the_choice() {
+        let c = MissCosts::new();
+        let q = GgmlDType::Q4K;
+        assert_eq!(c.choose(q, 1, 1000), MissRun::Device, "the link first");
+        c.note_fetch(1000, 2000); // 2 ns per byte
+        assert_eq!(c.choose(q, 1, 1000), MissRun::Host, "then the host");
+        c.note_host(q, 1, 1000, 500); // 0.5 ns per row·byte
+        c.note_device(q, 1, 1000, 10); // 0.01
+                                       // Decode: 0.5 < 2 + 0.01, the host; prefill of 64 rows: 32 > 2 + 0.64, the device.
+        assert_eq!(c.choose(q, 1, 1000), MissRun::Host);
+        assert_eq!(c.choose(q, 64, 1000), MissRun::Device);
+        // Another format: its host side is unmeasured, so the host runs once.
+        assert_eq!(c.choose(GgmlDType::Q8_0, 64, 1000), MissRun::Host);
+        // A host as slow per row as the device's matmul never wins (the sim's case is the
+        // other way round: its device work is the host's).
+        c.note_host(GgmlDType::Q8_0, 1, 1000, 1_000_000);
+        assert_eq!(c.choose(GgmlDType::Q8_0, 1, 1000), MissRun::Device);
+        let r = c.report();
+        assert_eq!((r.on_host, r.on_device, r.bytes_not_copied), (2, 1, 2000));
+        assert_eq!(r.link_ps_per_byte, Some(2000));
+        assert!(
+            r.to_string().contains("rows × host < link + rows × device"),
+            "{r}"
+        );
+    }
+
+    #[test]
+    fn figures_are_averaged_a_quarter_at_a_time() {
+        let c = MissCosts::new();
+        c.note_fetch(100, 100);
+        c.note_fetch(100, 500);
+        assert_eq!(c.report().link_ps_per_byte, Some(2000));
+    }
+}
