@@ -18,7 +18,7 @@ use std::cell::RefCell;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{criterion_group, BenchmarkId, Criterion};
 use residency::attention::{
     attention_with_stats, peak_temporary_bytes, AttentionOptions, AttentionShape, Backend, Layout,
 };
@@ -240,4 +240,12 @@ fn print_summary(rows: &[Row], matmul: f64, peak: f64) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);
+/// `criterion_main!(benches)`, with candle's thread count cached first
+/// ([`residency::tools::cache_candle_thread_count`]).
+fn main() {
+    residency::tools::cache_candle_thread_count();
+    benches();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

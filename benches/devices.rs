@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, Criterion};
 use residency::loader::{LoadOptions, MemoryManager};
 use residency::ops::{OpsBuilder, OpsMode};
 use residency::vram::{Config, DeviceId, Hardware};
@@ -154,4 +154,12 @@ fn bench(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);
+/// `criterion_main!(benches)`, with candle's thread count cached first
+/// ([`residency::tools::cache_candle_thread_count`]).
+fn main() {
+    residency::tools::cache_candle_thread_count();
+    benches();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

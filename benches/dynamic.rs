@@ -15,7 +15,7 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, Criterion};
 use residency::loader::{LoadOptions, MemoryManager};
 use residency::ops::{OpsBuilder, OpsMode};
 use residency::vram::{Config, DeviceId, Hardware};
@@ -283,4 +283,12 @@ fn irregular(_c: &mut Criterion) {
 }
 
 criterion_group!(benches, dense, irregular);
-criterion_main!(benches);
+/// `criterion_main!(benches)`, with candle's thread count cached first
+/// ([`residency::tools::cache_candle_thread_count`]).
+fn main() {
+    residency::tools::cache_candle_thread_count();
+    benches();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Module, Tensor, D};
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, Criterion};
 use residency::float::Dtype;
 use residency::ops::{OpsBuilder, OpsMode};
 use residency::patcher::ModelPatcher;
@@ -150,4 +150,12 @@ fn benches(c: &mut Criterion) {
 }
 
 criterion_group!(kernels, benches);
-criterion_main!(kernels);
+/// `criterion_main!(kernels)`, with candle's thread count cached first
+/// ([`residency::tools::cache_candle_thread_count`]).
+fn main() {
+    residency::tools::cache_candle_thread_count();
+    kernels();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

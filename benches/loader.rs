@@ -193,6 +193,7 @@ fn scaling(n: usize) -> (f64, f64) {
 }
 
 fn main() {
+    residency::tools::cache_candle_thread_count();
     println!("scheduling cost per weight (10 models of N weights, every load evicting):");
     println!(
         "{:>8} {:>22} {:>16} {:>22}",

@@ -85,6 +85,7 @@ fn summary() {
 }
 
 fn main() {
+    residency::tools::cache_candle_thread_count();
     let mut c = Criterion::default()
         .sample_size(10)
         .warm_up_time(Duration::from_secs(1))

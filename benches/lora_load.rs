@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, Criterion};
 use residency::patcher::lora_file;
 use residency::weights::{save_safetensors, HostTier, Model, SafetensorsOptions};
 use residency::{DeviceId, Dtype, ModelPatcher};
@@ -262,4 +262,12 @@ fn bench(_: &mut Criterion) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);
+/// `criterion_main!(benches)`, with candle's thread count cached first
+/// ([`residency::tools::cache_candle_thread_count`]).
+fn main() {
+    residency::tools::cache_candle_thread_count();
+    benches();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

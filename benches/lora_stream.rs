@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, Criterion};
 use residency::float::Dtype;
 use residency::loader::{LoadOptions, MemoryManager};
 use residency::offload::fetch_weight;
@@ -241,4 +241,12 @@ fn bench_cpu(_: &mut Criterion) {
 }
 
 criterion_group!(benches, bench, bench_cpu);
-criterion_main!(benches);
+/// `criterion_main!(benches)`, with candle's thread count cached first
+/// ([`residency::tools::cache_candle_thread_count`]).
+fn main() {
+    residency::tools::cache_candle_thread_count();
+    benches();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

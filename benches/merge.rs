@@ -322,6 +322,7 @@ fn bench(c: &mut Criterion, dir: &Path) {
 }
 
 fn main() {
+    residency::tools::cache_candle_thread_count();
     if let Some(dir) = std::env::var_os(CHILD) {
         let dir = PathBuf::from(dir);
         if let Err(e) = merge_files(&config(&dir, "child.safetensors")) {

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, Criterion};
 use residency::float::Dtype;
 use residency::loader::{LoadOptions, MemoryManager};
 use residency::offload::fetch_weight;
@@ -279,4 +279,12 @@ fn sim_stats(s: &Setup) -> residency::device::SimStats {
 }
 
 criterion_group!(benches, bench, bench_sim);
-criterion_main!(benches);
+/// `criterion_main!(benches)`, with candle's thread count cached first
+/// ([`residency::tools::cache_candle_thread_count`]).
+fn main() {
+    residency::tools::cache_candle_thread_count();
+    benches();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

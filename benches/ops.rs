@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Module, Tensor};
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, Criterion};
 use residency::float::{self, Dtype, Rounding};
 use residency::loader::{LoadOptions, MemoryManager};
 use residency::models::bert::{self, Bert, BertConfig};
@@ -174,4 +174,12 @@ fn benches(c: &mut Criterion) {
 }
 
 criterion_group!(ops, benches);
-criterion_main!(ops);
+/// `criterion_main!(ops)`, with candle's thread count cached first
+/// ([`residency::tools::cache_candle_thread_count`]).
+fn main() {
+    residency::tools::cache_candle_thread_count();
+    ops();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

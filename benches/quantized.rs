@@ -257,6 +257,7 @@ fn bench(c: &mut Criterion, dir: &Path) {
 }
 
 fn main() {
+    residency::tools::cache_candle_thread_count();
     if let Some(arg) = std::env::var_os(CHILD) {
         let arg = arg.to_string_lossy().to_string();
         if let Some((path, budget)) = arg.split_once('|') {

@@ -19,6 +19,7 @@ const MIB: usize = 1 << 20;
 const REPEATS: usize = 3;
 
 fn main() {
+    residency::tools::cache_candle_thread_count();
     let args: Vec<String> = std::env::args().skip(1).collect();
     if !args.is_empty() {
         let usage = "usage: bandwidth (no flags: measures host→device copies on CUDA GPU 0; it takes no residency flags)";

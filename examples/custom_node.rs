@@ -28,6 +28,7 @@ fn lora_node(
 }
 
 fn main() -> Result<()> {
+    residency::tools::cache_candle_thread_count();
     let args: Vec<String> = std::env::args().skip(1).collect();
     if !args.is_empty() {
         let help = args.iter().any(|a| a == "--help" || a == "-h");

@@ -12,6 +12,7 @@
 use residency::tools::{merge_files, MergeConfig};
 
 fn main() {
+    residency::tools::cache_candle_thread_count();
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.iter().any(|a| a == "--help" || a == "-h") {
         println!("{}", MergeConfig::USAGE);

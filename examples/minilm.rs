@@ -225,6 +225,7 @@ fn peak_rss() -> Option<residency::ByteSize> {
 }
 
 fn main() {
+    residency::tools::cache_candle_thread_count();
     let raw: Vec<String> = std::env::args().skip(1).collect();
     let (trace, raw) = match residency::trace::TraceArgs::take_from(&raw) {
         Ok(t) => t,

@@ -223,6 +223,7 @@ fn run(
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    residency::tools::cache_candle_thread_count();
     let args = match parse() {
         Ok(a) => a,
         Err(e) => {

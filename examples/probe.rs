@@ -4,6 +4,7 @@
 use residency::vram::{Config, Hardware, Policy};
 
 fn main() {
+    residency::tools::cache_candle_thread_count();
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.iter().any(|a| a == "--help" || a == "-h") {
         print!(

@@ -56,6 +56,29 @@ use half::{bf16, f16};
 
 use crate::float::{self, Dtype, Fp8Format, Rounding};
 use crate::patcher::adapters::{self, PatchEntry};
+
+/// Sets `RAYON_NUM_THREADS` to the thread count candle computes for itself, when it is not set,
+/// and returns that count. candle 0.11 asks for its thread count at every CPU matmul and, on
+/// Linux without `RAYON_NUM_THREADS` (or `CANDLE_CPU_MASK`), counts physical cores by parsing
+/// `/proc/cpuinfo` each time: measured here, 7 % of a quantized decode step and half the
+/// tokens/s of a resident tiny MoE. With the variable set to the same count candle runs the same
+/// threads, so results are unchanged. The examples and benchmarks call it first.
+///
+/// Call it at the start of `main`, before any other thread runs (setting the environment races
+/// with threads reading it).
+pub fn cache_candle_thread_count() -> usize {
+    if let Some(n) = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+    {
+        return n;
+    }
+    let n = candle_core::utils::get_num_threads();
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    n
+}
+
 use crate::patcher::{lora_file, ModelPatcher, Patch, PatchKey, WEIGHT_SCALE_SUFFIX};
 use crate::vram::DeviceId;
 use crate::weights::{

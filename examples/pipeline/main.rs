@@ -434,6 +434,7 @@ const USAGE: &str = "usage: pipeline [--prompts N] [--steps N] [--seed S] [--jso
 
 #[allow(dead_code)]
 fn main() {
+    residency::tools::cache_candle_thread_count();
     let raw: Vec<String> = std::env::args().skip(1).collect();
     let args = match parse_args(&raw) {
         Ok(a) => a,
