@@ -291,6 +291,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         args.tokens,
     )?;
+    let routed_stats = mm.transfer_stats();
     for r in [&resident, &classic, &by_use, &costed] {
         println!(
             "  {:<22} {:>8.1} tokens/s  {:>10} copied per token  checksum {:016x}",
@@ -312,6 +313,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(m) = mm_costed.miss_report() {
         println!("  {m}");
     }
+    let t = routed_stats;
+    let per = |ns: u64, n: u64| ns as f64 / n.max(1) as f64 / 1000.0;
+    let miss_us = per(t.wait_ns, t.prefetch_misses);
+    let hit_us = per(t.prefetch_hit_wait_ns, t.prefetch_hits);
+    println!(
+        "  router prefetch (by use): {} experts prefetched from the routing, {} used; a prefetched weight waited {:.1} us, a synchronous fetch {:.1} us: about {:.1} ms of copy time hidden",
+        t.routed_prefetches,
+        t.routed_hits,
+        hit_us,
+        miss_us,
+        t.routed_hits as f64 * (miss_us - hit_us).max(0.0) / 1000.0
+    );
     for d in mm.dynamic_report() {
         let total = d.hits + d.misses;
         let rate = |h: u64| {

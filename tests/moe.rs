@@ -476,6 +476,17 @@ fn stacked_experts_are_one_weight_each_and_quantized_qwen3_moe_computes_the_refe
                 "{what}, round {round}: the routing differs"
             );
         }
+        // On a simulated GPU (lanes): the routing's experts were prefetched, and used.
+        let t = mm.transfer_stats();
+        if what.starts_with("sim-gpu") {
+            assert!(
+                t.routed_prefetches > 0 && t.routed_hits > 0,
+                "{what}: {t:?}"
+            );
+            assert!(t.routed_hits <= t.routed_prefetches && t.routed_hits <= t.prefetch_hits);
+        } else {
+            assert_eq!(t.routed_prefetches, 0, "{what}: no lanes, no prefetch");
+        }
         if what == "sim-gpu quarter, by use" {
             let d = &mm.memory_report().dynamic_devices[0];
             assert!(d.faults_in > 0 && d.hits > 0, "{what}: {d}");

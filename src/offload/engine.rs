@@ -49,6 +49,9 @@ pub struct TransferStats {
     wait_ns: AtomicU64,
     hits: AtomicU64,
     misses: AtomicU64,
+    hit_wait_ns: AtomicU64,
+    routed: AtomicU64,
+    routed_hits: AtomicU64,
 }
 
 /// A snapshot of [`TransferStats`].
@@ -73,6 +76,14 @@ pub struct TransferSnapshot {
     pub prefetch_hits: u64,
     /// Streamed fetches that had to be fetched synchronously.
     pub prefetch_misses: u64,
+    /// Time compute spent waiting for prefetches still in flight when used, in nanoseconds
+    /// (not in `wait_ns`, which is the synchronous fetches').
+    pub prefetch_hit_wait_ns: u64,
+    /// Prefetches requested from a mixture of experts' routing (`nn::moe`: the experts a layer
+    /// routed to, of its other expert matrices, before the first is computed).
+    pub routed_prefetches: u64,
+    /// Of them, used (the prediction was right and the copy arrived or was arriving).
+    pub routed_hits: u64,
 }
 
 impl TransferSnapshot {
@@ -96,7 +107,19 @@ impl TransferStats {
             wait_ns: self.wait_ns.load(Ordering::Relaxed),
             prefetch_hits: self.hits.load(Ordering::Relaxed),
             prefetch_misses: self.misses.load(Ordering::Relaxed),
+            prefetch_hit_wait_ns: self.hit_wait_ns.load(Ordering::Relaxed),
+            routed_prefetches: self.routed.load(Ordering::Relaxed),
+            routed_hits: self.routed_hits.load(Ordering::Relaxed),
         }
+    }
+    pub(crate) fn hit_waited(&self, ns: u64, routed: bool) {
+        self.hit_wait_ns.fetch_add(ns, Ordering::Relaxed);
+        if routed {
+            self.routed_hits.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    pub(crate) fn routed_request(&self) {
+        self.routed.fetch_add(1, Ordering::Relaxed);
     }
     pub(crate) fn hit(&self) {
         self.hits.fetch_add(1, Ordering::Relaxed);

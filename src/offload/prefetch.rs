@@ -46,6 +46,8 @@ struct FetchKey {
 struct InFlight {
     key: FetchKey,
     pending: Pending,
+    /// Requested from a routing (`prefetch_routed`), not predicted from use.
+    routed: bool,
 }
 
 /// Where prefetched bytes are booked: the memory manager's ledger implements it.
@@ -308,19 +310,24 @@ impl Streamer {
         let keeper = self.keeper();
         let stats = self.engine.stats();
         let prefetched = match found {
-            Some(f) => match f.pending.wait_parts() {
-                Ok(parts) => {
-                    tracing::debug!(model = patcher.model().name(), weight = index, "hit");
-                    stats.hit();
-                    Some(parts)
+            Some(f) => {
+                let t0 = std::time::Instant::now();
+                let routed = f.routed;
+                match f.pending.wait_parts() {
+                    Ok(parts) => {
+                        tracing::debug!(model = patcher.model().name(), weight = index, "hit");
+                        stats.hit();
+                        stats.hit_waited(t0.elapsed().as_nanos() as u64, routed);
+                        Some(parts)
+                    }
+                    // A failed prefetch (a lane's copy or allocation failed) costs time, never the
+                    // forward: the weight is fetched now, on this thread.
+                    Err(e) => {
+                        tracing::debug!(error = %e, weight = index, "a prefetch failed; fetching now");
+                        None
+                    }
                 }
-                // A failed prefetch (a lane's copy or allocation failed) costs time, never the
-                // forward: the weight is fetched now, on this thread.
-                Err(e) => {
-                    tracing::debug!(error = %e, weight = index, "a prefetch failed; fetching now");
-                    None
-                }
-            },
+            }
             None => None,
         };
         let weight = match prefetched {
@@ -545,36 +552,88 @@ impl Streamer {
             if patcher.resident_weight(next).is_some() {
                 continue;
             }
-            let key = Streamer::key(patcher, next);
             requested += 1;
-            if q.iter().any(|f| f.key == key) {
-                continue;
-            }
-            let bytes = patcher.resident_size(next);
-            if !key.device.is_cpu() {
-                in_use = in_use.max(bytes);
-            }
-            let in_flight: ByteSize = q.iter().map(|f| f.pending.bytes()).sum();
-            if in_flight.saturating_add(bytes) > cap {
+            if !self.submit(&mut q, patcher, next, &mut in_use, cap, false) {
                 break;
             }
-            let reservation = match &*self.gate.lock() {
-                Some(g) => match Reservation::take(
-                    &g.gate,
-                    key.device,
-                    bytes,
-                    g.keep_free.saturating_add(in_use),
-                ) {
-                    Some(r) => Some(r),
-                    None => break,
-                },
-                None => None,
-            };
-            let pending = self.engine.submit_booked(patcher, next, reservation);
-            q.push_back(InFlight { key, pending });
         }
-        // Never hold more than a few rounds of unused prefetches (a branch not taken).
-        while q.len() > 2 * depth + 2 {
+        // Never hold more than a few rounds of unused prefetches (a branch not taken); a
+        // routing's prefetches are kept for the layer that asked for them.
+        let routed = q.iter().filter(|f| f.routed).count();
+        while q.len() > 2 * depth + 2 + routed {
+            match q.iter().position(|f| !f.routed) {
+                Some(p) => drop(q.remove(p)),
+                None => break,
+            }
+        }
+    }
+
+    /// Submits a prefetch of weight `next` (unless one is in flight): `false` when it cannot be
+    /// booked or would pass the cap, and the caller stops.
+    fn submit(
+        &self,
+        q: &mut VecDeque<InFlight>,
+        patcher: &ModelPatcher,
+        next: usize,
+        in_use: &mut ByteSize,
+        cap: ByteSize,
+        routed: bool,
+    ) -> bool {
+        let key = Streamer::key(patcher, next);
+        if q.iter().any(|f| f.key == key) {
+            return true;
+        }
+        let bytes = patcher.resident_size(next);
+        if !key.device.is_cpu() {
+            *in_use = (*in_use).max(bytes);
+        }
+        let in_flight: ByteSize = q.iter().map(|f| f.pending.bytes()).sum();
+        if in_flight.saturating_add(bytes) > cap {
+            return false;
+        }
+        let reservation = match &*self.gate.lock() {
+            Some(g) => match Reservation::take(
+                &g.gate,
+                key.device,
+                bytes,
+                g.keep_free.saturating_add(*in_use),
+            ) {
+                Some(r) => Some(r),
+                None => return false,
+            },
+            None => None,
+        };
+        let pending = self.engine.submit_booked(patcher, next, reservation);
+        q.push_back(InFlight {
+            key,
+            pending,
+            routed,
+        });
+        true
+    }
+
+    /// Prefetches `weights` in order — a mixture of experts' routed experts, known before they
+    /// are used (`nn::moe`) — skipping resident ones, until one cannot be booked. With lanes
+    /// only (without, a prefetch would be a synchronous copy).
+    pub(crate) fn prefetch_routed(&self, patcher: &ModelPatcher, weights: &[usize]) {
+        if self.engine.lanes() == 0 || weights.is_empty() {
+            return;
+        }
+        let cap = ByteSize(self.cap.load(Ordering::Relaxed));
+        let stats = self.engine.stats();
+        let mut q = self.inflight.lock();
+        let mut in_use = ByteSize::ZERO;
+        for &w in weights {
+            if patcher.resident_weight(w).is_some() {
+                continue;
+            }
+            if !self.submit(&mut q, patcher, w, &mut in_use, cap, true) {
+                break;
+            }
+            stats.routed_request();
+        }
+        // Routed prefetches are used within the layer; older unused ones go first.
+        while q.len() > weights.len().max(2 * self.depth() + 2) {
             q.pop_front();
         }
     }

@@ -350,6 +350,57 @@ impl QTensor {
         }
     }
 
+    /// The patcher a managed handle fetches through.
+    fn patcher(&self) -> Option<Arc<ModelPatcher>> {
+        match &self.inner {
+            Inner::Owned(_) => None,
+            Inner::Quantized(r) => Some(r.source.patcher()),
+            Inner::Dense(d) => Some(d.weights.source().patcher()),
+            Inner::Stacked(s) => s.experts[0].patcher(),
+        }
+    }
+
+    /// Prefetches, on the transfer lanes, experts `experts` of this stacked tensor and of the
+    /// layer's stacked tensors after it (`ffn_up_exps`, `ffn_down_exps` after `ffn_gate_exps`):
+    /// the routing says which experts the layer uses before the first is computed. The first of
+    /// this tensor's is left out (it is fetched at once). Nothing for other handles.
+    pub(crate) fn prefetch_experts(&self, experts: &[usize]) {
+        let Inner::Stacked(s) = &self.inner else {
+            return;
+        };
+        let Some(patcher) = self.patcher() else {
+            return;
+        };
+        let Some(streamer) = crate::offload::streamer_of(&patcher) else {
+            return;
+        };
+        let model = patcher.model();
+        let Some(mine) = model.stack(&s.key) else {
+            return;
+        };
+        let layer = crate::patcher::layer_of(&s.key);
+        let first = mine.experts().first().copied().unwrap_or(0);
+        let mut later: Vec<&crate::weights::Stack> = model
+            .stacks()
+            .filter(|(name, st)| {
+                crate::patcher::layer_of(name) == layer
+                    && st.experts().first().copied().unwrap_or(0) > first
+            })
+            .map(|(_, st)| st)
+            .collect();
+        later.sort_by_key(|st| st.experts().first().copied());
+        let slot = |st: &crate::weights::Stack, e: usize| st.experts().get(e).copied();
+        let mut wanted: Vec<usize> = experts
+            .iter()
+            .skip(1)
+            .filter_map(|&e| slot(mine, e))
+            .collect();
+        for st in later {
+            wanted.extend(experts.iter().filter_map(|&e| slot(st, e)));
+        }
+        streamer.prefetch_routed(&patcher, &wanted);
+    }
+
     fn model_name(&self) -> String {
         match &self.inner {
             Inner::Owned(_) => String::new(),

@@ -224,6 +224,10 @@ impl Model {
     pub fn stack(&self, name: &str) -> Option<&Stack> {
         self.stacks.get(name)
     }
+    /// Every stacked-expert tensor of a GGUF model, by name (no order).
+    pub fn stacks(&self) -> impl Iterator<Item = (&str, &Stack)> {
+        self.stacks.iter().map(|(k, v)| (k.as_str(), v))
+    }
     /// Number of weights.
     pub fn len(&self) -> usize {
         self.slots.len()
