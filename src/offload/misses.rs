@@ -86,6 +86,8 @@ struct Figures {
     link: Option<f64>,
     host: HashMap<GgmlDType, f64>,
     device: HashMap<GgmlDType, f64>,
+    /// Decisions made per format (every 16th explores).
+    decided: HashMap<GgmlDType, u64>,
     on_host: u64,
     on_device: u64,
     bytes_not_copied: u64,
@@ -103,13 +105,17 @@ impl Default for MissCosts {
     }
 }
 
-/// An exponential average's new value: `old` moved a quarter of the way to `new`.
+/// An exponential average's new value: `old` moved a quarter of the way to `new`, a `new` above
+/// 4× `old` counted as 4×.
 fn average(old: Option<f64>, new: f64) -> f64 {
     match old {
-        Some(o) => o + (new - o) / 4.0,
+        Some(o) => o + (new.min(4.0 * o) - o) / 4.0,
         None => new,
     }
 }
+
+/// Every this many decisions of a format, the side the rule did not pick runs.
+const EXPLORE_EVERY: u64 = 16;
 
 impl MissCosts {
     /// Nothing measured yet.
@@ -121,7 +127,7 @@ impl MissCosts {
 
     /// Where a miss of `bytes` of format `ggml` on `rows` input rows runs.
     pub fn choose(&self, ggml: GgmlDType, rows: usize, bytes: u64) -> MissRun {
-        let f = self.figures.lock();
+        let mut f = self.figures.lock();
         let (Some(link), Some(&host)) = (f.link, f.host.get(&ggml)) else {
             // Measure each side once: the device first (its figure is the link's, shared by
             // every format), then the host.
@@ -133,7 +139,11 @@ impl MissCosts {
         };
         let device = f.device.get(&ggml).copied().unwrap_or(0.0);
         let (r, b) = (rows.max(1) as f64, bytes as f64);
-        if r * b * host < b * link + r * b * device {
+        let host_wins = r * b * host < b * link + r * b * device;
+        let n = f.decided.entry(ggml).or_insert(0);
+        *n += 1;
+        let explore = (*n).is_multiple_of(EXPLORE_EVERY);
+        if host_wins != explore {
             MissRun::Host
         } else {
             MissRun::Device
@@ -220,10 +230,24 @@ mod tests {
     }
 
     #[test]
-    fn figures_are_averaged_a_quarter_at_a_time() {
+    fn figures_are_averaged_a_quarter_at_a_time_and_an_outlier_counts_as_four_times() {
         let c = MissCosts::new();
         c.note_fetch(100, 100);
-        c.note_fetch(100, 500);
-        assert_eq!(c.report().link_ps_per_byte, Some(2000));
+        c.note_fetch(100, 300);
+        assert_eq!(c.report().link_ps_per_byte, Some(1500));
+        // 100 ns per byte against a figure of 1.5: counted as 6.
+        c.note_fetch(100, 10_000);
+        assert_eq!(c.report().link_ps_per_byte, Some(2625));
+    }
+
+    #[test]
+    fn every_sixteenth_decision_runs_the_other_side() {
+        let c = MissCosts::new();
+        let q = GgmlDType::Q8_0;
+        c.note_fetch(1000, 10_000);
+        c.note_host(q, 1, 1000, 100);
+        let runs: Vec<MissRun> = (0..32).map(|_| c.choose(q, 1, 1000)).collect();
+        let device: Vec<usize> = (0..32).filter(|&i| runs[i] == MissRun::Device).collect();
+        assert_eq!(device, vec![15, 31], "{runs:?}");
     }
 }

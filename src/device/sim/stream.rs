@@ -395,7 +395,7 @@ impl Core {
                 )
                 .entered();
                 let t0 = std::time::Instant::now();
-                std::thread::sleep(time);
+                super::precise_sleep(time);
                 match &src {
                     Src::Locked {
                         addr,
