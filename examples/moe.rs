@@ -42,26 +42,9 @@ mod quantized_llama;
 
 /// candle-transformers' `quantized_qwen3_moe` (with `quantized_qwen3` and `fused_moe`) on
 /// residency, as `tests/moe.rs` ports it.
+#[path = "../tests/ported/qwen3_moe_managed.rs"]
 #[allow(dead_code, unused_imports, clippy::all)]
-mod managed {
-    pub mod candle {
-        pub use candle_core::*;
-        pub mod quantized {
-            pub use residency::quantized::*;
-        }
-    }
-    pub use residency::nn::moe;
-    pub use residency::{quantized_nn, quantized_var_builder, with_tracing};
-    pub mod fused_moe {
-        include!("../tests/ported/fused_moe.rs");
-    }
-    pub mod quantized_qwen3 {
-        include!("../tests/ported/quantized_qwen3.rs");
-    }
-    pub mod quantized_qwen3_moe {
-        include!("../tests/ported/quantized_qwen3_moe.rs");
-    }
-}
+mod managed;
 
 /// The two GGUF layouts of experts.
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -213,7 +213,7 @@ pub fn moe_gemm_gguf(
     )?;
     // The routing names every expert this layer uses: prefetch them (and the layer's later
     // expert matrices) on the lanes while the first computes.
-    let routed: Vec<usize> = routing.runs.iter().map(|r| r.0).collect();
+    let routed: Vec<(usize, usize)> = routing.runs.iter().map(|r| (r.0, r.1.len())).collect();
     weights.prefetch_experts(&routed);
     run_experts(input, &routing, topk_weights, |e, x| {
         QMatMul::from_qtensor(weights.expert(e)?)?.forward(x)

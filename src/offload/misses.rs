@@ -18,6 +18,14 @@
 //! host usually wins on a PCIe link; at prefill the device does, so one expert may run on the
 //! host at decode and be uploaded at prefill.
 //!
+//! A quantized weight a [`crate::DeviceMap`] puts on the host ([`crate::Target::Host`]) always
+//! runs on the host in this mode and is never prefetched: llama.cpp's static placement
+//! (`-ot exps=CPU`, `-ncmoe N`: the first N layers' experts on the CPU, computed there).
+//!
+//! Residency by use keeps a missed copy only where keeping pays back
+//! ([`MissCosts::worth_keeping`]: 8 later uses must save the upload), and prefetch skips weights
+//! the rule would run on the host ([`MissCosts::prefers_host`]).
+//!
 //! This is the one mode whose outputs may depend on placement: on a real GPU the host's and the
 //! device's kernels round differently (close, not equal); on the simulated GPU both are the host's
 //! kernels on the same blocks, so the bits are the same as every other mode's. It is opt-in.
@@ -114,6 +122,9 @@ fn average(old: Option<f64>, new: f64) -> f64 {
     }
 }
 
+/// The uses a kept copy is expected to serve before it is evicted, for [`MissCosts::worth_keeping`].
+const KEPT_USES: f64 = 8.0;
+
 /// Every this many decisions of a format, the side the rule did not pick runs.
 const EXPLORE_EVERY: u64 = 16;
 
@@ -148,6 +159,34 @@ impl MissCosts {
         } else {
             MissRun::Device
         }
+    }
+
+    /// Whether the rule, on the figures so far, runs such a miss on the host (no exploration,
+    /// nothing counted; `false` while a side is unmeasured): a prefetch of a weight that would
+    /// run on the host is not worth its copy.
+    pub fn prefers_host(&self, ggml: GgmlDType, rows: usize, bytes: u64) -> bool {
+        let f = self.figures.lock();
+        let (Some(link), Some(&host)) = (f.link, f.host.get(&ggml)) else {
+            return false;
+        };
+        let device = f.device.get(&ggml).copied().unwrap_or(0.0);
+        let (r, b) = (rows.max(1) as f64, bytes as f64);
+        r * b * host < b * link + r * b * device
+    }
+
+    /// Whether keeping a missed copy resident (residency by use's fault-in) pays back: its
+    /// upload costs `b · link` once, and each later use on `rows` rows saves `rows · b · (host −
+    /// device)` against running it on the host — worth it when [`KEPT_USES`] uses (8) save at
+    /// least the upload. `true` while either side is unmeasured; `false` where the host computes
+    /// as fast as the device (a simulated GPU, whose device work is the host's).
+    pub fn worth_keeping(&self, ggml: GgmlDType, rows: usize) -> bool {
+        let f = self.figures.lock();
+        let (Some(link), Some(&host), Some(&device)) =
+            (f.link, f.host.get(&ggml), f.device.get(&ggml))
+        else {
+            return true;
+        };
+        (host - device) * rows.max(1) as f64 * KEPT_USES >= link
     }
 
     /// A miss ran on the host in `ns`.
@@ -220,6 +259,18 @@ mod tests {
         // other way round: its device work is the host's).
         c.note_host(GgmlDType::Q8_0, 1, 1000, 1_000_000);
         assert_eq!(c.choose(GgmlDType::Q8_0, 1, 1000), MissRun::Device);
+        // Keeping pays back where 8 uses save the upload: Q4K's host 0.5 against the device's
+        // 0.01 saves 3.9 per byte over 8 uses, more than the 2 of the link.
+        assert!(c.worth_keeping(q, 1));
+        // A host about as fast as the device (the simulated GPU's case): 8 × 0.05 < 2 at one
+        // row, 8 × 8 × 0.05 ≥ 2 at eight.
+        let sim = MissCosts::new();
+        sim.note_fetch(1000, 2000);
+        sim.note_host(q, 1, 1000, 500);
+        assert!(sim.worth_keeping(q, 1), "the device side unmeasured");
+        sim.note_device(q, 1, 1000, 450);
+        assert!(!sim.worth_keeping(q, 1));
+        assert!(sim.worth_keeping(q, 8));
         let r = c.report();
         assert_eq!((r.on_host, r.on_device, r.bytes_not_copied), (2, 1, 2000));
         assert_eq!(r.link_ps_per_byte, Some(2000));

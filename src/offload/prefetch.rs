@@ -159,6 +159,9 @@ pub struct Streamer {
     inflight: Mutex<VecDeque<InFlight>>,
     /// The manager's cost-aware misses, when on (`--cost-aware-misses`).
     misses: once_cell::sync::OnceCell<Arc<super::MissCosts>>,
+    /// The input rows of the latest matmul a weight was fetched for (what a prefetch predicted
+    /// from use will most likely run on).
+    last_rows: AtomicUsize,
 }
 
 /// A streamed fetch's result: the weight on its device, or — a cost-aware miss run on the host —
@@ -187,6 +190,7 @@ impl Streamer {
             gate: Mutex::new(Rank::StreamerGate, None),
             inflight: Mutex::new(Rank::StreamerQueue, VecDeque::new()),
             misses: once_cell::sync::OnceCell::new(),
+            last_rows: AtomicUsize::new(1),
         }
     }
 
@@ -298,6 +302,9 @@ impl Streamer {
         index: usize,
         host: Option<(candle_core::quantized::GgmlDType, usize)>,
     ) -> Result<Fetch> {
+        if let Some((_, rows)) = host {
+            self.last_rows.store(rows, Ordering::Relaxed);
+        }
         let key = Streamer::key(patcher, index);
         let found = {
             let mut q = self.inflight.lock();
@@ -346,13 +353,22 @@ impl Streamer {
             None => {
                 tracing::debug!(model = patcher.model().name(), weight = index, "miss");
                 stats.miss();
-                let booked = keeper
-                    .as_ref()
-                    .is_some_and(|(k, room)| k.book(patcher, index, *room));
                 let costs = host.and_then(|h| self.misses.get().map(|c| (c, h)));
+                // With cost-aware misses a copy is kept only where keeping it pays back: where
+                // the host computes it about as fast as the device, it never does.
+                let worth_keeping =
+                    costs.is_none_or(|(c, (ggml, rows))| c.worth_keeping(ggml, rows));
+                let booked = worth_keeping
+                    && keeper
+                        .as_ref()
+                        .is_some_and(|(k, room)| k.book(patcher, index, *room));
                 let bytes = patcher.model().slots()[index].bytes().bytes();
                 if let Some((c, (ggml, rows))) = costs.filter(|_| !booked) {
-                    if c.choose(ggml, rows, bytes) == super::MissRun::Host {
+                    // A weight the device map puts on the host runs there (llama.cpp's
+                    // `-ot exps=CPU`, `-ncmoe`); any other miss where the rule says.
+                    if patcher.streams_always(index)
+                        || c.choose(ggml, rows, bytes) == super::MissRun::Host
+                    {
                         let clean = patcher.model().slots()[index].clean()?;
                         if let Some((k, _)) = &keeper {
                             k.note_use(patcher, index, false);
@@ -580,7 +596,15 @@ impl Streamer {
         routed: bool,
     ) -> bool {
         let key = Streamer::key(patcher, next);
-        if q.iter().any(|f| f.key == key) {
+        let rows = if routed {
+            None
+        } else {
+            Some(self.last_rows.load(Ordering::Relaxed))
+        };
+        if q.iter().any(|f| f.key == key)
+            || self.runs_on_host(patcher, next)
+            || rows.is_some_and(|r| self.host_preferred(patcher, next, r))
+        {
             return true;
         }
         let bytes = patcher.resident_size(next);
@@ -612,10 +636,29 @@ impl Streamer {
         true
     }
 
-    /// Prefetches `weights` in order — a mixture of experts' routed experts, known before they
-    /// are used (`nn::moe`) — skipping resident ones, until one cannot be booked. With lanes
-    /// only (without, a prefetch would be a synchronous copy).
-    pub(crate) fn prefetch_routed(&self, patcher: &ModelPatcher, weights: &[usize]) {
+    /// Whether cost-aware misses would run quantized weight `index` on the host for a matmul on
+    /// `rows` rows (then prefetching it is not worth its copy).
+    fn host_preferred(&self, patcher: &ModelPatcher, index: usize, rows: usize) -> bool {
+        let slot = &patcher.model().slots()[index];
+        match (self.misses.get(), slot.quantized()) {
+            (Some(c), Some(ggml)) => c.prefers_host(ggml, rows, slot.bytes().bytes()),
+            _ => false,
+        }
+    }
+
+    /// Whether weight `index` always runs on the host (cost-aware misses on, a quantized weight
+    /// the device map puts on the host): never prefetched.
+    fn runs_on_host(&self, patcher: &ModelPatcher, index: usize) -> bool {
+        self.misses.get().is_some()
+            && patcher.streams_always(index)
+            && patcher.model().slots()[index].quantized().is_some()
+    }
+
+    /// Prefetches `weights` in order — a mixture of experts' routed experts with the rows routed
+    /// to each, known before they are used (`nn::moe`) — skipping resident ones and, with
+    /// cost-aware misses, those the rule would run on the host, until one cannot be booked.
+    /// With lanes only (without, a prefetch would be a synchronous copy).
+    pub(crate) fn prefetch_routed(&self, patcher: &ModelPatcher, weights: &[(usize, usize)]) {
         if self.engine.lanes() == 0 || weights.is_empty() {
             return;
         }
@@ -623,8 +666,11 @@ impl Streamer {
         let stats = self.engine.stats();
         let mut q = self.inflight.lock();
         let mut in_use = ByteSize::ZERO;
-        for &w in weights {
-            if patcher.resident_weight(w).is_some() {
+        for &(w, rows) in weights {
+            if patcher.resident_weight(w).is_some() || self.runs_on_host(patcher, w) {
+                continue;
+            }
+            if self.host_preferred(patcher, w, rows) {
                 continue;
             }
             if !self.submit(&mut q, patcher, w, &mut in_use, cap, true) {

@@ -363,8 +363,9 @@ impl QTensor {
     /// Prefetches, on the transfer lanes, experts `experts` of this stacked tensor and of the
     /// layer's stacked tensors after it (`ffn_up_exps`, `ffn_down_exps` after `ffn_gate_exps`):
     /// the routing says which experts the layer uses before the first is computed. The first of
-    /// this tensor's is left out (it is fetched at once). Nothing for other handles.
-    pub(crate) fn prefetch_experts(&self, experts: &[usize]) {
+    /// this tensor's is left out (it is fetched at once). `experts`: each expert with the rows
+    /// routed to it. Nothing for other handles.
+    pub(crate) fn prefetch_experts(&self, experts: &[(usize, usize)]) {
         let Inner::Stacked(s) = &self.inner else {
             return;
         };
@@ -389,8 +390,10 @@ impl QTensor {
             .map(|(_, st)| st)
             .collect();
         later.sort_by_key(|st| st.experts().first().copied());
-        let slot = |st: &crate::weights::Stack, e: usize| st.experts().get(e).copied();
-        let mut wanted: Vec<usize> = experts
+        let slot = |st: &crate::weights::Stack, (e, rows): (usize, usize)| {
+            st.experts().get(e).map(|&i| (i, rows))
+        };
+        let mut wanted: Vec<(usize, usize)> = experts
             .iter()
             .skip(1)
             .filter_map(|&e| slot(mine, e))

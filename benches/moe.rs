@@ -1,0 +1,283 @@
+//! A mixture of experts decoded at batch 1 on a simulated GPU at 25 GB/s with 30 % of the model's
+//! bytes: the expert cache against plain streaming, llama.cpp's static placement and the model
+//! fully resident (issue 36's figures).
+//!
+//! The model: the tiny Qwen3-MoE of `tests/common/gguf.rs` (2 blocks, 8 stacked experts of
+//! Q4K / Q8_0 / Q6K each, top-2, a skewed router), run by candle-transformers'
+//! `quantized_qwen3_moe` ported by its `use` lines; a 5-token prompt, then `TOKENS` greedy
+//! tokens timed. Every run gives the same logits (checked).
+//!
+//! - **resident** (the limit): the whole model on a device large enough;
+//! - **(a) plain streaming**: the classic partial load, every expert not resident copied at each
+//!   use and dropped;
+//! - **(b) static placement**: llama.cpp's `-ncmoe N` — the first N layers' experts on the host,
+//!   computed there (a device map to the host with `--cost-aware-misses`), the rest loaded;
+//!   N is the smallest whose remaining weights fit the budget, as llama.cpp's fit chooses;
+//! - **by use**: residency by use (the expert cache) with router prefetch;
+//! - **by use, cost-aware**: the same with `--cost-aware-misses`.
+//!
+//! Rounds are interleaved (every configuration once per round, `ROUNDS` rounds) and the median
+//! is printed, with hit rates beside Belady's optimum for the same uses and room, bytes copied
+//! per token, where misses ran and the copy time router prefetch hid.
+//!
+//! `cargo bench --bench moe`.
+
+#[path = "../tests/common/gguf.rs"]
+#[allow(dead_code)]
+mod gguf;
+
+// The ported files' `crate::utils` (candle-transformers' own).
+include!("../tests/ported/shim.rs");
+
+#[path = "../tests/ported/qwen3_moe_managed.rs"]
+#[allow(dead_code, unused_imports, clippy::all)]
+mod managed;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Tensor};
+use residency::loader::{LoadOptions, MemoryManager};
+use residency::quantized::gguf_file;
+use residency::vram::{Config, DeviceId, Hardware};
+use residency::{ByteSize, DeviceMap, ModelPatcher, Target};
+
+const PROMPT: [u32; 5] = [1, 17, 42, 5, 63];
+const TOKENS: usize = 128;
+const ROUNDS: usize = 5;
+const BUDGET_PERCENT: u64 = 30;
+
+/// One configuration: its flags and, for static placement, the layers whose experts stay on
+/// the host.
+struct Setup {
+    name: &'static str,
+    flags: Vec<String>,
+    host_layers: usize,
+}
+
+/// What one timed decode measured.
+struct Measured {
+    elapsed: Duration,
+    copied: ByteSize,
+    checksum: u64,
+    mm: MemoryManager,
+}
+
+fn decode(setup: &Setup, path: &std::path::Path) -> Measured {
+    let mut all = vec!["--reserve-vram".to_string(), "0".to_string()];
+    all.extend(setup.flags.iter().cloned());
+    let mm = MemoryManager::new(
+        Config::from_args(&all).unwrap(),
+        Hardware::cpu_only(ByteSize::gib(16)),
+    )
+    .unwrap();
+    let model = mm.read_gguf("tiny-qwen3moe", path).unwrap();
+    let mut p = ModelPatcher::new(Arc::new(model), mm.compute_device(), DeviceId::Cpu);
+    if setup.host_layers > 0 {
+        let layers = (0..setup.host_layers)
+            .map(|b| b.to_string())
+            .collect::<Vec<_>>()
+            .join("|");
+        let pattern = format!(r"^blk\.({layers})\.ffn_.*_exps\.");
+        p = p.with_device_map(DeviceMap::new().regex(&pattern, Target::Host).unwrap());
+    }
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    let device = p.load_device().to_candle().unwrap();
+    let ct = gguf_file::Content::from_patcher(&p);
+    let mut unused = std::io::Cursor::new(Vec::<u8>::new());
+    let mut model =
+        managed::quantized_qwen3_moe::GGUFQWenMoE::from_gguf(ct, &mut unused, &device, DType::F32)
+            .unwrap();
+    let input = Tensor::new(&PROMPT, &device).unwrap().unsqueeze(0).unwrap();
+    let logits = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut last = logits(model.forward(&input, 0).unwrap());
+    mm.reset_dynamic_stats();
+    let copied_before = mm.transfer_stats().bytes_copied();
+    let mut checksum = 0u64;
+    let t0 = Instant::now();
+    for step in 0..TOKENS {
+        let next = gguf::argmax(&last);
+        let input = Tensor::new(&[next], &device).unwrap().unsqueeze(0).unwrap();
+        last = logits(model.forward(&input, PROMPT.len() + step).unwrap());
+        checksum = last
+            .iter()
+            .fold(checksum, |h, x| h.rotate_left(5) ^ u64::from(x.to_bits()));
+    }
+    let elapsed = t0.elapsed();
+    let copied = mm
+        .transfer_stats()
+        .bytes_copied()
+        .saturating_sub(copied_before);
+    if std::env::var("MOE_DEBUG").is_ok() {
+        let m = p.model();
+        let mut res = Vec::new();
+        for i in 0..m.len() {
+            let r = p.resident_weight(i).is_some();
+            res.push(format!(
+                "{}{}:{}",
+                if r { "*" } else { "" },
+                m.slots()[i].name(),
+                m.slots()[i].bytes()
+            ));
+        }
+        eprintln!("{}: {}", setup.name, res.join(" "));
+    }
+    Measured {
+        elapsed,
+        copied,
+        checksum,
+        mm,
+    }
+}
+
+/// The smallest N whose layers' experts on the host leave the rest of the model within
+/// `budget` (llama.cpp's fit for `-ncmoe`).
+fn ncmoe(path: &std::path::Path, budget: ByteSize) -> usize {
+    let model = residency::weights::Model::from_gguf("fit", path).unwrap();
+    let total = model.model_size().bytes();
+    let experts_of = |b: usize| -> u64 {
+        model
+            .slots()
+            .iter()
+            .filter(|s| s.name().starts_with(&format!("blk.{b}.")) && s.name().contains("_exps."))
+            .map(|s| s.bytes().bytes())
+            .sum()
+    };
+    let mut rest = total;
+    for n in 0..=gguf::BLOCKS {
+        if rest <= budget.bytes() {
+            return n;
+        }
+        if n < gguf::BLOCKS {
+            rest -= experts_of(n);
+        }
+    }
+    gguf::BLOCKS
+}
+
+fn main() {
+    residency::tools::cache_candle_thread_count();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-qwen3moe.gguf");
+    gguf::write_tiny_qwen3_moe(&path);
+    let size = residency::weights::Model::from_gguf("size", &path)
+        .unwrap()
+        .model_size();
+    let budget = ByteSize(size.bytes() * BUDGET_PERCENT / 100);
+    let n = ncmoe(&path, budget);
+    let sim = |spec: ByteSize, rest: &[&str]| -> Vec<String> {
+        let mut v = vec!["--sim-gpu".to_string(), format!("{}@25GB/s", spec.bytes())];
+        v.extend(rest.iter().map(|s| s.to_string()));
+        v
+    };
+    let setups = [
+        Setup {
+            name: "resident (limit)",
+            flags: sim(ByteSize(size.bytes() * 4), &["--highvram"]),
+            host_layers: 0,
+        },
+        Setup {
+            name: "(a) plain streaming",
+            flags: sim(budget, &["--disable-dynamic-vram"]),
+            host_layers: 0,
+        },
+        Setup {
+            name: "(b) static, -ncmoe",
+            flags: sim(budget, &["--disable-dynamic-vram", "--cost-aware-misses"]),
+            host_layers: n,
+        },
+        Setup {
+            name: "by use",
+            flags: sim(budget, &["--enable-dynamic-vram"]),
+            host_layers: 0,
+        },
+        Setup {
+            name: "by use, cost-aware",
+            flags: sim(budget, &["--enable-dynamic-vram", "--cost-aware-misses"]),
+            host_layers: 0,
+        },
+    ];
+    let mut times: Vec<Vec<Duration>> = vec![Vec::new(); setups.len()];
+    let mut last: Vec<Option<Measured>> = (0..setups.len()).map(|_| None).collect();
+    let mut checksums = std::collections::HashSet::new();
+    for _ in 0..ROUNDS {
+        for (i, s) in setups.iter().enumerate() {
+            if let Ok(only) = std::env::var("MOE_ONLY") {
+                if !s.name.contains(only.as_str()) && i > 0 {
+                    let resident = times[0][0];
+                    times[i].push(resident);
+                    continue;
+                }
+            }
+            let m = decode(s, &path);
+            times[i].push(m.elapsed);
+            checksums.insert(m.checksum);
+            last[i] = Some(m);
+        }
+    }
+    let median = |v: &mut Vec<Duration>| {
+        v.sort();
+        v[v.len() / 2]
+    };
+    let tps: Vec<f64> = times
+        .iter_mut()
+        .map(|v| TOKENS as f64 / median(v).as_secs_f64())
+        .collect();
+    println!(
+        "moe: tiny Qwen3-MoE ({} of blocks, {} blocks x {} stacked experts, top-{}), batch-1 decode of {TOKENS} tokens on a simulated GPU at 25 GB/s, budget {budget} = {BUDGET_PERCENT} % of the model; -ncmoe N = {n} (llama.cpp's fit); median of {ROUNDS} interleaved rounds",
+        size,
+        gguf::BLOCKS,
+        gguf::EXPERTS,
+        gguf::EXPERTS_USED
+    );
+    for (i, s) in setups.iter().enumerate() {
+        let Some(m) = last[i].as_ref() else {
+            continue;
+        };
+        let mut line = format!(
+            "  {:<22} {:>8.1} tokens/s  {:>5.2}x (a)  {:>5.2}x (b)  {:>5.2}x resident  {:>11} copied per token",
+            s.name,
+            tps[i],
+            tps[i] / tps[1],
+            tps[i] / tps[2],
+            tps[i] / tps[0],
+            ByteSize(m.copied.bytes() / TOKENS as u64).to_string(),
+        );
+        if let Some(d) = m.mm.dynamic_report().first() {
+            if let Some(o) = d.optimum_hit_rate() {
+                line += &format!(
+                    "  hits {:.1} % (Belady {:.1} %)",
+                    100.0 * d.hit_rate(),
+                    100.0 * o
+                );
+            }
+        }
+        println!("{line}");
+        if let Some(r) = m.mm.miss_report() {
+            println!("      {r}");
+        }
+        let t = m.mm.transfer_stats();
+        if t.routed_prefetches > 0 {
+            let per = |ns: u64, k: u64| ns as f64 / k.max(1) as f64 / 1000.0;
+            let (hit, miss) = (
+                per(t.prefetch_hit_wait_ns, t.prefetch_hits),
+                per(t.wait_ns, t.prefetch_misses),
+            );
+            println!(
+                "      router prefetch: {} requested, {} used ({:.0} %); waited {:.1} us on a prefetched weight, {:.1} us on a synchronous fetch: ~{:.1} ms of copy time hidden",
+                t.routed_prefetches,
+                t.routed_hits,
+                100.0 * t.routed_hits as f64 / t.routed_prefetches as f64,
+                hit,
+                miss,
+                t.routed_hits as f64 * (miss - hit).max(0.0) / 1000.0
+            );
+        }
+    }
+    println!(
+        "  same logits bits in every configuration: {}",
+        checksums.len() == 1
+    );
+    assert_eq!(checksums.len(), 1, "the configurations disagree");
+}
