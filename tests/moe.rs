@@ -561,3 +561,106 @@ fn check_misses(what: &str, mm: &residency::loader::MemoryManager) {
         None => assert!(!what.contains("cost-aware"), "{what}: no report"),
     }
 }
+
+#[test]
+fn a_growing_kv_cache_takes_room_from_the_coldest_experts_first_and_never_fails_while_experts_hold_room(
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-qwen3moe.gguf");
+    common::gguf::write_tiny_qwen3_moe(&path);
+    let (want, tokens) = qwen3_reference(&path);
+    let size = Model::from_gguf("size", &path)
+        .unwrap()
+        .model_size()
+        .bytes();
+    // Room for most of the model: after a decode most experts are kept.
+    let mm = common::manager_with(&[
+        "--reserve-vram",
+        "0",
+        "--sim-gpu",
+        &format!("{}@25GB/s", size * 3 / 4),
+    ]);
+    let device = mm.compute_device();
+    let model = mm.read_gguf("tiny-qwen3moe", &path).unwrap();
+    let p = ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu);
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    let (got, _) = qwen3_managed(&p, &tokens);
+    assert_eq!(got, want);
+    let m = p.model();
+    let resident = |i: usize| {
+        m.residency_of(i)
+            .is_some_and(|r| matches!(r, residency::weights::SlotResidency::Resident { .. }))
+    };
+    let is_expert = |i: usize| m.slots()[i].name().contains("_exps.");
+    let kept = |f: &dyn Fn(usize) -> bool| -> Vec<usize> {
+        (0..m.len()).filter(|&i| resident(i) && f(i)).collect()
+    };
+    let experts_at_start = kept(&is_expert).len();
+    assert!(experts_at_start >= 6, "{experts_at_start} experts kept");
+    let dense_at_start = kept(&|i| !is_expert(i));
+    let step = residency::ByteSize::kib(32);
+    let mut kv = mm.reserve_named("kv-cache", device, step).unwrap();
+    let mut grew = 0;
+    loop {
+        let before: Vec<usize> = kept(&|_| true);
+        let experts_before: Vec<usize> = before.iter().copied().filter(|&i| is_expert(i)).collect();
+        let expert_bytes: u64 = experts_before
+            .iter()
+            .map(|&i| m.slots()[i].bytes().bytes())
+            .sum();
+        match kv.grow(&mm, step) {
+            Ok(()) => grew += 1,
+            Err(e) => {
+                assert!(
+                    expert_bytes < step.bytes(),
+                    "refused while experts held {expert_bytes} bytes: {e}"
+                );
+                break;
+            }
+        }
+        let after: Vec<usize> = kept(&|_| true);
+        let gone: Vec<usize> = before
+            .iter()
+            .copied()
+            .filter(|i| !after.contains(i))
+            .collect();
+        // Experts go before any dense weight, the least used first.
+        if !experts_before.is_empty() {
+            let dense_gone: Vec<&str> = gone
+                .iter()
+                .filter(|&&i| !is_expert(i))
+                .map(|&i| m.slots()[i].name())
+                .collect();
+            let expert_left = after.iter().any(|&i| is_expert(i));
+            assert!(
+                dense_gone.is_empty() || !expert_left,
+                "dense {dense_gone:?} evicted while experts stayed"
+            );
+            let count = |i: usize| m.uses(m.slots()[i].name()).unwrap_or(0);
+            if let (Some(max_gone), Some(min_left)) = (
+                gone.iter()
+                    .filter(|&&i| is_expert(i))
+                    .map(|&i| count(i))
+                    .max(),
+                after
+                    .iter()
+                    .filter(|&&i| is_expert(i))
+                    .map(|&i| count(i))
+                    .min(),
+            ) {
+                assert!(
+                    max_gone <= min_left,
+                    "a hotter expert went first ({max_gone} > {min_left})"
+                );
+            }
+        }
+        assert!(mm.ledger(device).bytes() <= size * 3 / 4);
+    }
+    assert!(grew > experts_at_start / 2, "grew {grew} steps");
+    assert!(kept(&is_expert).is_empty() || kept(&|i| !is_expert(i)) == dense_at_start);
+    // The model still computes the same bits beside the cache (streaming what no longer fits).
+    drop(kv);
+    let (got, _) = qwen3_managed(&p, &tokens);
+    assert_eq!(got, want, "after the cache");
+}
