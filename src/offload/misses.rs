@@ -176,7 +176,7 @@ impl MissCosts {
 
     /// Whether keeping a missed copy resident (residency by use's fault-in) pays back: its
     /// upload costs `b · link` once, and each later use on `rows` rows saves `rows · b · (host −
-    /// device)` against running it on the host — worth it when [`KEPT_USES`] uses (8) save at
+    /// device)` against running it on the host — worth it when `KEPT_USES` uses (8) save at
     /// least the upload. `true` while either side is unmeasured; `false` where the host computes
     /// as fast as the device (a simulated GPU, whose device work is the host's).
     pub fn worth_keeping(&self, ggml: GgmlDType, rows: usize) -> bool {
