@@ -17,6 +17,12 @@ use residency::weights::Model;
 use residency::ModelPatcher;
 
 include!("ported/shim.rs");
+include!("ported/models_shim.rs");
+
+#[path = "ported/mixtral.rs"]
+#[rustfmt::skip]
+#[allow(dead_code, unexpected_cfgs, clippy::all)]
+mod mixtral;
 
 #[path = "ported/quantized_llama.rs"]
 #[allow(dead_code, clippy::all)]
@@ -663,4 +669,177 @@ fn a_growing_kv_cache_takes_room_from_the_coldest_experts_first_and_never_fails_
     drop(kv);
     let (got, _) = qwen3_managed(&p, &tokens);
     assert_eq!(got, want, "after the cache");
+}
+
+/// candle-transformers' safetensors Mixtral, ported by its `use` lines (`tests/ported/mixtral.rs`):
+/// each expert is its own three `Linear`s.
+const MIXTRAL: &str = r#"{
+    "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "sliding_window": 256, "num_experts_per_tok": 2, "num_local_experts": 8,
+    "use_flash_attn": false
+}"#;
+
+/// A tiny Mixtral checkpoint (f32): every weight candle-transformers' model asks for, uniform
+/// values, each layer's router rows scaled by `1 + e/2` (skewed routing, as `write_tiny_moe`).
+fn mixtral_checkpoint(dir: &std::path::Path) -> std::path::PathBuf {
+    use candle_core::{DType, Device};
+    let cfg: candle_transformers::models::mixtral::Config = serde_json::from_str(MIXTRAL).unwrap();
+    let varmap = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    candle_transformers::models::mixtral::Model::new(&cfg, vb).unwrap();
+    let data = varmap.data().lock().unwrap();
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for (i, name) in names.into_iter().enumerate() {
+        let var = &data[name];
+        let u = residency::float::uniform_tensor(var.dims(), 700 + i as u64).unwrap();
+        let t = if name.ends_with("norm.weight") {
+            u.affine(0.2, 1.0).unwrap()
+        } else if name.contains("block_sparse_moe.gate") {
+            let skew: Vec<f32> = (0..EXPERTS).map(|e| 1.0 + e as f32 / 2.0).collect();
+            let skew = Tensor::from_vec(skew, (EXPERTS, 1), &Device::Cpu).unwrap();
+            u.broadcast_mul(&skew).unwrap()
+        } else if name.contains("embed_tokens") || name.contains("lm_head") {
+            u
+        } else {
+            u.affine(0.25, 0.0).unwrap()
+        };
+        var.set(&t).unwrap();
+    }
+    drop(data);
+    let path = dir.join("mixtral.safetensors");
+    varmap.save(&path).unwrap();
+    path
+}
+
+/// candle-transformers' own Mixtral on the checkpoint: logits bits of the prompt and `STEPS`
+/// greedy steps, and the greedy tokens.
+fn mixtral_reference(path: &std::path::Path) -> (Vec<Vec<u32>>, Vec<u32>) {
+    use candle_core::{DType, Device};
+    let cfg: candle_transformers::models::mixtral::Config = serde_json::from_str(MIXTRAL).unwrap();
+    let tensors = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
+    let vb = candle_nn::VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
+    let mut model = candle_transformers::models::mixtral::Model::new(&cfg, vb).unwrap();
+    let mut tokens = Vec::new();
+    let mut logits = Vec::new();
+    let input = Tensor::new(&PROMPT, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let mut out = model.forward(&input, 0).unwrap();
+    for step in 0..=STEPS {
+        let v = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        logits.push(v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
+        if step == STEPS {
+            break;
+        }
+        let next = argmax(&v);
+        tokens.push(next);
+        let input = Tensor::new(&[next], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        out = model.forward(&input, PROMPT.len() + step).unwrap();
+    }
+    (logits, tokens)
+}
+
+/// The port's logits through `patcher`, and each call's routed experts per layer (whose `w1`
+/// was used during the call).
+fn mixtral_managed(
+    patcher: &ModelPatcher,
+    tokens: &[u32],
+) -> (Vec<Vec<u32>>, Vec<Vec<Vec<usize>>>) {
+    let cfg: mixtral::Config = serde_json::from_str(MIXTRAL).unwrap();
+    let vb = residency::nn::VarBuilder::from_patcher(
+        patcher,
+        residency::ops::OpsMode::DisableWeightInit,
+    )
+    .unwrap();
+    let mut model = mixtral::Model::new(&cfg, vb).unwrap();
+    let device = patcher.load_device().to_candle().unwrap();
+    let uses = |p: &ModelPatcher| -> Vec<Vec<u32>> {
+        (0..2)
+            .map(|b| {
+                (0..EXPERTS)
+                    .map(|e| {
+                        let key =
+                            format!("model.layers.{b}.block_sparse_moe.experts.{e}.w1.weight");
+                        p.model().uses(&key).unwrap()
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    let mut routed = Vec::new();
+    let logits = decode(
+        |input, pos| {
+            let before = uses(patcher);
+            let out = model.forward(&input.to_device(&device)?, pos)?;
+            let after = uses(patcher);
+            routed.push(
+                (0..2)
+                    .map(|b| {
+                        (0..EXPERTS)
+                            .filter(|&e| after[b][e] > before[b][e])
+                            .collect::<Vec<usize>>()
+                    })
+                    .collect::<Vec<_>>(),
+            );
+            out.to_device(&candle_core::Device::Cpu)
+        },
+        tokens,
+    );
+    (logits, routed)
+}
+
+#[test]
+fn the_safetensors_mixtral_ported_by_its_use_lines_computes_candles_bits_in_every_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = mixtral_checkpoint(dir.path());
+    let (want, tokens) = mixtral_reference(&path);
+    let distinct: std::collections::HashSet<&u32> = tokens.iter().collect();
+    assert!(
+        distinct.len() > 1,
+        "the greedy tokens never change: {tokens:?}"
+    );
+    let file_bytes = std::fs::metadata(&path).unwrap().len();
+    let model = Arc::new(Model::from_safetensors("mixtral", &[&path]).unwrap());
+    let size = model.model_size().bytes();
+    let plain = ModelPatcher::new(Arc::clone(&model), DeviceId::Cpu, DeviceId::Cpu);
+    let (got, routed) = mixtral_managed(&plain, &tokens);
+    assert_eq!(got, want, "unmanaged");
+    for (step, layers) in routed.iter().enumerate().skip(1) {
+        for (b, experts) in layers.iter().enumerate() {
+            assert_eq!(
+                experts.len(),
+                EXPERTS_USED,
+                "step {step}, layer {b}: {experts:?}"
+            );
+        }
+    }
+    for (what, args) in budgets(size, file_bytes) {
+        let mut all = vec!["--reserve-vram", "0"];
+        all.extend(args.iter().map(String::as_str));
+        let mm = common::manager_with(&all);
+        let model = mm.read_model("mixtral", &[&path]).unwrap();
+        let device = mm.compute_device();
+        let p = ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu);
+        mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+            .unwrap();
+        let (got, routed_here) = mixtral_managed(&p, &tokens);
+        assert_eq!(got, want, "{what}");
+        assert_eq!(routed_here, routed, "{what}: the routing differs");
+        for sim in mm.transfer_engine().devices().sims() {
+            assert!(sim.check().is_ok(), "{what}: {:?}", sim.check());
+        }
+        if let Some(cap) = mm.host_tier().budget() {
+            assert!(
+                mm.host_tier().stats().peak <= cap,
+                "{what}: host tier over budget"
+            );
+        }
+    }
 }
