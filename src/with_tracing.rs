@@ -45,32 +45,10 @@ impl Embedding {
     }
 
     /// The table, fetched now for a managed embedding (upstream returns `&Tensor`; code such as
-    /// T5's tied head, `x.matmul(&shared.embeddings().t()?)`, compiles unchanged on this).
-    ///
-    /// Upstream's signature has no `Result`: a fetch that fails (a device out of memory) is
-    /// logged at error level with its cause and gives an empty `[0, hidden]` table, so the
-    /// operation that uses it fails with a shape error instead of computing with a wrong table.
-    /// [`Embedding::try_embeddings`] returns the error itself.
+    /// T5's tied head, `x.matmul(&shared.embeddings().t()?)`, compiles unchanged on this). A
+    /// failed fetch is logged and gives an empty table: see [`crate::nn::Embedding::embeddings`].
     pub fn embeddings(&self) -> Tensor {
-        match self.inner.embeddings() {
-            Ok(t) => t,
-            Err(e) => {
-                tracing::error!(error = %e, "fetching an embedding table failed");
-                let device = self
-                    .inner
-                    .weights()
-                    .and_then(|w| w.source().patcher().load_device().to_candle().ok())
-                    .unwrap_or(candle_core::Device::Cpu);
-                Tensor::zeros(
-                    (0, self.inner.hidden_size()),
-                    candle_core::DType::F32,
-                    &device,
-                )
-                .unwrap_or_else(|_| {
-                    Tensor::new(&[0f32; 0], &candle_core::Device::Cpu).expect("an empty CPU tensor")
-                })
-            }
-        }
+        self.inner.embeddings()
     }
 
     /// The table, fetched now, or the fetch's error.
@@ -78,7 +56,7 @@ impl Embedding {
     /// # Errors
     /// Errors of the fetch.
     pub fn try_embeddings(&self) -> Result<Tensor> {
-        self.inner.embeddings()
+        self.inner.try_embeddings()
     }
 }
 
@@ -97,8 +75,10 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// A linear layer on `weights` `[out, in]` and `bias` (managed when `vb.get` just returned
-    /// them, see [`crate::nn::Linear::new`]).
+    /// A linear layer on `weights` `[out, in]` and `bias`: managed when `vb.get` just returned
+    /// them, or when `weights` is the table a managed embedding just fetched (upstream's tied
+    /// head, `Linear::from_weights(embed.embeddings().clone(), None)`): see
+    /// [`crate::nn::Linear::new`].
     pub fn from_weights(weights: Tensor, bias: Option<Tensor>) -> Self {
         let inner = crate::nn::Linear::new(weights, bias);
         let span = tracing::span!(tracing::Level::TRACE, "linear");

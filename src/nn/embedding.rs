@@ -32,18 +32,51 @@ impl Embedding {
         }
     }
 
-    /// The table `[vocab, hidden]`: fetched now (patched and cast) for a managed layer. For a tied
-    /// output head that stays managed, use [`super::Linear::from_embedding`].
+    /// The table `[vocab, hidden]`: fetched now (patched and cast) for a managed layer.
+    /// candle-nn's signature but for the reference, so upstream's tied head,
+    /// `Linear::new(emb.embeddings().clone(), None)`, compiles unchanged — and that layer is
+    /// managed: [`super::Linear::new`] recognises the table and fetches the embedding's weight
+    /// (as [`super::Linear::from_embedding`] does).
+    ///
+    /// A fetch that fails (a device out of memory) is logged at error level with its cause and
+    /// gives an empty `[0, hidden]` table, so the operation that uses it fails with a shape
+    /// error instead of computing with a wrong table. [`Embedding::try_embeddings`] returns the
+    /// error itself.
+    pub fn embeddings(&self) -> Tensor {
+        match self.try_embeddings() {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::error!(error = %e, "fetching an embedding table failed");
+                let device = self
+                    .weights()
+                    .and_then(|w| w.source().patcher().load_device().to_candle().ok())
+                    .unwrap_or(candle_core::Device::Cpu);
+                Tensor::zeros((0, self.hidden_size), candle_core::DType::F32, &device)
+                    .or_else(|_| {
+                        Tensor::zeros(
+                            (0, self.hidden_size),
+                            candle_core::DType::F32,
+                            &candle_core::Device::Cpu,
+                        )
+                    })
+                    .unwrap_or_else(|_| {
+                        Tensor::new(&[0f32; 0], &candle_core::Device::Cpu)
+                            .expect("an empty CPU tensor")
+                    })
+            }
+        }
+    }
+
+    /// The table, fetched now, or the fetch's error.
     ///
     /// # Errors
     /// Errors of the fetch (patch math, cast, a weight wrapper).
-    pub fn embeddings(&self) -> candle_core::Result<Tensor> {
+    pub fn try_embeddings(&self) -> candle_core::Result<Tensor> {
         match &self.held {
             Held::Owned(e) => Ok(e.embeddings().clone()),
             Held::Fetched(w) => {
                 let (t, _) = fetch_on_load_device(w)?;
-                let model = w.source().patcher().model().name().to_string();
-                note_handed_out(&t, format!("`{}` of `{model}`", w.weight_key()));
+                note_handed_out(&t, w);
                 Ok(t)
             }
         }

@@ -63,10 +63,22 @@ pub(crate) fn bad_shape(what: String, expected: Vec<usize>, got: Vec<usize>) -> 
     })
 }
 
-/// Tensors handed out by managed accessors (`Embedding::embeddings`), by id, newest last: a
-/// layer later made with `new` on one of them is an unmanaged copy of a managed weight (the tied
-/// head mistake, docs/PORTING.md). Bounded: only the recent ones are remembered.
-static HANDED_OUT: crate::lock::Mutex<std::collections::VecDeque<(candle_core::TensorId, String)>> =
+/// A tensor a managed accessor (`Embedding::embeddings`) handed out: the managed weight it is a
+/// fetched copy of, so a layer made on it (the tied head, docs/PORTING.md) can fetch that weight
+/// instead of holding the copy.
+struct HandedOut {
+    id: candle_core::TensorId,
+    /// The weight, as a message names it: `` `key` of `model` ``.
+    what: String,
+    source: crate::ops::WeakSource,
+    mode: crate::ops::OpsMode,
+    key: String,
+    shape: Vec<usize>,
+}
+
+/// Tensors handed out by managed accessors, newest last. Bounded: only the recent ones are
+/// remembered; a table used after that makes an owned layer, never a wrong one.
+static HANDED_OUT: crate::lock::Mutex<std::collections::VecDeque<HandedOut>> =
     crate::lock::Mutex::new(
         crate::lock::Rank::NnHandedOut,
         std::collections::VecDeque::new(),
@@ -75,13 +87,22 @@ static HANDED_OUT: crate::lock::Mutex<std::collections::VecDeque<(candle_core::T
 /// How many handed-out tensors are remembered.
 const HANDED_OUT_KEPT: usize = 64;
 
-/// Remembers that `t` is a fetched copy of managed weight `what` (`key` of `model`).
-pub(crate) fn note_handed_out(t: &Tensor, what: String) {
+/// Remembers that `t` is a fetched copy of the managed weight `weights` names.
+pub(crate) fn note_handed_out(t: &Tensor, weights: &LayerWeights) {
+    let model = weights.source().patcher().model().name().to_string();
+    let entry = HandedOut {
+        id: t.id(),
+        what: format!("`{}` of `{model}`", weights.weight_key()),
+        source: weights.source().downgrade(),
+        mode: weights.mode(),
+        key: weights.weight_key().to_string(),
+        shape: weights.weight_shape().to_vec(),
+    };
     let mut h = HANDED_OUT.lock();
     if h.len() == HANDED_OUT_KEPT {
         h.pop_front();
     }
-    h.push_back((t.id(), what));
+    h.push_back(entry);
 }
 
 /// The managed weight `t` is a fetched copy of, when an accessor handed it out recently.
@@ -91,8 +112,24 @@ pub(crate) fn handed_out(t: &Tensor) -> Option<String> {
         .lock()
         .iter()
         .rev()
-        .find(|(i, _)| *i == id)
-        .map(|(_, w)| w.clone())
+        .find(|h| h.id == id)
+        .map(|h| h.what.clone())
+}
+
+/// The managed form of a bias-free layer made on a table an accessor handed out (`t`, unchanged):
+/// the layer fetches the table's own weight, as `Linear::from_embedding` does. `None` for any
+/// other tensor, or when the model it came from is gone.
+pub(crate) fn adopt_handed_out(t: &Tensor) -> Option<LayerWeights> {
+    let id = t.id();
+    let (source, mode, key, shape) = {
+        let h = HANDED_OUT.lock();
+        let h = h.iter().rev().find(|h| h.id == id)?;
+        (h.source.clone(), h.mode, h.key.clone(), h.shape.clone())
+    };
+    let source = source.upgrade()?;
+    crate::ops::OpsBuilder::from_source(&source, mode)
+        .weights_at(key, &shape, None)
+        .ok()
 }
 
 /// A parameter [`super::VarBuilder::get`] handed out: what a layer constructor needs to manage it

@@ -21,19 +21,24 @@ impl Linear {
     /// layer fetches those keys instead (the tensors are dropped with the call), as [`linear`]
     /// would have built it.
     ///
-    /// Given the table a managed [`Embedding::embeddings`] just fetched (the tempting spelling
-    /// of a tied head, `Linear::new(emb.embeddings()?, None)`), it computes the same bits but
-    /// the head is an unmanaged copy: outside the ledger, never evicted, and a LoRA on the
-    /// embedding no longer reaches it. That case is warned about and reported by
-    /// [`Linear::copies_managed`]; use [`Linear::from_embedding`] instead.
+    /// Given, without a bias, the table a managed [`Embedding::embeddings`] just fetched (a tied
+    /// head spelled as upstream, `Linear::new(emb.embeddings().clone(), None)`), the layer fetches the
+    /// embedding's weight, as [`Linear::from_embedding`] does: managed, evicted with it, patched
+    /// by a LoRA on it. With a bias (or once the embedding's model is gone) it is an unmanaged
+    /// copy, which is warned about and reported by [`Linear::copies_managed`].
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
         if let Some(w) = super::held::adopt(&weight, bias.as_ref()) {
             return Linear::fetched(w);
         }
+        if bias.is_none() {
+            if let Some(w) = super::held::adopt_handed_out(&weight) {
+                return Linear::fetched(w);
+            }
+        }
         let copies = super::held::handed_out(&weight);
         if let Some(what) = &copies {
             tracing::warn!(
-                "Linear::new on the fetched table of managed embedding {what}: the layer is an unmanaged copy (outside the ledger, and a LoRA on the embedding will not reach it); use Linear::from_embedding(&embedding)"
+                "Linear::new on the fetched table of managed embedding {what} with a bias: the layer is an unmanaged copy (outside the ledger, and a LoRA on the embedding will not reach it)"
             );
         }
         Linear {
@@ -43,8 +48,8 @@ impl Linear {
     }
 
     /// The managed weight this layer holds an unmanaged copy of, when it was made with
-    /// [`Linear::new`] on a table a managed [`Embedding::embeddings`] fetched: a tied head built
-    /// the wrong way (use [`Linear::from_embedding`]).
+    /// [`Linear::new`] on a table a managed [`Embedding::embeddings`] fetched and a bias (a
+    /// bias-free one is adopted: it fetches the table's weight).
     pub fn copies_managed(&self) -> Option<&str> {
         self.copies.as_deref()
     }

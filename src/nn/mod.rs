@@ -22,7 +22,8 @@
 //!   CPU and on managed experts: a stacked GGUF tensor's experts are weights of their own, and
 //!   a call fetches only the experts its routing names.
 //! - The rest of candle-nn that model code uses is re-exported unchanged: [`ops`],
-//!   [`Activation`], [`rotary_emb`], [`kv_cache`], [`encoding`], [`Init`], [`Module`], ...
+//!   [`Activation`], [`rotary_emb`], [`kv_cache`], [`attention`] (its CPU flash attention and
+//!   masks), [`encoding`], [`Init`], [`Module`], ...
 //!
 //! # What a port keeps, and what it changes
 //! `docs/PORTING.md` has the table. In short:
@@ -59,8 +60,9 @@ pub mod var_builder;
 
 pub use candle_core::{Module, ModuleT};
 pub use candle_nn::{
-    activation, encoding, func, func_t, init, kv_cache, loss, ops, prelu, rotary_emb, sampling,
-    seq, sequential, Activation, Dropout, Func, FuncT, Init, PReLU, Sequential,
+    activation, attention, cpu_flash_attention, encoding, func, func_t, init, kv_cache, loss, ops,
+    prelu, rotary_emb, sampling, seq, sequential, Activation, Dropout, Func, FuncT, Init, PReLU,
+    Sequential,
 };
 
 pub use conv::{

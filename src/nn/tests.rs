@@ -358,14 +358,20 @@ fn owned_layers_and_tied_heads_compute_what_candle_nn_does() {
         bits(&head.forward(&x).unwrap()),
         bits(&their_head.forward(&x).unwrap())
     );
-    assert_eq!(
-        bits(&emb.embeddings().unwrap()),
-        bits(their_emb.embeddings())
-    );
+    assert_eq!(bits(&emb.embeddings()), bits(their_emb.embeddings()));
     assert_eq!(emb.hidden_size(), their_emb.hidden_size());
-    // The tempting spelling compiles and gives the same bits, but is an unmanaged copy: it says
-    // so, and the managed form does not.
-    let copied = Linear::new(emb.embeddings().unwrap(), None);
+    // Upstream's spelling, `Linear::new` on the fetched table, is adopted: the head fetches the
+    // embedding's weight (managed, the same bits); with a bias it is an unmanaged copy, and says
+    // so.
+    let spelled = Linear::new(emb.embeddings().clone(), None);
+    assert!(spelled.weights().is_some(), "the fetched table is adopted");
+    assert_eq!(spelled.copies_managed(), None);
+    assert_eq!(
+        bits(&spelled.forward(&x).unwrap()),
+        bits(&their_head.forward(&x).unwrap())
+    );
+    let bias = uniform_tensor(&[10], 12).unwrap();
+    let copied = Linear::new(emb.embeddings(), Some(bias));
     assert!(copied.weights().is_none());
     assert!(
         copied
