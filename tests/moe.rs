@@ -309,6 +309,69 @@ fn decode(
     logits
 }
 
+/// Logits (as bits) of the prompt and `STEPS` greedy steps of `forward`, and its greedy tokens.
+fn greedy(
+    mut forward: impl FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
+) -> (Vec<Vec<u32>>, Vec<u32>) {
+    let device = candle_core::Device::Cpu;
+    let mut tokens = Vec::new();
+    let mut logits = Vec::new();
+    let input = Tensor::new(&PROMPT, &device).unwrap().unsqueeze(0).unwrap();
+    let mut out = forward(&input, 0).unwrap();
+    for step in 0..=STEPS {
+        let v = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        logits.push(v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
+        if step == STEPS {
+            break;
+        }
+        let next = argmax(&v);
+        tokens.push(next);
+        let input = Tensor::new(&[next], &device).unwrap().unsqueeze(0).unwrap();
+        out = forward(&input, PROMPT.len() + step).unwrap();
+    }
+    (logits, tokens)
+}
+
+/// [`decode`] of a managed model on `patcher`'s device, and each call's routed experts per MoE
+/// layer: those whose weight `key(layer, expert)` was used during the call.
+fn routed_decode(
+    patcher: &ModelPatcher,
+    layers: &[usize],
+    key: impl Fn(usize, usize) -> String,
+    mut forward: impl FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
+    tokens: &[u32],
+) -> (Vec<Vec<u32>>, Vec<Vec<Vec<usize>>>) {
+    let device = patcher.load_device().to_candle().unwrap();
+    let uses = || -> Vec<Vec<u32>> {
+        layers
+            .iter()
+            .map(|&b| {
+                (0..EXPERTS)
+                    .map(|e| patcher.model().uses(&key(b, e)).unwrap())
+                    .collect()
+            })
+            .collect()
+    };
+    let mut routed = Vec::new();
+    let logits = decode(
+        |input, pos| {
+            let before = uses();
+            let out = forward(&input.to_device(&device)?, pos)?;
+            let after = uses();
+            routed.push(
+                before
+                    .iter()
+                    .zip(&after)
+                    .map(|(b, a)| (0..EXPERTS).filter(|&e| a[e] > b[e]).collect())
+                    .collect(),
+            );
+            out.to_device(&candle_core::Device::Cpu)
+        },
+        tokens,
+    );
+    (logits, routed)
+}
+
 /// The reference's logits with its own greedy tokens.
 fn qwen3_reference(path: &std::path::Path) -> (Vec<Vec<u32>>, Vec<u32>) {
     use candle_core::{DType, Device};
@@ -321,28 +384,7 @@ fn qwen3_reference(path: &std::path::Path) -> (Vec<Vec<u32>>, Vec<u32>) {
         DType::F32,
     )
     .unwrap();
-    let mut tokens = Vec::new();
-    let mut logits = Vec::new();
-    let input = Tensor::new(&PROMPT, &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let mut out = model.forward(&input, 0).unwrap();
-    for step in 0..=STEPS {
-        let v = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        logits.push(v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
-        if step == STEPS {
-            break;
-        }
-        let next = argmax(&v);
-        tokens.push(next);
-        let input = Tensor::new(&[next], &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        out = model.forward(&input, PROMPT.len() + step).unwrap();
-    }
-    (logits, tokens)
+    greedy(|input, pos| model.forward(input, pos))
 }
 
 /// The managed port's logits, and each call's routed experts per layer (the experts of
@@ -358,39 +400,14 @@ fn qwen3_managed(patcher: &ModelPatcher, tokens: &[u32]) -> (Vec<Vec<u32>>, Vec<
         candle_core::DType::F32,
     )
     .unwrap();
-    let uses = |p: &ModelPatcher| -> Vec<Vec<u32>> {
-        (0..BLOCKS)
-            .map(|b| {
-                (0..EXPERTS)
-                    .map(|e| {
-                        let key = format!("blk.{b}.ffn_gate_exps.{e}.weight");
-                        p.model().uses(&key).unwrap()
-                    })
-                    .collect()
-            })
-            .collect()
-    };
-    let mut routed = Vec::new();
-    let logits = decode(
-        |input, pos| {
-            let before = uses(patcher);
-            let input = input.to_device(&device)?;
-            let out = model.forward(&input, pos)?;
-            let after = uses(patcher);
-            routed.push(
-                (0..BLOCKS)
-                    .map(|b| {
-                        (0..EXPERTS)
-                            .filter(|&e| after[b][e] > before[b][e])
-                            .collect::<Vec<usize>>()
-                    })
-                    .collect::<Vec<_>>(),
-            );
-            out.to_device(&candle_core::Device::Cpu)
-        },
+    let layers: Vec<usize> = (0..BLOCKS).collect();
+    routed_decode(
+        patcher,
+        &layers,
+        |b, e| format!("blk.{b}.ffn_gate_exps.{e}.weight"),
+        |input, pos| model.forward(input, pos),
         tokens,
-    );
-    (logits, routed)
+    )
 }
 
 #[test]
@@ -671,8 +688,29 @@ fn a_growing_kv_cache_takes_room_from_the_coldest_experts_first_and_never_fails_
     assert_eq!(got, want, "after the cache");
 }
 
-/// candle-transformers' safetensors Mixtral, ported by its `use` lines (`tests/ported/mixtral.rs`):
-/// each expert is its own three `Linear`s.
+/// candle-transformers' safetensors Qwen3-MoE and Qwen3 (`tests/ported/qwen3_moe.rs`,
+/// `tests/ported/qwen3.rs`) on residency: candle-core, `residency::nn` (each file's own `use`
+/// line), `residency::with_tracing`, and `fused_moe.rs` with `candle_nn` = `residency::nn` (its
+/// `FusedMoe` is what the model builds under the `cuda` feature).
+#[allow(dead_code, unused_imports, unexpected_cfgs, clippy::all)]
+mod safetensors_managed {
+    pub(crate) use crate::candle;
+    pub(crate) use crate::utils;
+    pub use residency::nn::moe;
+    pub use residency::{quantized_var_builder, with_tracing};
+    pub mod fused_moe {
+        use residency::nn as candle_nn;
+        include!("ported/fused_moe.rs");
+    }
+    pub mod qwen3 {
+        include!("ported/qwen3.rs");
+    }
+    pub mod qwen3_moe {
+        include!("ported/qwen3_moe.rs");
+    }
+}
+
+/// The tiny Mixtral: 2 layers, 8 experts of which 2 per token.
 const MIXTRAL: &str = r#"{
     "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
@@ -681,14 +719,34 @@ const MIXTRAL: &str = r#"{
     "use_flash_attn": false
 }"#;
 
-/// A tiny Mixtral checkpoint (f32): every weight candle-transformers' model asks for, uniform
-/// values, each layer's router rows scaled by `1 + e/2` (skewed routing, as `write_tiny_moe`).
-fn mixtral_checkpoint(dir: &std::path::Path) -> std::path::PathBuf {
+/// The tiny Qwen3-MoE: layer 0 a dense MLP, layer 1 8 experts of which 2 per token (decoder
+/// sparse step 2), an untied head.
+const QWEN3_MOE: &str = r#"{
+    "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "head_dim": 16, "attention_bias": false,
+    "num_key_value_heads": 2, "max_position_embeddings": 256, "sliding_window": null,
+    "max_window_layers": 2, "tie_word_embeddings": false, "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6, "use_sliding_window": false, "hidden_act": "silu",
+    "decoder_sparse_step": 2, "moe_intermediate_size": 32, "num_experts_per_tok": 2,
+    "num_experts": 8, "norm_topk_prob": true
+}"#;
+
+/// A tiny safetensors checkpoint (f32) of every weight `build` asks candle-nn's builder for:
+/// uniform values, norms near 1, each router's rows (`….gate.weight`) scaled by `1 + e/2`
+/// (skewed routing, as `write_tiny_moe`).
+fn safetensors_checkpoint(
+    dir: &std::path::Path,
+    name: &str,
+    build: impl FnOnce(candle_nn::VarBuilder) -> candle_core::Result<()>,
+) -> std::path::PathBuf {
     use candle_core::{DType, Device};
-    let cfg: candle_transformers::models::mixtral::Config = serde_json::from_str(MIXTRAL).unwrap();
     let varmap = candle_nn::VarMap::new();
-    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    candle_transformers::models::mixtral::Model::new(&cfg, vb).unwrap();
+    build(candle_nn::VarBuilder::from_varmap(
+        &varmap,
+        DType::F32,
+        &Device::Cpu,
+    ))
+    .unwrap();
     let data = varmap.data().lock().unwrap();
     let mut names: Vec<&String> = data.keys().collect();
     names.sort();
@@ -697,7 +755,7 @@ fn mixtral_checkpoint(dir: &std::path::Path) -> std::path::PathBuf {
         let u = residency::float::uniform_tensor(var.dims(), 700 + i as u64).unwrap();
         let t = if name.ends_with("norm.weight") {
             u.affine(0.2, 1.0).unwrap()
-        } else if name.contains("block_sparse_moe.gate") {
+        } else if name.ends_with(".gate.weight") {
             let skew: Vec<f32> = (0..EXPERTS).map(|e| 1.0 + e as f32 / 2.0).collect();
             let skew = Tensor::from_vec(skew, (EXPERTS, 1), &Device::Cpu).unwrap();
             u.broadcast_mul(&skew).unwrap()
@@ -709,127 +767,64 @@ fn mixtral_checkpoint(dir: &std::path::Path) -> std::path::PathBuf {
         var.set(&t).unwrap();
     }
     drop(data);
-    let path = dir.join("mixtral.safetensors");
+    let path = dir.join(format!("{name}.safetensors"));
     varmap.save(&path).unwrap();
     path
 }
 
-/// candle-transformers' own Mixtral on the checkpoint: logits bits of the prompt and `STEPS`
-/// greedy steps, and the greedy tokens.
-fn mixtral_reference(path: &std::path::Path) -> (Vec<Vec<u32>>, Vec<u32>) {
+/// candle-nn's builder on the checkpoint's tensors.
+fn candle_vb(path: &std::path::Path) -> candle_nn::VarBuilder<'static> {
     use candle_core::{DType, Device};
-    let cfg: candle_transformers::models::mixtral::Config = serde_json::from_str(MIXTRAL).unwrap();
     let tensors = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
-    let vb = candle_nn::VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
-    let mut model = candle_transformers::models::mixtral::Model::new(&cfg, vb).unwrap();
-    let mut tokens = Vec::new();
-    let mut logits = Vec::new();
-    let input = Tensor::new(&PROMPT, &Device::Cpu)
+    candle_nn::VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu)
+}
+
+/// residency's builder on `patcher` (weights as stored).
+fn managed_vb(patcher: &ModelPatcher) -> residency::nn::VarBuilder<'_> {
+    residency::nn::VarBuilder::from_patcher(patcher, residency::ops::OpsMode::DisableWeightInit)
         .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let mut out = model.forward(&input, 0).unwrap();
-    for step in 0..=STEPS {
-        let v = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        logits.push(v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
-        if step == STEPS {
-            break;
-        }
-        let next = argmax(&v);
-        tokens.push(next);
-        let input = Tensor::new(&[next], &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        out = model.forward(&input, PROMPT.len() + step).unwrap();
-    }
-    (logits, tokens)
 }
 
-/// The port's logits through `patcher`, and each call's routed experts per layer (whose `w1`
-/// was used during the call).
-fn mixtral_managed(
-    patcher: &ModelPatcher,
-    tokens: &[u32],
-) -> (Vec<Vec<u32>>, Vec<Vec<Vec<usize>>>) {
-    let cfg: mixtral::Config = serde_json::from_str(MIXTRAL).unwrap();
-    let vb = residency::nn::VarBuilder::from_patcher(
-        patcher,
-        residency::ops::OpsMode::DisableWeightInit,
-    )
-    .unwrap();
-    let mut model = mixtral::Model::new(&cfg, vb).unwrap();
-    let device = patcher.load_device().to_candle().unwrap();
-    let uses = |p: &ModelPatcher| -> Vec<Vec<u32>> {
-        (0..2)
-            .map(|b| {
-                (0..EXPERTS)
-                    .map(|e| {
-                        let key =
-                            format!("model.layers.{b}.block_sparse_moe.experts.{e}.w1.weight");
-                        p.model().uses(&key).unwrap()
-                    })
-                    .collect()
-            })
-            .collect()
-    };
-    let mut routed = Vec::new();
-    let logits = decode(
-        |input, pos| {
-            let before = uses(patcher);
-            let out = model.forward(&input.to_device(&device)?, pos)?;
-            let after = uses(patcher);
-            routed.push(
-                (0..2)
-                    .map(|b| {
-                        (0..EXPERTS)
-                            .filter(|&e| after[b][e] > before[b][e])
-                            .collect::<Vec<usize>>()
-                    })
-                    .collect::<Vec<_>>(),
-            );
-            out.to_device(&candle_core::Device::Cpu)
-        },
-        tokens,
-    );
-    (logits, routed)
-}
-
-#[test]
-fn the_safetensors_mixtral_ported_by_its_use_lines_computes_candles_bits_in_every_budget() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = mixtral_checkpoint(dir.path());
-    let (want, tokens) = mixtral_reference(&path);
+/// A safetensors MoE port against candle's own model: the reference's greedy logits and tokens,
+/// then the port's logits unmanaged and in every budget of [`budgets`], the same bits and the
+/// same routing each time, exactly `EXPERTS_USED` experts read per MoE layer per decode step.
+fn check_safetensors_port(
+    path: &std::path::Path,
+    (want, tokens): (Vec<Vec<u32>>, Vec<u32>),
+    managed: impl Fn(&ModelPatcher, &[u32]) -> (Vec<Vec<u32>>, Vec<Vec<Vec<usize>>>),
+) {
     let distinct: std::collections::HashSet<&u32> = tokens.iter().collect();
     assert!(
         distinct.len() > 1,
         "the greedy tokens never change: {tokens:?}"
     );
-    let file_bytes = std::fs::metadata(&path).unwrap().len();
-    let model = Arc::new(Model::from_safetensors("mixtral", &[&path]).unwrap());
+    let file_bytes = std::fs::metadata(path).unwrap().len();
+    let model = Arc::new(Model::from_safetensors("moe", &[path]).unwrap());
     let size = model.model_size().bytes();
     let plain = ModelPatcher::new(Arc::clone(&model), DeviceId::Cpu, DeviceId::Cpu);
-    let (got, routed) = mixtral_managed(&plain, &tokens);
+    let (got, routed) = managed(&plain, &tokens);
     assert_eq!(got, want, "unmanaged");
     for (step, layers) in routed.iter().enumerate().skip(1) {
         for (b, experts) in layers.iter().enumerate() {
             assert_eq!(
                 experts.len(),
                 EXPERTS_USED,
-                "step {step}, layer {b}: {experts:?}"
+                "step {step}, MoE layer {b}: {experts:?}"
             );
         }
     }
+    let moved: std::collections::HashSet<&Vec<Vec<usize>>> = routed.iter().skip(1).collect();
+    assert!(moved.len() > 1, "the routing never moves: {routed:?}");
     for (what, args) in budgets(size, file_bytes) {
         let mut all = vec!["--reserve-vram", "0"];
         all.extend(args.iter().map(String::as_str));
         let mm = common::manager_with(&all);
-        let model = mm.read_model("mixtral", &[&path]).unwrap();
+        let model = mm.read_model("moe", &[path]).unwrap();
         let device = mm.compute_device();
         let p = ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu);
         mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
             .unwrap();
-        let (got, routed_here) = mixtral_managed(&p, &tokens);
+        let (got, routed_here) = managed(&p, &tokens);
         assert_eq!(got, want, "{what}");
         assert_eq!(routed_here, routed, "{what}: the routing differs");
         for sim in mm.transfer_engine().devices().sims() {
@@ -842,4 +837,51 @@ fn the_safetensors_mixtral_ported_by_its_use_lines_computes_candles_bits_in_ever
             );
         }
     }
+}
+
+#[test]
+fn the_safetensors_mixtral_ported_by_its_use_lines_computes_candles_bits_in_every_budget() {
+    use candle_transformers::models::mixtral as theirs;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg: theirs::Config = serde_json::from_str(MIXTRAL).unwrap();
+    let path = safetensors_checkpoint(dir.path(), "mixtral", |vb| {
+        theirs::Model::new(&cfg, vb).map(drop)
+    });
+    let mut reference = theirs::Model::new(&cfg, candle_vb(&path)).unwrap();
+    let reference = greedy(|input, pos| reference.forward(input, pos));
+    check_safetensors_port(&path, reference, |p, tokens| {
+        let cfg: mixtral::Config = serde_json::from_str(MIXTRAL).unwrap();
+        let mut model = mixtral::Model::new(&cfg, managed_vb(p)).unwrap();
+        routed_decode(
+            p,
+            &[0, 1],
+            |b, e| format!("model.layers.{b}.block_sparse_moe.experts.{e}.w1.weight"),
+            |input, pos| model.forward(input, pos),
+            tokens,
+        )
+    });
+}
+
+#[test]
+fn the_safetensors_qwen3_moe_ported_by_its_use_lines_computes_candles_bits_in_every_budget() {
+    use candle_transformers::models::qwen3_moe as theirs;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg: theirs::Config = serde_json::from_str(QWEN3_MOE).unwrap();
+    let path = safetensors_checkpoint(dir.path(), "qwen3moe", |vb| {
+        theirs::ModelForCausalLM::new(&cfg, vb).map(drop)
+    });
+    let mut reference = theirs::ModelForCausalLM::new(&cfg, candle_vb(&path)).unwrap();
+    let reference = greedy(|input, pos| reference.forward(input, pos));
+    check_safetensors_port(&path, reference, |p, tokens| {
+        use safetensors_managed::qwen3_moe;
+        let cfg: qwen3_moe::Config = serde_json::from_str(QWEN3_MOE).unwrap();
+        let mut model = qwen3_moe::ModelForCausalLM::new(&cfg, managed_vb(p)).unwrap();
+        routed_decode(
+            p,
+            &[1],
+            |b, e| format!("model.layers.{b}.mlp.experts.{e}.gate_proj.weight"),
+            |input, pos| model.forward(input, pos),
+            tokens,
+        )
+    });
 }
