@@ -732,7 +732,7 @@ const QWEN3_MOE: &str = r#"{
 }"#;
 
 /// A tiny safetensors checkpoint (f32) of every weight `build` asks candle-nn's builder for:
-/// uniform values, norms near 1, each router's rows (`….gate.weight`) scaled by `1 + e/2`
+/// uniform values, the embedding table small, norms near 1, each router's rows (`….gate.weight`) scaled by `1 + e/2`
 /// (skewed routing, as `write_tiny_moe`).
 fn safetensors_checkpoint(
     dir: &std::path::Path,
@@ -759,7 +759,11 @@ fn safetensors_checkpoint(
             let skew: Vec<f32> = (0..EXPERTS).map(|e| 1.0 + e as f32 / 2.0).collect();
             let skew = Tensor::from_vec(skew, (EXPERTS, 1), &Device::Cpu).unwrap();
             u.broadcast_mul(&skew).unwrap()
-        } else if name.contains("embed_tokens") || name.contains("lm_head") {
+        } else if name.contains("embed_tokens") {
+            // Small beside the blocks' outputs: a tied head then reads more than the input
+            // token's own row back (which would repeat the prompt's last token forever).
+            u.affine(0.1, 0.0).unwrap()
+        } else if name.contains("lm_head") {
             u
         } else {
             u.affine(0.25, 0.0).unwrap()
@@ -827,6 +831,11 @@ fn check_safetensors_port(
         let (got, routed_here) = managed(&p, &tokens);
         assert_eq!(got, want, "{what}");
         assert_eq!(routed_here, routed, "{what}: the routing differs");
+        assert_eq!(
+            p.model().held_outside(),
+            vec![],
+            "{what}: the port holds weights outside the ledger"
+        );
         for sim in mm.transfer_engine().devices().sims() {
             assert!(sim.check().is_ok(), "{what}: {:?}", sim.check());
         }
@@ -863,25 +872,44 @@ fn the_safetensors_mixtral_ported_by_its_use_lines_computes_candles_bits_in_ever
 }
 
 #[test]
-fn the_safetensors_qwen3_moe_ported_by_its_use_lines_computes_candles_bits_in_every_budget() {
+fn the_safetensors_qwen3_moe_ported_by_its_use_lines_computes_candles_bits_in_every_budget_tied_or_not(
+) {
     use candle_transformers::models::qwen3_moe as theirs;
-    let dir = tempfile::tempdir().unwrap();
-    let cfg: theirs::Config = serde_json::from_str(QWEN3_MOE).unwrap();
-    let path = safetensors_checkpoint(dir.path(), "qwen3moe", |vb| {
-        theirs::ModelForCausalLM::new(&cfg, vb).map(drop)
-    });
-    let mut reference = theirs::ModelForCausalLM::new(&cfg, candle_vb(&path)).unwrap();
-    let reference = greedy(|input, pos| reference.forward(input, pos));
-    check_safetensors_port(&path, reference, |p, tokens| {
-        use safetensors_managed::qwen3_moe;
-        let cfg: qwen3_moe::Config = serde_json::from_str(QWEN3_MOE).unwrap();
-        let mut model = qwen3_moe::ModelForCausalLM::new(&cfg, managed_vb(p)).unwrap();
-        routed_decode(
-            p,
-            &[1],
-            |b, e| format!("model.layers.{b}.mlp.experts.{e}.gate_proj.weight"),
-            |input, pos| model.forward(input, pos),
-            tokens,
-        )
-    });
+    for tied in [false, true] {
+        let json = QWEN3_MOE.replace(
+            r#""tie_word_embeddings": false"#,
+            &format!(r#""tie_word_embeddings": {tied}"#),
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let cfg: theirs::Config = serde_json::from_str(&json).unwrap();
+        assert_eq!(cfg.tie_word_embeddings, tied);
+        let path = safetensors_checkpoint(dir.path(), "qwen3moe", |vb| {
+            theirs::ModelForCausalLM::new(&cfg, vb).map(drop)
+        });
+        let mut reference = theirs::ModelForCausalLM::new(&cfg, candle_vb(&path)).unwrap();
+        let reference = greedy(|input, pos| reference.forward(input, pos));
+        // Tied, upstream's head is `Linear::from_weights(embed_tokens.embeddings().clone(), None)`:
+        // on residency it fetches the embedding's weight, so nothing is held outside the ledger.
+        check_safetensors_port(&path, reference, |p, tokens| {
+            use safetensors_managed::qwen3_moe;
+            let cfg: qwen3_moe::Config = serde_json::from_str(&json).unwrap();
+            let mut model = qwen3_moe::ModelForCausalLM::new(&cfg, managed_vb(p)).unwrap();
+            let table = "model.embed_tokens.weight";
+            let before = p.model().uses(table).unwrap();
+            let out = routed_decode(
+                p,
+                &[1],
+                |b, e| format!("model.layers.{b}.mlp.experts.{e}.gate_proj.weight"),
+                |input, pos| model.forward(input, pos),
+                tokens,
+            );
+            let per_call = (p.model().uses(table).unwrap() - before) / (STEPS as u32 + 1);
+            assert_eq!(
+                per_call,
+                1 + u32::from(tied),
+                "the table's fetches per forward"
+            );
+            out
+        });
+    }
 }
