@@ -38,6 +38,14 @@
 //! in and evict by the priority order; the same checks hold after every step, and a forward that
 //! failed leaves no fault-in booked (the weights it kept before the failure stay).
 //!
+//! In a third of the cases model 1 is a **mixture of experts** instead: a Q8_0 GGUF file (a
+//! dense layer, two stacked-expert matrices of 8 experts each, a dense head) read as one weight
+//! per expert, its forwards routing two tokens to two experts each by a seed the operation draws
+//! (`moe_gemm_gguf`, so only routed experts are fetched and the rest of the layer's are
+//! prefetched by the routing), its patches on single experts; half of its simulated-GPU cases
+//! run misses cost-aware (`--cost-aware-misses`). The same checks hold, I3 against the same
+//! forward on a fresh unmanaged read of the file with the same patches.
+//!
 //! 512 cases of 50–200 steps by default (about 256 of them on simulated GPUs); `RESIDENCY_MODEL_CASES=10000` for a long run.
 
 mod check;
@@ -99,6 +107,119 @@ fn model_tensors(m: usize) -> Vec<(String, Tensor, Dtype)> {
     tensors
 }
 
+/// The mixture-of-experts model's tensors (all Q8_0): a dense layer, two stacked expert
+/// matrices `[experts, out, in]`, a dense head.
+const MOE_TENSORS: [(&str, &[usize]); 4] = [
+    ("l0.weight", &[64, 32]),
+    ("l1.a_exps.weight", &[MOE_EXPERTS, 64, 64]),
+    ("l1.b_exps.weight", &[MOE_EXPERTS, 64, 64]),
+    ("l2.weight", &[32, 64]),
+];
+const MOE_EXPERTS: usize = 8;
+/// Experts per token.
+const MOE_TOPK: usize = 2;
+
+/// Writes the mixture-of-experts model as a GGUF file with candle's writer.
+fn write_moe(path: &std::path::Path) {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let tensors: Vec<(&str, QTensor)> = MOE_TENSORS
+        .iter()
+        .enumerate()
+        .map(|(i, (name, shape))| {
+            let t = weight(shape, 500 + i as u64);
+            (*name, QTensor::quantize(&t, GgmlDType::Q8_0).unwrap())
+        })
+        .collect();
+    let arch = gguf_file::Value::String("residency-moe".into());
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (*k, t)).collect();
+    let mut f = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut f, &[("general.architecture", &arch)], &tensors).unwrap();
+}
+
+/// The routing of forward `route`: each of the two tokens to `MOE_TOPK` distinct experts, as
+/// candle-transformers' `fused_moe` hands it to `moe_gemm_gguf` — pair ids (`token · topk + j`)
+/// sorted by expert, their experts, and the pairs' routing weights `[tokens, topk]`.
+fn moe_routing(route: u64) -> (Tensor, Tensor, Tensor) {
+    let mut pairs: Vec<(u32, u32)> = Vec::new();
+    for token in 0..2u64 {
+        let first = (route >> (8 * token)) % MOE_EXPERTS as u64;
+        let step = 1 + (route >> (8 * token + 4)) % (MOE_EXPERTS as u64 - 1);
+        for j in 0..MOE_TOPK as u64 {
+            let e = (first + j * step) % MOE_EXPERTS as u64;
+            pairs.push(((token * MOE_TOPK as u64 + j) as u32, e as u32));
+        }
+    }
+    pairs.sort_by_key(|&(pair, e)| (e, pair));
+    let sorted: Vec<u32> = pairs.iter().map(|p| p.0).collect();
+    let experts: Vec<u32> = pairs.iter().map(|p| p.1).collect();
+    let weights = Tensor::new(&[[0.75f32, 0.25], [0.6, 0.4]], &Device::Cpu).unwrap();
+    (
+        Tensor::new(sorted.as_slice(), &Device::Cpu).unwrap(),
+        Tensor::new(experts.as_slice(), &Device::Cpu).unwrap(),
+        weights,
+    )
+}
+
+/// The mixture-of-experts model's forward over `p`, routed by `route`, on an input of ones.
+fn moe_forward(p: &ModelPatcher, route: u64) -> crate::error::Result<Vec<u32>> {
+    use crate::nn::moe::moe_gemm_gguf;
+    use crate::quantized::{gguf_file::Content, QMatMul};
+    use candle_core::Module;
+    let ct = Content::from_patcher(p);
+    let device = p.load_device().to_candle()?;
+    let mut reader = std::io::Cursor::new(Vec::<u8>::new());
+    let mut tensor = |name: &str| ct.tensor(&mut reader, name, &device);
+    let (sorted, experts, weights) = moe_routing(route);
+    let x = Tensor::ones((2, 32), DType::F32, &device)?;
+    let x = QMatMul::from_qtensor(tensor("l0.weight")?)?.forward(&x)?.tanh()?;
+    let h = moe_gemm_gguf(
+        &x,
+        &tensor("l1.a_exps.weight")?,
+        &None,
+        &sorted,
+        &experts,
+        MOE_TOPK,
+        false,
+        DType::F32,
+    )?
+    .tanh()?;
+    let y = moe_gemm_gguf(
+        &h,
+        &tensor("l1.b_exps.weight")?,
+        &Some(weights),
+        &sorted,
+        &experts,
+        MOE_TOPK,
+        false,
+        DType::F32,
+    )?
+    .reshape((2, MOE_TOPK, 64))?
+    .sum(1)?;
+    let out = QMatMul::from_qtensor(tensor("l2.weight")?)?.forward(&y)?.tanh()?;
+    p.model().finish_forward();
+    Ok(f32_bits(&out))
+}
+
+/// [`moe_forward`] on a fresh unmanaged read of the file with `p`'s patches: every weight read
+/// inline.
+fn moe_reference_forward(p: &ModelPatcher, path: &std::path::Path, route: u64) -> Vec<u32> {
+    let fresh = Arc::new(Model::from_gguf("reference", path).unwrap());
+    let mut q = ModelPatcher::new(fresh, CPU, CPU);
+    let entries: Vec<(String, crate::patcher::PatchEntry)> = p
+        .patches()
+        .keys()
+        .flat_map(|k| {
+            p.patches()
+                .get(k)
+                .iter()
+                .map(|e| (k.to_string(), e.entry.clone()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    q.add_patch_entries(entries).unwrap();
+    moe_forward(&q, route).unwrap()
+}
+
 /// A handle on model `m`: model 0 keeps resident copies in f32 (its bf16 weights are widened at
 /// load), model 1 keeps them as stored, so its f32 layers cast its bf16 weights at use — through
 /// the manual-cast cache when the ledger has room.
@@ -108,6 +229,7 @@ fn patcher_for(
     device: DeviceId,
     split: bool,
     auto: bool,
+    host_key: &str,
 ) -> ModelPatcher {
     let compute = (m == 0).then_some(Dtype::F32);
     let p = ModelPatcher::new(model, device, CPU).with_compute_dtype(compute);
@@ -115,11 +237,12 @@ fn patcher_for(
     let p = if auto { p.with_auto_device() } else { p };
     if split && m == 1 {
         // Model 1 split across both simulated GPUs: its first layer on `sim:0`, the rest on
-        // its load device `sim:1`, its last bias always streamed from the host.
+        // its load device `sim:1`, one weight always on the host (its last bias streamed from
+        // there; the mixture of experts' head computed there, llama.cpp's `-ot …=CPU`).
         p.with_device_map(
             crate::DeviceMap::new()
                 .prefix("l0", crate::Target::Device(DeviceId::Sim(0)))
-                .prefix("l2.bias", crate::Target::Host),
+                .prefix(host_key, crate::Target::Host),
         )
     } else {
         p
@@ -222,9 +345,11 @@ enum Op {
     Drop {
         slot: usize,
     },
+    /// A forward of the model in `slot`; `route` routes the mixture of experts' tokens.
     Forward {
         slot: usize,
         fault: Option<u64>,
+        route: u64,
     },
     PartialUnload {
         slot: usize,
@@ -274,7 +399,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::UnloadAll),
         1 => Just(Op::Cleanup),
         2 => slot.clone().prop_map(|slot| Op::Drop { slot }),
-        5 => (slot.clone(), prop::option::weighted(0.15, 0..4u64)).prop_map(|(slot, fault)| Op::Forward { slot, fault }),
+        5 => (slot.clone(), prop::option::weighted(0.15, 0..4u64), any::<u64>()).prop_map(|(slot, fault, route)| Op::Forward { slot, fault, route }),
         1 => (slot.clone(), 0..24u64).prop_map(|(slot, kib)| Op::PartialUnload { slot, kib }),
         2 => (0..2usize, prop_oneof![0..24u64, Just(u64::MAX / 1024)]).prop_map(|(device, kib)| Op::Reserve { device, kib }),
         2 => (0..4usize, prop_oneof![0..16u64, Just(1u64 << 40)]).prop_map(|(r, kib)| Op::Grow { r, kib }),
@@ -330,6 +455,8 @@ struct World {
     auto: bool,
     /// Residency by use (dynamic mode).
     dynamic: bool,
+    /// Model 1 is the mixture of experts: the folder its GGUF file is in.
+    moe: Option<tempfile::TempDir>,
 }
 
 /// Simulated GPUs for a case: how many (1 or 2), each copy's fixed cost in µs and the seed of its
@@ -343,6 +470,7 @@ impl World {
         depth: usize,
         host_kib: Option<u64>,
         sim: SimCase,
+        moe: bool,
     ) -> World {
         let mut args = vec![
             "--vram-budget".to_string(),
@@ -366,6 +494,11 @@ impl World {
         } else {
             "--disable-dynamic-vram".into()
         });
+        // Misses run where they finish first in half of the mixture-of-experts cases on
+        // simulated GPUs (on the CPU there is no miss to place).
+        if moe && sim.is_some_and(|(_, latency, _)| latency % 2 == 0) {
+            args.push("--cost-aware-misses".into());
+        }
         let mut config = Config::from_args(args)
             .unwrap()
             .with_transfer_lanes(lanes)
@@ -397,6 +530,11 @@ impl World {
             }
             dir
         });
+        let moe = moe.then(|| {
+            let dir = tempfile::tempdir().unwrap();
+            write_moe(&dir.path().join("m1.gguf"));
+            dir
+        });
         let mut world = World {
             mm,
             budget: ByteSize::kib(budget_kib),
@@ -414,6 +552,7 @@ impl World {
             split: false,
             auto: false,
             dynamic,
+            moe,
         };
         world.split = world.sims.len() == 2 && sim.is_some_and(|(_, _, seed)| seed % 2 == 0);
         world.auto = world.sims.len() == 2 && sim.is_some_and(|(_, _, seed)| seed % 4 == 1);
@@ -425,7 +564,14 @@ impl World {
         }
         for (m, model) in models.into_iter().enumerate() {
             world.slots[m] = Some((
-                patcher_for(model, m, world.devices[m], world.split, world.auto),
+                patcher_for(
+                    model,
+                    m,
+                    world.devices[m],
+                    world.split,
+                    world.auto,
+                    world.host_key(),
+                ),
                 m,
             ));
         }
@@ -434,6 +580,12 @@ impl World {
 
     /// Model `m`, read anew: lazily from its file with a host budget, else built in memory.
     fn read(&self, m: usize) -> Model {
+        if let Some(path) = self.moe_file().filter(|_| m == 1) {
+            return match &self.files {
+                Some(_) => Model::from_gguf_lazy("m1", path, self.mm.host_tier()).unwrap(),
+                None => Model::from_gguf("m1", path).unwrap(),
+            };
+        }
         match &self.files {
             Some(dir) => Model::from_safetensors_lazy(
                 format!("m{m}"),
@@ -442,6 +594,61 @@ impl World {
             )
             .unwrap(),
             None => build_model(m),
+        }
+    }
+
+    /// The mixture of experts' file, when model 1 is it.
+    fn moe_file(&self) -> Option<std::path::PathBuf> {
+        self.moe.as_ref().map(|d| d.path().join("m1.gguf"))
+    }
+
+    /// The weight of model 1 a split case maps to the host.
+    fn host_key(&self) -> &'static str {
+        if self.moe.is_some() {
+            "l2.weight"
+        } else {
+            "l2.bias"
+        }
+    }
+
+    /// Whether model `m` is the mixture of experts.
+    fn is_moe(&self, m: usize) -> bool {
+        m == 1 && self.moe.is_some()
+    }
+
+    /// The weight patch and pin operations name for `layer` of model `m` (an expert `pick`
+    /// chooses, for the mixture's expert matrices), and its `[out, in]`.
+    fn layer_weight(&self, m: usize, layer: usize, pick: u64) -> Option<(String, usize, usize)> {
+        if !self.is_moe(m) {
+            let &(out, inn) = LAYERS[m].get(layer)?;
+            return Some((format!("l{layer}.weight"), out, inn));
+        }
+        let (name, shape) = MOE_TENSORS.get(layer)?;
+        match shape {
+            [_, out, inn] => Some((
+                crate::weights::expert_key(name, pick as usize % MOE_EXPERTS),
+                *out,
+                *inn,
+            )),
+            [out, inn] => Some((name.to_string(), *out, *inn)),
+            _ => None,
+        }
+    }
+
+    /// Model `m`'s forward over `p` (routed by `route` for the mixture of experts).
+    fn forward(&self, p: &ModelPatcher, m: usize, route: u64) -> crate::error::Result<Vec<u32>> {
+        if self.is_moe(m) {
+            moe_forward(p, route)
+        } else {
+            forward(p, m)
+        }
+    }
+
+    /// The same forward over every weight read inline.
+    fn reference_forward(&self, p: &ModelPatcher, m: usize, route: u64) -> Vec<u32> {
+        match self.moe_file().filter(|_| m == 1) {
+            Some(path) => moe_reference_forward(p, &path, route),
+            None => reference_forward(p, m),
         }
     }
 
@@ -604,12 +811,13 @@ proptest! {
         depth in 0..3usize,
         host_kib in prop_oneof![2 => Just(None), 1 => Just(Some(8u64)), 1 => Just(Some(16)), 1 => Just(Some(64))],
         sim in prop::option::of((1..3usize, 0..40u64, any::<u64>())),
+        moe in prop::bool::weighted(1.0 / 3.0),
         ops in prop::collection::vec(op(), 50..200),
     ) {
         // The budgeted CPU with 0–2 lanes, or a simulated GPU with 0–4 lanes, random copy
         // latencies and driver faults (one or two simulated GPUs). Only the slots (and the registry) hold the models.
         let lanes = if sim.is_some() { lanes } else { lanes % 3 };
-        let mut world = World::new(budget_kib, lanes, depth, host_kib, sim);
+        let mut world = World::new(budget_kib, lanes, depth, host_kib, sim, moe);
         for (step, op) in ops.iter().enumerate() {
             world.step(step, op)?;
             world.settle();

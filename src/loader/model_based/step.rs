@@ -23,7 +23,14 @@ impl World {
                 self.set_slot(
                     *slot,
                     Some((
-                        patcher_for(arc, *model, device, self.split, self.auto),
+                        patcher_for(
+                            arc,
+                            *model,
+                            device,
+                            self.split,
+                            self.auto,
+                            self.host_key(),
+                        ),
                         *model,
                     )),
                 );
@@ -44,7 +51,7 @@ impl World {
                 let Some((mut p, m)) = self.patcher(*slot) else {
                     return Ok(());
                 };
-                let Some(&(out, inn)) = LAYERS[m].get(*layer) else {
+                let Some((key, out, inn)) = self.layer_weight(m, *layer, *seed) else {
                     return Ok(());
                 };
                 let down_in = if matches!(bad, Bad::Shape) {
@@ -63,7 +70,7 @@ impl World {
                     *strength
                 };
                 let before = self.snapshot();
-                let r = p.add_patches([(format!("l{layer}.weight"), Patch::Lora(lora))], s, 1.0);
+                let r = p.add_patches([(key, Patch::Lora(lora))], s, 1.0);
                 match bad {
                     Bad::None => {
                         prop_assert!(r.is_ok(), "{}: {:?}", ctx(), r);
@@ -84,8 +91,8 @@ impl World {
             }
             Op::Pin { slot, layer } => {
                 if let Some((p, m)) = self.patcher(*slot) {
-                    if *layer < LAYERS[m].len() {
-                        p.pin_weight_to_device(&format!("l{layer}.weight")).unwrap();
+                    if let Some((key, _, _)) = self.layer_weight(m, *layer, *layer as u64) {
+                        p.pin_weight_to_device(&key).unwrap();
                     }
                 }
             }
@@ -270,16 +277,16 @@ impl World {
             Op::Drop { slot } => {
                 self.slots[*slot] = None;
             }
-            Op::Forward { slot, fault } => {
+            Op::Forward { slot, fault, route } => {
                 let Some((p, m)) = self.patcher(*slot) else {
                     return Ok(());
                 };
-                let expected = reference_forward(&p, m);
+                let expected = self.reference_forward(&p, m, *route);
                 let before = self.snapshot();
                 if let Some(k) = fault {
                     self.arm(*k);
                 }
-                let got = forward(&p, m);
+                let got = self.forward(&p, m, *route);
                 self.disarm();
                 match got {
                     Ok(bits) => prop_assert!(bits == expected, "{}: streamed != resident", ctx()),
