@@ -155,7 +155,7 @@ fn a_mixture_of_experts_computes_candles_bits_in_every_budget_and_reads_only_rou
         for sim in mm.transfer_engine().devices().sims() {
             assert!(sim.check().is_ok(), "{what}: {:?}", sim.check());
         }
-        check_misses(what, &mm);
+        check_misses(what, &mm, &p);
         if let Some(cap) = mm.host_tier().budget() {
             assert!(
                 mm.host_tier().stats().peak <= cap,
@@ -521,7 +521,7 @@ fn stacked_experts_are_one_weight_each_and_quantized_qwen3_moe_computes_the_refe
         for sim in mm.transfer_engine().devices().sims() {
             assert!(sim.check().is_ok(), "{what}: {:?}", sim.check());
         }
-        check_misses(what, &mm);
+        check_misses(what, &mm, &p);
         if let Some(cap) = mm.host_tier().budget() {
             assert!(
                 mm.host_tier().stats().peak <= cap,
@@ -570,7 +570,12 @@ fn stacked_experts_are_one_weight_each_and_quantized_qwen3_moe_computes_the_refe
 
 /// With cost-aware misses, both sides ran (each is measured before the rule decides) and the
 /// report says so; without, there is no report.
-fn check_misses(what: &str, mm: &residency::loader::MemoryManager) {
+fn check_misses(what: &str, mm: &residency::loader::MemoryManager, p: &ModelPatcher) {
+    // A plan shows the rule and the figures measured so far (nothing ran since the report).
+    let plan = mm
+        .plan(std::slice::from_ref(p), LoadOptions::default())
+        .unwrap();
+    assert_eq!(plan.misses, mm.miss_report(), "{what}: the plan's misses");
     match mm.miss_report() {
         Some(r) => {
             assert!(what.contains("cost-aware"), "{what}: {r}");

@@ -171,7 +171,9 @@ fn moe_forward(p: &ModelPatcher, route: u64) -> crate::error::Result<Vec<u32>> {
     let mut tensor = |name: &str| ct.tensor(&mut reader, name, &device);
     let (sorted, experts, weights) = moe_routing(route);
     let x = Tensor::ones((2, 32), DType::F32, &device)?;
-    let x = QMatMul::from_qtensor(tensor("l0.weight")?)?.forward(&x)?.tanh()?;
+    let x = QMatMul::from_qtensor(tensor("l0.weight")?)?
+        .forward(&x)?
+        .tanh()?;
     let h = moe_gemm_gguf(
         &x,
         &tensor("l1.a_exps.weight")?,
@@ -195,7 +197,9 @@ fn moe_forward(p: &ModelPatcher, route: u64) -> crate::error::Result<Vec<u32>> {
     )?
     .reshape((2, MOE_TOPK, 64))?
     .sum(1)?;
-    let out = QMatMul::from_qtensor(tensor("l2.weight")?)?.forward(&y)?.tanh()?;
+    let out = QMatMul::from_qtensor(tensor("l2.weight")?)?
+        .forward(&y)?
+        .tanh()?;
     p.model().finish_forward();
     Ok(f32_bits(&out))
 }

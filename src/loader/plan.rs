@@ -239,6 +239,11 @@ pub struct LoadPlan {
     /// the models' `resident` figures hold is what is resident and current now (and pinned
     /// weights); the rest becomes resident as forwards use it.
     pub dynamic: bool,
+    /// With cost-aware misses (`--cost-aware-misses`): the rule a miss of these models' streamed
+    /// quantized weights is placed by — on the host from its host copy when `rows × host <
+    /// link + rows × device`, else uploaded; kept only where 8 uses pay its upload back — with
+    /// the costs measured so far and the misses placed so far. `None` when the mode is off.
+    pub misses: Option<crate::offload::MissReport>,
     #[cfg_attr(feature = "serde", serde(skip))]
     pub(super) steps: Vec<Step>,
 }
@@ -565,6 +570,7 @@ impl MemoryManager {
             host,
             problem,
             dynamic,
+            misses: self.miss_report(),
             steps: p.steps,
         })
     }

@@ -23,14 +23,7 @@ impl World {
                 self.set_slot(
                     *slot,
                     Some((
-                        patcher_for(
-                            arc,
-                            *model,
-                            device,
-                            self.split,
-                            self.auto,
-                            self.host_key(),
-                        ),
+                        patcher_for(arc, *model, device, self.split, self.auto, self.host_key()),
                         *model,
                     )),
                 );
