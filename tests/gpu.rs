@@ -420,6 +420,16 @@ mod scenario {
     }
 }
 
+// The ported model files' `crate::candle` and `crate::utils`.
+#[cfg(feature = "cuda")]
+include!("ported/shim.rs");
+/// candle-transformers' `quantized_qwen3_moe` on residency (the port `tests/moe.rs` checks on the
+/// CPU and the simulated GPU), for the CUDA runs below.
+#[cfg(feature = "cuda")]
+#[path = "ported/qwen3_moe_managed.rs"]
+#[allow(dead_code, unused_imports, clippy::all)]
+mod managed;
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::Tensor;
@@ -473,5 +483,110 @@ mod cuda {
             e.contains("Cuda") && e.contains("Cpu") && e.contains("proj.weight"),
             "{e}"
         );
+    }
+
+    /// Logits of the tiny Qwen3-MoE decoded on CUDA under `flags` (prompt, then `tokens`
+    /// forced), and the manager.
+    fn qwen3_moe_logits(
+        path: &std::path::Path,
+        flags: &[&str],
+        tokens: &[u32],
+    ) -> (Vec<Vec<f32>>, MemoryManager) {
+        use residency::loader::LoadOptions;
+        use residency::patcher::ModelPatcher;
+        let mut all = vec!["--reserve-vram", "0"];
+        all.extend_from_slice(flags);
+        let mm = MemoryManager::new(Config::from_args(&all).unwrap(), Hardware::probe()).unwrap();
+        assert_eq!(mm.compute_device(), DeviceId::Cuda(0));
+        let model = mm.read_model("tiny-qwen3moe", &[path]).unwrap();
+        let p = ModelPatcher::new(std::sync::Arc::new(model), DeviceId::Cuda(0), DeviceId::Cpu);
+        mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+            .unwrap();
+        let device = DeviceId::Cuda(0).to_candle().unwrap();
+        let ct = residency::quantized::gguf_file::Content::from_patcher(&p);
+        let mut reader = std::io::Cursor::new(Vec::<u8>::new());
+        let mut model = super::managed::quantized_qwen3_moe::GGUFQWenMoE::from_gguf(
+            ct,
+            &mut reader,
+            &device,
+            candle_core::DType::F32,
+        )
+        .unwrap();
+        let prompt = [1u32, 17, 42, 5, 63];
+        let mut logits = Vec::new();
+        let mut step = |input: &[u32], pos: usize| {
+            let x = Tensor::new(input, &device).unwrap().unsqueeze(0).unwrap();
+            let out = model.forward(&x, pos).unwrap();
+            logits.push(out.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        };
+        step(&prompt, 0);
+        for (i, &t) in tokens.iter().enumerate() {
+            step(&[t], prompt.len() + i);
+        }
+        (logits, mm)
+    }
+
+    #[test]
+    fn a_mixture_of_experts_by_use_is_bit_identical_and_cost_aware_misses_stay_close_on_cuda() {
+        let Some(_) = gpu0(
+            "a_mixture_of_experts_by_use_is_bit_identical_and_cost_aware_misses_stay_close_on_cuda",
+        ) else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny-qwen3moe.gguf");
+        crate::common::gguf::write_tiny_qwen3_moe(&path);
+        let tokens: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % 64).collect();
+        let (resident, _) = qwen3_moe_logits(&path, &[], &tokens);
+        let size = std::fs::metadata(&path).unwrap().len();
+        let budget = format!("{}B", size * 3 / 10);
+        // Residency by use at 30 %: streamed == resident, bit for bit, on the GPU too.
+        let (by_use, mm) = qwen3_moe_logits(
+            &path,
+            &["--vram-budget", &budget, "--enable-dynamic-vram"],
+            &tokens,
+        );
+        let report = &mm.memory_report().dynamic_devices[0];
+        assert!(report.faults_in > 0, "{report}");
+        for (step, (a, b)) in by_use.iter().zip(&resident).enumerate() {
+            let (a, b): (Vec<u32>, Vec<u32>) = (
+                a.iter().map(|v| v.to_bits()).collect(),
+                b.iter().map(|v| v.to_bits()).collect(),
+            );
+            assert_eq!(a, b, "by use, step {step}");
+        }
+        // Cost-aware misses: some run on the host (its kernels round differently), so the
+        // logits are close, not equal — the one placement-dependent mode.
+        let (costed, mm) = qwen3_moe_logits(
+            &path,
+            &[
+                "--vram-budget",
+                &budget,
+                "--enable-dynamic-vram",
+                "--cost-aware-misses",
+            ],
+            &tokens,
+        );
+        let misses = mm.miss_report().expect("a miss report");
+        assert!(misses.on_host > 0 && misses.on_device > 0, "{misses}");
+        eprintln!("{misses}");
+        for (step, (a, b)) in costed.iter().zip(&resident).enumerate() {
+            let dot: f64 = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| f64::from(*x) * f64::from(*y))
+                .sum();
+            let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+            let cosine = dot / (norm(a) * norm(b));
+            let worst = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            let range = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            eprintln!("step {step}: cosine {cosine:.6}, max |diff| {worst:.2e} of {range:.2e}");
+            assert!(cosine > 0.999, "step {step}: cosine {cosine}");
+            assert!(worst <= 0.02 * range, "step {step}: {worst} of {range}");
+        }
     }
 }
