@@ -13,6 +13,8 @@ macro_rules! ranks {
             $( #[doc = $guards] $variant, )*
         }
 
+        // The checker that reads these is compiled with `debug_assertions` only.
+        #[cfg_attr(not(debug_assertions), allow(dead_code))]
         impl Rank {
             /// Every rank, lowest first.
             #[allow(dead_code)]
@@ -76,6 +78,7 @@ ranks! {
     TrackNames = 36, "trace track names", "each thread's track number and name";
 }
 
+#[cfg_attr(not(debug_assertions), allow(dead_code))]
 impl Rank {
     /// Whether the same thread may read this lock again while it holds a read of it. None may:
     /// every re-read is a potential deadlock behind a queued writer.
