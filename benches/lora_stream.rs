@@ -12,7 +12,10 @@
 //! (what the LoRA'd forward is measured against), and a fresh 8 MiB host buffer allocated and
 //! filled (what a host-side patch of a streamed weight paid per fetch before).
 //!
-//! `cargo bench --bench lora_stream`.
+//! `cargo bench --bench lora_stream`. With `LORA_DEVICE=probe` the streamed runs use this
+//! machine's own device (`Hardware::probe`: a CUDA GPU under `--features cuda`, else the CPU)
+//! under the same `--vram-budget` instead of the simulated GPU: there the patch is device work on
+//! the GPU (scripts/gpu-check.sh runs it).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -61,14 +64,32 @@ struct Setup {
     mm: MemoryManager,
 }
 
-/// A manager of its own on the simulated GPU with the model loaded (the whole model resident
-/// when `budget` is `None`).
+/// Whether the streamed runs use this machine's own device (`LORA_DEVICE=probe`).
+fn on_probed_device() -> bool {
+    std::env::var("LORA_DEVICE").is_ok_and(|v| v == "probe")
+}
+
+/// A manager of its own on the simulated GPU (or the probed device) with the model loaded (the
+/// whole model resident when `budget` is `None`).
 fn setup(model: &Arc<Model>, lora: bool, budget: Option<ByteSize>, mode: &str) -> Setup {
-    let mut flags = vec!["--sim-gpu", "8GiB@25GB/s", mode];
+    let probed = on_probed_device();
+    let mut flags = if probed {
+        vec![mode]
+    } else {
+        vec!["--sim-gpu", "8GiB@25GB/s", mode]
+    };
     if budget.is_none() {
         flags.push("--highvram");
     }
-    setup_on(model, lora, budget, &flags, DeviceId::Sim(0))
+    let device = if probed {
+        Hardware::probe()
+            .gpus
+            .first()
+            .map_or(DeviceId::Cpu, |g| DeviceId::Cuda(g.ordinal))
+    } else {
+        DeviceId::Sim(0)
+    };
+    setup_on(model, lora, budget, &flags, device)
 }
 
 /// [`setup`] on `device` with `flags`.
@@ -91,7 +112,12 @@ fn setup_on(
         .unwrap()
         .with_transfer_lanes(2)
         .with_prefetch_depth(2);
-    let mm = MemoryManager::new(cfg, Hardware::cpu_only(ByteSize::gib(16))).unwrap();
+    let hardware = if matches!(device, DeviceId::Cuda(_)) {
+        Hardware::probe()
+    } else {
+        Hardware::cpu_only(ByteSize::gib(16))
+    };
+    let mm = MemoryManager::new(cfg, hardware).unwrap();
     // Residency is per model: each setup gets its own model (and host copies, pinned by its own
     // manager).
     let own = Arc::new(
@@ -117,12 +143,15 @@ fn setup_on(
 }
 
 fn forward(s: &Setup, batch: usize) -> Tensor {
-    let mut x = Tensor::ones((batch, WIDTH), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let device = s.p.load_device().to_candle().unwrap();
+    let mut x = Tensor::ones((batch, WIDTH), candle_core::DType::F32, &device).unwrap();
     for l in 0..LAYERS {
         let (w, _) = fetch_weight(&s.p, &format!("layers.{l}.weight")).unwrap();
         x = x.matmul(&w.t().unwrap()).unwrap().tanh().unwrap();
     }
     s.p.model().finish_forward();
+    // The forward's time includes its device work.
+    device.synchronize().unwrap();
     x
 }
 
@@ -173,8 +202,13 @@ fn bench(_: &mut Criterion) {
                 ByteSize(a.bytes().saturating_sub(b.bytes()) / ROUNDS as u64)
             };
             println!();
+            let on = if on_probed_device() {
+                format!("on {} (LORA_DEVICE=probe)", lora.p.load_device())
+            } else {
+                "on a simulated GPU at 25 GB/s".to_string()
+            };
             println!(
-                "lora_stream on a simulated GPU at 25 GB/s, {mode} ({LAYERS} layers of {WIDTH}x{WIDTH} bf16, \
+                "lora_stream {on}, {mode} ({LAYERS} layers of {WIDTH}x{WIDTH} bf16, \
                  f32 compute, rank-{RANK} LoRA on every layer, batch {batch}, budget {budget} = 1/4 of {model_f32} f32, \
                  median of {ROUNDS} interleaved rounds):"
             );

@@ -48,7 +48,7 @@ echo "gpu-build: link stubs for $(wc -l < "$STUBS/symbols") CUDA library symbols
 export LIBRARY_PATH="$STUBS${LIBRARY_PATH:+:$LIBRARY_PATH}"
 
 # cargo names each test and bench executable in its JSON messages; keep the ones we carry.
-cargo build --release --features cuda --lib --test gpu --test minilm --bench offload --bench moe \
+cargo build --release --features cuda --lib --test gpu --test minilm --bench offload --bench moe --bench lora_stream \
     --example bandwidth --example probe --example pipeline --message-format=json-render-diagnostics \
     > "$STAGE/build.json"
 cargo test --release --features cuda --lib --no-run --message-format=json-render-diagnostics \
@@ -57,6 +57,7 @@ python3 - "$STAGE/build.json" "$STAGE" <<'PY'
 import json, shutil, sys
 want = {("test", "gpu"): "gpu-tests", ("test", "minilm"): "minilm-tests",
         ("bench", "offload"): "offload-bench", ("bench", "moe"): "moe-bench",
+        ("bench", "lora_stream"): "lora-stream-bench",
         ("example", "bandwidth"): "bandwidth",
         ("example", "probe"): "probe", ("example", "pipeline"): "pipeline"}
 found = {}
@@ -78,17 +79,17 @@ if missing:
 for name, path in found.items():
     shutil.copy(path, f"{sys.argv[2]}/{name}")
 PY
-strip "$STAGE"/{gpu-tests,minilm-tests,lib-tests,offload-bench,moe-bench,bandwidth,probe,pipeline}
+strip "$STAGE"/{gpu-tests,minilm-tests,lib-tests,offload-bench,moe-bench,lora-stream-bench,bandwidth,probe,pipeline}
 {
     echo "built $(date -u +%Y-%m-%dT%H:%MZ) from $(git rev-parse --short HEAD)$(git diff --quiet || echo ' (modified)')"
     echo "CUDA $CUDA_WHEEL_VERSION (nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')), cudarc $CUDARC_CUDA_VERSION, compute $CUDA_COMPUTE_CAP"
     echo "repo root at build time: $ROOT"
-    (cd "$STAGE" && ls -l gpu-tests minilm-tests lib-tests offload-bench moe-bench bandwidth probe pipeline)
+    (cd "$STAGE" && ls -l gpu-tests minilm-tests lib-tests offload-bench moe-bench lora-stream-bench bandwidth probe pipeline)
 } > "$STAGE/MANIFEST"
 rm -rf "$OUT"
 mkdir -p "$OUT"
 tar -C "$STAGE" -cJf "$OUT/gpu-bin.tar.xz" \
-    MANIFEST gpu-tests minilm-tests lib-tests offload-bench moe-bench bandwidth probe pipeline
+    MANIFEST gpu-tests minilm-tests lib-tests offload-bench moe-bench lora-stream-bench bandwidth probe pipeline
 cp "$STAGE/MANIFEST" "$OUT/MANIFEST"
 echo "gpu-build: $(du -h "$OUT/gpu-bin.tar.xz" | cut -f1) packed in $OUT (the device tool carries at most 64 MiB)" >&2
 cat "$OUT/MANIFEST" >&2

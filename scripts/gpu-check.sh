@@ -14,7 +14,8 @@
 # Without cargo on the GPU machine: build the programs elsewhere with scripts/gpu-build.sh and
 # carry `.cache/gpu-bin`; this script then unpacks and runs them (GPU tests, library tests,
 # MiniLM on the GPU when .cache/minilm is there too, bandwidth, the offload bench, the moe bench
-# (MOE_DEVICE=probe: issue 36's figures on the GPU) and the pipeline on the GPU) in a minute or two.
+# (MOE_DEVICE=probe: issue 36's figures on the GPU), the lora_stream bench (LORA_DEVICE=probe:
+# issue 34's figure) and the pipeline on the GPU) in a minute or two.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -63,6 +64,7 @@ if ! command -v cargo >/dev/null; then
     run "offload bench (streamed vs resident on the GPU)" "$BIN/offload-bench" --bench \
         --warm-up-time 1 --measurement-time 2
     run "moe bench on the GPU (issue 36's figures)" env MOE_DEVICE=probe "$BIN/moe-bench" --bench
+    run "lora_stream bench on the GPU (issue 34's figure)" env LORA_DEVICE=probe "$BIN/lora-stream-bench" --bench
     PIPE="${TMPDIR:-/tmp}/residency-pipeline"
     run "pipeline on the GPU, budget 8 MiB" "$BIN/pipeline" --cache "$PIPE" --vram-budget 8MiB
     step "done"
@@ -152,6 +154,10 @@ step "moe bench on the GPU (issue 36's figures)"
 MOE_DEVICE=probe "${CARGO[@]}" bench --features cuda --bench moe
 MOE=$?
 
+step "lora_stream bench on the GPU (issue 34's figure)"
+LORA_DEVICE=probe "${CARGO[@]}" bench --features cuda --bench lora_stream
+LORA=$?
+
 step "done"
-echo "tests: $([ $TESTS -eq 0 ] && echo passed || echo FAILED), bandwidth: $([ $BW -eq 0 ] && echo ok || echo FAILED), moe bench: $([ $MOE -eq 0 ] && echo ok || echo FAILED), $((SECONDS - START)) s in all"
-[ $TESTS -eq 0 ] && [ $BW -eq 0 ] && [ $MOE -eq 0 ]
+echo "tests: $([ $TESTS -eq 0 ] && echo passed || echo FAILED), bandwidth: $([ $BW -eq 0 ] && echo ok || echo FAILED), moe bench: $([ $MOE -eq 0 ] && echo ok || echo FAILED), lora_stream bench: $([ $LORA -eq 0 ] && echo ok || echo FAILED), $((SECONDS - START)) s in all"
+[ $TESTS -eq 0 ] && [ $BW -eq 0 ] && [ $MOE -eq 0 ] && [ $LORA -eq 0 ]
