@@ -313,6 +313,44 @@ pub fn fp8_to_f32(src: &[u8], dst: &mut [f32], format: Fp8Format) -> Result<()> 
     Ok(())
 }
 
+/// Decodes `src`, bf16 codes (or f16 ones when `f16`), into `dst` on the calling thread: the
+/// values of [`bf16_to_f32`] / [`f16_to_f32`], for a caller that splits the work itself. The
+/// lengths must be equal.
+pub(super) fn decode_half_serial(src: &[u16], dst: &mut [f32], f16: bool) {
+    use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+    debug_assert_eq!(src.len(), dst.len());
+    if f16 {
+        let halves: &[f16] = src.reinterpret_cast();
+        halves.convert_to_f32_slice(dst);
+    } else {
+        bf16_decode_kernel(src, dst);
+    }
+}
+
+/// [`round_through`] on the calling thread, through `codes` (a scratch buffer, resized here, for
+/// f16; bf16 rounds each value in place).
+pub(super) fn round_through_serial(x: &mut [f32], f16: bool, codes: &mut Vec<u16>) {
+    use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+    if f16 {
+        codes.resize(x.len(), 0);
+        f16_encode_kernel::<u16>(x, codes);
+        let halves: &[f16] = codes.reinterpret_cast();
+        halves.convert_to_f32_slice(x);
+    } else {
+        bf16_round_through_kernel(x);
+    }
+}
+
+multiversion! {
+    /// Each value becomes the decode of its bf16 encoding: [`bf16_encode_kernel`] then
+    /// [`bf16_decode_kernel`], value by value in place.
+    fn bf16_round_through_kernel(x: &mut [f32]) {
+        for v in x.iter_mut() {
+            *v = f32::from_bits(u32::from(bf16_bits(*v)) << 16);
+        }
+    }
+}
+
 /// Rounds `x` through bf16 (or f16 when `f16`) in place: each value becomes the decode of its
 /// RNE encoding — the encoders above, so the bits of [`f32_to_bf16`] / [`f32_to_f16`] followed
 /// by the exact decode — chunk by chunk in parallel, one chunk's codes at a time.

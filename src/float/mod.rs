@@ -93,6 +93,6 @@ pub use fp8::Fp8Format;
 pub use seed::{crc32, weight_seed};
 pub use stochastic::Rounding;
 pub(crate) use stochastic::{mix64, GOLDEN};
+pub(crate) use tensor::{decode_rows_with, output_buffer, round_through_in_place};
 pub use tensor::{from_f32, to_f32};
-pub(crate) use tensor::{output_buffer, round_through_in_place};
 pub use uniform::uniform_tensor;

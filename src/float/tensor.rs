@@ -252,6 +252,67 @@ pub fn from_f32(t: &Tensor, dtype: Dtype, rounding: Rounding) -> Result<Tensor> 
     })
 }
 
+/// Decodes `t`, a CPU tensor stored as `dtype` (bf16, f16 or f32), into a new `f32` tensor a
+/// block of whole rows at a time, in parallel, handing each block to `then(first_row, block)`
+/// while it is in cache (`block` holds its rows' values, `row_len` each), and afterwards rounding
+/// it through `dtype` when `round` is set (nearest-even; nothing to do for f32). The values are
+/// [`to_f32`]'s, `then`'s, then [`round_through_in_place`]'s — in one pass over memory instead
+/// of three. `None` (nothing done) for another dtype, a non-CPU or strided tensor, or rows that
+/// do not divide it.
+pub(crate) fn decode_rows_with(
+    t: &Tensor,
+    dtype: Dtype,
+    row_len: usize,
+    block_rows: usize,
+    round: bool,
+    then: impl Fn(usize, &mut [f32]) + Sync,
+) -> Result<Option<Tensor>> {
+    use rayon::prelude::*;
+    if t.dtype() != dtype.candle_storage_dtype()
+        || !t.device().is_cpu()
+        || !matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
+        || contiguous_range(t).is_none()
+        || row_len == 0
+        || t.elem_count() % row_len != 0
+    {
+        return Ok(None);
+    }
+    let shape = t.shape().clone();
+    let block = row_len * block_rows.max(1);
+    let out = with_cpu_data(t, |cpu, range| {
+        use half::slice::HalfFloatSliceExt;
+        type Decode<'a> = Box<dyn Fn(usize, &mut [f32]) + Sync + 'a>;
+        fn half(codes: &[u16], f16: bool) -> Decode<'_> {
+            Box::new(move |at, dst: &mut [f32]| {
+                super::cast::decode_half_serial(&codes[at..at + dst.len()], dst, f16)
+            })
+        }
+        let decode: Decode<'_> = match cpu {
+            CpuStorage::BF16(v) => half(v[range.clone()].reinterpret_cast(), false),
+            CpuStorage::F16(v) => half(v[range.clone()].reinterpret_cast(), true),
+            CpuStorage::F32(v) => {
+                let src = &v[range.clone()];
+                Box::new(move |at, dst: &mut [f32]| dst.copy_from_slice(&src[at..at + dst.len()]))
+            }
+            _ => return Err(storage_mismatch(t, dtype, "decoding to f32")),
+        };
+        let mut out = output_buffer::<f32>(range.len());
+        out.par_chunks_mut(block)
+            .enumerate()
+            .for_each_init(Vec::new, |codes, (i, dst)| {
+                decode(i * block, dst);
+                then(i * block_rows.max(1), dst);
+                if round && dtype != Dtype::F32 {
+                    super::cast::round_through_serial(dst, dtype == Dtype::F16, codes);
+                }
+            });
+        Ok(out)
+    })?;
+    Tensor::from_vec(out, shape, &Device::Cpu)
+        .map(Some)
+        .ctx(|| format!("building the f32 tensor decoded from {dtype}"))
+}
+
 /// Rounds a contiguous CPU `f32` tensor through `dtype` in place: every value becomes
 /// `to_f32(from_f32(x))` with [`from_f32`]'s nearest-even rounding (its own encoders), without
 /// either conversion's buffer. Only for bf16 and f16; says whether it

@@ -3,6 +3,7 @@
 
 use candle_core::{Device, Tensor};
 
+use super::low_rank::{self, LowRank};
 use super::{alpha_scale, bad, f32_on, numel, scale, DeltaAdapter};
 use crate::error::{Result, TensorContext};
 
@@ -64,6 +65,22 @@ impl DeltaAdapter for Lora {
         rows: (usize, usize),
     ) -> Result<Option<Tensor>> {
         lora_delta(key, self, dev, factor, Some(rows)).map(Some)
+    }
+
+    /// `up` (scaled) and `down` (through `mid` for LoCon) on the host, when the kernel
+    /// [`takes`](low_rank::takes) their inner dimension: the same factors
+    /// [`DeltaAdapter::delta`] multiplies.
+    fn low_rank(&self, key: &str, factor: f32) -> Result<Option<LowRank>> {
+        let (up, down) = lora_factors(key, self, &Device::Cpu, factor)?;
+        let rank = down.dim(0).ctx(|| format!("`{key}`: the LoRA rank"))?;
+        if !low_rank::takes(rank) {
+            return Ok(None);
+        }
+        let ctx = || format!("`{key}`: reading the LoRA factors");
+        let values = |t: Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+        let coef = values(up).ctx(ctx)?;
+        let down = values(down).ctx(ctx)?;
+        Ok(LowRank::new(coef, &down, rank))
     }
 
     fn dora_scale(&self) -> Option<&Tensor> {
@@ -129,6 +146,19 @@ fn lora_delta(
     rows: Option<(usize, usize)>,
 ) -> Result<Tensor> {
     let ctx = || format!("`{key}`: computing the LoRA delta");
+    let (up, down) = lora_factors(key, l, dev, factor)?;
+    let up = match rows {
+        Some((first, n)) => up.narrow(0, first, n).ctx(ctx)?,
+        None => up,
+    };
+    up.matmul(&down).ctx(ctx)
+}
+
+/// The delta's two factors in f32 on `dev`: `up` flattened to `[out, r]` and scaled by `factor`
+/// and `alpha / rank`, `down` flattened to `[r, rest]` (with `mid`, the composed `mid ⊗ down`, `r`
+/// being `mid`'s rows). The delta is their product.
+fn lora_factors(key: &str, l: &Lora, dev: &Device, factor: f32) -> Result<(Tensor, Tensor)> {
+    let ctx = || format!("`{key}`: computing the LoRA delta");
     let rank = l.down.dim(0).ctx(ctx)?;
     let up = f32_on(key, &l.up, dev, "lora up")?
         .flatten_from(1)
@@ -157,10 +187,6 @@ fn lora_delta(
                 .ctx(ctx)?
         }
     };
-    let up = match rows {
-        Some((first, n)) => up.narrow(0, first, n).ctx(ctx)?,
-        None => up,
-    };
     let up = scale(key, &up, factor * alpha_scale(l.alpha, rank))?;
-    up.matmul(&down).ctx(ctx)
+    Ok((up, down))
 }

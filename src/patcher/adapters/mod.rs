@@ -86,6 +86,7 @@ mod glora;
 mod loha;
 mod lokr;
 mod lora;
+mod low_rank;
 mod offset;
 mod oft;
 mod owned;
@@ -107,6 +108,7 @@ pub use lokr::LoKr;
 pub use lora::Lora;
 pub use offset::Offset;
 pub use oft::Oft;
+pub(crate) use owned::apply_fused;
 pub use owned::apply_owned;
 use owned::Region;
 
@@ -404,6 +406,12 @@ trait WeightAdapter {
     /// Every tensor of the patch, with the name messages give it, and its alpha.
     fn parts(&self) -> Parts<'_>;
 
+    /// The patch as a low-rank delta with `s` folded in, for the fused engine (`owned.rs`), when
+    /// it is one (a LoRA or LoCon of a rank the kernel takes, without DoRA); `None` otherwise.
+    fn low_rank(&self, _key: &str, _s: f32) -> Result<Option<low_rank::LowRank>> {
+        Ok(None)
+    }
+
     /// Adds what the patch does to the target rows `region` of `w` into `w`'s own buffer, when
     /// that is `target + delta` elementwise, and says whether it did (`false`: the whole path
     /// computes it). The values must be [`WeightAdapter::apply`]'s (see `owned.rs`).
@@ -439,6 +447,14 @@ trait DeltaAdapter {
         _factor: f32,
         _rows: (usize, usize),
     ) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
+
+    /// The delta as a low-rank product for the [`low_rank`] kernel — `[rows, rank]`
+    /// coefficients (scaled as [`DeltaAdapter::delta`]) and `[rank, rest]` factors on the host —
+    /// when this kind has that form and its rank suits the kernel; `None` sends it through
+    /// [`DeltaAdapter::delta_rows`].
+    fn low_rank(&self, _key: &str, _factor: f32) -> Result<Option<low_rank::LowRank>> {
         Ok(None)
     }
 
@@ -483,12 +499,26 @@ impl<T: DeltaAdapter> WeightAdapter for T {
 
     /// `apply` leaves the target alone at strength 0, and without DoRA adds the delta (strength
     /// folded in): the same delta, block by block, or whole for a kind without row blocks.
+    fn low_rank(&self, key: &str, s: f32) -> Result<Option<low_rank::LowRank>> {
+        if self.dora_scale().is_some() {
+            return Ok(None);
+        }
+        DeltaAdapter::low_rank(self, key, s)
+    }
+
     fn add_into(&self, key: &str, w: &Tensor, region: Region, s: f32) -> Result<bool> {
         if s == 0.0 {
             return Ok(true);
         }
         if self.dora_scale().is_some() {
             return Ok(false);
+        }
+        if w.device().is_cpu() {
+            if let Some(lr) = DeltaAdapter::low_rank(self, key, s)? {
+                if region.add_low_rank(key, w, &lr)? {
+                    return Ok(true);
+                }
+            }
         }
         for (first, n) in region.blocks() {
             match self.delta_rows(key, w.device(), s, (first, n))? {

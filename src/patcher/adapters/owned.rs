@@ -31,6 +31,7 @@
 use candle_core::{CpuStorage, Device, Layout, Tensor};
 use rayon::prelude::*;
 
+use super::low_rank::LowRank;
 use super::{apply_entry, entry_output_shape, DoraNorm, Patch, PatchEntry};
 use crate::error::{Error, Result, TensorContext};
 
@@ -118,6 +119,53 @@ impl Region {
     }
 }
 
+impl Region {
+    /// Adds `lr` into the target's rows of `w`, a CPU `f32` tensor this engine owns, with the
+    /// [`low_rank`](super::low_rank) kernel; `false` (nothing changed) when `w` is not a
+    /// contiguous CPU `f32` tensor or `lr` does not fit the target.
+    pub(super) fn add_low_rank(&self, key: &str, w: &Tensor, lr: &LowRank) -> Result<bool> {
+        if !w.device().is_cpu() || w.dtype() != candle_core::DType::F32 {
+            return Ok(false);
+        }
+        let op = AddLowRank {
+            lr,
+            region: *self,
+            done: std::cell::Cell::new(false),
+        };
+        w.inplace_op1(&op)
+            .ctx(|| format!("`{key}`: adding the low-rank delta in place"))?;
+        Ok(op.done.get())
+    }
+}
+
+/// The in-place op of [`Region::add_low_rank`].
+struct AddLowRank<'a> {
+    lr: &'a LowRank,
+    region: Region,
+    done: std::cell::Cell<bool>,
+}
+
+impl candle_core::InplaceOp1 for AddLowRank<'_> {
+    fn name(&self) -> &'static str {
+        "add-low-rank"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let (CpuStorage::F32(v), Some((a0, a1))) = (s, l.contiguous_offsets()) else {
+            return Ok(());
+        };
+        let Region {
+            start, len, rest, ..
+        } = self.region;
+        let (from, to) = (a0 + start * rest, a0 + (start + len) * rest);
+        if to > a1 {
+            return Ok(());
+        }
+        self.done.set(self.lr.add_into(&mut v[from..to], rest));
+        Ok(())
+    }
+}
+
 /// Applies `entries` in order to the weight whose `f32` values are `weight` (row-major, `shape`)
 /// and returns the patched weight on the CPU: [`apply`](super::apply)'s values, validated the same
 /// way, with entries that add a delta added into `weight`'s own buffer in row blocks (the
@@ -177,6 +225,62 @@ pub(super) fn apply_unique(
         }
     }
     Ok(w)
+}
+
+/// The chain `entries` on `src` (a CPU weight stored as `storage`: bf16, f16 or f32) in one pass
+/// over memory, when every entry is a low-rank delta on whole rows (a LoRA or LoCon without DoRA,
+/// `strength_model` 1, no offset or one on dimension 0): each block of
+/// [`ROWS_PER_TASK`](super::low_rank::ROWS_PER_TASK) rows is decoded, has every entry's rows
+/// added in order by the [`low_rank`](super::low_rank) kernel and, with `round`, is rounded
+/// through `storage` (nearest-even), while it is in cache. The values are those of decoding,
+/// [`apply_unique`] and rounding in turn — each value is the same sequence of operations — so
+/// every path that patches a weight may take it. `None` (nothing done) when some entry is of
+/// another form or `src` cannot be read so; the caller then runs the general engine.
+///
+/// # Errors
+/// As [`apply`](super::apply): an entry that does not fit the weight.
+pub(crate) fn apply_fused(
+    key: &str,
+    src: &Tensor,
+    storage: crate::float::Dtype,
+    entries: &[PatchEntry],
+    round: bool,
+) -> Result<Option<Tensor>> {
+    let dims = src.dims();
+    let mut adds = Vec::with_capacity(entries.len());
+    for entry in entries {
+        entry_output_shape(key, dims, entry)?;
+        if entry.strength_model != 1.0 {
+            return Ok(None);
+        }
+        let Some(region) = Region::of(dims, entry, BLOCK_ELEMS) else {
+            return Ok(None);
+        };
+        if entry.strength_patch == 0.0 {
+            continue;
+        }
+        let lr = entry
+            .patch
+            .adapter(|a| a.low_rank(key, entry.strength_patch))?;
+        match lr {
+            Some(lr) if lr.fits(region.len, region.rest) => adds.push((region, lr)),
+            _ => return Ok(None),
+        }
+    }
+    let Some(&rest) = adds.first().map(|(r, _)| &r.rest) else {
+        return Ok(None);
+    };
+    let block_rows = super::low_rank::ROWS_PER_TASK;
+    crate::float::decode_rows_with(src, storage, rest, block_rows, round, |first, block| {
+        let last = first + block.len() / rest;
+        for (region, lr) in &adds {
+            let (from, to) = (first.max(region.start), last.min(region.start + region.len));
+            if from < to {
+                let dst = &mut block[(from - first) * rest..(to - first) * rest];
+                lr.add_rows_from(dst, from - region.start);
+            }
+        }
+    })
 }
 
 /// The in-place `s1[at..at + n] += s2` of two contiguous `f32` CPU storages, `n` being `s2`'s

@@ -902,3 +902,96 @@ fn boft_of_the_wrong_size_or_odd_blocks_is_rejected() {
         Error::BadPatch { .. }
     ));
 }
+
+/// The fused engine (decode, low-rank deltas and the rounding to storage in one pass over blocks
+/// of rows) gives the bits of decoding, the row-block engine and rounding in turn, for every
+/// storage dtype it takes: LoRAs on the whole weight and on fused rows (q, k, v as offsets on
+/// dimension 0, one with strength 0), a LoCon with a Tucker mid on a conv, row counts that no
+/// block divides and rows that are no whole number of tiles. Chains with another kind of entry
+/// are left to the general engine (`None`).
+#[test]
+fn the_fused_engine_gives_the_general_path_s_bits_and_declines_other_chains() {
+    use crate::float::{self, Dtype, Rounding};
+    let (out, inn) = (3 * 37usize, 200usize);
+    let lora = |rows: usize, rank: usize, seed: u32| {
+        Patch::Lora(Lora {
+            alpha: Some(rank as f32 / 2.0),
+            ..Lora::new(noise(&[rows, rank], seed), noise(&[rank, inn], seed + 1))
+        })
+    };
+    let rows_of = |p: Patch, start: usize, s: f32| {
+        let mut e = PatchEntry::new(p).with_strengths(s, 1.0);
+        e.offset = Some(Offset {
+            dim: 0,
+            start,
+            len: 37,
+        });
+        e
+    };
+    let linear = vec![
+        PatchEntry::new(lora(out, 16, 1)).with_strengths(0.7, 1.0),
+        rows_of(lora(37, 4, 3), 0, 1.0),
+        rows_of(lora(37, 8, 5), 37, 0.0),
+        rows_of(lora(37, 3, 7), 74, -1.5),
+    ];
+    let (co, ci) = (21usize, 10usize);
+    let conv = vec![PatchEntry::new(Patch::Lora(Lora {
+        up: noise(&[co, 4, 1, 1], 9),
+        down: noise(&[4, ci, 1, 1], 10),
+        mid: Some(noise(&[4, 4, 3, 3], 11)),
+        alpha: Some(2.0),
+        dora_scale: None,
+    }))];
+    for (name, w, chain) in [
+        ("linear", noise(&[out, inn], 20), &linear),
+        ("conv", noise(&[co, ci, 3, 3], 21), &conv),
+    ] {
+        for storage in [Dtype::BF16, Dtype::F16, Dtype::F32] {
+            let stored = float::from_f32(&w, storage, Rounding::Nearest).unwrap();
+            let decoded = float::to_f32(&stored, storage).unwrap().copy().unwrap();
+            let want = apply_fresh("k", decoded, chain, DoraNorm::Standard).unwrap();
+            float::round_through_in_place(&want, storage).unwrap();
+            let got = apply_fused("k", &stored, storage, chain, true)
+                .unwrap()
+                .expect("a chain of low-rank deltas is fused");
+            assert_eq!(got.dims(), want.dims(), "{name}, {storage}");
+            assert_eq!(bits(&got), bits(&want), "{name}, {storage}");
+        }
+    }
+    // Declined: a LoHa, a strength_model, DoRA, a rank above the kernel's, an offset on columns.
+    let w = float::from_f32(&noise(&[out, inn], 30), Dtype::BF16, Rounding::Nearest).unwrap();
+    let loha = Patch::LoHa(LoHa {
+        w1a: noise(&[out, 2], 31),
+        w1b: noise(&[2, inn], 32),
+        w2a: noise(&[out, 2], 33),
+        w2b: noise(&[2, inn], 34),
+        t1: None,
+        t2: None,
+        alpha: None,
+        dora_scale: None,
+    });
+    let mut on_columns = PatchEntry::new(Patch::Diff {
+        diff: noise(&[out, 10], 35),
+        pad: false,
+    });
+    on_columns.offset = Some(Offset {
+        dim: 1,
+        start: 0,
+        len: 10,
+    });
+    let declined = [
+        PatchEntry::new(loha),
+        PatchEntry::new(lora(out, 16, 40)).with_strengths(1.0, 0.5),
+        PatchEntry::new(Patch::Lora(Lora {
+            dora_scale: Some(noise(&[out, 1], 41)),
+            ..Lora::new(noise(&[out, 4], 42), noise(&[4, inn], 43))
+        })),
+        PatchEntry::new(lora(out, low_rank::MAX_RANK + 1, 44)),
+        on_columns,
+    ];
+    for (i, entry) in declined.into_iter().enumerate() {
+        let chain = [linear[0].clone(), entry];
+        let fused = apply_fused("k", &w, Dtype::BF16, &chain, true).unwrap();
+        assert!(fused.is_none(), "entry {i} is not fused");
+    }
+}

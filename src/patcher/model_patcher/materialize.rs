@@ -128,6 +128,34 @@ impl ModelPatcher {
         Ok(patched)
     }
 
+    /// Weight `index` patched and ready in `to` from `stored` (its clean storage, or a copy of it
+    /// on the CPU or the simulated GPU) by the fused engine ([`adapters::apply_fused`]: decode,
+    /// low-rank deltas and the rounding to the storage dtype in one pass), when `to` is f32, the
+    /// storage bf16, f16 or f32, `stored` a CPU tensor (a CUDA copy is patched by candle's
+    /// operations there) and every patch a low-rank delta on whole rows; `None` sends the caller
+    /// down the general path, which gives the same bits.
+    fn patched_fused(&self, index: usize, stored: &Tensor, to: Dtype) -> Result<Option<Tensor>> {
+        let slot = &self.model.slots()[index];
+        let storage = slot.dtype();
+        if to != Dtype::F32
+            || !stored.device().is_cpu()
+            || slot.quantized().is_some()
+            || !matches!(storage, Dtype::BF16 | Dtype::F16 | Dtype::F32)
+        {
+            return Ok(None);
+        }
+        let entries = self.patches.get(slot.name());
+        if entries.is_empty() {
+            return Ok(None);
+        }
+        let chain: Vec<PatchEntry> = entries.iter().map(|e| e.entry.clone()).collect();
+        let fused = adapters::apply_fused(slot.name(), stored, storage, &chain, true)?;
+        if fused.is_some() {
+            self.model.usage().note_patched();
+        }
+        Ok(fused)
+    }
+
     fn patched_storage(&self, index: usize) -> Result<Tensor> {
         self.patched_storage_from(index, &self.model.slots()[index].clean()?)
     }
@@ -276,6 +304,11 @@ impl ModelPatcher {
         if !device.is_cpu() && patched && !slot.dtype().is_fp8() {
             return Ok((clean.clone(), Some(Finish::Patch { to: dtype })));
         }
+        if patched && device.is_cpu() {
+            if let Some(t) = self.patched_fused(index, clean, dtype)? {
+                return Ok((t, None));
+            }
+        }
         let stored = self.patched_storage_from(index, clean)?;
         if !device.is_cpu() && slot.dtype().widens_exactly_to(dtype) {
             let from = slot.dtype();
@@ -291,6 +324,9 @@ impl ModelPatcher {
         match finish {
             Finish::Cast { from, to } => cast_weight(copied, from, to),
             Finish::Patch { to } => {
+                if let Some(t) = self.patched_fused(index, copied, to)? {
+                    return Ok(t);
+                }
                 let slot = &self.model.slots()[index];
                 let storage = slot.dtype();
                 let patched = self.patch_f32(index, fresh_f32(slot.name(), copied, storage)?)?;
