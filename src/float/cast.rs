@@ -353,18 +353,8 @@ multiversion! {
 
 /// Rounds `x` through bf16 (or f16 when `f16`) in place: each value becomes the decode of its
 /// RNE encoding — the encoders above, so the bits of [`f32_to_bf16`] / [`f32_to_f16`] followed
-/// by the exact decode — chunk by chunk in parallel, one chunk's codes at a time.
+/// by the exact decode — chunk by chunk in parallel ([`round_through_serial`] on each).
 pub(super) fn round_through(x: &mut [f32], f16: bool) {
-    use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
-    x.par_chunks_mut(PAR_CHUNK).for_each(|c| {
-        let mut codes = vec![0u16; c.len()];
-        if f16 {
-            f16_encode_kernel::<u16>(c, &mut codes);
-            let halves: &[f16] = codes.reinterpret_cast();
-            halves.convert_to_f32_slice(c);
-        } else {
-            bf16_encode_kernel::<u16>(c, &mut codes);
-            bf16_decode_kernel(&codes, c);
-        }
-    });
+    x.par_chunks_mut(PAR_CHUNK)
+        .for_each_init(Vec::new, |codes, c| round_through_serial(c, f16, codes));
 }
