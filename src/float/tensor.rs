@@ -273,7 +273,7 @@ pub(crate) fn decode_rows_with(
         || !matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
         || contiguous_range(t).is_none()
         || row_len == 0
-        || t.elem_count() % row_len != 0
+        || !t.elem_count().is_multiple_of(row_len)
     {
         return Ok(None);
     }

@@ -70,7 +70,11 @@ impl LowRank {
     /// The delta `coef · down` (`coef` `[rows, rank]`, `down` `[rank, cols]`, row-major), or
     /// `None` when the lengths do not describe such a product.
     pub(super) fn new(coef: Vec<f32>, down: &[f32], rank: usize) -> Option<LowRank> {
-        if rank == 0 || down.is_empty() || down.len() % rank != 0 || coef.len() % rank != 0 {
+        if rank == 0
+            || down.is_empty()
+            || !down.len().is_multiple_of(rank)
+            || !coef.len().is_multiple_of(rank)
+        {
             return None;
         }
         let cols = down.len() / rank;
@@ -99,7 +103,7 @@ impl LowRank {
     /// Adds the delta into `dst`, the target's rows (`cols` values each, as many rows as `coef`
     /// has), in parallel. Returns `false`, changing nothing, when the shapes do not agree.
     pub(super) fn add_into(&self, dst: &mut [f32], cols: usize) -> bool {
-        if cols == 0 || dst.len() % cols != 0 || !self.fits(dst.len() / cols, cols) {
+        if cols == 0 || !dst.len().is_multiple_of(cols) || !self.fits(dst.len() / cols, cols) {
             return false;
         }
         dst.par_chunks_mut(cols * ROWS_PER_TASK)
