@@ -497,8 +497,6 @@ impl<T: DeltaAdapter> WeightAdapter for T {
         dora::renormalise(key, w, patched, magnitude, s, dora)
     }
 
-    /// `apply` leaves the target alone at strength 0, and without DoRA adds the delta (strength
-    /// folded in): the same delta, block by block, or whole for a kind without row blocks.
     fn low_rank(&self, key: &str, s: f32) -> Result<Option<low_rank::LowRank>> {
         if self.dora_scale().is_some() {
             return Ok(None);
@@ -506,6 +504,9 @@ impl<T: DeltaAdapter> WeightAdapter for T {
         DeltaAdapter::low_rank(self, key, s)
     }
 
+    /// `apply` leaves the target alone at strength 0, and without DoRA adds the delta (strength
+    /// folded in): on the CPU by the low-rank kernel when the kind has that form, else the same
+    /// delta block by block, or whole for a kind without row blocks.
     fn add_into(&self, key: &str, w: &Tensor, region: Region, s: f32) -> Result<bool> {
         if s == 0.0 {
             return Ok(true);

@@ -117,9 +117,7 @@ impl Region {
             .ctx(ctx)?;
         w.slice_set(&sum, 0, first).ctx(ctx)
     }
-}
 
-impl Region {
     /// Adds `lr` into the target's rows of `w`, a CPU `f32` tensor this engine owns, with the
     /// [`low_rank`](super::low_rank) kernel; `false` (nothing changed) when `w` is not a
     /// contiguous CPU `f32` tensor or `lr` does not fit the target.
