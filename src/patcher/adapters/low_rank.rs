@@ -30,8 +30,8 @@ use rayon::prelude::*;
 use crate::float::multiversion::multiversion;
 
 /// The largest rank this kernel takes. Up to it candle's CPU matmul computes every value as one
-/// chain over the rank (checked up to 320 here), so the kernel keeps the whole path's bits; a
-/// larger rank goes through candle's matmul.
+/// chain over the rank (the tests below compare the two up to this rank), so the kernel keeps
+/// the whole path's bits; a larger rank goes through candle's matmul.
 pub(super) const MAX_RANK: usize = 128;
 
 /// Whether the kernel takes a delta of inner dimension `rank`: up to [`MAX_RANK`], except 2 —
@@ -54,10 +54,10 @@ const ROWS: usize = 4;
 pub(super) const ROWS_PER_TASK: usize = 16;
 
 /// A low-rank delta `coef · down`, its scale folded into `coef`: `coef` is `[rows, rank]`,
-/// `down` `[rank, cols]`, both row-major. `down` is kept packed by tiles of [`TILE`] columns —
-/// a tile's `rank × TILE` values contiguous, the last tile padded with zeros — so a tile's rows
-/// are neighbours in cache (row-major, they sit a whole row apart and evict each other from the
-/// L1 cache's sets).
+/// `down` `[rank, cols]`, both row-major. `down` is kept packed by tiles of [`TILE`] columns — a
+/// tile's `rank × TILE` values contiguous, the last tile padded with zeros — so every tile, the
+/// last included, runs the same loop over contiguous values (the padding's sums are computed and
+/// not stored).
 #[derive(Debug)]
 pub(super) struct LowRank {
     coef: Vec<f32>,
@@ -121,29 +121,20 @@ impl LowRank {
         let mut rows = dst.chunks_exact_mut(cols * ROWS);
         let mut coefs = coef.chunks_exact(rank * ROWS);
         for (block, coef) in (&mut rows).zip(&mut coefs) {
-            add_tiles::<ROWS>(block, cols, coef, &self.packed);
+            add_tiles_4(block, cols, coef, &self.packed);
         }
         let rest = rows.into_remainder().chunks_mut(cols);
         for (row, coef) in rest.zip(coefs.remainder().chunks(rank)) {
-            add_tiles::<1>(row, cols, coef, &self.packed);
+            add_tiles_1(row, cols, coef, &self.packed);
         }
     }
 }
 
-/// `R` rows at once (`block` is `R × cols` values, `coef` `R × rank`, `packed` the packed
-/// `down`): `block[r, j] += Σ_k coef[r, k] · down[k, j]`, each sum one fused chain over `k` from
-/// zero.
-#[inline(always)]
-fn add_tiles<const R: usize>(block: &mut [f32], cols: usize, coef: &[f32], packed: &[f32]) {
-    if R == ROWS {
-        add_tiles_4(block, cols, coef, packed);
-    } else {
-        add_tiles_1(block, cols, coef, packed);
-    }
-}
-
-/// The tile loop of the kernels below, for accumulators `$acc` (one `[f32; TILE]` per row, each
-/// its own local so the compiler keeps them in registers: an array of them it keeps in memory).
+/// The tile loop of the kernels below (`block` is as many rows as accumulators, `coef` as many
+/// rows of `rank` coefficients, `packed` the packed `down`): `block[r, j] += Σ_k coef[r, k] ·
+/// down[k, j]`, each sum one fused chain over `k` from zero. The accumulators `$acc` are one
+/// `[f32; TILE]` per row, each its own local so the compiler keeps them in registers (an array of
+/// them it keeps in memory).
 macro_rules! tiles {
     ($block:ident, $cols:ident, $coef:ident, $packed:ident, $($r:literal => $acc:ident),+) => {{
         let rows = [$($r),+].len();
@@ -181,7 +172,7 @@ macro_rules! tiles {
 }
 
 multiversion! {
-    /// Four rows: sixteen AVX-512 accumulators.
+    /// [`ROWS`] rows: sixteen AVX-512 accumulators.
     fn add_tiles_4(block: &mut [f32], cols: usize, coef: &[f32], packed: &[f32]) {
         tiles!(block, cols, coef, packed, 0 => a0, 1 => a1, 2 => a2, 3 => a3)
     }
