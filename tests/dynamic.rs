@@ -94,17 +94,23 @@ fn a_dense_model_at_half_the_budget_settles_on_the_classic_resident_bytes() {
         "at least the classic resident bytes"
     );
     // Moving no more per forward once settled. Copies run on lanes and the sim's stream workers:
-    // a prefetch that lands after a forward's last fetch is counted in that forward or the next,
-    // and a free still queued on a stream can make a fault-in keep one weight fewer now and then
-    // (16 KiB moved once more). So: the best settled forward moves no more than the classic
-    // one's best, and none moves more than one weight beyond the classic one's worst.
+    // a prefetch that lands after a forward's last fetch is counted in that forward or the next
+    // (in either mode: a classic run once read 196 608, 229 376, 163 840 B for three forwards of
+    // 196 608 each), and a free still queued on a stream can make a fault-in keep one weight fewer
+    // now and then (16 KiB moved once more). So the settled forwards are compared by their total,
+    // which such shifts between neighbours leave alone, with one weight of slack for a copy
+    // counted after the last of them; and none moves more than one weight beyond the classic
+    // one's worst.
     let settled = |moved: &[u64]| {
         let s = &moved[1..];
-        (*s.iter().min().unwrap(), *s.iter().max().unwrap())
+        (s.iter().sum::<u64>(), *s.iter().max().unwrap())
     };
-    let (dyn_min, dyn_max) = settled(&dynamic.1);
-    let (classic_min, classic_max) = settled(&classic.1);
-    assert!(dyn_min <= classic_min, "moving no more per forward");
+    let (dyn_sum, dyn_max) = settled(&dynamic.1);
+    let (classic_sum, classic_max) = settled(&classic.1);
+    assert!(
+        dyn_sum <= classic_sum + 16 * 1024,
+        "moving no more per forward ({dyn_sum} B against {classic_sum} B over the settled forwards)"
+    );
     assert!(
         dyn_max <= classic_max + 16 * 1024,
         "at most one weight more, now and then"
