@@ -16,6 +16,10 @@
 //! - **by use**: residency by use (the expert cache) with router prefetch;
 //! - **by use, cost-aware**: the same with `--cost-aware-misses`.
 //!
+//! Static placement and cost-aware misses keep the `QTensor`s their host runs build (prepared
+//! host copies, a quarter of the host's RAM by default); the last line prints what a host run
+//! costs without one.
+//!
 //! Rounds are interleaved (every configuration once per round, `ROUNDS` rounds) and the median
 //! is printed, with hit rates beside Belady's optimum for the same uses and room, bytes copied
 //! per token, where misses ran and the copy time router prefetch hid.
@@ -346,6 +350,7 @@ fn main() {
             }
         }
     }
+    host_run_costs(&path);
     // The simulated GPU computes both sides with the host's kernels: every configuration gives
     // the same bits. On a real device only those that never compute on the host must.
     if probed {
@@ -353,4 +358,72 @@ fn main() {
     } else {
         assert_eq!(checksums.len(), 1, "the configurations disagree");
     }
+}
+
+/// What one batch-1 host run of an expert matrix costs built from its host bytes at that use —
+/// copied into a fresh candle `QTensor`, whose CPU kernels then re-pack the blocks (Q4K, Q8_0 on
+/// AVX-512 VNNI) before multiplying: a host run without a prepared copy
+/// (`residency::offload::PreparedBudget`) — against the same matmul on a `QTensor` built once (a
+/// prepared copy; what a resident CPU weight or llama.cpp's `-ncmoe` pays). For this model's
+/// expert matrices and for a Qwen3-30B-A3B-sized expert (768 x 2048 gate/up in Q4K, 2048 x 768
+/// down in Q6K).
+fn host_run_costs(path: &std::path::Path) {
+    use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+    use candle_core::{Device, Module};
+    let time = |ggml: GgmlDType, bytes: &[u8], shape: (usize, usize)| -> (f64, f64) {
+        let build = || {
+            let storage =
+                QStorage::from_data(std::borrow::Cow::Borrowed(bytes), &Device::Cpu, ggml).unwrap();
+            QMatMul::from_qtensor(QTensor::new(storage, shape).unwrap()).unwrap()
+        };
+        let x = Tensor::ones((1, shape.1), DType::F32, &Device::Cpu).unwrap();
+        let prepared = build();
+        prepared.forward(&x).unwrap();
+        let reps = (64 << 20) / bytes.len().max(1) + 16;
+        let t0 = Instant::now();
+        for _ in 0..reps {
+            prepared.forward(&x).unwrap();
+        }
+        let kept = t0.elapsed().as_secs_f64() / reps as f64;
+        let t0 = Instant::now();
+        for _ in 0..reps {
+            build().forward(&x).unwrap();
+        }
+        let built = t0.elapsed().as_secs_f64() / reps as f64;
+        (built * 1e6, kept * 1e6)
+    };
+    let model = residency::weights::Model::from_gguf("host-run", path).unwrap();
+    let mut lines = Vec::new();
+    for name in ["gate", "up", "down"] {
+        let key = format!("blk.0.ffn_{name}_exps.0.weight");
+        let Some(slot) = model.slots().iter().find(|s| s.name() == key) else {
+            continue;
+        };
+        let (Some(ggml), [n, k]) = (slot.quantized(), slot.shape()) else {
+            continue;
+        };
+        let bytes = slot.clean().unwrap().to_vec1::<u8>().unwrap();
+        let (built, kept) = time(ggml, &bytes, (*n, *k));
+        lines.push(format!(
+            "{name} {ggml:?} {n}x{k} {built:.1} / {kept:.1} us ({:.1}x)",
+            built / kept
+        ));
+    }
+    for (name, ggml, (n, k)) in [
+        ("gate/up", GgmlDType::Q4K, (768, 2048)),
+        ("down", GgmlDType::Q6K, (2048, 768)),
+    ] {
+        let w = Tensor::randn(0f32, 1.0, (n, k), &candle_core::Device::Cpu).unwrap();
+        let q = QTensor::quantize(&w, ggml).unwrap();
+        let bytes = q.data().unwrap().to_vec();
+        let (built, kept) = time(ggml, &bytes, (n, k));
+        lines.push(format!(
+            "30B-A3B-sized {name} {ggml:?} {n}x{k} {built:.1} / {kept:.1} us ({:.1}x)",
+            built / kept
+        ));
+    }
+    println!(
+        "  a host run of one expert matrix, built from its host bytes / on a prepared copy: {}",
+        lines.join("; ")
+    );
 }

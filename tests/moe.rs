@@ -568,6 +568,136 @@ fn stacked_experts_are_one_weight_each_and_quantized_qwen3_moe_computes_the_refe
     );
 }
 
+/// A static placement of a stacked-expert model, decoded under `flags` (beside a quarter of the
+/// model on a simulated GPU), with every expert mapped to the host: the logits, and the manager.
+fn statically_placed(
+    path: &std::path::Path,
+    tokens: &[u32],
+    flags: &[&str],
+) -> (
+    Vec<Vec<u32>>,
+    residency::loader::MemoryManager,
+    ModelPatcher,
+) {
+    let size = Model::from_gguf("size", path).unwrap().model_size().bytes();
+    let sim = format!("{}@25GB/s", size / 4);
+    let mut all = vec![
+        "--reserve-vram",
+        "0",
+        "--sim-gpu",
+        sim.as_str(),
+        "--disable-dynamic-vram",
+        "--cost-aware-misses",
+    ];
+    all.extend_from_slice(flags);
+    let mm = common::manager_with(&all);
+    let model = mm.read_gguf("tiny-qwen3moe", path).unwrap();
+    let map = residency::DeviceMap::new()
+        .regex(r"_exps\.", residency::Target::Host)
+        .unwrap();
+    let p =
+        ModelPatcher::new(Arc::new(model), mm.compute_device(), DeviceId::Cpu).with_device_map(map);
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    let (got, _) = qwen3_managed(&p, tokens);
+    (got, mm, p)
+}
+
+#[test]
+fn host_runs_keep_prepared_copies_within_their_bound_and_give_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-qwen3moe.gguf");
+    common::gguf::write_tiny_qwen3_moe(&path);
+    let (want, tokens) = qwen3_reference(&path);
+    let counted = |p: &ModelPatcher, name: &str| {
+        let slot = p.model().slots().iter().find(|s| s.name() == name).unwrap();
+        residency::offload::prepared_bytes(slot.bytes())
+    };
+
+    // The default room (a quarter of the 64 GiB of `manager_with`'s machine): every expert run
+    // on the host is built once, kept, and served from then on.
+    let (got, mm, p) = statically_placed(&path, &tokens, &[]);
+    assert_eq!(got, want, "prepared copies");
+    let r = mm.miss_report().unwrap();
+    let prepared = r.prepared;
+    assert_eq!(prepared.limit, residency::ByteSize::gib(16));
+    assert_eq!(
+        r.on_host,
+        prepared.hits + prepared.kept + prepared.refused,
+        "every host run is served, or builds a copy kept or refused: {r}"
+    );
+    assert_eq!(prepared.refused, 0, "{r}");
+    assert!(prepared.hits > prepared.kept, "{r}");
+    // Kept once each: the copies counted are exactly those of the distinct experts that ran.
+    let (_, routed) = qwen3_managed(&p, &tokens);
+    let after = mm.miss_report().unwrap().prepared;
+    assert_eq!(after.kept, prepared.kept, "a second decode builds nothing");
+    let used: std::collections::BTreeSet<(usize, usize)> = routed
+        .iter()
+        .flat_map(|call| {
+            call.iter()
+                .enumerate()
+                .flat_map(|(b, es)| es.iter().map(move |&e| (b, e)))
+        })
+        .collect();
+    let matrices = ["gate", "up", "down"];
+    assert_eq!(prepared.kept, (used.len() * matrices.len()) as u64, "{r}");
+    let expected: u64 = used
+        .iter()
+        .flat_map(|&(b, e)| {
+            matrices
+                .iter()
+                .map(move |m| format!("blk.{b}.ffn_{m}_exps.{e}.weight"))
+        })
+        .map(|name| counted(&p, &name).bytes())
+        .sum();
+    assert_eq!(after.bytes.bytes(), expected);
+
+    // Room for three copies: never more held, the rest built at each run, the same bits.
+    let largest = p
+        .model()
+        .slots()
+        .iter()
+        .filter(|s| s.name().contains("_exps."))
+        .map(|s| residency::offload::prepared_bytes(s.bytes()).bytes())
+        .max()
+        .unwrap();
+    let room = format!("{}B", 3 * largest);
+    let (got, mm, _) = statically_placed(&path, &tokens, &["--prepared-host", &room]);
+    assert_eq!(got, want, "three copies' room");
+    let r = mm.miss_report().unwrap();
+    assert!(r.prepared.bytes.bytes() <= 3 * largest, "{r}");
+    assert!(r.prepared.kept >= 3 && r.prepared.refused > 0, "{r}");
+    assert_eq!(
+        r.on_host,
+        r.prepared.hits + r.prepared.kept + r.prepared.refused
+    );
+
+    // None: `--prepared-host 0`, and by default under `--ram-budget` (the host tier's bytes).
+    let file = std::fs::metadata(&path).unwrap().len();
+    let ram = format!("{}B", file * 2);
+    for flags in [
+        vec!["--prepared-host", "0"],
+        vec!["--ram-budget", ram.as_str()],
+    ] {
+        let (got, mm, _) = statically_placed(&path, &tokens, &flags);
+        assert_eq!(got, want, "{flags:?}");
+        let r = mm.miss_report().unwrap();
+        assert!(r.on_host > 0, "{r}");
+        assert_eq!(
+            (
+                r.prepared.limit,
+                r.prepared.bytes,
+                r.prepared.hits,
+                r.prepared.kept
+            ),
+            (residency::ByteSize::ZERO, residency::ByteSize::ZERO, 0, 0),
+            "{flags:?}: {r}"
+        );
+        assert_eq!(r.prepared.refused, r.on_host, "{flags:?}: {r}");
+    }
+}
+
 /// With cost-aware misses, both sides ran (each is measured before the rule decides) and the
 /// report says so; without, there is no report.
 fn check_misses(what: &str, mm: &residency::loader::MemoryManager, p: &ModelPatcher) {

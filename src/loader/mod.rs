@@ -262,6 +262,9 @@ impl MemoryManager {
             Arc::new(Mutex::new(Rank::ManagerView, Arc::from(Vec::new())));
         let casts = Arc::new(Mutex::new(Rank::ManagerCasts, Vec::new()));
         let config_misses = policy.config().cost_aware_misses;
+        let prepared = policy
+            .config()
+            .prepared_host_limit(policy.hardware().host.available);
         let dynamic = Arc::new(dynamic::Dynamic::new(
             Arc::clone(&ledger),
             Arc::clone(&view),
@@ -286,7 +289,8 @@ impl MemoryManager {
             ),
             view,
             dynamic,
-            misses: config_misses.then(|| Arc::new(crate::offload::MissCosts::new())),
+            misses: config_misses
+                .then(|| Arc::new(crate::offload::MissCosts::with_prepared(prepared))),
         }
     }
 

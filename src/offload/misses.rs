@@ -31,10 +31,14 @@
 //! kernels on the same blocks, so the bits are the same as every other mode's. It is opt-in.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
 
 use crate::lock::{Mutex, Rank};
+use crate::size::ByteSize;
+
+use super::prepared::{PreparedBudget, PreparedStats};
 
 /// Where a miss runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +63,8 @@ pub struct MissReport {
     pub link_ps_per_byte: Option<u64>,
     /// Per GGML format (its name): the host's and the device's picoseconds per (row × byte).
     pub per_format: Vec<(String, Option<u64>, Option<u64>)>,
+    /// The prepared host copies the host runs are served from ([`super::PreparedBudget`]).
+    pub prepared: PreparedStats,
 }
 
 impl std::fmt::Display for MissReport {
@@ -85,7 +91,7 @@ impl std::fmt::Display for MissReport {
                 ns(*device)
             )?;
         }
-        Ok(())
+        write!(f, "; {}", self.prepared)
     }
 }
 
@@ -105,6 +111,7 @@ struct Figures {
 #[derive(Debug)]
 pub struct MissCosts {
     figures: Mutex<Figures>,
+    prepared: Arc<PreparedBudget>,
 }
 
 impl Default for MissCosts {
@@ -129,11 +136,23 @@ const KEPT_USES: f64 = 8.0;
 const EXPLORE_EVERY: u64 = 16;
 
 impl MissCosts {
-    /// Nothing measured yet.
+    /// Nothing measured yet, and no room for prepared host copies.
     pub fn new() -> MissCosts {
+        MissCosts::with_prepared(ByteSize::ZERO)
+    }
+
+    /// Nothing measured yet; host runs keep prepared copies within `limit` bytes
+    /// ([`super::PreparedBudget`]).
+    pub fn with_prepared(limit: ByteSize) -> MissCosts {
         MissCosts {
             figures: Mutex::new(Rank::MissCosts, Figures::default()),
+            prepared: Arc::new(PreparedBudget::new(limit)),
         }
+    }
+
+    /// The bound the prepared host copies of every model share.
+    pub fn prepared(&self) -> &Arc<PreparedBudget> {
+        &self.prepared
     }
 
     /// Where a miss of `bytes` of format `ggml` on `rows` input rows runs.
@@ -233,6 +252,7 @@ impl MissCosts {
                     (format!("{g:?}"), host, ps(f.device.get(&g).copied()))
                 })
                 .collect(),
+            prepared: self.prepared.stats(),
         }
     }
 }

@@ -30,6 +30,7 @@ mod keep;
 mod misses;
 mod pinned;
 mod prefetch;
+mod prepared;
 mod upload;
 
 use std::sync::Arc;
@@ -42,6 +43,8 @@ pub use misses::{MissCosts, MissReport, MissRun};
 pub use pinned::{default_limit, PinnedPool, PoolStats, StagingBuffer, MIN_CLASS};
 pub(crate) use prefetch::{Fetch, Reservation};
 pub use prefetch::{PrefetchGate, Streamer};
+pub(crate) use prepared::PreparedCopies;
+pub use prepared::{prepared_bytes, PreparedBudget, PreparedStats};
 pub use upload::copy_to_device;
 pub(crate) use upload::upload;
 

@@ -159,16 +159,19 @@ pub struct Streamer {
     inflight: Mutex<VecDeque<InFlight>>,
     /// The manager's cost-aware misses, when on (`--cost-aware-misses`).
     misses: once_cell::sync::OnceCell<Arc<super::MissCosts>>,
+    /// This model's prepared host copies, with cost-aware misses ([`super::PreparedCopies`]).
+    prepared: once_cell::sync::OnceCell<super::PreparedCopies>,
     /// The input rows of the latest matmul a weight was fetched for (what a prefetch predicted
     /// from use will most likely run on).
     last_rows: AtomicUsize,
 }
 
 /// A streamed fetch's result: the weight on its device, or — a cost-aware miss run on the host —
-/// its clean host copy, not copied.
+/// its clean host copy, not copied, or the prepared copy an earlier host run kept.
 pub(crate) enum Fetch {
     Device(Tensor),
     Host(Tensor),
+    Prepared(Arc<candle_core::quantized::QTensor>),
 }
 
 impl std::fmt::Debug for Streamer {
@@ -190,6 +193,7 @@ impl Streamer {
             gate: Mutex::new(Rank::StreamerGate, None),
             inflight: Mutex::new(Rank::StreamerQueue, VecDeque::new()),
             misses: once_cell::sync::OnceCell::new(),
+            prepared: once_cell::sync::OnceCell::new(),
             last_rows: AtomicUsize::new(1),
         }
     }
@@ -197,7 +201,24 @@ impl Streamer {
     /// Turns cost-aware misses on for this streamer's model, with the manager's figures (once:
     /// later calls keep the first).
     pub(crate) fn set_misses(&self, costs: Arc<super::MissCosts>) {
+        let _ = self
+            .prepared
+            .set(super::PreparedCopies::new(Arc::clone(costs.prepared())));
         let _ = self.misses.set(costs);
+    }
+
+    /// Keeps `q`, the `QTensor` a host run of weight `index` built from its clean host copy, for
+    /// the next host runs when the prepared copies have room ([`super::PreparedCopies::offer`]).
+    pub(crate) fn offer_prepared(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+        q: &Arc<candle_core::quantized::QTensor>,
+    ) {
+        if let Some(p) = self.prepared.get() {
+            let bytes = patcher.model().slots()[index].bytes();
+            p.offer(index, q, bytes, |i| patcher.resident_weight(i).is_some());
+        }
     }
 
     /// The cost-aware misses' figures, when on.
@@ -290,6 +311,12 @@ impl Streamer {
     pub fn fetch(&self, patcher: &ModelPatcher, index: usize) -> Result<Tensor> {
         match self.fetch_for(patcher, index, None)? {
             Fetch::Device(t) | Fetch::Host(t) => Ok(t),
+            // Only a quantized weight's fetch for a matmul (`host` given) runs on the host.
+            Fetch::Prepared(_) => Err(crate::error::Error::BadWeight {
+                model: patcher.model().name().to_string(),
+                key: patcher.model().slots()[index].name().to_string(),
+                reason: "a prepared host copy for a fetch that does not run on the host".into(),
+            }),
         }
     }
 
@@ -369,12 +396,16 @@ impl Streamer {
                     if patcher.streams_always(index)
                         || c.choose(ggml, rows, bytes) == super::MissRun::Host
                     {
-                        let clean = patcher.model().slots()[index].clean()?;
+                        let prepared = self.prepared.get().and_then(|p| p.get(index));
+                        let fetch = match prepared {
+                            Some(q) => Fetch::Prepared(q),
+                            None => Fetch::Host(patcher.model().slots()[index].clean()?),
+                        };
                         if let Some((k, _)) = &keeper {
                             k.note_use(patcher, index, false);
                         }
                         self.prefetch_after(patcher, index);
-                        return Ok(Fetch::Host(clean));
+                        return Ok(fetch);
                     }
                 }
                 // A weight not kept is booked in flight while it is copied, like a prefetch

@@ -555,16 +555,27 @@ impl QRef {
                                 bytes,
                             })
                         });
+                        let host_run = |note: Option<MissNote>| {
+                            note.ok_or_else(|| Error::BadWeight {
+                                model: model.name().to_string(),
+                                key: self.key.clone(),
+                                reason: "run on the host without cost-aware misses".into(),
+                            })
+                        };
                         match s.fetch_for(&patcher, self.index, host)? {
                             crate::offload::Fetch::Device(t) => t,
                             crate::offload::Fetch::Host(clean) => {
-                                let q = patcher.clean_qtensor(self.index, &clean, &Device::Cpu)?;
-                                let note = note.ok_or_else(|| Error::BadWeight {
-                                    model: model.name().to_string(),
-                                    key: self.key.clone(),
-                                    reason: "run on the host without cost-aware misses".into(),
-                                })?;
-                                return Ok(Fetched::Host(Arc::new(q), note));
+                                let note = host_run(note)?;
+                                let q = Arc::new(patcher.clean_qtensor(
+                                    self.index,
+                                    &clean,
+                                    &Device::Cpu,
+                                )?);
+                                s.offer_prepared(&patcher, self.index, &q);
+                                return Ok(Fetched::Host(q, note));
+                            }
+                            crate::offload::Fetch::Prepared(q) => {
+                                return Ok(Fetched::Host(q, host_run(note)?));
                             }
                         }
                     }

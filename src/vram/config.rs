@@ -129,6 +129,11 @@ pub struct Config {
     /// whose outputs depend on placement on a real GPU (host and device kernels round
     /// differently); the same bits on a simulated GPU. Off by default.
     pub cost_aware_misses: bool,
+    /// `--prepared-host SIZE` (a residency extension): host RAM the prepared copies of quantized
+    /// weights run on the host may take ([`crate::offload::PreparedBudget`]; with
+    /// `--cost-aware-misses`). `0` keeps none. `None`: a quarter of the host's available RAM at
+    /// the manager's start, or none under `--ram-budget`.
+    pub prepared_host: Option<ByteSize>,
 }
 
 /// The `GPU=VALUE` parts of a per-GPU flag value (`0=8GiB,1=12GiB`), each GPU number parsed;
@@ -183,6 +188,7 @@ enum Action {
     CudaDevice,
     Deterministic,
     CostAwareMisses,
+    PreparedHost,
     InferenceMemory,
     SimGpu,
     SimGpus,
@@ -253,6 +259,7 @@ const FLAGS: &[(&str, Action)] = &[
     ("--cuda-device", Action::CudaDevice),
     ("--deterministic", Action::Deterministic),
     ("--cost-aware-misses", Action::CostAwareMisses),
+    ("--prepared-host", Action::PreparedHost),
     ("--inference-memory", Action::InferenceMemory),
     ("--sim-gpu", Action::SimGpu),
     ("--sim-gpus", Action::SimGpus),
@@ -326,6 +333,7 @@ impl Config {
                     Action::VramBudget
                     | Action::RamBudget
                     | Action::PinnedLimit
+                    | Action::PreparedHost
                     | Action::InferenceMemory => " SIZE",
                     Action::AsyncOffload => " [N]",
                     Action::CudaDevice => " N",
@@ -354,6 +362,7 @@ impl Config {
                 | Action::VramBudget
                 | Action::RamBudget
                 | Action::PinnedLimit
+                | Action::PreparedHost
                 | Action::CudaDevice
                 | Action::InferenceMemory
                 | Action::SimGpu
@@ -675,6 +684,7 @@ impl Config {
             }
             Action::Deterministic => self.deterministic = true,
             Action::CostAwareMisses => self.cost_aware_misses = true,
+            Action::PreparedHost => self.prepared_host = Some(value_str.parse()?),
             Action::InferenceMemory => self.inference_memory = Some(value_str.parse()?),
             Action::SimGpu => self.sim_gpus.push(value_str.parse().map_err(invalid)?),
             Action::SimGpus => {
@@ -701,6 +711,17 @@ impl Config {
             0
         } else {
             self.async_offload.flatten().unwrap_or(2)
+        }
+    }
+
+    /// The host RAM prepared host copies may take ([`Config::prepared_host`]) on a host with
+    /// `available` bytes free: the flag's size; without it a quarter of `available`, or nothing
+    /// under `--ram-budget` (every host byte there is the host tier's).
+    pub fn prepared_host_limit(&self, available: ByteSize) -> ByteSize {
+        match (self.prepared_host, self.ram_budget) {
+            (Some(limit), _) => limit,
+            (None, Some(_)) => ByteSize::ZERO,
+            (None, None) => ByteSize(available.bytes() / 4),
         }
     }
 

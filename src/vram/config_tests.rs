@@ -145,6 +145,7 @@ fn bad_values_name_the_flag() {
         vec!["--pinned-memory-limit", "4 parsecs"],
         vec!["--ram-budget", "0"],
         vec!["--ram-budget", "some"],
+        vec!["--prepared-host", "lots"],
     ] {
         let err = Config::from_args(&args).unwrap_err();
         let msg = err.to_string();
@@ -214,6 +215,7 @@ fn every_memory_flag_has_a_builder_setter_that_parses_the_same() {
         .with_text_encoder_dtype(Dtype::F16)
         .with_upcast_attention(UpcastFlag::Force)
         .with_cuda_device(0)
+        .with_prepared_host(ByteSize::mib(256))
         .with_deterministic(true);
     let parsed = Config::from_args([
         "--vram-budget",
@@ -229,6 +231,8 @@ fn every_memory_flag_has_a_builder_setter_that_parses_the_same() {
         "--force-upcast-attention",
         "--cuda-device",
         "0",
+        "--prepared-host",
+        "256MiB",
         "--deterministic",
     ]);
     assert_eq!(Ok(built), parsed.map_err(|e| e.to_string()));
@@ -250,4 +254,26 @@ fn the_help_lists_every_flag_with_the_value_it_takes() {
         );
     }
     assert!(help.contains("--sim-gpu SIZE[@BANDWIDTH]"), "{help}");
+}
+
+#[test]
+fn prepared_host_copies_take_the_flag_s_room_else_a_quarter_of_available_ram_and_none_under_a_ram_budget(
+) {
+    let available = ByteSize::gib(32);
+    assert_eq!(
+        Config::default().prepared_host_limit(available),
+        ByteSize::gib(8)
+    );
+    let budgeted = Config::default().with_ram_budget(ByteSize::gib(4));
+    assert_eq!(budgeted.prepared_host_limit(available), ByteSize::ZERO);
+    assert_eq!(
+        budgeted
+            .with_prepared_host(ByteSize::gib(1))
+            .prepared_host_limit(available),
+        ByteSize::gib(1),
+        "the flag wins"
+    );
+    let off = Config::from_args(["--prepared-host", "0"]).unwrap();
+    assert_eq!(off.prepared_host, Some(ByteSize::ZERO));
+    assert_eq!(off.prepared_host_limit(available), ByteSize::ZERO);
 }

@@ -32,6 +32,11 @@ impl Config {
         self.ram_budget = Some(budget);
         self
     }
+    /// Sets `--prepared-host`: the host RAM prepared host copies may take (`0`: none).
+    pub fn with_prepared_host(mut self, limit: ByteSize) -> Self {
+        self.prepared_host = Some(limit);
+        self
+    }
     /// Sets `--reserve-vram` in GB.
     pub fn with_reserve_vram_gb(mut self, gb: f64) -> Self {
         self.reserve_vram_gb = Some(gb);
