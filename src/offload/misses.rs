@@ -14,7 +14,10 @@
 //! The rule, for a miss of `b` bytes on `r` input rows: run it on the host when
 //! `r · b · host < b · link + r · b · device`. Before a format has both figures the first miss
 //! uploads and the next one runs on the host (each side measured once), then the rule decides;
-//! every run updates its figure (an exponential average, weight 1/4). At decode (`r = 1`) the
+//! every run updates its figure (an exponential average, weight 1/4), and now and then the side
+//! the rule did not pick runs to be measured again: at a format's 16th decision, then after
+//! gaps doubling up to 256 decisions while the choice holds, back to 16 when it changes (a
+//! side 25 times dearer is then paid for rarely). At decode (`r = 1`) the
 //! host usually wins on a PCIe link; at prefill the device does, so one expert may run on the
 //! host at decode and be uploaded at prefill.
 //!
@@ -25,6 +28,10 @@
 //! Residency by use keeps a missed copy only where keeping pays back
 //! ([`MissCosts::worth_keeping`]: 8 later uses must save the upload), and prefetch skips weights
 //! the rule would run on the host ([`MissCosts::prefers_host`]).
+//!
+//! A host run keeps the `QTensor` it built as a prepared host copy, within the manager's room for
+//! them ([`super::PreparedBudget`]): the next run on the host skips the copy and candle's
+//! re-packing of the blocks.
 //!
 //! This is the one mode whose outputs may depend on placement: on a real GPU the host's and the
 //! device's kernels round differently (close, not equal); on the simulated GPU both are the host's
@@ -100,8 +107,8 @@ struct Figures {
     link: Option<f64>,
     host: HashMap<GgmlDType, f64>,
     device: HashMap<GgmlDType, f64>,
-    /// Decisions made per format (every 16th explores).
-    decided: HashMap<GgmlDType, u64>,
+    /// When each format's rule next runs the other side.
+    explore: HashMap<GgmlDType, Explore>,
     on_host: u64,
     on_device: u64,
     bytes_not_copied: u64,
@@ -132,8 +139,52 @@ fn average(old: Option<f64>, new: f64) -> f64 {
 /// The uses a kept copy is expected to serve before it is evicted, for [`MissCosts::worth_keeping`].
 const KEPT_USES: f64 = 8.0;
 
-/// Every this many decisions of a format, the side the rule did not pick runs.
-const EXPLORE_EVERY: u64 = 16;
+/// The first time (in decisions of a format) the side the rule did not pick runs, and the gap
+/// after a change of the rule's choice.
+const EXPLORE_FIRST: u64 = 16;
+
+/// The longest gap between two runs of the side the rule did not pick.
+const EXPLORE_LONGEST: u64 = 256;
+
+/// When a format's rule next runs the side it did not pick: at the 16th decision from its first
+/// or from a change of its choice, the gap doubling at each run while the choice holds, up to 256 — a
+/// side measured 16 times slower is re-measured rarely, and a change is caught within 256.
+#[derive(Debug)]
+struct Explore {
+    decided: u64,
+    next: u64,
+    gap: u64,
+    last: Option<bool>,
+}
+
+impl Explore {
+    fn new() -> Explore {
+        Explore {
+            decided: 0,
+            next: EXPLORE_FIRST,
+            gap: EXPLORE_FIRST,
+            last: None,
+        }
+    }
+
+    /// Counts a decision whose rule chose the host (`host_wins`) or not; whether this one runs
+    /// the other side.
+    fn decide(&mut self, host_wins: bool) -> bool {
+        self.decided += 1;
+        if self.last.is_some_and(|l| l != host_wins) {
+            // The changed decision is the first of the next 16.
+            self.gap = EXPLORE_FIRST;
+            self.next = self.decided + EXPLORE_FIRST - 1;
+        }
+        self.last = Some(host_wins);
+        if self.decided < self.next {
+            return false;
+        }
+        self.gap = (self.gap * 2).min(EXPLORE_LONGEST);
+        self.next = self.decided + self.gap;
+        true
+    }
+}
 
 impl MissCosts {
     /// Nothing measured yet, and no room for prepared host copies.
@@ -170,9 +221,11 @@ impl MissCosts {
         let device = f.device.get(&ggml).copied().unwrap_or(0.0);
         let (r, b) = (rows.max(1) as f64, bytes as f64);
         let host_wins = r * b * host < b * link + r * b * device;
-        let n = f.decided.entry(ggml).or_insert(0);
-        *n += 1;
-        let explore = (*n).is_multiple_of(EXPLORE_EVERY);
+        let explore = f
+            .explore
+            .entry(ggml)
+            .or_insert_with(Explore::new)
+            .decide(host_wins);
         if host_wins != explore {
             MissRun::Host
         } else {
@@ -312,13 +365,29 @@ mod tests {
     }
 
     #[test]
-    fn every_sixteenth_decision_runs_the_other_side() {
+    fn the_other_side_runs_at_the_sixteenth_decision_then_ever_more_rarely_until_the_choice_changes(
+    ) {
         let c = MissCosts::new();
         let q = GgmlDType::Q8_0;
         c.note_fetch(1000, 10_000);
         c.note_host(q, 1, 1000, 100);
-        let runs: Vec<MissRun> = (0..32).map(|_| c.choose(q, 1, 1000)).collect();
-        let device: Vec<usize> = (0..32).filter(|&i| runs[i] == MissRun::Device).collect();
-        assert_eq!(device, vec![15, 31], "{runs:?}");
+        // The host wins at one row: the device runs at decisions 16, 48, 112, 240, 496, 752
+        // (gaps 32, 64, 128, 256, 256).
+        let runs: Vec<usize> = (0..800)
+            .filter(|_| c.choose(q, 1, 1000) == MissRun::Device)
+            .collect();
+        assert_eq!(runs, vec![15, 47, 111, 239, 495, 751], "{runs:?}");
+        // At 200 rows the device wins (200 × 0.1 > 10): the choice changed, so the host runs 16
+        // decisions later, then 32 after that.
+        let runs: Vec<usize> = (0..64)
+            .filter(|_| c.choose(q, 200, 1000) == MissRun::Host)
+            .collect();
+        assert_eq!(runs, vec![15, 47], "{runs:?}");
+        // Another format keeps its own count.
+        c.note_host(GgmlDType::Q4K, 1, 1000, 100);
+        let other: Vec<usize> = (0..16)
+            .filter(|_| c.choose(GgmlDType::Q4K, 1, 1000) == MissRun::Device)
+            .collect();
+        assert_eq!(other, vec![15]);
     }
 }
