@@ -234,12 +234,17 @@ impl MissCosts {
     }
 
     /// Whether the rule, on the figures so far, runs such a miss on the host (no exploration,
-    /// nothing counted; `false` while a side is unmeasured): a prefetch of a weight that would
-    /// run on the host is not worth its copy.
+    /// nothing counted): a prefetch of a weight that would run on the host is not worth its copy.
+    /// As in [`MissCosts::choose`], the link is measured first (`false` until then) and then the
+    /// host (`true` while the format's host side is unmeasured): a weight that is always
+    /// prefetched never misses, and its format's host side would never be measured otherwise.
     pub fn prefers_host(&self, ggml: GgmlDType, rows: usize, bytes: u64) -> bool {
         let f = self.figures.lock();
-        let (Some(link), Some(&host)) = (f.link, f.host.get(&ggml)) else {
+        let Some(link) = f.link else {
             return false;
+        };
+        let Some(&host) = f.host.get(&ggml) else {
+            return true;
         };
         let device = f.device.get(&ggml).copied().unwrap_or(0.0);
         let (r, b) = (rows.max(1) as f64, bytes as f64);
@@ -261,12 +266,15 @@ impl MissCosts {
         (host - device) * rows.max(1) as f64 * KEPT_USES >= link
     }
 
-    /// A miss ran on the host in `ns`.
-    pub fn note_host(&self, ggml: GgmlDType, rows: usize, bytes: u64, ns: u64) {
+    /// A miss ran on the host in `ns`; `None`: its time is not what the next run costs (a first
+    /// run on a prepared copy just built, which candle re-packs), so only the run is counted.
+    pub fn note_host(&self, ggml: GgmlDType, rows: usize, bytes: u64, ns: Option<u64>) {
         let mut f = self.figures.lock();
-        let per = ns as f64 / (rows.max(1) as f64 * bytes.max(1) as f64);
-        let v = average(f.host.get(&ggml).copied(), per);
-        f.host.insert(ggml, v);
+        if let Some(ns) = ns {
+            let per = ns as f64 / (rows.max(1) as f64 * bytes.max(1) as f64);
+            let v = average(f.host.get(&ggml).copied(), per);
+            f.host.insert(ggml, v);
+        }
         f.on_host += 1;
         f.bytes_not_copied += bytes;
     }
@@ -321,7 +329,7 @@ mod tests {
         assert_eq!(c.choose(q, 1, 1000), MissRun::Device, "the link first");
         c.note_fetch(1000, 2000); // 2 ns per byte
         assert_eq!(c.choose(q, 1, 1000), MissRun::Host, "then the host");
-        c.note_host(q, 1, 1000, 500); // 0.5 ns per row·byte
+        c.note_host(q, 1, 1000, Some(500)); // 0.5 ns per row·byte
         c.note_device(q, 1, 1000, 10); // 0.01
                                        // Decode: 0.5 < 2 + 0.01, the host; prefill of 64 rows: 32 > 2 + 0.64, the device.
         assert_eq!(c.choose(q, 1, 1000), MissRun::Host);
@@ -330,7 +338,7 @@ mod tests {
         assert_eq!(c.choose(GgmlDType::Q8_0, 64, 1000), MissRun::Host);
         // A host as slow per row as the device's matmul never wins (the sim's case is the
         // other way round: its device work is the host's).
-        c.note_host(GgmlDType::Q8_0, 1, 1000, 1_000_000);
+        c.note_host(GgmlDType::Q8_0, 1, 1000, Some(1_000_000));
         assert_eq!(c.choose(GgmlDType::Q8_0, 1, 1000), MissRun::Device);
         // Keeping pays back where 8 uses save the upload: Q4K's host 0.5 against the device's
         // 0.01 saves 3.9 per byte over 8 uses, more than the 2 of the link.
@@ -339,7 +347,7 @@ mod tests {
         // row, 8 × 8 × 0.05 ≥ 2 at eight.
         let sim = MissCosts::new();
         sim.note_fetch(1000, 2000);
-        sim.note_host(q, 1, 1000, 500);
+        sim.note_host(q, 1, 1000, Some(500));
         assert!(sim.worth_keeping(q, 1), "the device side unmeasured");
         sim.note_device(q, 1, 1000, 450);
         assert!(!sim.worth_keeping(q, 1));
@@ -351,6 +359,43 @@ mod tests {
             r.to_string().contains("rows × host < link + rows × device"),
             "{r}"
         );
+    }
+
+    #[test]
+    fn an_untimed_host_run_is_counted_and_leaves_the_host_unmeasured() {
+        let c = MissCosts::new();
+        let q = GgmlDType::Q4K;
+        c.note_fetch(1000, 2000);
+        // A first run on a copy just kept (candle re-packed it inside the matmul): counted, but
+        // not the host's figure, so the host runs again to be measured.
+        c.note_host(q, 1, 1000, None);
+        let r = c.report();
+        assert_eq!((r.on_host, r.bytes_not_copied), (1, 1000));
+        assert!(r.per_format.is_empty(), "{r}");
+        assert_eq!(c.choose(q, 1, 1000), MissRun::Host);
+        c.note_host(q, 1, 1000, Some(100));
+        assert_eq!(
+            c.report().per_format,
+            vec![("Q4K".to_string(), Some(100), None)]
+        );
+    }
+
+    #[test]
+    fn prefetch_leaves_a_format_to_the_rule_until_its_host_side_is_measured() {
+        let c = MissCosts::new();
+        let q = GgmlDType::Q4_0;
+        assert!(
+            !c.prefers_host(q, 1, 1000),
+            "the link is measured first, by an upload"
+        );
+        c.note_fetch(1000, 2000);
+        // A weight always prefetched would never miss and Q4_0's host side never be measured:
+        // prefetch skips it until a miss has run on the host.
+        assert!(c.prefers_host(q, 1, 1000));
+        c.note_host(q, 1, 1000, Some(5_000_000)); // 5000 ns per row·byte: far dearer
+        assert!(!c.prefers_host(q, 1, 1000));
+        c.note_host(GgmlDType::Q8_0, 1, 1000, Some(100));
+        assert!(c.prefers_host(GgmlDType::Q8_0, 1, 1000));
     }
 
     #[test]
@@ -370,7 +415,7 @@ mod tests {
         let c = MissCosts::new();
         let q = GgmlDType::Q8_0;
         c.note_fetch(1000, 10_000);
-        c.note_host(q, 1, 1000, 100);
+        c.note_host(q, 1, 1000, Some(100));
         // The host wins at one row: the device runs at decisions 16, 48, 112, 240, 496, 752
         // (gaps 32, 64, 128, 256, 256).
         let runs: Vec<usize> = (0..800)
@@ -384,7 +429,7 @@ mod tests {
             .collect();
         assert_eq!(runs, vec![15, 47], "{runs:?}");
         // Another format keeps its own count.
-        c.note_host(GgmlDType::Q4K, 1, 1000, 100);
+        c.note_host(GgmlDType::Q4K, 1, 1000, Some(100));
         let other: Vec<usize> = (0..16)
             .filter(|_| c.choose(GgmlDType::Q4K, 1, 1000) == MissRun::Device)
             .collect();

@@ -209,16 +209,17 @@ impl Streamer {
 
     /// Keeps `q`, the `QTensor` a host run of weight `index` built from its clean host copy, for
     /// the next host runs when the prepared copies have room ([`super::PreparedCopies::offer`]).
+    /// Whether it was kept.
     pub(crate) fn offer_prepared(
         &self,
         patcher: &ModelPatcher,
         index: usize,
         q: &Arc<candle_core::quantized::QTensor>,
-    ) {
-        if let Some(p) = self.prepared.get() {
+    ) -> bool {
+        self.prepared.get().is_some_and(|p| {
             let bytes = patcher.model().slots()[index].bytes();
-            p.offer(index, q, bytes, |i| patcher.resident_weight(i).is_some());
-        }
+            p.offer(index, q, bytes, |i| patcher.resident_weight(i).is_some())
+        })
     }
 
     /// The cost-aware misses' figures, when on.

@@ -124,6 +124,10 @@ pub(crate) struct MissNote {
     ggml: GgmlDType,
     rows: usize,
     bytes: u64,
+    /// Whether the run's time is what the next host run of this weight costs: not when the run
+    /// multiplies a `QTensor` just built and kept as a prepared copy (candle re-packs its blocks
+    /// in that first matmul, the later runs do not).
+    timed: bool,
 }
 
 impl Fetched {
@@ -553,6 +557,7 @@ impl QRef {
                                 ggml,
                                 rows,
                                 bytes,
+                                timed: true,
                             })
                         });
                         let host_run = |note: Option<MissNote>| {
@@ -571,7 +576,11 @@ impl QRef {
                                     &clean,
                                     &Device::Cpu,
                                 )?);
-                                s.offer_prepared(&patcher, self.index, &q);
+                                let kept = s.offer_prepared(&patcher, self.index, &q);
+                                let note = MissNote {
+                                    timed: !kept,
+                                    ..note
+                                };
                                 return Ok(Fetched::Host(q, note));
                             }
                             crate::offload::Fetch::Prepared(q) => {
@@ -732,7 +741,7 @@ impl QMatMul {
                 let x = xs.to_device(&Device::Cpu)?;
                 let t0 = std::time::Instant::now();
                 let y = cq::QMatMul::from_arc(q)?.forward(&x)?;
-                let ns = t0.elapsed().as_nanos() as u64;
+                let ns = note.timed.then(|| t0.elapsed().as_nanos() as u64);
                 note.costs.note_host(note.ggml, note.rows, note.bytes, ns);
                 y.to_device(xs.device())
             }
