@@ -43,8 +43,10 @@
 //! per expert, its forwards routing two tokens to two experts each by a seed the operation draws
 //! (`moe_gemm_gguf`, so only routed experts are fetched and the rest of the layer's are
 //! prefetched by the routing), its patches on single experts; half of its simulated-GPU cases
-//! run misses cost-aware (`--cost-aware-misses`). The same checks hold, I3 against the same
-//! forward on a fresh unmanaged read of the file with the same patches.
+//! run misses cost-aware (`--cost-aware-misses`), half of those with room for only a few prepared
+//! host copies (`--prepared-host 40KiB`: copies refused, copies of weights made resident
+//! dropped). The same checks hold, I3 against the same forward on a fresh unmanaged read of the
+//! file with the same patches, and the prepared copies stay within their room.
 //!
 //! 512 cases of 50–200 steps by default (about 256 of them on simulated GPUs); `RESIDENCY_MODEL_CASES=10000` for a long run.
 
@@ -502,6 +504,11 @@ impl World {
         // simulated GPUs (on the CPU there is no miss to place).
         if moe && sim.is_some_and(|(_, latency, _)| latency % 2 == 0) {
             args.push("--cost-aware-misses".into());
+            // Room for a few prepared host copies in half of those cases, so some are refused
+            // (and copies of weights made resident dropped for room); the rest keep them all.
+            if sim.is_some_and(|(_, _, seed)| seed % 2 == 1) {
+                args.extend(["--prepared-host".to_string(), "40KiB".to_string()]);
+            }
         }
         let mut config = Config::from_args(args)
             .unwrap()

@@ -88,6 +88,15 @@ impl World {
 
     pub(super) fn check(&self, step: usize, op: &Op) -> Result<(), TestCaseError> {
         let ctx = || format!("after step {step}: {op:?}");
+        // Prepared host copies stay within their room.
+        if let Some(r) = self.mm.miss_report() {
+            prop_assert!(
+                r.prepared.bytes <= r.prepared.limit,
+                "{}: prepared host copies over their room: {}",
+                ctx(),
+                r.prepared
+            );
+        }
         // I2, counted slot by slot, per device.
         let mut resident = [ByteSize::ZERO; 2];
         let loaded = self.mm.loaded_models();
