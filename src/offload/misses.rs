@@ -254,13 +254,21 @@ impl MissCosts {
     /// Whether keeping a missed copy resident (residency by use's fault-in) pays back: its
     /// upload costs `b · link` once, and each later use on `rows` rows saves `rows · b · (host −
     /// device)` against running it on the host — worth it when `KEPT_USES` uses (8) save at
-    /// least the upload. `true` while either side is unmeasured; `false` where the host computes
-    /// as fast as the device (a simulated GPU, whose device work is the host's).
+    /// least the upload. `false` where the host computes as fast as the device (a simulated GPU,
+    /// whose device work is the host's). While a side is unmeasured it follows
+    /// [`MissCosts::choose`]'s order: `true` until the link is measured (the copy is uploaded
+    /// anyway), then `false` until the format's host side is (the miss must reach the rule to run
+    /// on the host — a copy kept at every miss would never let it), then `true` until the
+    /// device's is.
     pub fn worth_keeping(&self, ggml: GgmlDType, rows: usize) -> bool {
         let f = self.figures.lock();
-        let (Some(link), Some(&host), Some(&device)) =
-            (f.link, f.host.get(&ggml), f.device.get(&ggml))
-        else {
+        let Some(link) = f.link else {
+            return true;
+        };
+        let Some(&host) = f.host.get(&ggml) else {
+            return false;
+        };
+        let Some(&device) = f.device.get(&ggml) else {
             return true;
         };
         (host - device) * rows.max(1) as f64 * KEPT_USES >= link
@@ -346,7 +354,15 @@ mod tests {
         // A host about as fast as the device (the simulated GPU's case): 8 × 0.05 < 2 at one
         // row, 8 × 8 × 0.05 ≥ 2 at eight.
         let sim = MissCosts::new();
+        assert!(
+            sim.worth_keeping(q, 1),
+            "nothing measured: the upload measures the link"
+        );
         sim.note_fetch(1000, 2000);
+        assert!(
+            !sim.worth_keeping(q, 1),
+            "the host side next, by a run on the host"
+        );
         sim.note_host(q, 1, 1000, Some(500));
         assert!(sim.worth_keeping(q, 1), "the device side unmeasured");
         sim.note_device(q, 1, 1000, 450);

@@ -132,7 +132,8 @@ pub struct Config {
     /// `--prepared-host SIZE` (a residency extension): host RAM the prepared copies of quantized
     /// weights run on the host may take ([`crate::offload::PreparedBudget`]; with
     /// `--cost-aware-misses`). `0` keeps none. `None`: a quarter of the host's available RAM at
-    /// the manager's start, or none under `--ram-budget`.
+    /// the manager's start, or none under `--ram-budget` (given beside it, the room is outside
+    /// the host tier's budget).
     pub prepared_host: Option<ByteSize>,
 }
 
