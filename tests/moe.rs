@@ -532,24 +532,7 @@ fn stacked_experts_are_one_weight_each_and_quantized_qwen3_moe_computes_the_refe
 
     // llama.cpp's static placement (`-ncmoe 2`): every expert mapped to the host runs there
     // with cost-aware misses — never copied, never prefetched — the rest loaded; same bits.
-    let mm = common::manager_with(&[
-        "--reserve-vram",
-        "0",
-        "--sim-gpu",
-        &format!("{}@25GB/s", size / 4),
-        "--disable-dynamic-vram",
-        "--cost-aware-misses",
-    ]);
-    let model = mm.read_gguf("tiny-qwen3moe", &path).unwrap();
-    let map = residency::DeviceMap::new()
-        .regex(r"_exps\.", residency::Target::Host)
-        .unwrap();
-    let p =
-        ModelPatcher::new(Arc::new(model), mm.compute_device(), DeviceId::Cpu).with_device_map(map);
-    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
-        .unwrap();
-    let before = mm.transfer_stats().bytes_copied();
-    let (got, _) = qwen3_managed(&p, &tokens);
+    let (got, mm, p, copied) = statically_placed(&path, &tokens, &[]);
     assert_eq!(got, want, "static placement");
     let r = mm.miss_report().unwrap();
     assert!(r.on_host > 0 && r.on_device == 0, "{r}");
@@ -562,14 +545,12 @@ fn stacked_experts_are_one_weight_each_and_quantized_qwen3_moe_computes_the_refe
         .filter(|s| s.name().contains("_exps."))
         .map(|s| s.bytes().bytes())
         .sum();
-    assert!(
-        t.bytes_copied().bytes() - before.bytes() < expert_bytes,
-        "experts were copied: {t:?}"
-    );
+    assert!(copied < expert_bytes, "experts were copied: {t:?}");
 }
 
-/// A static placement of a stacked-expert model, decoded under `flags` (beside a quarter of the
-/// model on a simulated GPU), with every expert mapped to the host: the logits, and the manager.
+/// A static placement of a stacked-expert model (llama.cpp's `-ncmoe`), decoded under `flags`
+/// beside a quarter of the model on a simulated GPU with cost-aware misses, every expert mapped
+/// to the host: the logits, the manager, the patcher and the bytes the decode copied.
 fn statically_placed(
     path: &std::path::Path,
     tokens: &[u32],
@@ -578,6 +559,7 @@ fn statically_placed(
     Vec<Vec<u32>>,
     residency::loader::MemoryManager,
     ModelPatcher,
+    u64,
 ) {
     let size = Model::from_gguf("size", path).unwrap().model_size().bytes();
     let sim = format!("{}@25GB/s", size / 4);
@@ -599,8 +581,10 @@ fn statically_placed(
         ModelPatcher::new(Arc::new(model), mm.compute_device(), DeviceId::Cpu).with_device_map(map);
     mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
         .unwrap();
+    let before = mm.transfer_stats().bytes_copied();
     let (got, _) = qwen3_managed(&p, tokens);
-    (got, mm, p)
+    let copied = mm.transfer_stats().bytes_copied().bytes() - before.bytes();
+    (got, mm, p, copied)
 }
 
 #[test]
@@ -616,7 +600,7 @@ fn host_runs_keep_prepared_copies_within_their_bound_and_give_the_same_bits() {
 
     // The default room (a quarter of the 64 GiB of `manager_with`'s machine): every expert run
     // on the host is built once, kept, and served from then on.
-    let (got, mm, p) = statically_placed(&path, &tokens, &[]);
+    let (got, mm, p, _) = statically_placed(&path, &tokens, &[]);
     assert_eq!(got, want, "prepared copies");
     let r = mm.miss_report().unwrap();
     let prepared = r.prepared;
@@ -663,7 +647,7 @@ fn host_runs_keep_prepared_copies_within_their_bound_and_give_the_same_bits() {
         .max()
         .unwrap();
     let room = format!("{}B", 3 * largest);
-    let (got, mm, _) = statically_placed(&path, &tokens, &["--prepared-host", &room]);
+    let (got, mm, _, _) = statically_placed(&path, &tokens, &["--prepared-host", &room]);
     assert_eq!(got, want, "three copies' room");
     let r = mm.miss_report().unwrap();
     assert!(r.prepared.bytes.bytes() <= 3 * largest, "{r}");
@@ -680,7 +664,7 @@ fn host_runs_keep_prepared_copies_within_their_bound_and_give_the_same_bits() {
         vec!["--prepared-host", "0"],
         vec!["--ram-budget", ram.as_str()],
     ] {
-        let (got, mm, _) = statically_placed(&path, &tokens, &flags);
+        let (got, mm, _, _) = statically_placed(&path, &tokens, &flags);
         assert_eq!(got, want, "{flags:?}");
         let r = mm.miss_report().unwrap();
         assert!(r.on_host > 0, "{r}");
