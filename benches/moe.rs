@@ -24,7 +24,10 @@
 //! is printed, with hit rates beside Belady's optimum for the same uses and room, bytes copied
 //! per token, where misses ran and the copy time router prefetch hid.
 //!
-//! `cargo bench --bench moe`. With `MOE_DEVICE=probe` the same five run on this machine's own
+//! `cargo bench --bench moe`. `MOE_EXPERT_FFN=4096` makes every expert matrix 16 times larger
+//! (1 Mi values, near a Qwen3-30B-A3B expert matrix's 1.5 Mi): there an expert's arithmetic,
+//! not the calls around it, is the cost — the setting that shows what a GPU's faster arithmetic
+//! buys over static placement. With `MOE_DEVICE=probe` the same five run on this machine's own
 //! device (`Hardware::probe`: a CUDA GPU under `--features cuda`, else the CPU) under
 //! `--vram-budget` instead of a simulated GPU — the figures a GPU session records (scripts/gpu-check.sh
 //! runs it). There host and device kernels round differently, so the configurations that
@@ -72,6 +75,17 @@ struct Measured {
     /// Each decode step's logits.
     logits: Vec<Vec<f32>>,
     mm: MemoryManager,
+}
+
+/// The experts' width: `MOE_EXPERT_FFN` (a multiple of 256), else the tiny model's 256.
+fn expert_ffn() -> usize {
+    match std::env::var("MOE_EXPERT_FFN") {
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if n > 0 && n % 256 == 0 => n,
+            _ => panic!("MOE_EXPERT_FFN={v}: a positive multiple of 256"),
+        },
+        Err(_) => gguf::EXPERT_FFN,
+    }
 }
 
 /// Whether the run is on this machine's own device (`MOE_DEVICE=probe`), not a simulated GPU.
@@ -196,7 +210,8 @@ fn main() {
     residency::tools::cache_candle_thread_count();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny-qwen3moe.gguf");
-    gguf::write_tiny_qwen3_moe(&path);
+    let expert_ffn = expert_ffn();
+    gguf::write_qwen3_moe_with_expert_ffn(&path, expert_ffn);
     let size = residency::weights::Model::from_gguf("size", &path)
         .unwrap()
         .model_size();
@@ -283,7 +298,7 @@ fn main() {
         "on a simulated GPU at 25 GB/s".to_string()
     };
     println!(
-        "moe: tiny Qwen3-MoE ({} of blocks, {} blocks x {} stacked experts, top-{}), batch-1 decode of {TOKENS} tokens {on}, budget {budget} = {BUDGET_PERCENT} % of the model; -ncmoe N = {n} (llama.cpp's fit); median of {ROUNDS} interleaved rounds",
+        "moe: tiny Qwen3-MoE ({} of blocks, {} blocks x {} stacked experts {expert_ffn} wide, top-{}), batch-1 decode of {TOKENS} tokens {on}, budget {budget} = {BUDGET_PERCENT} % of the model; -ncmoe N = {n} (llama.cpp's fit); median of {ROUNDS} interleaved rounds",
         size,
         gguf::BLOCKS,
         gguf::EXPERTS,

@@ -14,7 +14,8 @@
 # Without cargo on the GPU machine: build the programs elsewhere with scripts/gpu-build.sh and
 # carry `.cache/gpu-bin`; this script then unpacks and runs them (GPU tests, library tests,
 # MiniLM on the GPU when .cache/minilm is there too, bandwidth, the offload bench, the moe bench
-# (MOE_DEVICE=probe: issue 36's figures on the GPU), the lora_stream bench (LORA_DEVICE=probe:
+# (MOE_DEVICE=probe: issue 36's figures on the GPU, with the tiny experts and with
+# MOE_EXPERT_FFN=4096, experts of 1 Mi values a matrix), the lora_stream bench (LORA_DEVICE=probe:
 # issue 34's figure) and the pipeline on the GPU) in a minute or two.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +65,8 @@ if ! command -v cargo >/dev/null; then
     run "offload bench (streamed vs resident on the GPU)" "$BIN/offload-bench" --bench \
         --warm-up-time 1 --measurement-time 2
     run "moe bench on the GPU (issue 36's figures)" env MOE_DEVICE=probe "$BIN/moe-bench" --bench
+    run "moe bench on the GPU, experts 4096 wide" env MOE_DEVICE=probe MOE_EXPERT_FFN=4096 \
+        "$BIN/moe-bench" --bench
     run "lora_stream bench on the GPU (issue 34's figure)" env LORA_DEVICE=probe "$BIN/lora-stream-bench" --bench
     PIPE="${TMPDIR:-/tmp}/residency-pipeline"
     run "pipeline on the GPU, budget 8 MiB" "$BIN/pipeline" --cache "$PIPE" --vram-budget 8MiB
@@ -153,6 +156,8 @@ BW=$?
 step "moe bench on the GPU (issue 36's figures)"
 MOE_DEVICE=probe "${CARGO[@]}" bench --features cuda --bench moe
 MOE=$?
+step "moe bench on the GPU, experts 4096 wide"
+MOE_DEVICE=probe MOE_EXPERT_FFN=4096 "${CARGO[@]}" bench --features cuda --bench moe || MOE=$?
 
 step "lora_stream bench on the GPU (issue 34's figure)"
 LORA_DEVICE=probe "${CARGO[@]}" bench --features cuda --bench lora_stream

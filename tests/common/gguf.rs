@@ -342,6 +342,14 @@ pub fn greedy_tokens(path: &Path, prompt: &[u32], steps: usize) -> Vec<u32> {
 /// to Q8_0 / Q4K), an F32 router `ffn_gate_inp` skewed as [`write_tiny_moe`]'s, per-head q/k
 /// RMS norms, and the tiny Llama's attention, embedding and head otherwise.
 pub fn write_tiny_qwen3_moe(path: &Path) {
+    write_qwen3_moe_with_expert_ffn(path, EXPERT_FFN);
+}
+
+/// [`write_tiny_qwen3_moe`] with experts `expert_ffn` wide (a multiple of 256) instead of
+/// [`EXPERT_FFN`]: the same model otherwise, its experts' bytes scaled (4096 makes each expert
+/// matrix 1 Mi values, near a Qwen3-30B-A3B expert matrix's 1.5 Mi), for measuring where an
+/// expert's arithmetic, not the calls around it, is the cost.
+pub fn write_qwen3_moe_with_expert_ffn(path: &Path, expert_ffn: usize) {
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     for (i, (name, shape, dtype, init)) in specs().into_iter().enumerate() {
         if name.contains(".ffn_gate.") || name.contains(".ffn_up.") || name.contains(".ffn_down.") {
@@ -375,9 +383,9 @@ pub fn write_tiny_qwen3_moe(path: &Path) {
             (GgmlDType::Q8_0, GgmlDType::Q4K)
         };
         let mats = [
-            ("ffn_gate_exps", [EXPERTS, EXPERT_FFN, EMBD], gate_t),
-            ("ffn_up_exps", [EXPERTS, EXPERT_FFN, EMBD], up_t),
-            ("ffn_down_exps", [EXPERTS, EMBD, EXPERT_FFN], GgmlDType::Q6K),
+            ("ffn_gate_exps", [EXPERTS, expert_ffn, EMBD], gate_t),
+            ("ffn_up_exps", [EXPERTS, expert_ffn, EMBD], up_t),
+            ("ffn_down_exps", [EXPERTS, EMBD, expert_ffn], GgmlDType::Q6K),
         ];
         for (j, (name, shape, dtype)) in mats.into_iter().enumerate() {
             let t = init_tensor(&shape, seed + 1 + j as u64, MATRIX);
@@ -410,7 +418,7 @@ pub fn write_tiny_qwen3_moe(path: &Path) {
         ("qwen3moe.rope.freq_base", Value::F32(1_000_000.0)),
         (
             "qwen3moe.expert_feed_forward_length",
-            Value::U32(EXPERT_FFN as u32),
+            Value::U32(expert_ffn as u32),
         ),
         ("qwen3moe.expert_count", Value::U32(EXPERTS as u32)),
         (
