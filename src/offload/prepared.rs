@@ -172,16 +172,16 @@ impl PreparedCopies {
     ) -> bool {
         let counted = prepared_bytes(bytes).bytes();
         let mut booking = self.budget.book(counted);
-        let mut stale = Vec::new();
         if booking.is_none() {
             let held: Vec<usize> = self.entries.lock().keys().copied().collect();
             let gone: Vec<usize> = held.into_iter().filter(|&i| resident(i)).collect();
             if !gone.is_empty() {
-                let mut entries = self.entries.lock();
-                stale.extend(gone.iter().filter_map(|i| entries.remove(i)));
-                drop(entries);
-                // Their bytes go back before the retry; their tensors after every lock.
-                let tensors: Vec<Arc<QTensor>> = stale.drain(..).map(|p| p.q).collect();
+                let removed: Vec<Prepared> = {
+                    let mut entries = self.entries.lock();
+                    gone.iter().filter_map(|i| entries.remove(i)).collect()
+                };
+                // Their bytes go back (the bookings drop here) before the retry.
+                let tensors: Vec<Arc<QTensor>> = removed.into_iter().map(|p| p.q).collect();
                 booking = self.budget.book(counted);
                 drop(tensors);
             }
