@@ -569,6 +569,11 @@ mod cuda {
         );
         let misses = mm.miss_report().expect("a miss report");
         assert!(misses.on_host > 0 && misses.on_device > 0, "{misses}");
+        // Every host run was served a prepared copy or built one (kept: the default room is a
+        // quarter of the host's RAM).
+        let p = misses.prepared;
+        assert!(p.kept > 0 && p.refused == 0, "{misses}");
+        assert_eq!(misses.on_host, p.hits + p.kept, "{misses}");
         eprintln!("{misses}");
         for (step, (a, b)) in costed.iter().zip(&resident).enumerate() {
             let dot: f64 = a
