@@ -548,6 +548,50 @@ fn stacked_experts_are_one_weight_each_and_quantized_qwen3_moe_computes_the_refe
     assert!(copied < expert_bytes, "experts were copied: {t:?}");
 }
 
+#[test]
+fn the_optimum_is_given_the_room_a_load_left_resident_though_no_fault_in_counted_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-qwen3moe.gguf");
+    common::gguf::write_tiny_qwen3_moe(&path);
+    let (want, tokens) = qwen3_reference(&path);
+    let size = Model::from_gguf("size", &path)
+        .unwrap()
+        .model_size()
+        .bytes();
+    // By use on a simulated GPU that holds the whole model: the first decode faults every
+    // weight in, so after it every use hits and nothing faults in.
+    let mm = common::manager_with(&[
+        "--reserve-vram",
+        "0",
+        "--sim-gpu",
+        &format!("{}@25GB/s", size * 4),
+        "--enable-dynamic-vram",
+    ]);
+    let device = mm.compute_device();
+    let model = mm.read_gguf("tiny-qwen3moe", &path).unwrap();
+    let p = ModelPatcher::new(Arc::new(model), device, DeviceId::Cpu);
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    let (got, _) = qwen3_managed(&p, &tokens);
+    assert_eq!(got, want);
+    mm.reset_dynamic_stats();
+    let resident = p.model().resident_bytes(device);
+    assert!(resident > residency::ByteSize::ZERO);
+    let (got, _) = qwen3_managed(&p, &tokens);
+    assert_eq!(got, want);
+    let r = &mm.dynamic_report()[0];
+    assert_eq!((r.misses, r.faults_in), (0, 0), "{r}");
+    assert!(r.hits > 0, "{r}");
+    // The optimum's room is what was resident at the first use since the reset, though no
+    // fault-in counted it (it was the fault-ins' peak only: 0 B here, Belady's 0 % beside 100 %
+    // hits).
+    assert!(
+        r.room >= resident,
+        "{r}: room below the {resident} resident"
+    );
+    assert!(r.optimum_hits.is_some_and(|o| o > 0), "{r}");
+}
+
 /// A static placement of a stacked-expert model (llama.cpp's `-ncmoe`), decoded under `flags`
 /// beside a quarter of the model on a simulated GPU with cost-aware misses, every expert mapped
 /// to the host: the logits, the manager, the patcher and the bytes the decode copied.

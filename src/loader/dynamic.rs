@@ -357,11 +357,23 @@ impl Dynamic {
         let pos = match all.iter().position(|s| s.device == Some(device)) {
             Some(p) => p,
             None => {
-                all.push(DeviceStats {
-                    device: Some(device),
-                    ..DeviceStats::default()
-                });
-                all.len() - 1
+                // A device's first use since the start or a reset: what is resident already (a
+                // load's copies) is room the optimum has too, though no fault-in counted it. The
+                // ledger is asked outside the statistics' lock (it ranks below).
+                drop(all);
+                let resident = self.ledger.resident(device);
+                all = self.stats.lock();
+                match all.iter().position(|s| s.device == Some(device)) {
+                    Some(p) => p,
+                    None => {
+                        all.push(DeviceStats {
+                            device: Some(device),
+                            peak_resident: resident,
+                            ..DeviceStats::default()
+                        });
+                        all.len() - 1
+                    }
+                }
             }
         };
         f(&mut all[pos])
