@@ -274,6 +274,11 @@ impl MissCosts {
         (host - device) * rows.max(1) as f64 * KEPT_USES >= link
     }
 
+    /// Whether format `ggml`'s host side has a figure.
+    pub fn host_measured(&self, ggml: GgmlDType) -> bool {
+        self.figures.lock().host.contains_key(&ggml)
+    }
+
     /// A miss ran on the host in `ns`; `None`: its time is not what the next run costs (a first
     /// run on a prepared copy just built, which candle re-packs), so only the run is counted.
     pub fn note_host(&self, ggml: GgmlDType, rows: usize, bytes: u64, ns: Option<u64>) {
@@ -385,6 +390,7 @@ mod tests {
         // A first run on a copy just kept (candle re-packed it inside the matmul): counted, but
         // not the host's figure, so the host runs again to be measured.
         c.note_host(q, 1, 1000, None);
+        assert!(!c.host_measured(q));
         let r = c.report();
         assert_eq!((r.on_host, r.bytes_not_copied), (1, 1000));
         assert!(r.per_format.is_empty(), "{r}");

@@ -739,9 +739,18 @@ impl QMatMul {
             }
             Fetched::Host(q, note) => {
                 let x = xs.to_device(&Device::Cpu)?;
+                let matmul = cq::QMatMul::from_arc(q)?;
                 let t0 = std::time::Instant::now();
-                let y = cq::QMatMul::from_arc(q)?.forward(&x)?;
-                let ns = note.timed.then(|| t0.elapsed().as_nanos() as u64);
+                let mut y = matmul.forward(&x)?;
+                let mut ns = note.timed.then(|| t0.elapsed().as_nanos() as u64);
+                if ns.is_none() && !note.costs.host_measured(note.ggml) {
+                    // A copy just kept was re-packed inside that run: the format's first host
+                    // figure comes from a second run on it (the same product), so the rule
+                    // need not wait for a weight to run on the host twice.
+                    let t0 = std::time::Instant::now();
+                    y = matmul.forward(&x)?;
+                    ns = Some(t0.elapsed().as_nanos() as u64);
+                }
                 note.costs.note_host(note.ggml, note.rows, note.bytes, ns);
                 y.to_device(xs.device())
             }
