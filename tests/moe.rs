@@ -681,6 +681,20 @@ fn host_runs_keep_prepared_copies_within_their_bound_and_give_the_same_bits() {
         .sum();
     assert_eq!(after.bytes.bytes(), expected);
 
+    // One forward (the prompt: each routed expert runs once, on a copy just built and kept,
+    // which candle re-packs inside that run): every format's host side is measured already, by
+    // a second run on the kept copy.
+    let (_, mm, _, _) = statically_placed(&path, &[], &[]);
+    let r = mm.miss_report().unwrap();
+    assert_eq!(r.prepared.hits, 0, "{r}");
+    assert!(!r.per_format.is_empty(), "{r}");
+    for (format, host, _) in &r.per_format {
+        assert!(
+            host.is_some(),
+            "{format}: host side unmeasured after a forward: {r}"
+        );
+    }
+
     // Room for three copies: never more held, the rest built at each run, the same bits.
     let largest = p
         .model()
