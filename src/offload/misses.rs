@@ -255,21 +255,18 @@ impl MissCosts {
     /// upload costs `b · link` once, and each later use on `rows` rows saves `rows · b · (host −
     /// device)` against running it on the host — worth it when `KEPT_USES` uses (8) save at
     /// least the upload. `false` where the host computes as fast as the device (a simulated GPU,
-    /// whose device work is the host's). While a side is unmeasured it follows
-    /// [`MissCosts::choose`]'s order: `true` until the link is measured (the copy is uploaded
-    /// anyway), then `false` until the format's host side is (the miss must reach the rule to run
-    /// on the host — a copy kept at every miss would never let it), then `true` until the
-    /// device's is.
+    /// whose device work is the host's). While a side is unmeasured: `true` until the link is
+    /// measured (that first miss is uploaded anyway), then `false` until the format's host and
+    /// device sides are both measured — a miss must reach the rule to run on the host, and an
+    /// upload that is kept is a resident weight whose matmuls are not timed, so a copy kept at
+    /// every miss would leave a side unmeasured for good and the rule never decide.
     pub fn worth_keeping(&self, ggml: GgmlDType, rows: usize) -> bool {
         let f = self.figures.lock();
         let Some(link) = f.link else {
             return true;
         };
-        let Some(&host) = f.host.get(&ggml) else {
+        let (Some(&host), Some(&device)) = (f.host.get(&ggml), f.device.get(&ggml)) else {
             return false;
-        };
-        let Some(&device) = f.device.get(&ggml) else {
-            return true;
         };
         (host - device) * rows.max(1) as f64 * KEPT_USES >= link
     }
@@ -369,7 +366,10 @@ mod tests {
             "the host side next, by a run on the host"
         );
         sim.note_host(q, 1, 1000, Some(500));
-        assert!(sim.worth_keeping(q, 1), "the device side unmeasured");
+        assert!(
+            !sim.worth_keeping(q, 1),
+            "the device side unmeasured: not yet"
+        );
         sim.note_device(q, 1, 1000, 450);
         assert!(!sim.worth_keeping(q, 1));
         assert!(sim.worth_keeping(q, 8));
