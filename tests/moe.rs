@@ -387,6 +387,19 @@ fn qwen3_reference(path: &std::path::Path) -> (Vec<Vec<u32>>, Vec<u32>) {
     greedy(|input, pos| model.forward(input, pos))
 }
 
+/// The tiny stacked-expert Qwen3-MoE written in `dir`: its path, the reference's logits and
+/// greedy tokens, and its bytes.
+fn qwen3_fixture(dir: &tempfile::TempDir) -> (std::path::PathBuf, Vec<Vec<u32>>, Vec<u32>, u64) {
+    let path = dir.path().join("tiny-qwen3moe.gguf");
+    common::gguf::write_tiny_qwen3_moe(&path);
+    let (want, tokens) = qwen3_reference(&path);
+    let size = Model::from_gguf("size", &path)
+        .unwrap()
+        .model_size()
+        .bytes();
+    (path, want, tokens, size)
+}
+
 /// The managed port's logits, and each call's routed experts per layer (the experts of
 /// `ffn_gate_exps` whose own weight was used during the call).
 fn qwen3_managed(patcher: &ModelPatcher, tokens: &[u32]) -> (Vec<Vec<u32>>, Vec<Vec<Vec<usize>>>) {
@@ -551,13 +564,7 @@ fn stacked_experts_are_one_weight_each_and_quantized_qwen3_moe_computes_the_refe
 #[test]
 fn the_optimum_is_given_the_room_a_load_left_resident_though_no_fault_in_counted_it() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny-qwen3moe.gguf");
-    common::gguf::write_tiny_qwen3_moe(&path);
-    let (want, tokens) = qwen3_reference(&path);
-    let size = Model::from_gguf("size", &path)
-        .unwrap()
-        .model_size()
-        .bytes();
+    let (path, want, tokens, size) = qwen3_fixture(&dir);
     // By use on a simulated GPU that holds the whole model: the first decode faults every
     // weight in, so after it every use hits and nothing faults in.
     let mm = common::manager_with(&[
@@ -766,13 +773,7 @@ fn check_misses(what: &str, mm: &residency::loader::MemoryManager, p: &ModelPatc
 fn a_growing_kv_cache_takes_room_from_the_coldest_experts_first_and_never_fails_while_experts_hold_room(
 ) {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny-qwen3moe.gguf");
-    common::gguf::write_tiny_qwen3_moe(&path);
-    let (want, tokens) = qwen3_reference(&path);
-    let size = Model::from_gguf("size", &path)
-        .unwrap()
-        .model_size()
-        .bytes();
+    let (path, want, tokens, size) = qwen3_fixture(&dir);
     // Room for most of the model: after a decode most experts are kept.
     let mm = common::manager_with(&[
         "--reserve-vram",
