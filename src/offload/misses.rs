@@ -114,6 +114,20 @@ struct Figures {
     bytes_not_copied: u64,
 }
 
+impl Figures {
+    /// The rule on the figures so far: whether the host wins a miss of `bytes` of `ggml` on
+    /// `rows` rows, or — while a side it needs is unmeasured — the side to run to measure it:
+    /// the link first (an upload; its figure is shared by every format), then the format's host.
+    /// An unmeasured device matmul counts as free.
+    fn rule(&self, ggml: GgmlDType, rows: usize, bytes: u64) -> std::result::Result<bool, MissRun> {
+        let link = self.link.ok_or(MissRun::Device)?;
+        let host = *self.host.get(&ggml).ok_or(MissRun::Host)?;
+        let device = self.device.get(&ggml).copied().unwrap_or(0.0);
+        let (r, b) = (rows.max(1) as f64, bytes as f64);
+        Ok(r * b * host < b * link + r * b * device)
+    }
+}
+
 /// The measured costs of one manager's misses, and the rule on them (module docs).
 #[derive(Debug)]
 pub struct MissCosts {
@@ -209,18 +223,10 @@ impl MissCosts {
     /// Where a miss of `bytes` of format `ggml` on `rows` input rows runs.
     pub fn choose(&self, ggml: GgmlDType, rows: usize, bytes: u64) -> MissRun {
         let mut f = self.figures.lock();
-        let (Some(link), Some(&host)) = (f.link, f.host.get(&ggml)) else {
-            // Measure each side once: the device first (its figure is the link's, shared by
-            // every format), then the host.
-            return if f.link.is_none() {
-                MissRun::Device
-            } else {
-                MissRun::Host
-            };
+        let host_wins = match f.rule(ggml, rows, bytes) {
+            Ok(host_wins) => host_wins,
+            Err(measure) => return measure,
         };
-        let device = f.device.get(&ggml).copied().unwrap_or(0.0);
-        let (r, b) = (rows.max(1) as f64, bytes as f64);
-        let host_wins = r * b * host < b * link + r * b * device;
         let explore = f
             .explore
             .entry(ggml)
@@ -235,20 +241,13 @@ impl MissCosts {
 
     /// Whether the rule, on the figures so far, runs such a miss on the host (no exploration,
     /// nothing counted): a prefetch of a weight that would run on the host is not worth its copy.
-    /// As in [`MissCosts::choose`], the link is measured first (`false` until then) and then the
-    /// host (`true` while the format's host side is unmeasured): a weight that is always
-    /// prefetched never misses, and its format's host side would never be measured otherwise.
+    /// While the format's host side is the one to measure this is `true`: a weight that is
+    /// always prefetched never misses, and that side would never be measured otherwise.
     pub fn prefers_host(&self, ggml: GgmlDType, rows: usize, bytes: u64) -> bool {
-        let f = self.figures.lock();
-        let Some(link) = f.link else {
-            return false;
-        };
-        let Some(&host) = f.host.get(&ggml) else {
-            return true;
-        };
-        let device = f.device.get(&ggml).copied().unwrap_or(0.0);
-        let (r, b) = (rows.max(1) as f64, bytes as f64);
-        r * b * host < b * link + r * b * device
+        matches!(
+            self.figures.lock().rule(ggml, rows, bytes),
+            Ok(true) | Err(MissRun::Host)
+        )
     }
 
     /// Whether keeping a missed copy resident (residency by use's fault-in) pays back: its
