@@ -139,6 +139,9 @@ pub(crate) struct Ledger {
     /// Signalled when in-flight bytes are returned (a cancelled prefetch's booking comes back
     /// once its buffer's free executed).
     returned: Condvar,
+    /// How many times `returned` was signalled, counted under `books` (so a waiter that read
+    /// it there misses no signal).
+    returns: std::sync::atomic::AtomicU64,
     /// Devices whose bookings must also fit what the driver says is free (a leaf lock, never
     /// held while a probe runs or with `books`).
     probes: Mutex<Vec<(DeviceId, FreeProbe)>>,
@@ -156,6 +159,7 @@ impl Default for Ledger {
         Ledger {
             books: Mutex::new(Rank::LedgerBooks, Vec::new()),
             returned: Condvar::new(),
+            returns: std::sync::atomic::AtomicU64::new(0),
             probes: Mutex::new(Rank::LedgerProbes, Vec::new()),
             named: Mutex::new(Rank::LedgerNamed, Vec::new()),
             id: NEXT_LEDGER.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -331,7 +335,7 @@ impl Ledger {
             }
             b.note_peak();
         });
-        self.returned.notify_all();
+        self.signal_returned();
     }
 
     /// A prefetched weight (booked in flight) becomes resident when it can be kept with `room`
@@ -359,7 +363,7 @@ impl Ledger {
     /// `bytes` of resident copies left `device` (evicted by a fault-in, outside a load).
     pub(crate) fn evicted(&self, device: DeviceId, bytes: ByteSize) {
         self.with(device, |b| b.resident = b.resident.saturating_sub(bytes));
-        self.returned.notify_all();
+        self.signal_returned();
     }
 
     /// Every device the ledger has a book for.
@@ -477,7 +481,7 @@ impl Ledger {
             let c = b.column(column);
             *c = c.saturating_sub(bytes);
         });
-        self.returned.notify_all();
+        self.signal_returned();
     }
 
     /// Waits, at most `timeout`, until `device`'s in-flight bytes are at most `target`; whether
@@ -506,6 +510,16 @@ impl Ledger {
         }
     }
 
+    /// Wakes the waiters for room: a booking came back, a kept copy left, or a load let
+    /// bookings in again.
+    fn signal_returned(&self) {
+        let books = self.books.lock();
+        self.returns
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        drop(books);
+        self.returned.notify_all();
+    }
+
     /// The gate cached manual casts book on (`ops::CastCache`).
     pub(crate) fn cast_column(self: &Arc<Self>) -> CastColumn {
         CastColumn(Arc::clone(self))
@@ -523,6 +537,17 @@ impl PrefetchGate for Ledger {
 
     fn is_closed(&self, device: DeviceId) -> bool {
         self.with(device, |b| b.loading > 0)
+    }
+
+    fn returns(&self) -> u64 {
+        self.returns.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn wait_returned(&self, seen: u64, timeout: std::time::Duration) {
+        let mut books = self.books.lock();
+        if self.returns() == seen {
+            self.returned.wait_for(&mut books, timeout);
+        }
     }
 
     fn booked_in_flight(&self, device: DeviceId) -> ByteSize {
@@ -579,7 +604,7 @@ impl Drop for LoadingGuard {
             self.ledger
                 .with(d, |b| b.loading = b.loading.saturating_sub(1));
         }
-        self.ledger.returned.notify_all();
+        self.ledger.signal_returned();
     }
 }
 
@@ -603,6 +628,45 @@ mod tests {
         assert_eq!(l.peak(D), ByteSize(100));
         l.release(D, ByteSize(30));
         assert_eq!(l.in_flight(D), ByteSize(10));
+    }
+
+    #[test]
+    fn a_waiter_for_room_wakes_at_the_first_return_and_misses_none_before_it_waited() {
+        // A fetch out of device memory waits for room to come back: it must wake at the first
+        // booking returned, not at its timeout (it once asked for `ByteSize::MAX` and so slept
+        // the whole 5 ms at every retry), and a return between its failed allocation and its
+        // wait must not be missed.
+        let l = Arc::new(Ledger::default());
+        l.note(D, ByteSize::ZERO, Some(ByteSize(100)));
+        assert!(l.try_reserve(D, ByteSize(40), ByteSize::ZERO));
+        let seen = l.returns();
+        l.release(D, ByteSize(10));
+        let t0 = std::time::Instant::now();
+        l.wait_returned(seen, std::time::Duration::from_secs(60));
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(30),
+            "a return before the wait is seen"
+        );
+        let seen = l.returns();
+        let waiter = {
+            let l = Arc::clone(&l);
+            std::thread::spawn(move || {
+                let t0 = std::time::Instant::now();
+                l.wait_returned(seen, std::time::Duration::from_secs(60));
+                t0.elapsed()
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        l.release(D, ByteSize(10));
+        let waited = waiter.join().expect("the waiter");
+        assert!(
+            waited < std::time::Duration::from_secs(30),
+            "woken by the return, not the timeout: {waited:?}"
+        );
+        // Evicting a kept copy makes room too.
+        let seen = l.returns();
+        l.evicted(D, ByteSize::ZERO);
+        assert_ne!(l.returns(), seen);
     }
 
     #[test]

@@ -79,6 +79,17 @@ pub trait PrefetchGate: Send + Sync {
         let _ = timeout;
         self.try_reserve(device, bytes, keep_free)
     }
+    /// Waits until a booking comes back or a kept copy leaves a device, at most `timeout`;
+    /// returns at once when one did since [`PrefetchGate::returns`] gave `seen`. The default
+    /// does not wait.
+    fn wait_returned(&self, seen: u64, timeout: std::time::Duration) {
+        let _ = (seen, timeout);
+    }
+    /// How many times a booking came back or a kept copy left a device so far (for
+    /// [`PrefetchGate::wait_returned`]).
+    fn returns(&self) -> u64 {
+        0
+    }
 }
 
 /// Bytes booked on a gate, returned when dropped.
@@ -459,6 +470,7 @@ impl Streamer {
         let deadline = std::time::Instant::now() + std::time::Duration::from_millis(200);
         let mut tries = 0;
         loop {
+            let seen = self.gate.lock().as_ref().map_or(0, |g| g.gate.returns());
             match self.engine.fetch_now_held(patcher, index) {
                 Err(e) if e.is_retryable() && std::time::Instant::now() < deadline => {
                     let gate = self.gate.lock().as_ref().map(|g| Arc::clone(&g.gate));
@@ -475,12 +487,7 @@ impl Streamer {
                     match gate {
                         // Woken when a booking comes back (or after a few milliseconds).
                         Some(g) => {
-                            g.reserve_waiting(
-                                device,
-                                ByteSize::MAX,
-                                ByteSize::ZERO,
-                                std::time::Duration::from_millis(5),
-                            );
+                            g.wait_returned(seen, std::time::Duration::from_millis(5));
                         }
                         None => std::thread::sleep(std::time::Duration::from_millis(1)),
                     }
