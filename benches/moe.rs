@@ -24,7 +24,8 @@
 //! is printed, with hit rates beside Belady's optimum for the same uses and room, bytes copied
 //! per token, where misses ran and the copy time router prefetch hid.
 //!
-//! `cargo bench --bench moe`. `MOE_EXPERT_FFN=4096` makes every expert matrix 16 times larger
+//! `cargo bench --bench moe`. `MOE_FLAGS` adds ComfyUI memory flags to every configuration
+//! (`MOE_FLAGS=--disable-async-offload`: no lanes, so no prefetch). `MOE_EXPERT_FFN=4096` makes every expert matrix 16 times larger
 //! (1 Mi values, near a Qwen3-30B-A3B expert matrix's 1.5 Mi): there an expert's arithmetic,
 //! not the calls around it, is the cost — the setting that shows what a GPU's faster arithmetic
 //! buys over static placement. With `MOE_DEVICE=probe` the same five run on this machine's own
@@ -96,6 +97,9 @@ fn on_probed_device() -> bool {
 fn decode(setup: &Setup, path: &std::path::Path) -> Measured {
     let mut all = vec!["--reserve-vram".to_string(), "0".to_string()];
     all.extend(setup.flags.iter().cloned());
+    if let Ok(extra) = std::env::var("MOE_FLAGS") {
+        all.extend(extra.split_whitespace().map(str::to_string));
+    }
     let hardware = if on_probed_device() {
         Hardware::probe()
     } else {
