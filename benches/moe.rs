@@ -322,11 +322,12 @@ fn main() {
             ByteSize(m.copied.bytes() / TOKENS as u64).to_string(),
         );
         if let Some(d) = m.mm.dynamic_report().first() {
-            if let Some(o) = d.optimum_hit_rate() {
+            if let (Some(o), Some(f)) = (d.optimum_hit_rate(), d.fixed_hit_rate()) {
                 line += &format!(
-                    "  hits {:.1} % (Belady {:.1} %)",
+                    "  hits {:.1} % (Belady {:.1} %, best fixed set {:.1} %)",
                     100.0 * d.hit_rate(),
-                    100.0 * o
+                    100.0 * o,
+                    100.0 * f
                 );
             }
         }

@@ -353,22 +353,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             d.faults_in,
             d.evictions
         );
-        match d.optimum_hits {
-            Some(o) => println!(
-                "; Belady's optimum for the same uses and room {:.1} %",
-                rate(o)
+        match (d.optimum_hits, d.fixed_hits) {
+            (Some(o), Some(f)) => println!(
+                "; for the same uses and room: Belady's optimum {:.1} %, the best fixed set in hindsight {:.1} %",
+                rate(o),
+                rate(f)
             ),
-            None => println!(),
+            _ => println!(),
         }
     }
     for l in mm.dynamic_layer_report() {
         println!(
-            "    {} {:<12} {:>5} uses  {:>5.1} % hits  Belady {:>5.1} %",
+            "    {} {:<12} {:>5} uses  {:>5.1} % hits  Belady {:>5.1} %  best fixed set {:>5.1} %",
             l.model,
             l.layer,
             l.uses,
             100.0 * l.hit_rate(),
-            100.0 * l.optimum_hit_rate()
+            100.0 * l.optimum_hit_rate(),
+            100.0 * l.fixed_hit_rate()
         );
     }
     for b in 0..gguf::BLOCKS {

@@ -522,13 +522,23 @@ fn stacked_experts_are_one_weight_each_and_quantized_qwen3_moe_computes_the_refe
                 Some(layers.iter().map(|l| l.optimum_hits).sum::<u64>()),
                 whole.optimum_hits
             );
+            assert_eq!(
+                Some(layers.iter().map(|l| l.fixed_hits).sum::<u64>()),
+                whole.fixed_hits
+            );
+            // Routed experts with a stable skew: the best fixed set keeps hits, and the online
+            // order is measured against it.
+            assert!(whole.fixed_hits.is_some_and(|f| f > 0), "{whole}");
             for b in 0..BLOCKS {
                 let l = layers
                     .iter()
                     .find(|l| l.layer == format!("blk.{b}"))
                     .unwrap_or_else(|| panic!("no blk.{b} in {layers:?}"));
                 assert_eq!(l.model, "tiny-qwen3moe");
-                assert!(l.hits <= l.uses && l.optimum_hits <= l.uses, "{l}");
+                assert!(
+                    l.hits <= l.uses && l.optimum_hits <= l.uses && l.fixed_hits <= l.uses,
+                    "{l}"
+                );
             }
         }
         for sim in mm.transfer_engine().devices().sims() {

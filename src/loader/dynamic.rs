@@ -185,6 +185,15 @@ pub struct DynamicDeviceReport {
     /// [`crate::loader::MemoryManager::dynamic_report`] (O(uses log uses)); `None` in the
     /// cheap [`crate::loader::MemoryReport`].
     pub optimum_hits: Option<u64>,
+    /// Hits of the best fixed set in hindsight for the same uses and room: the weights with the
+    /// most repeat uses per byte that fit, each kept from its first use (greedy; exact for
+    /// equal sizes). On uses drawn independently from a stable popularity (routing with a fixed
+    /// skew) a fixed set is what an online order can hope for; Belady's optimum also sees
+    /// which draw comes next (and, with unequal sizes, is itself a heuristic: the fixed set
+    /// can score more). Both count uses, not bytes: they favour small weights, where the bytes
+    /// an online order saves favour the most used (its count-first key). Computed with
+    /// `optimum_hits`.
+    pub fixed_hits: Option<u64>,
 }
 
 impl DynamicDeviceReport {
@@ -199,12 +208,12 @@ impl DynamicDeviceReport {
 
     /// The optimum's hits over the uses it saw, when computed.
     pub fn optimum_hit_rate(&self) -> Option<f64> {
-        let hits = self.optimum_hits?;
-        Some(if self.uses == 0 {
-            0.0
-        } else {
-            hits as f64 / self.uses as f64
-        })
+        Some(ratio(self.optimum_hits?, self.uses))
+    }
+
+    /// The best fixed set's hits over the same uses, when computed.
+    pub fn fixed_hit_rate(&self) -> Option<f64> {
+        Some(ratio(self.fixed_hits?, self.uses))
     }
 }
 
@@ -228,6 +237,9 @@ impl std::fmt::Display for DynamicDeviceReport {
                 "; Belady's optimum {:.1} % in the same room",
                 100.0 * rate
             )?;
+            if let Some(fixed) = self.fixed_hit_rate() {
+                write!(f, ", the best fixed set {:.1} %", 100.0 * fixed)?;
+            }
             if self.truncated {
                 write!(f, " (its first {} uses)", self.uses)?;
             }
@@ -256,6 +268,9 @@ pub struct DynamicLayerReport {
     pub hits: u64,
     /// Of them, hits of Belady's optimum for the device's uses and room.
     pub optimum_hits: u64,
+    /// Of them, hits of the best fixed set in hindsight for the device's uses and room
+    /// ([`DynamicDeviceReport::fixed_hits`]).
+    pub fixed_hits: u64,
 }
 
 impl DynamicLayerReport {
@@ -266,6 +281,10 @@ impl DynamicLayerReport {
     /// The optimum's hits over uses.
     pub fn optimum_hit_rate(&self) -> f64 {
         ratio(self.optimum_hits, self.uses)
+    }
+    /// The best fixed set's hits over uses.
+    pub fn fixed_hit_rate(&self) -> f64 {
+        ratio(self.fixed_hits, self.uses)
     }
 }
 
@@ -281,13 +300,14 @@ impl std::fmt::Display for DynamicLayerReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} {} {}: {} uses, {:.1} % hits, Belady's optimum {:.1} %",
+            "{} {} {}: {} uses, {:.1} % hits, Belady's optimum {:.1} %, the best fixed set {:.1} %",
             self.device,
             self.model,
             self.layer,
             self.uses,
             100.0 * self.hit_rate(),
-            100.0 * self.optimum_hit_rate()
+            100.0 * self.optimum_hit_rate(),
+            100.0 * self.fixed_hit_rate()
         )
     }
 }
@@ -473,6 +493,7 @@ impl Dynamic {
                 uses: s.trace.len() as u64,
                 truncated: s.truncated,
                 optimum_hits: None,
+                fixed_hits: None,
             });
             if optimum {
                 traces.push(s.trace.clone());
@@ -482,6 +503,8 @@ impl Dynamic {
         // The optimum is computed outside the lock (it is O(uses log uses)).
         for (r, trace) in reports.iter_mut().zip(&traces) {
             r.optimum_hits = Some(belady_hits(trace, r.room.bytes()));
+            let fixed = best_fixed(trace, r.room.bytes());
+            r.fixed_hits = Some(fixed.iter().filter(|&&h| h).count() as u64);
         }
         reports
     }
@@ -510,6 +533,7 @@ impl Dynamic {
         let mut out = Vec::new();
         for (device, trace, hits, room) in traces {
             let optimum = belady(&trace, room);
+            let fixed = best_fixed(&trace, room);
             let mut rows: Vec<DynamicLayerReport> = Vec::new();
             let mut index: std::collections::HashMap<(String, String), usize> =
                 std::collections::HashMap::new();
@@ -528,6 +552,7 @@ impl Dynamic {
                         uses: 0,
                         hits: 0,
                         optimum_hits: 0,
+                        fixed_hits: 0,
                     });
                     rows.len() - 1
                 });
@@ -535,6 +560,7 @@ impl Dynamic {
                 r.uses += 1;
                 r.hits += u64::from(hits[i]);
                 r.optimum_hits += u64::from(optimum[i]);
+                r.fixed_hits += u64::from(fixed[i]);
             }
             out.extend(rows);
         }
@@ -779,6 +805,43 @@ pub(crate) fn belady_hits(trace: &[(u64, u32, u64)], capacity: u64) -> u64 {
     belady(trace, capacity).iter().filter(|&&h| h).count() as u64
 }
 
+/// The best fixed set in hindsight for `trace` in `capacity` bytes, as each use's hit: the
+/// weights with the most repeat uses per byte, taken greedily while they fit (exact for equal
+/// sizes), each kept from its first use (a miss) to the end.
+pub(crate) fn best_fixed(trace: &[(u64, u32, u64)], capacity: u64) -> Vec<bool> {
+    use std::collections::{HashMap, HashSet};
+    let mut uses: HashMap<(u64, u32), (u64, u64)> = HashMap::new();
+    for &(m, w, bytes) in trace {
+        let e = uses.entry((m, w)).or_insert((0, bytes));
+        e.0 += 1;
+    }
+    let mut by_worth: Vec<((u64, u32), u64, u64)> = uses
+        .into_iter()
+        .map(|(k, (n, bytes))| (k, n - 1, bytes.max(1)))
+        .filter(|&(_, repeats, _)| repeats > 0)
+        .collect();
+    // Repeats per byte, most first (compared as products: no rounding), then the weight's id
+    // so the choice does not depend on the map's order.
+    by_worth.sort_by(|a, b| {
+        (u128::from(b.1) * u128::from(a.2))
+            .cmp(&(u128::from(a.1) * u128::from(b.2)))
+            .then(a.0.cmp(&b.0))
+    });
+    let mut free = capacity;
+    let mut kept = HashSet::new();
+    for (k, _, bytes) in by_worth {
+        if bytes <= free {
+            free -= bytes;
+            kept.insert(k);
+        }
+    }
+    let mut seen = HashSet::new();
+    trace
+        .iter()
+        .map(|&(m, w, _)| kept.contains(&(m, w)) && !seen.insert((m, w)))
+        .collect()
+}
+
 /// [`belady_hits`]'s decision for each use: whether the optimum served it from a kept copy.
 pub(crate) fn belady(trace: &[(u64, u32, u64)], capacity: u64) -> Vec<bool> {
     use std::collections::{BTreeSet, HashMap};
@@ -851,6 +914,75 @@ mod tests {
         assert_eq!(belady_hits(&t, 30), 27);
         // No room: nothing.
         assert_eq!(belady_hits(&t, 5), 0);
+    }
+
+    #[test]
+    fn the_best_fixed_set_keeps_the_most_repeats_per_byte_from_their_first_use() {
+        let hits =
+            |t: &[(u64, u32, u64)], room| best_fixed(t, room).iter().filter(|&&h| h).count() as u64;
+        // a a a b b c, equal sizes: room for one keeps a (2 repeats), for two a and b.
+        let t = [
+            (1, 0, 10),
+            (1, 1, 10),
+            (1, 0, 10),
+            (1, 2, 10),
+            (1, 1, 10),
+            (1, 0, 10),
+        ];
+        assert_eq!(best_fixed(&t, 10), [false, false, true, false, false, true]);
+        assert_eq!(hits(&t, 20), 3);
+        assert_eq!(hits(&t, 5), 0, "nothing fits");
+        // Weights of another model are other weights.
+        let two = [(1, 0, 10), (2, 0, 10), (1, 0, 10), (2, 0, 10), (2, 0, 10)];
+        assert_eq!(best_fixed(&two, 10), [false, false, false, true, true]);
+        // Sizes: a large weight repeated twice is worth less per byte than two small ones
+        // repeated once each; what is left is filled by the next that fits.
+        let sized = [
+            (1, 0, 20),
+            (1, 1, 5),
+            (1, 2, 5),
+            (1, 3, 10),
+            (1, 0, 20),
+            (1, 0, 20),
+            (1, 1, 5),
+            (1, 2, 5),
+            (1, 3, 10),
+        ];
+        assert_eq!(
+            hits(&sized, 20),
+            3,
+            "1, 2 and 3 (10 bytes, 1 repeat) fit: 3 hits"
+        );
+        assert_eq!(hits(&sized, 40), 5, "everything");
+    }
+
+    #[test]
+    fn no_fixed_set_beats_belady_on_equal_sizes() {
+        // Seeded skewed draws of 16 equal weights, 4 per step, in rooms of 1 to 16.
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for room in 1..=16u64 {
+            let t: Vec<(u64, u32, u64)> = (0..400)
+                .map(|_| {
+                    // Roughly Zipf: the smaller of two draws, squared in skew.
+                    let a = next() % 16;
+                    let b = next() % 16;
+                    (1, a.min(b) as u32, 8)
+                })
+                .collect();
+            let fixed = best_fixed(&t, room * 8).iter().filter(|&&h| h).count() as u64;
+            let optimum = belady_hits(&t, room * 8);
+            assert!(
+                fixed <= optimum,
+                "room {room}: fixed {fixed} > Belady {optimum}"
+            );
+            assert!(fixed > 0, "room {room}");
+        }
     }
 
     #[test]
