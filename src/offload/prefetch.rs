@@ -712,14 +712,25 @@ impl Streamer {
             if self.host_preferred(patcher, w, rows) {
                 continue;
             }
+            // Already in flight (predicted from use, or named by this layer's routing at an
+            // earlier matrix): not requested again, nor counted as a request.
+            let key = Streamer::key(patcher, w);
+            if q.iter().any(|f| f.key == key) {
+                continue;
+            }
             if !self.submit(&mut q, patcher, w, &mut in_use, cap, true) {
                 break;
             }
             stats.routed_request();
         }
-        // Routed prefetches are used within the layer; older unused ones go first.
+        // Routed prefetches are used within the layer; older unused ones go first, never one
+        // this call names (in flight already, about to be used).
+        let named = |f: &InFlight| weights.iter().any(|&(w, _)| w == f.key.index);
         while q.len() > weights.len().max(2 * self.depth() + 2) {
-            q.pop_front();
+            match q.iter().position(|f| !named(f)) {
+                Some(p) => drop(q.remove(p)),
+                None => break,
+            }
         }
     }
 }
