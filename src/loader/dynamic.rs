@@ -503,8 +503,7 @@ impl Dynamic {
         // The optimum is computed outside the lock (it is O(uses log uses)).
         for (r, trace) in reports.iter_mut().zip(&traces) {
             r.optimum_hits = Some(belady_hits(trace, r.room.bytes()));
-            let fixed = best_fixed(trace, r.room.bytes());
-            r.fixed_hits = Some(fixed.iter().filter(|&&h| h).count() as u64);
+            r.fixed_hits = Some(hits_in(&best_fixed(trace, r.room.bytes())));
         }
         reports
     }
@@ -802,7 +801,12 @@ impl Keeper for Dynamic {
 /// only copies used later than it (a copy used sooner is worth more than the newcomer; exact
 /// for equal sizes, the standard rule with sizes).
 pub(crate) fn belady_hits(trace: &[(u64, u32, u64)], capacity: u64) -> u64 {
-    belady(trace, capacity).iter().filter(|&&h| h).count() as u64
+    hits_in(&belady(trace, capacity))
+}
+
+/// How many uses were hits, of per-use decisions ([`belady`], [`best_fixed`]).
+fn hits_in(decisions: &[bool]) -> u64 {
+    decisions.iter().filter(|&&h| h).count() as u64
 }
 
 /// The best fixed set in hindsight for `trace` in `capacity` bytes, as each use's hit: the
@@ -918,8 +922,7 @@ mod tests {
 
     #[test]
     fn the_best_fixed_set_keeps_the_most_repeats_per_byte_from_their_first_use() {
-        let hits =
-            |t: &[(u64, u32, u64)], room| best_fixed(t, room).iter().filter(|&&h| h).count() as u64;
+        let hits = |t: &[(u64, u32, u64)], room| hits_in(&best_fixed(t, room));
         // a a a b b c, equal sizes: room for one keeps a (2 repeats), for two a and b.
         let t = [
             (1, 0, 10),
@@ -975,7 +978,7 @@ mod tests {
                     (1, a.min(b) as u32, 8)
                 })
                 .collect();
-            let fixed = best_fixed(&t, room * 8).iter().filter(|&&h| h).count() as u64;
+            let fixed = hits_in(&best_fixed(&t, room * 8));
             let optimum = belady_hits(&t, room * 8);
             assert!(
                 fixed <= optimum,

@@ -50,6 +50,17 @@ struct InFlight {
     routed: bool,
 }
 
+/// What [`Streamer::submit`] did with a weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Submitted {
+    /// Its copy was queued.
+    Queued,
+    /// Nothing to do: in flight already, or it runs on the host.
+    Skipped,
+    /// No room (the cap or the gate): the caller stops.
+    Refused,
+}
+
 /// Where prefetched bytes are booked: the memory manager's ledger implements it.
 pub trait PrefetchGate: Send + Sync {
     /// Books `bytes` in flight on `device` when its ledger plus `bytes` plus `keep_free` stays
@@ -469,11 +480,12 @@ impl Streamer {
     ) -> Result<(Tensor, crate::device::DeviceHold)> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_millis(200);
         let mut tries = 0;
+        let gate = self.gate.lock().as_ref().map(|g| Arc::clone(&g.gate));
         loop {
-            let seen = self.gate.lock().as_ref().map_or(0, |g| g.gate.returns());
+            // Read before the attempt: a return between its failure and the wait is not missed.
+            let seen = gate.as_ref().map_or(0, |g| g.returns());
             match self.engine.fetch_now_held(patcher, index) {
                 Err(e) if e.is_retryable() && std::time::Instant::now() < deadline => {
-                    let gate = self.gate.lock().as_ref().map(|g| Arc::clone(&g.gate));
                     let device = patcher.weight_device(index);
                     tries += 1;
                     // Once for frees queued on streams (they run at once), more only while
@@ -484,7 +496,7 @@ impl Streamer {
                     if tries > 1 && waiting_on == ByteSize::ZERO {
                         return Err(e);
                     }
-                    match gate {
+                    match &gate {
                         // Woken when a booking comes back (or after a few milliseconds).
                         Some(g) => {
                             g.wait_returned(seen, std::time::Duration::from_millis(5));
@@ -608,7 +620,7 @@ impl Streamer {
                 continue;
             }
             requested += 1;
-            if !self.submit(&mut q, patcher, next, &mut in_use, cap, false) {
+            if self.submit(&mut q, patcher, next, &mut in_use, cap, false) == Submitted::Refused {
                 break;
             }
         }
@@ -623,8 +635,8 @@ impl Streamer {
         }
     }
 
-    /// Submits a prefetch of weight `next` (unless one is in flight): `false` when it cannot be
-    /// booked or would pass the cap, and the caller stops.
+    /// Submits a prefetch of weight `next`, unless one is in flight or it runs on the host;
+    /// refused when it cannot be booked or would pass the cap (the caller stops).
     fn submit(
         &self,
         q: &mut VecDeque<InFlight>,
@@ -633,7 +645,7 @@ impl Streamer {
         in_use: &mut ByteSize,
         cap: ByteSize,
         routed: bool,
-    ) -> bool {
+    ) -> Submitted {
         let key = Streamer::key(patcher, next);
         let rows = if routed {
             None
@@ -644,7 +656,7 @@ impl Streamer {
             || self.runs_on_host(patcher, next)
             || rows.is_some_and(|r| self.host_preferred(patcher, next, r))
         {
-            return true;
+            return Submitted::Skipped;
         }
         let bytes = patcher.resident_size(next);
         if !key.device.is_cpu() {
@@ -652,7 +664,7 @@ impl Streamer {
         }
         let in_flight: ByteSize = q.iter().map(|f| f.pending.bytes()).sum();
         if in_flight.saturating_add(bytes) > cap {
-            return false;
+            return Submitted::Refused;
         }
         let reservation = match &*self.gate.lock() {
             Some(g) => match Reservation::take(
@@ -662,7 +674,7 @@ impl Streamer {
                 g.keep_free.saturating_add(*in_use),
             ) {
                 Some(r) => Some(r),
-                None => return false,
+                None => return Submitted::Refused,
             },
             None => None,
         };
@@ -672,7 +684,7 @@ impl Streamer {
             pending,
             routed,
         });
-        true
+        Submitted::Queued
     }
 
     /// Whether cost-aware misses would run quantized weight `index` on the host for a matmul on
@@ -712,16 +724,13 @@ impl Streamer {
             if self.host_preferred(patcher, w, rows) {
                 continue;
             }
-            // Already in flight (predicted from use, or named by this layer's routing at an
-            // earlier matrix): not requested again, nor counted as a request.
-            let key = Streamer::key(patcher, w);
-            if q.iter().any(|f| f.key == key) {
-                continue;
+            // One already in flight (predicted from use, or named by this layer's routing at an
+            // earlier matrix) is skipped: not requested again, nor counted as a request.
+            match self.submit(&mut q, patcher, w, &mut in_use, cap, true) {
+                Submitted::Queued => stats.routed_request(),
+                Submitted::Skipped => {}
+                Submitted::Refused => break,
             }
-            if !self.submit(&mut q, patcher, w, &mut in_use, cap, true) {
-                break;
-            }
-            stats.routed_request();
         }
         // Routed prefetches are used within the layer; older unused ones go first, never one
         // this call names (in flight already, about to be used).
