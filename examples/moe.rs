@@ -18,13 +18,21 @@
 //! room, device-wide and layer by layer, and how the routing spread over the experts.
 //!
 //! `cargo run --release --example moe -- --tokens 64 --budget-percent 30 [--layout stacked]`;
-//! any further flags are
-//! ComfyUI's memory flags (`--async-offload 0`, ...), given to every manager.
+//! `--vram-budget SIZE` gives the room in bytes instead (every run's but the resident one's); any
+//! further flags are ComfyUI's memory flags (`--async-offload 0`, ...), given to every manager.
 //!
 //! `--probe` runs the same on this machine's own device instead of the simulated GPU
-//! (`Hardware::probe`: a CUDA GPU when built with `--features cuda`, else the CPU), the budget
-//! given as `--vram-budget`. On a GPU the host and the device round differently, so the
+//! (`Hardware::probe`: a CUDA GPU when built with `--features cuda`, else the CPU), within the
+//! same budget. On a GPU the host and the device round differently, so the
 //! cost-aware run (whose misses run on the host) is compared by its tokens, not its bits.
+//!
+//! `--model FILE.gguf` decodes your own MoE GGUF instead of the tiny one: a Qwen3-MoE-like
+//! architecture with stacked experts (`quantized_qwen3_moe`: Qwen3-30B-A3B, ...) or `llama` with
+//! one tensor per expert (`quantized_llama`: Mixtral as older llama.cpp conversions wrote it).
+//! The prompt is a few token ids (no tokenizer). `--save FILE.gguf` keeps the tiny model's file. `--runs by-use,cost-aware` picks which of
+//! `resident,classic,by-use,cost-aware` run (a model larger than your GPU cannot run resident):
+//! `cargo run --release --features cuda --example moe -- --model qwen3-30b-a3b-q4_k_m.gguf
+//! --probe --vram-budget 5GiB --runs by-use,cost-aware --tokens 32`.
 
 #[path = "../tests/common/gguf.rs"]
 #[allow(dead_code)]
@@ -106,14 +114,71 @@ impl Decoder {
 
 const PROMPT: [u32; 5] = [1, 17, 42, 5, 63];
 
+/// The four ways a decode runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// The whole model on a device large enough (the limit).
+    Resident,
+    /// ComfyUI's load-time partial load: plain streaming.
+    Classic,
+    /// Residency by use: the expert cache.
+    ByUse,
+    /// By use with cost-aware misses.
+    CostAware,
+}
+
+impl Kind {
+    const ALL: [Kind; 4] = [Kind::Resident, Kind::Classic, Kind::ByUse, Kind::CostAware];
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Resident => "resident (limit)",
+            Kind::Classic => "classic partial load",
+            Kind::ByUse => "residency by use",
+            Kind::CostAware => "by use, cost-aware",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Kind> {
+        Some(match s {
+            "resident" => Kind::Resident,
+            "classic" => Kind::Classic,
+            "by-use" => Kind::ByUse,
+            "cost-aware" => Kind::CostAware,
+            _ => return None,
+        })
+    }
+
+    /// The memory flags that make this way (beside the device's).
+    fn flags(self) -> &'static [&'static str] {
+        match self {
+            Kind::Resident => &["--highvram"],
+            Kind::Classic => &["--disable-dynamic-vram"],
+            Kind::ByUse => &["--enable-dynamic-vram"],
+            Kind::CostAware => &["--enable-dynamic-vram", "--cost-aware-misses"],
+        }
+    }
+}
+
 struct Args {
     tokens: usize,
     budget_percent: u64,
     layout: Layout,
     /// This machine's own device, not the simulated GPU.
     probe: bool,
+    /// A user's MoE GGUF instead of the tiny one.
+    model: Option<std::path::PathBuf>,
+    /// Where to keep the tiny model's file (it is written to a temporary folder otherwise).
+    save: Option<std::path::PathBuf>,
+    /// The ways to run, in order.
+    runs: Vec<Kind>,
+    /// `--vram-budget`: the device room of every run but the resident one (instead of
+    /// `--budget-percent` of the model).
+    room: Option<String>,
     flags: Vec<String>,
 }
+
+const USAGE: &str = "usage: moe [--tokens N] [--budget-percent P | --vram-budget SIZE] [--layout per-expert|stacked] [--model FILE.gguf | --save FILE.gguf] [--runs resident,classic,by-use,cost-aware] [--probe] [ComfyUI memory flags]";
 
 fn parse() -> Result<Args, String> {
     let mut args = Args {
@@ -121,55 +186,154 @@ fn parse() -> Result<Args, String> {
         budget_percent: 30,
         layout: Layout::PerExpert,
         probe: false,
+        model: None,
+        save: None,
+        runs: Kind::ALL.to_vec(),
+        room: None,
         flags: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
-        let mut value = |name: &str| {
-            it.next()
-                .ok_or_else(|| format!("{name} needs a value"))
-                .and_then(|v| v.parse::<u64>().map_err(|e| format!("{name} {v}: {e}")))
-        };
-        if a == "--layout" {
-            args.layout = match it.next().as_deref() {
-                Some("stacked") => Layout::Stacked,
-                Some("per-expert") => Layout::PerExpert,
-                other => return Err(format!("--layout {other:?}: per-expert or stacked")),
-            };
-            continue;
-        }
+        let mut text = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
         match a.as_str() {
-            "--tokens" => args.tokens = value("--tokens")? as usize,
-            "--budget-percent" => args.budget_percent = value("--budget-percent")?.clamp(1, 100),
-            "--probe" => args.probe = true,
-            "--help" | "-h" => {
-                return Err(
-                    "usage: moe [--tokens N] [--budget-percent P] [--layout per-expert|stacked] [--probe] [ComfyUI memory flags]".into(),
-                )
+            "--layout" => {
+                args.layout = match text("--layout")?.as_str() {
+                    "stacked" => Layout::Stacked,
+                    "per-expert" => Layout::PerExpert,
+                    other => return Err(format!("--layout {other:?}: per-expert or stacked")),
+                }
             }
+            "--model" => args.model = Some(text("--model")?.into()),
+            "--save" => args.save = Some(text("--save")?.into()),
+            "--vram-budget" => args.room = Some(text("--vram-budget")?),
+            "--runs" => {
+                let list = text("--runs")?;
+                args.runs = list
+                    .split(',')
+                    .map(|r| {
+                        Kind::parse(r.trim()).ok_or_else(|| {
+                            format!("--runs {list:?}: {r:?} is not one of resident, classic, by-use, cost-aware")
+                        })
+                    })
+                    .collect::<Result<_, _>>()?;
+            }
+            "--tokens" | "--budget-percent" => {
+                let v = text(&a)?;
+                let n = v.parse::<u64>().map_err(|e| format!("{a} {v}: {e}"))?;
+                if a == "--tokens" {
+                    args.tokens = n as usize;
+                } else {
+                    args.budget_percent = n.clamp(1, 100);
+                }
+            }
+            "--probe" => args.probe = true,
+            "--help" | "-h" => return Err(USAGE.into()),
             _ => args.flags.push(a),
         }
     }
     Ok(args)
 }
 
-/// One run's figures.
+/// The model decoded: its file, its port, and how it routes.
+struct Subject {
+    path: std::path::PathBuf,
+    layout: Layout,
+    blocks: usize,
+    experts: usize,
+    used: usize,
+    size: ByteSize,
+}
+
+impl Subject {
+    /// A MoE GGUF's routing shape from its metadata, and the port that runs it; a clear error
+    /// for a file neither port reads.
+    fn read(path: &std::path::Path) -> Result<Subject, Box<dyn std::error::Error>> {
+        use candle_core::quantized::gguf_file as candle_gguf;
+        let shown = path.display();
+        // The header alone (candle's reader): the weights are read by the managers.
+        let mut file =
+            std::fs::File::open(path).map_err(|e| format!("{shown}: cannot open: {e}"))?;
+        let header = candle_gguf::Content::read(&mut file)
+            .map_err(|e| format!("{shown}: not a GGUF file: {e}"))?;
+        let md = &header.metadata;
+        let arch = md
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .ok_or_else(|| format!("{shown}: no general.architecture"))?
+            .clone();
+        let count = |key: &str| -> Result<usize, String> {
+            let full = format!("{arch}.{key}");
+            let v = md
+                .get(&full)
+                .ok_or_else(|| format!("{shown}: no {full} (is it a mixture of experts?)"))?;
+            v.to_u32()
+                .map(u64::from)
+                .or_else(|_| v.to_u64())
+                .map(|n| n as usize)
+                .map_err(|e| format!("{shown}: {full}: {e}"))
+        };
+        let (blocks, experts, used) = (
+            count("block_count")?,
+            count("expert_count")?,
+            count("expert_used_count")?,
+        );
+        let has = |suffix: &str| header.tensor_infos.keys().any(|k| k.ends_with(suffix));
+        let layout = match (arch.as_str(), has(".ffn_gate.0.weight"), has(".ffn_gate_exps.weight")) {
+            ("llama", true, _) => Layout::PerExpert,
+            ("llama", false, true) => {
+                return Err(format!(
+                    "{shown}: a llama GGUF with stacked experts (ffn_gate_exps, as newer llama.cpp conversions write Mixtral); candle-transformers' quantized_llama reads one tensor per expert"
+                )
+                .into())
+            }
+            (_, _, true) => Layout::Stacked,
+            _ => {
+                return Err(format!(
+                    "{shown}: `{arch}` with {experts} experts but neither ffn_gate.E nor ffn_gate_exps tensors; the moe example runs llama with one tensor per expert or a Qwen3-MoE-like architecture with stacked experts"
+                )
+                .into())
+            }
+        };
+        Ok(Subject {
+            path: path.to_path_buf(),
+            layout,
+            blocks,
+            experts,
+            used,
+            size: ByteSize(
+                header
+                    .tensor_infos
+                    .values()
+                    .map(|t| {
+                        let d = t.ggml_dtype;
+                        (t.shape.elem_count() / d.block_size() * d.type_size()) as u64
+                    })
+                    .sum(),
+            ),
+        })
+    }
+}
+
+/// One run's figures, and what its manager reported, written before the manager is dropped
+/// (a simulated GPU's memory is this machine's: one manager at a time).
 struct Run {
-    name: &'static str,
+    kind: Kind,
     tokens_per_s: f64,
     copied_per_token: ByteSize,
     checksum: u64,
     tokens: Vec<u32>,
+    device: DeviceId,
+    report: Vec<String>,
 }
 
-/// Decodes `n` greedy tokens after the prompt on a fresh manager built from `flags`.
+/// Decodes `args.tokens` greedy tokens after the prompt on a fresh manager built from `flags`.
 fn run(
-    name: &'static str,
+    kind: Kind,
     args: &Args,
-    path: &std::path::Path,
+    subject: &Subject,
     flags: &[String],
-) -> Result<(Run, MemoryManager, ModelPatcher), Box<dyn std::error::Error>> {
-    let (layout, n) = (args.layout, args.tokens);
+) -> Result<Run, Box<dyn std::error::Error>> {
+    let n = args.tokens;
     let mut all = vec!["--reserve-vram".to_string(), "0".to_string()];
     all.extend(flags.iter().cloned());
     let hardware = if args.probe {
@@ -178,11 +342,11 @@ fn run(
         Hardware::cpu_only(ByteSize::gib(16))
     };
     let mm = MemoryManager::new(Config::from_args(&all)?, hardware)?;
-    let model = mm.read_gguf("tiny-moe", path)?;
+    let model = mm.read_gguf("moe", &subject.path)?;
     let p = ModelPatcher::new(Arc::new(model), mm.compute_device(), DeviceId::Cpu);
     mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())?;
     let device = p.load_device().to_candle()?;
-    let mut model = Decoder::new(layout, &p)?;
+    let mut model = Decoder::new(subject.layout, &p)?;
     let mut checksum = 0u64;
     let mut tokens = Vec::with_capacity(n);
     let input = Tensor::new(&PROMPT, &device)?.unsqueeze(0)?;
@@ -206,135 +370,58 @@ fn run(
         .transfer_stats()
         .bytes_copied()
         .saturating_sub(copied_before);
-    let run = Run {
-        name,
+    Ok(Run {
+        kind,
         tokens_per_s: n as f64 / dt,
         copied_per_token: ByteSize(copied.bytes() / n.max(1) as u64),
         checksum,
         tokens,
-    };
-    Ok((run, mm, p))
+        device: mm.compute_device(),
+        // The routing's spread once: every run routes the same tokens.
+        report: report(
+            kind,
+            &mm,
+            &p,
+            subject,
+            kind == Kind::ByUse || !args.runs.contains(&Kind::ByUse),
+        ),
+    })
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    residency::tools::cache_candle_thread_count();
-    let args = match parse() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("{e}");
-            std::process::exit(2);
+/// What a run's manager says of its misses: cost-aware placement, router prefetch, hits beside
+/// the optimum (device-wide and per layer), and how routing spread over the experts.
+fn report(
+    kind: Kind,
+    mm: &MemoryManager,
+    p: &ModelPatcher,
+    subject: &Subject,
+    spread: bool,
+) -> Vec<String> {
+    let mut lines = Vec::new();
+    if kind == Kind::CostAware {
+        if let Some(m) = mm.miss_report() {
+            lines.push(m.to_string());
         }
-    };
-    let dir = tempfile::tempdir()?;
-    let path = dir.path().join("tiny-moe.gguf");
-    match args.layout {
-        Layout::PerExpert => gguf::write_tiny_moe(&path),
-        Layout::Stacked => gguf::write_tiny_qwen3_moe(&path),
     }
-    let size = residency::weights::Model::from_gguf("tiny-moe", &path)?.model_size();
-    let budget = ByteSize(size.bytes() * args.budget_percent / 100);
-    println!(
-        "tiny MoE ({}): {} of blocks ({} blocks x {} experts, top-{}), {} decode tokens; {}, budget {budget} = {}% of the model",
-        match args.layout {
-            Layout::PerExpert => "Mixtral layout, quantized_llama",
-            Layout::Stacked => "stacked experts, quantized_qwen3_moe",
-        },
-        size,
-        gguf::BLOCKS,
-        gguf::EXPERTS,
-        gguf::EXPERTS_USED,
-        args.tokens,
-        if args.probe {
-            "this machine's own device (--probe)"
-        } else {
-            "simulated GPU at 25 GB/s"
-        },
-        args.budget_percent
-    );
-    // The device's flags: a simulated GPU of `room` bytes, or this machine's device within a
-    // budget of `room` (none for the resident limit).
-    let on = |room: Option<ByteSize>, rest: &[&str]| -> Vec<String> {
-        let mut v = match (args.probe, room) {
-            (false, room) => vec![
-                "--sim-gpu".to_string(),
-                format!(
-                    "{}@25GB/s",
-                    room.unwrap_or(ByteSize(size.bytes() * 4)).bytes()
-                ),
-            ],
-            (true, Some(room)) => vec!["--vram-budget".to_string(), format!("{}B", room.bytes())],
-            (true, None) => Vec::new(),
-        };
-        v.extend(rest.iter().map(|s| s.to_string()));
-        v.extend(args.flags.iter().cloned());
-        v
-    };
-    let (resident, mm_resident, _) =
-        run("resident (limit)", &args, &path, &on(None, &["--highvram"]))?;
-    let device = mm_resident.compute_device();
-    drop(mm_resident);
-    println!("  computing on {device}");
-    let tight = Some(budget);
-    let (classic, ..) = run(
-        "classic partial load",
-        &args,
-        &path,
-        &on(tight, &["--disable-dynamic-vram"]),
-    )?;
-    let (by_use, mm, p) = run(
-        "residency by use",
-        &args,
-        &path,
-        &on(tight, &["--enable-dynamic-vram"]),
-    )?;
-    let (costed, mm_costed, _) = run(
-        "by use, cost-aware",
-        &args,
-        &path,
-        &on(tight, &["--enable-dynamic-vram", "--cost-aware-misses"]),
-    )?;
-    let routed_stats = mm.transfer_stats();
-    for r in [&resident, &classic, &by_use, &costed] {
-        println!(
-            "  {:<22} {:>8.1} tokens/s  {:>10} copied per token  checksum {:016x}",
-            r.name,
-            r.tokens_per_s,
-            r.copied_per_token.to_string(),
-            r.checksum
-        );
+    if !matches!(kind, Kind::ByUse | Kind::CostAware) {
+        return lines;
     }
-    let runs = [&resident, &classic, &by_use, &costed];
-    let same = runs.iter().all(|r| r.tokens == resident.tokens);
-    // On a GPU the cost-aware run computes some experts on the host, which rounds differently:
-    // its bits are not the resident run's (its tokens are reported above).
-    let exact = if device.is_cpu() || device.is_sim() {
-        &runs[..]
-    } else {
-        &runs[..3]
-    };
-    let same_bits = exact.iter().all(|r| r.checksum == resident.checksum);
-    println!(
-        "  same tokens in all four: {same}; same logits bits ({} runs): {same_bits}; by use / classic {:.2}x, by use cost-aware / classic {:.2}x, cost-aware / resident {:.2}x",
-        exact.len(),
-        by_use.tokens_per_s / classic.tokens_per_s,
-        costed.tokens_per_s / classic.tokens_per_s,
-        costed.tokens_per_s / resident.tokens_per_s
-    );
-    if let Some(m) = mm_costed.miss_report() {
-        println!("  {m}");
-    }
-    let t = routed_stats;
+    let t = mm.transfer_stats();
     let per = |ns: u64, n: u64| ns as f64 / n.max(1) as f64 / 1000.0;
     let miss_us = per(t.wait_ns, t.prefetch_misses);
     let hit_us = per(t.prefetch_hit_wait_ns, t.prefetch_hits);
-    println!(
-        "  router prefetch (by use): {} experts prefetched from the routing, {} used; a prefetched weight waited {:.1} us, a synchronous fetch {:.1} us: about {:.1} ms of copy time hidden",
+    // A port that routes in its own code (quantized_llama) asks for experts one by one: the
+    // routing reaches the manager only through `moe_gemm_gguf` (quantized_qwen3_moe).
+    if t.routed_prefetches > 0 {
+        lines.push(format!(
+        "router prefetch: {} experts prefetched from the routing, {} used; a prefetched weight waited {:.1} us, a synchronous fetch {:.1} us: about {:.1} ms of copy time hidden",
         t.routed_prefetches,
         t.routed_hits,
         hit_us,
         miss_us,
         t.routed_hits as f64 * (miss_us - hit_us).max(0.0) / 1000.0
-    );
+    ));
+    }
     for d in mm.dynamic_report() {
         let total = d.hits + d.misses;
         let rate = |h: u64| {
@@ -344,8 +431,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 0.0
             }
         };
-        print!(
-            "  by use on {}: {} hits, {} misses ({:.1} % hits), {} faults-in, {} evictions",
+        let mut line = format!(
+            "on {}: {} hits, {} misses ({:.1} % hits), {} faults-in, {} evictions",
             d.device,
             d.hits,
             d.misses,
@@ -353,36 +440,180 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             d.faults_in,
             d.evictions
         );
-        match (d.optimum_hits, d.fixed_hits) {
-            (Some(o), Some(f)) => println!(
+        if let (Some(o), Some(f)) = (d.optimum_hits, d.fixed_hits) {
+            line += &format!(
                 "; for the same uses and room: Belady's optimum {:.1} %, the best fixed set in hindsight {:.1} %",
                 rate(o),
                 rate(f)
-            ),
-            _ => println!(),
+            );
         }
+        lines.push(line);
     }
     for l in mm.dynamic_layer_report() {
-        println!(
-            "    {} {:<12} {:>5} uses  {:>5.1} % hits  Belady {:>5.1} %  best fixed set {:>5.1} %",
+        lines.push(format!(
+            "  {} {:<12} {:>5} uses  {:>5.1} % hits  Belady {:>5.1} %  best fixed set {:>5.1} %",
             l.model,
             l.layer,
             l.uses,
             100.0 * l.hit_rate(),
             100.0 * l.optimum_hit_rate(),
             100.0 * l.fixed_hit_rate()
+        ));
+    }
+    // How routing spread over the experts (each expert's gate-matrix uses), where a line holds it.
+    if spread && subject.experts <= 16 {
+        for b in 0..subject.blocks {
+            let counts: Vec<String> = (0..subject.experts)
+                .map(|e| {
+                    p.model()
+                        .uses(&subject.layout.gate_key(b, e))
+                        .unwrap_or(0)
+                        .to_string()
+                })
+                .collect();
+            lines.push(format!("layer {b}: uses per expert {}", counts.join(" ")));
+        }
+    }
+    lines
+}
+
+fn main() {
+    residency::tools::cache_candle_thread_count();
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = decode_all(&args) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// The runs `args` names on the model it names, and what they say.
+fn decode_all(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let dir = tempfile::tempdir()?;
+    let subject = match &args.model {
+        Some(path) => Subject::read(path)?,
+        None => {
+            let path = args
+                .save
+                .clone()
+                .unwrap_or_else(|| dir.path().join("tiny-moe.gguf"));
+            match args.layout {
+                Layout::PerExpert => gguf::write_tiny_moe(&path),
+                Layout::Stacked => gguf::write_tiny_qwen3_moe(&path),
+            }
+            Subject::read(&path)?
+        }
+    };
+    let size = subject.size;
+    let room = match &args.room {
+        Some(r) => r.clone(),
+        None => format!("{}B", size.bytes() * args.budget_percent / 100),
+    };
+    println!(
+        "{} ({}): {} of blocks ({} blocks x {} experts, top-{}), {} decode tokens; {}, budget {}",
+        args.model
+            .as_deref()
+            .map_or("tiny MoE".to_string(), |p| p.display().to_string()),
+        match subject.layout {
+            Layout::PerExpert => "one tensor per expert, quantized_llama",
+            Layout::Stacked => "stacked experts, quantized_qwen3_moe",
+        },
+        size,
+        subject.blocks,
+        subject.experts,
+        subject.used,
+        args.tokens,
+        if args.probe {
+            "this machine's own device (--probe)"
+        } else {
+            "simulated GPU at 25 GB/s"
+        },
+        match &args.room {
+            Some(r) => r.clone(),
+            None => format!(
+                "{} = {}% of the model",
+                ByteSize(size.bytes() * args.budget_percent / 100),
+                args.budget_percent
+            ),
+        }
+    );
+    // The device's flags: a simulated GPU of `room` bytes, or this machine's device within a
+    // budget of `room` (none for the resident limit).
+    let on = |kind: Kind| -> Vec<String> {
+        let room = (kind != Kind::Resident).then_some(&room);
+        let mut v = match (args.probe, room) {
+            (false, Some(room)) => vec!["--sim-gpu".to_string(), format!("{room}@25GB/s")],
+            (false, None) => vec![
+                "--sim-gpu".to_string(),
+                format!("{}B@25GB/s", size.bytes() * 4),
+            ],
+            (true, Some(room)) => vec!["--vram-budget".to_string(), room.clone()],
+            (true, None) => Vec::new(),
+        };
+        v.extend(kind.flags().iter().map(|s| s.to_string()));
+        v.extend(args.flags.iter().cloned());
+        v
+    };
+    let mut runs = Vec::new();
+    for &kind in &args.runs {
+        let r = run(kind, args, &subject, &on(kind))?;
+        if runs.is_empty() {
+            println!("  computing on {}", r.device);
+        }
+        runs.push(r);
+    }
+    for r in &runs {
+        println!(
+            "  {:<22} {:>8.1} tokens/s  {:>10} copied per token  checksum {:016x}",
+            r.kind.name(),
+            r.tokens_per_s,
+            r.copied_per_token.to_string(),
+            r.checksum
         );
     }
-    for b in 0..gguf::BLOCKS {
-        let counts: Vec<String> = (0..gguf::EXPERTS)
-            .map(|e| {
-                p.model()
-                    .uses(&args.layout.gate_key(b, e))
-                    .unwrap_or(0)
-                    .to_string()
-            })
-            .collect();
-        println!("  layer {b}: uses per expert {}", counts.join(" "));
+    let Some(first) = runs.first() else {
+        return Ok(());
+    };
+    let same = runs.iter().all(|r| r.tokens == first.tokens);
+    // On a GPU the cost-aware run computes some experts on the host, which rounds differently:
+    // its bits are not the others' (its tokens are reported above).
+    let host_arithmetic = first.device.is_cpu() || first.device.is_sim();
+    let exact: Vec<&Run> = runs
+        .iter()
+        .filter(|r| host_arithmetic || r.kind != Kind::CostAware)
+        .collect();
+    let same_bits = exact.iter().all(|r| r.checksum == exact[0].checksum);
+    let speed = |k: Kind| runs.iter().find(|r| r.kind == k).map(|r| r.tokens_per_s);
+    let mut ratios = Vec::new();
+    for (a, b, what) in [
+        (Kind::ByUse, Kind::Classic, "by use / classic"),
+        (
+            Kind::CostAware,
+            Kind::Classic,
+            "by use cost-aware / classic",
+        ),
+        (Kind::CostAware, Kind::Resident, "cost-aware / resident"),
+    ] {
+        if let (Some(a), Some(b)) = (speed(a), speed(b)) {
+            ratios.push(format!("{what} {:.2}x", a / b));
+        }
+    }
+    println!(
+        "  same tokens in all {}: {same}; same logits bits ({} runs): {same_bits}{}{}",
+        runs.len(),
+        exact.len(),
+        if ratios.is_empty() { "" } else { "; " },
+        ratios.join(", ")
+    );
+    for r in &runs {
+        for line in &r.report {
+            println!("  {}: {line}", r.kind.name());
+        }
     }
     if !same_bits {
         eprintln!("error: the runs disagree");
