@@ -422,44 +422,8 @@ fn report(
         t.routed_hits as f64 * (miss_us - hit_us).max(0.0) / 1000.0
     ));
     }
-    for d in mm.dynamic_report() {
-        let total = d.hits + d.misses;
-        let rate = |h: u64| {
-            if total > 0 {
-                100.0 * h as f64 / total as f64
-            } else {
-                0.0
-            }
-        };
-        let mut line = format!(
-            "on {}: {} hits, {} misses ({:.1} % hits), {} faults-in, {} evictions",
-            d.device,
-            d.hits,
-            d.misses,
-            rate(d.hits),
-            d.faults_in,
-            d.evictions
-        );
-        if let (Some(o), Some(f)) = (d.optimum_hits, d.fixed_hits) {
-            line += &format!(
-                "; for the same uses and room: Belady's optimum {:.1} %, the best fixed set in hindsight {:.1} %",
-                rate(o),
-                rate(f)
-            );
-        }
-        lines.push(line);
-    }
-    for l in mm.dynamic_layer_report() {
-        lines.push(format!(
-            "  {} {:<12} {:>5} uses  {:>5.1} % hits  Belady {:>5.1} %  best fixed set {:>5.1} %",
-            l.model,
-            l.layer,
-            l.uses,
-            100.0 * l.hit_rate(),
-            100.0 * l.optimum_hit_rate(),
-            100.0 * l.fixed_hit_rate()
-        ));
-    }
+    lines.extend(mm.dynamic_report().iter().map(|d| d.to_string()));
+    lines.extend(mm.dynamic_layer_report().iter().map(|l| format!("  {l}")));
     // How routing spread over the experts (each expert's gate-matrix uses), where a line holds it.
     if spread && subject.experts <= 16 {
         for b in 0..subject.blocks {
