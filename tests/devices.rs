@@ -674,6 +674,86 @@ fn placement_in_a_plan_is_the_placement_of_the_load() {
 }
 
 #[test]
+fn a_plan_counts_the_prefetches_of_a_model_nobody_holds_as_free_and_the_load_places_alike() {
+    // Found by the model-based test (two simulated GPUs, lanes): weights prefetched for a model
+    // nobody holds any more stay booked until the load's cleanup drops them and a stream runs
+    // their frees. The plan counted them as used, the load saw them booked or back depending on
+    // that stream, and the two placed the next model on different devices.
+    let mm = manager(&["4MiB@1GB/s", "4MiB@1GB/s"], &["--async-offload", "2"]);
+    // 16 weights of 384 KiB (6 MiB) on a 4 MiB device: partly resident, the rest streamed with
+    // prefetch.
+    let tensors: Vec<(String, Tensor)> = (0..16)
+        .map(|i| {
+            (
+                format!("w{i}"),
+                common::rand_tensor(&[96 << 10], i as u64 + 1),
+            )
+        })
+        .collect();
+    let a = ModelPatcher::new(
+        Arc::new(Model::from_tensors("a", tensors).unwrap()),
+        DeviceId::Sim(0),
+        DeviceId::Cpu,
+    )
+    .with_auto_device();
+    mm.load_models_gpu(std::slice::from_ref(&a), LoadOptions::default())
+        .unwrap();
+    assert_eq!(a.load_device(), DeviceId::Sim(0));
+    let streamer = residency::offload::streamer_of(&a).expect("a partial load streams");
+    let streamed: Vec<usize> = (0..a.model().len())
+        .filter(|&i| {
+            matches!(
+                a.model().residency_of(i),
+                Some(residency::weights::SlotResidency::Offloaded)
+            )
+        })
+        .collect();
+    assert!(streamed.len() >= 2, "{streamed:?}");
+    // Two forwards' uses: then a use of a streamed weight prefetches the streamed weights that
+    // follow it (booked on Sim(0)).
+    for i in (0..16).chain(0..16) {
+        drop(residency::offload::fetch_weight_at(&a, i).unwrap());
+    }
+    // The bookings of copies used and dropped come back once their frees ran: wait for them
+    // (the prefetched weights the streamer holds stay booked).
+    let settle = || {
+        for sim in mm.transfer_engine().devices().sims() {
+            sim.synchronize().unwrap();
+        }
+    };
+    settle();
+    drop(residency::offload::fetch_weight_at(&a, streamed[0]).unwrap());
+    settle();
+    assert!(
+        streamer.in_flight_bytes() > ByteSize::ZERO,
+        "a fetch prefetches its successor"
+    );
+    drop(streamer);
+    let model = Arc::downgrade(a.model());
+    drop(a);
+    // Only the registry holds it and its prefetches now, once the lanes let go of the clones
+    // their copies hold.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while model.strong_count() > 1 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+    assert_eq!(model.strong_count(), 1);
+
+    let b = sized_model("b", 1 << 20).with_auto_device();
+    let planned = mm
+        .plan(std::slice::from_ref(&b), LoadOptions::default())
+        .unwrap();
+    // Everything of a leaves at the load: both devices are empty, ties go to the lowest ordinal.
+    assert_eq!(planned.models[0].device, DeviceId::Sim(0), "{planned:#?}");
+    let loaded = mm
+        .load_models_gpu(std::slice::from_ref(&b), LoadOptions::default())
+        .unwrap();
+    assert_eq!(loaded.models[0].device, DeviceId::Sim(0));
+    assert_eq!(b.load_device(), DeviceId::Sim(0));
+    assert_clean(&mm);
+}
+
+#[test]
 fn a_split_model_s_load_report_shows_its_bytes_per_device() {
     let dir = tempfile::tempdir().unwrap();
     let path = write_model(dir.path());

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use super::*;
+use crate::offload::PrefetchGate;
 
 impl MemoryManager {
     /// Evicts models on `device` (not in `keep_loaded`, by model id) until more than `required`
@@ -172,6 +173,54 @@ impl MemoryManager {
         let stale = Self::take_stale(&mut inner);
         drop(inner);
         drop(stale);
+    }
+}
+
+impl MemoryManager {
+    /// Drops the weights prefetched for models no handle holds (their entries leave at the
+    /// cleanup the caller's call begins with) and waits, at most 100 ms and outside the manager
+    /// lock, until their bookings are back: a weight dropped unused returns its booking only
+    /// once its device buffer's free has executed, in stream order. [`MemoryManager::plan`]
+    /// counts those bytes free; without the wait, the load that follows it would see them booked
+    /// or free depending on whether a stream had run the free yet, and could place a model on
+    /// another device than its plan said.
+    pub(super) fn drop_unheld_prefetches(&self) {
+        let mut waits: Vec<(DeviceId, ByteSize)> = Vec::new();
+        {
+            let inner = self.lock_inner();
+            let streamers: Vec<Arc<crate::offload::Streamer>> = inner
+                .registry
+                .iter()
+                .filter(|e| e.outside_handles() == 0)
+                .filter_map(|e| crate::offload::streamer_of(&e.patcher))
+                .collect();
+            if streamers.is_empty() {
+                return;
+            }
+            let devices: Vec<DeviceId> = self.ledger.devices();
+            for d in devices {
+                let booked: ByteSize = streamers.iter().map(|s| s.booked_on(d)).sum();
+                if booked > ByteSize::ZERO {
+                    // The column once they are back (other threads' bookings may move it too:
+                    // the wait is bounded).
+                    waits.push((d, self.ledger.in_flight(d).saturating_sub(booked)));
+                }
+            }
+            for s in &streamers {
+                s.clear();
+            }
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(100);
+        for (d, target) in waits {
+            loop {
+                let seen = self.ledger.returns();
+                let now = std::time::Instant::now();
+                if self.ledger.in_flight(d) <= target || now >= deadline {
+                    break;
+                }
+                self.ledger.wait_returned(seen, deadline - now);
+            }
+        }
     }
 }
 

@@ -75,6 +75,7 @@ impl MemoryManager {
             memory_required = options.memory_required.bytes(),
         )
         .entered();
+        self.drop_unheld_prefetches();
         let mut inner = self.lock_inner();
         let _no_prefetch = self.ledger.loading(&devices);
         cleanup(&mut inner);

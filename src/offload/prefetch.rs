@@ -46,6 +46,9 @@ struct FetchKey {
 struct InFlight {
     key: FetchKey,
     pending: Pending,
+    /// Bytes booked on the gate for it (0: unbooked), returned once its copy is used or, dropped
+    /// unused, once its device buffer's free has executed.
+    booked: ByteSize,
     /// Requested from a routing (`prefetch_routed`), not predicted from use.
     routed: bool,
 }
@@ -300,6 +303,17 @@ impl Streamer {
     pub fn in_flight_bytes(&self) -> ByteSize {
         self.inflight.lock().iter().map(|f| f.pending.bytes()).sum()
     }
+    /// Bytes booked on the gate for prefetched weights bound for `device` not yet used: what
+    /// comes back to the ledger's in-flight column once they are dropped and their buffers freed.
+    pub(crate) fn booked_on(&self, device: DeviceId) -> ByteSize {
+        self.inflight
+            .lock()
+            .iter()
+            .filter(|f| f.key.device == device)
+            .map(|f| f.booked)
+            .sum()
+    }
+
     /// Drops every prefetched weight.
     pub fn clear(&self) {
         let dropped = std::mem::take(&mut *self.inflight.lock());
@@ -678,10 +692,14 @@ impl Streamer {
             },
             None => None,
         };
+        let booked = reservation
+            .as_ref()
+            .map_or(ByteSize::ZERO, Reservation::bytes);
         let pending = self.engine.submit_booked(patcher, next, reservation);
         q.push_back(InFlight {
             key,
             pending,
+            booked,
             routed,
         });
         Submitted::Queued

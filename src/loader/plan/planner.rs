@@ -95,11 +95,18 @@ impl<'a> Planner<'a> {
             return &mut self.devices[p];
         }
         let before = self.mm.ledger_in(self.registry, device);
+        // An entry nobody holds leaves at the load's cleanup, with its resident copies and the
+        // weights its streamer prefetched (whose bookings the load waits for:
+        // `MemoryManager::drop_unheld_prefetches`).
         let unheld: ByteSize = self
             .registry
             .iter()
             .filter(|e| !Self::held(e))
-            .map(|e| e.model().resident_bytes(device))
+            .map(|e| {
+                let prefetched = crate::offload::streamer_of(&e.patcher)
+                    .map_or(ByteSize::ZERO, |s| s.booked_on(device));
+                e.model().resident_bytes(device).saturating_add(prefetched)
+            })
             .sum();
         // Unheld entries and cached casts are gone before anything else: the plan starts
         // without them.
