@@ -174,9 +174,7 @@ impl MemoryManager {
         drop(inner);
         drop(stale);
     }
-}
 
-impl MemoryManager {
     /// Drops the weights prefetched for models no handle holds (their entries leave at the
     /// cleanup the caller's call begins with) and waits, at most 100 ms and outside the manager
     /// lock, until their bookings are back: a weight dropped unused returns its booking only
