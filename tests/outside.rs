@@ -282,3 +282,59 @@ proptest::proptest! {
         }
     }
 }
+
+/// Thirty-two 4 KiB weights `l{i}` and a 20 KiB parameter `held` the model's code keeps, all f32.
+fn layered() -> Arc<Model> {
+    let mut tensors: Vec<(String, Tensor)> = (0..32)
+        .map(|i| {
+            (
+                format!("l{i}"),
+                common::rand_tensor(&[32, 32], 10 + i as u64),
+            )
+        })
+        .collect();
+    tensors.push(("held".to_string(), common::rand_tensor(&[64, 80], 9)));
+    Arc::new(Model::from_tensors("vae", tensors).unwrap())
+}
+
+/// The false out-of-memory of a partial load: the plan chose a resident set that filled the
+/// device without the loading model's own held tensors, the load then registered the model, the
+/// ledger added them, and the bound check rolled the load back — while `plan()` said it fit.
+#[test]
+fn a_partial_load_counts_the_loading_model_s_held_tensors_so_plan_and_load_agree() {
+    let mm = common::manager_with(&[
+        "--sim-gpu",
+        "96KiB",
+        "--reserve-vram",
+        "0",
+        "--disable-dynamic-vram",
+    ]);
+    let m = layered();
+    let p = ModelPatcher::new(Arc::clone(&m), SIM0, DeviceId::Cpu);
+    let vb = VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap();
+    let _held = vb.get((64, 80), "held").unwrap();
+    let held = ByteSize::kib(20);
+    assert_eq!(m.held_outside(), vec![("held".to_string(), held)]);
+    let total = ByteSize::kib(96);
+    assert!(m.model_size() > total, "a budget under the model's size");
+
+    let plan = mm.plan(&[&p], LoadOptions::default()).unwrap();
+    assert!(plan.fits(), "{:?}", plan.problem);
+    let planned = &plan.models[0];
+    assert!(
+        !planned.full && planned.resident > ByteSize::ZERO,
+        "{planned:?}"
+    );
+    assert_eq!(planned.held_outside, held);
+
+    let report = mm.load_model_gpu(&p).expect("the load the plan said fits");
+    assert_eq!(
+        plan.devices[0].ledger_after,
+        planned.resident.saturating_add(held),
+        "the plan's ledger counts the held tensor"
+    );
+    assert_eq!(report.models[0].resident, planned.resident);
+    assert_eq!(report.models[0].held_outside, held);
+    assert_eq!(mm.ledger(SIM0), plan.devices[0].ledger_after);
+    assert!(mm.ledger(SIM0) <= total, "{} over {total}", mm.ledger(SIM0));
+}

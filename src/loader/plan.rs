@@ -13,6 +13,12 @@
 //!    resident (the rules of `ModelPatcher::load` / `partially_load`);
 //! 5. the ledger after each step, checked against each budgeted device's total.
 //!
+//! The tensors a loading model's code holds as its own ([`Model::held_outside`]) join the
+//! ledger when the load registers the model, as copies nothing can evict: a model not yet
+//! registered has them added to the projection before anything is decided, so evictions make
+//! room for them and a partial load's budget leaves it (the plan and the load's bound check
+//! agree).
+//!
 //! A plan that cannot be carried out without overrunning a budget has a [`PlanProblem`]; a
 //! request that is invalid (a patch that does not fit, an fp8 scale that is not a finite non-zero
 //! number, an unknown GPU) is an error from `plan` itself. Execution (`loader/execute.rs`) carries
@@ -66,8 +72,10 @@ pub struct PlannedLoad {
     pub to_drop: ByteSize,
     /// Weights that will stream with patches (applied at use).
     pub lazy_patched: usize,
-    /// Bytes of parameters the model's code holds as its own tensors, outside the ledger and
-    /// every budget ([`crate::weights::Model::held_outside`]); not in `resident` or `streaming`.
+    /// Bytes of parameters the model's code holds as its own tensors
+    /// ([`crate::weights::Model::held_outside`]): not managed, never evicted or streamed, but in
+    /// the ledger of their device (and in `ledger_after`) like resident copies that stay; not in
+    /// `resident` or `streaming`.
     pub held_outside: ByteSize,
     /// Of the model's size, the bytes of quantized (GGUF) weights: their GGML blocks, counted
     /// as the blocks they are in `resident`, `streaming` and `to_move`.
@@ -323,10 +331,22 @@ impl MemoryManager {
                 .sum()
         };
 
-        // Evictions, per device.
         let mut devices: Vec<DeviceId> = all.iter().flat_map(|m| m.devices()).collect();
         devices.sort();
         devices.dedup();
+        // What the models' code holds as its own tensors and the ledger does not count yet (a
+        // model not registered): the load registers the model, so it lands with the load and
+        // stays, like a resident copy nothing can evict. In the projection from the start.
+        for m in all {
+            if registered(&inner.registry, m.model()) {
+                continue;
+            }
+            for (device, bytes) in crate::nn::held::outside_by_device(m.model().id()) {
+                p.add(device, bytes);
+            }
+        }
+
+        // Evictions, per device.
         let keep: Vec<u64> = all.iter().map(|m| m.model().id()).collect();
         for &device in &devices {
             p.device(device);
@@ -416,7 +436,11 @@ impl MemoryManager {
                     let after = base.saturating_add(selection::wanted_bytes(&sub, &sub_want));
                     if after > total {
                         if budget.is_none() && full {
-                            let size: ByteSize = sub.iter().map(|w| w.size).sum();
+                            // The model's own tensors there stay with it: part of what it needs.
+                            let size: ByteSize =
+                                sub.iter().map(|w| w.size).sum::<ByteSize>().saturating_add(
+                                    crate::nn::held::outside_on(m.model().id(), device),
+                                );
                             problem = Some(if size > total {
                                 PlanProblem::BudgetExceeded {
                                     model: m.model().name().to_string(),
@@ -547,6 +571,29 @@ impl MemoryManager {
                 .saturating_add(from_disk(m, &views[k], &want));
             models.push(planned);
             p.steps.push(Step::Load { k, want });
+        }
+        // A device no requested model loads weights on, where one's code holds tensors (a table
+        // dequantized to the host): no budget above saw them.
+        if problem.is_none() {
+            if let Some(d) = p
+                .devices
+                .iter()
+                .find(|d| d.budgeted && d.ledger > d.total && !devices.contains(&d.device))
+            {
+                let model = all
+                    .iter()
+                    .find(|m| {
+                        crate::nn::held::outside_on(m.model().id(), d.device) > ByteSize::ZERO
+                    })
+                    .map(|m| m.model().name().to_string())
+                    .unwrap_or_default();
+                problem = Some(PlanProblem::OutOfMemory {
+                    model,
+                    device: d.device,
+                    required: d.ledger.saturating_sub(d.start),
+                    available: d.free_at_start,
+                });
+            }
         }
         let devices = p
             .devices

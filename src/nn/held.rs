@@ -305,6 +305,19 @@ pub(crate) fn outside_on(model_id: u64, device: crate::vram::DeviceId) -> crate:
         .sum()
 }
 
+/// Bytes of the parameters model `model_id`'s code holds, per device they are on (see
+/// [`outside_of`]).
+pub(crate) fn outside_by_device(model_id: u64) -> Vec<(crate::vram::DeviceId, crate::ByteSize)> {
+    let mut by_device: Vec<(crate::vram::DeviceId, crate::ByteSize)> = Vec::new();
+    for (_, b, d) in live_outside(model_id) {
+        match by_device.iter_mut().find(|(x, _)| *x == d) {
+            Some((_, sum)) => *sum = sum.saturating_add(b),
+            None => by_device.push((d, b)),
+        }
+    }
+    by_device
+}
+
 /// The entries of `model_id` whose source still lives (dead ones are dropped).
 fn live_outside(model_id: u64) -> Vec<(String, crate::ByteSize, crate::vram::DeviceId)> {
     if !ANY_OUTSIDE.load(std::sync::atomic::Ordering::Relaxed) {
