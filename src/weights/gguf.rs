@@ -15,11 +15,11 @@
 //!   has left: counts of metadata entries and tensors, string lengths and array lengths are
 //!   refused when the file cannot hold them at their minimum encoded size. Arrays nest at most
 //!   [`MAX_ARRAY_DEPTH`] deep.
-//! - Every tensor the header returns has a known GGML type, 1 to 4 dimensions, a first (fastest)
-//!   GGUF dimension that is a whole number of the type's blocks, an element count and byte size
-//!   that fit in `u64` and `usize`, an offset that is a multiple of the file's alignment, and a
-//!   byte range that lies inside the file and overlaps no other tensor's; tensor names are unique
-//!   and so are metadata keys.
+//! - Every tensor the header returns has a known GGML type, 1 to 4 dimensions, none of them 0, a
+//!   first (fastest) GGUF dimension that is a whole number of the type's blocks, an element count
+//!   and byte size that fit in `u64` and `usize`, an offset that is a multiple of the file's
+//!   alignment, and a non-empty byte range that lies inside the file and overlaps no other
+//!   tensor's; tensor names are unique and so are metadata keys.
 //!
 //! Shapes are in candle's order (slowest dimension first), as candle's own `gguf_file` reader
 //! gives them; metadata values are candle's `gguf_file::Value`s. Strings are UTF-8 with trailing
@@ -76,7 +76,7 @@ pub(crate) struct GgufHeader {
     // Not every reader needs it; the tests check it.
     #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) data_offset: u64,
-    /// The tensors, sorted by (start, name): file order, zero-sized tensors by name.
+    /// The tensors, sorted by start: file order.
     pub(crate) tensors: Vec<GgufEntry>,
 }
 
@@ -462,6 +462,16 @@ fn tensor_info(c: &mut Cursor<'_>, i: u64, alignment: u64) -> Result<Info> {
         };
         ne.push(d);
     }
+    if let Some(i) = ne.iter().position(|&d| d == 0) {
+        // An empty tensor loads, then candle's quantized matmul divides by its zero dimension
+        // (and a stack of empty experts has no bytes to bound its expert count by).
+        return Err(c.err(
+            "the dimensions",
+            format!(
+                "dimension ne[{i}] of {ne:?} (fastest first, at byte {dims_at}) is 0: a tensor with no elements is refused"
+            ),
+        ));
+    }
     let type_at = c.pos;
     let id = c.u32("the GGML type")?;
     let ggml = ggml_from_id(id).ok_or_else(|| {
@@ -702,10 +712,10 @@ fn parse(c: &mut Cursor<'_>) -> Result<GgufHeader> {
 /// when a count, string length or array length is larger than the file could hold, arrays nest
 /// more than [`MAX_ARRAY_DEPTH`] deep, a string is not UTF-8, a value type or GGML type id is
 /// unknown, or a metadata key or tensor name repeats; when `general.alignment` is not a non-zero
-/// power of two; and for a tensor (by name) with no or more than four dimensions, an element count
-/// or byte size that overflows, rows that are not a whole number of blocks, an offset that is not
-/// a multiple of the alignment, bytes beyond the end of the file, or bytes that overlap another
-/// tensor's.
+/// power of two; and for a tensor (by name) with no or more than four dimensions, a dimension of
+/// 0, an element count or byte size that overflows, rows that are not a whole number of blocks,
+/// an offset that is not a multiple of the alignment, bytes beyond the end of the file, or bytes
+/// that overlap another tensor's.
 pub(crate) fn read_gguf_header(path: &Path) -> Result<(Arc<WeightFile>, GgufHeader)> {
     let wf = WeightFile::open(path)?;
     let file_len = wf

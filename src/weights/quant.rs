@@ -11,6 +11,13 @@
 //!
 //! Reading is by positioned reads only (`gguf.rs` for the header): never a memory map, so a file
 //! truncated underneath is an [`Error::File`] naming file, tensor and byte range.
+//!
+//! A file loads only if every weight it makes can be used: besides the header's checks, a tensor
+//! candle's quantized kernels cannot run is refused at load (`Q4_1`, `Q5_0` and `Q5_1` rows of
+//! an odd number of blocks: candle's dot product asserts an even count and the panic poisons its
+//! matmul pool), a stacked-expert tensor must be its expert count of non-empty experts (so the
+//! count is bounded by the file before anything is sized by it), and every weight name — the
+//! file's and the generated expert keys — reaches exactly one weight.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -129,8 +136,40 @@ pub(crate) fn build(
     QTensor::new(storage, shape)
 }
 
+/// The GGML formats whose rows candle's CPU dot products take only as an even number of blocks:
+/// `vec_dot` of `Q4_1`, `Q5_0` and `Q5_1` (candle-core 0.11's `k_quants.rs`) asserts it, and the
+/// panic, raised inside candle's matmul pool, poisons the pool's lock for every later quantized
+/// matmul in the process. The other formats' kernels take any whole number of blocks.
+fn needs_even_blocks(ggml: GgmlDType) -> bool {
+    matches!(ggml, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1)
+}
+
+/// Refuses a tensor whose rows candle's quantized kernels cannot run (the header has already
+/// refused rows that are not whole blocks and dimensions of 0).
+fn check_kernel_shape(path: &Path, e: &super::gguf::GgufEntry) -> Result<()> {
+    let row = e.shape.last().copied().unwrap_or(0);
+    let blocks = row / e.ggml.block_size();
+    if needs_even_blocks(e.ggml) && !blocks.is_multiple_of(2) {
+        return Err(file_err(
+            path,
+            format!(
+                "tensor `{}` ({:?} {:?}): its rows of {row} elements are {blocks} blocks of {}, but candle's {:?} kernels need an even number of blocks per row",
+                e.name,
+                e.ggml,
+                e.shape,
+                e.ggml.block_size(),
+                e.ggml
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// One GGUF tensor as a slot: dense formats as dense weights, block formats as block bytes.
 struct Planned {
+    /// The stack (its index in the plan's stacks) and the expert this slot is, for a slot planned
+    /// from a stacked-expert tensor.
+    expert_of: Option<(usize, usize)>,
     key: String,
     shape: Vec<usize>,
     dtype: Dtype,
@@ -161,10 +200,20 @@ pub fn expert_key(name: &str, expert: usize) -> String {
 /// The stacked-expert tensors of a file, by name.
 type Stacks = Vec<(String, Stack)>;
 
+/// The slots of a GGUF file's tensors (one per expert for a stacked-expert tensor) and its
+/// stacks.
+///
+/// # Errors
+/// [`Error::File`] naming the file and the tensor for a tensor candle's kernels cannot run
+/// ([`needs_even_blocks`]), a stacked-expert tensor whose bytes are not its expert count of
+/// non-empty experts, and a weight name used twice: an expert's generated key
+/// ([`expert_key`]) that is also another tensor's name or another stack's expert, or a stacked
+/// tensor's name that is also an expert's key (each name must reach one weight).
 fn plan(path: &Path, entries: Vec<super::gguf::GgufEntry>) -> Result<(Vec<Planned>, Stacks)> {
     let mut planned = Vec::new();
-    let mut stacks = Vec::new();
+    let mut stacks: Stacks = Vec::new();
     for e in entries {
+        check_kernel_shape(path, &e)?;
         let len = e.end - e.start;
         let slot = |key: String, shape: Vec<usize>, start: u64, len: u64| -> Result<Planned> {
             let (dtype, quant, read_as, read_shape) = match dense_dtype(e.ggml) {
@@ -176,6 +225,7 @@ fn plan(path: &Path, entries: Vec<super::gguf::GgufEntry>) -> Result<(Vec<Planne
                 }
             };
             Ok(Planned {
+                expert_of: None,
                 key,
                 shape,
                 dtype,
@@ -192,29 +242,34 @@ fn plan(path: &Path, entries: Vec<super::gguf::GgufEntry>) -> Result<(Vec<Planne
         }
         // One slot per expert: its byte range of the stacked tensor, read, streamed, cached and
         // evicted alone; the stack keeps the layer's view of the whole.
+        // Each expert takes at least one byte of the tensor's (checked against the file's length
+        // by the header): the expert count is bounded by the file before anything is sized by it.
         let n = e.shape[0];
         let each = block_bytes(e.ggml, &e.shape[1..])
-            .filter(|b| b.checked_mul(n as u64) == Some(len))
+            .filter(|&b| b > 0 && b.checked_mul(n as u64) == Some(len))
             .ok_or_else(|| {
                 file_err(
                     path,
                     format!(
-                        "tensor `{}`: {len} bytes are not {n} experts of {:?} {:?}",
+                        "tensor `{}`: its {len} bytes are not {n} non-empty experts of {:?} {:?}",
                         e.name,
                         e.ggml,
                         &e.shape[1..]
                     ),
                 )
             })?;
+        let stack = stacks.len();
         let mut experts = Vec::with_capacity(n);
         for x in 0..n {
             experts.push(planned.len());
-            planned.push(slot(
+            let mut p = slot(
                 expert_key(&e.name, x),
                 e.shape[1..].to_vec(),
                 e.start + x as u64 * each,
                 each,
-            )?);
+            )?;
+            p.expert_of = Some((stack, x));
+            planned.push(p);
         }
         stacks.push((
             e.name.clone(),
@@ -225,7 +280,45 @@ fn plan(path: &Path, entries: Vec<super::gguf::GgufEntry>) -> Result<(Vec<Planne
             },
         ));
     }
+    check_names(path, &planned, &stacks)?;
     Ok((planned, stacks))
+}
+
+/// Refuses a plan in which one name would reach two weights: two slots of one key (a tensor
+/// named as another stack's generated expert, `blk.0.ffn_gate_exps.1.weight` beside
+/// `blk.0.ffn_gate_exps.weight`), or a stacked tensor named as an expert's key, which the stack
+/// would hide from every layer that asks for the expert by name.
+fn check_names(path: &Path, planned: &[Planned], stacks: &Stacks) -> Result<()> {
+    let what = |p: &Planned| match p.expert_of {
+        Some((s, x)) => format!("expert {x} of the stacked tensor `{}`", stacks[s].0),
+        None => "a tensor of the file".to_string(),
+    };
+    let mut seen: HashMap<&str, &Planned> = HashMap::with_capacity(planned.len());
+    for p in planned {
+        if let Some(first) = seen.insert(p.key.as_str(), p) {
+            return Err(file_err(
+                path,
+                format!(
+                    "weight `{}` is named twice: it is {} and {}",
+                    p.key,
+                    what(first),
+                    what(p)
+                ),
+            ));
+        }
+    }
+    for (name, _) in stacks {
+        if let Some(p) = seen.get(name.as_str()) {
+            return Err(file_err(
+                path,
+                format!(
+                    "weight `{name}` is named twice: it is a stacked-expert tensor of the file and {}",
+                    what(p)
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A layer's experts stacked in one GGUF tensor (`blk.N.ffn_gate_exps.weight`,
@@ -263,8 +356,10 @@ impl Model {
     /// # Errors
     /// [`Error::File`] naming the file (and the tensor or metadata key) when it cannot be opened,
     /// is not a valid GGUF file (bad magic or version, an unknown GGML type, a shape that is not
-    /// a whole number of blocks or overflows, data beyond the end of the file, an absurd
-    /// length), or is truncated while it is read.
+    /// a whole number of blocks, has a dimension of 0 or overflows, data beyond the end of the
+    /// file, an absurd length), holds what candle's kernels cannot run (`Q4_1`, `Q5_0`, `Q5_1`
+    /// rows of an odd number of blocks), names one weight twice (a tensor named as a stacked
+    /// tensor's generated expert key), or is truncated while it is read.
     pub fn from_gguf(name: impl Into<String>, path: impl AsRef<Path>) -> Result<Model> {
         let name = name.into();
         let path = path.as_ref();
@@ -350,6 +445,7 @@ impl Model {
 
 #[cfg(test)]
 mod tests {
+    use super::super::gguf::GgufEntry;
     use super::*;
 
     #[test]
@@ -362,6 +458,111 @@ mod tests {
         assert_eq!(block_bytes(GgmlDType::Q4_0, &[4, 48]), None);
         assert_eq!(block_bytes(GgmlDType::Q4_0, &[usize::MAX, 64]), None);
         assert_eq!(block_bytes(GgmlDType::Q4_0, &[]), None);
+    }
+
+    fn entry(name: &str, shape: &[usize], ggml: GgmlDType, start: u64, end: u64) -> GgufEntry {
+        GgufEntry {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            ggml,
+            start,
+            end,
+        }
+    }
+
+    fn plan_err(entries: Vec<GgufEntry>) -> String {
+        match plan(Path::new("m.gguf"), entries) {
+            Err(Error::File { reason, .. }) => reason,
+            Err(other) => panic!("not a file error: {other}"),
+            Ok((p, _)) => panic!("planned {} slots", p.len()),
+        }
+    }
+
+    #[test]
+    fn a_stack_of_empty_experts_is_refused_before_its_expert_count_sizes_anything() {
+        // The header refuses such shapes; the plan does not rely on it. 2⁴⁰ experts of 0 bytes
+        // would reserve 8 TiB of slot indices (an abort), 2⁶² would overflow the capacity.
+        for n in [1usize << 18, 1 << 40, 1 << 62] {
+            let e = entry(
+                "blk.0.ffn_gate_exps.weight",
+                &[n, 0, 32],
+                GgmlDType::Q8_0,
+                64,
+                64,
+            );
+            let r = plan_err(vec![e]);
+            assert!(
+                r.contains("`blk.0.ffn_gate_exps.weight`")
+                    && r.contains(&format!("0 bytes are not {n} non-empty experts")),
+                "{r}"
+            );
+        }
+    }
+
+    #[test]
+    fn odd_block_rows_are_refused_for_the_formats_whose_kernels_need_pairs() {
+        for ggml in [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1] {
+            let bytes = 4 * 3 * ggml.type_size() as u64;
+            let r = plan_err(vec![entry("w", &[4, 96], ggml, 0, bytes)]);
+            assert!(
+                r.contains("tensor `w`")
+                    && r.contains(&format!("{ggml:?}"))
+                    && r.contains("3 blocks"),
+                "{r}"
+            );
+            let bytes = 4 * 2 * ggml.type_size() as u64;
+            assert!(plan(
+                Path::new("m.gguf"),
+                vec![entry("w", &[4, 64], ggml, 0, bytes)]
+            )
+            .is_ok());
+        }
+        // Any whole number of blocks runs for the others.
+        for ggml in [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q8_1] {
+            let bytes = 4 * 3 * ggml.type_size() as u64;
+            assert!(plan(
+                Path::new("m.gguf"),
+                vec![entry("w", &[4, 96], ggml, 0, bytes)]
+            )
+            .is_ok());
+        }
+    }
+
+    #[test]
+    fn one_name_for_two_weights_is_refused_naming_both() {
+        let q8 = GgmlDType::Q8_0;
+        let stack = || entry("blk.0.ffn_gate_exps.weight", &[2, 4, 32], q8, 0, 272);
+        let r = plan_err(vec![
+            stack(),
+            entry("blk.0.ffn_gate_exps.1.weight", &[4, 32], q8, 288, 424),
+        ]);
+        assert!(
+            r.contains("weight `blk.0.ffn_gate_exps.1.weight` is named twice")
+                && r.contains("expert 1 of the stacked tensor `blk.0.ffn_gate_exps.weight`")
+                && r.contains("a tensor of the file"),
+            "{r}"
+        );
+        // A stack named as another stack's expert: the name would reach the stack only.
+        let r = plan_err(vec![
+            stack(),
+            entry("blk.0.ffn_gate_exps.0.weight", &[2, 4, 32], q8, 288, 560),
+        ]);
+        assert!(
+            r.contains("weight `blk.0.ffn_gate_exps.0.weight` is named twice")
+                && r.contains("a stacked-expert tensor")
+                && r.contains("expert 0 of the stacked tensor `blk.0.ffn_gate_exps.weight`"),
+            "{r}"
+        );
+        // Names that only look generated are fine.
+        let (planned, stacks) = plan(
+            Path::new("m.gguf"),
+            vec![
+                stack(),
+                entry("blk.0.ffn_gate_exps.2.weight", &[4, 32], q8, 288, 424),
+            ],
+        )
+        .unwrap();
+        assert_eq!((planned.len(), stacks.len()), (3, 1));
     }
 
     #[test]

@@ -305,19 +305,30 @@ fn gguf_header_larger_than_a_chunk() {
 }
 
 #[test]
-fn gguf_zero_dimension_is_an_empty_tensor() {
+fn gguf_zero_dimension_is_refused() {
+    // Each dimension of a dense, a quantized and a rank-3 tensor (ne[0] too: 0 is a whole
+    // number of blocks).
+    for (name, n) in [("w.f32", 2), ("w.q4_0", 2), ("w.q8_0", 3)] {
+        for i in 0..n {
+            let mut bytes = valid();
+            let (_, dims, _, _) = fields(&bytes, name);
+            put_u64(&mut bytes, dims + 8 * i, 0);
+            assert_reason(
+                &bytes,
+                &[
+                    &format!("tensor `{name}`"),
+                    &format!("dimension ne[{i}]"),
+                    "is 0",
+                ],
+            );
+        }
+    }
+    // A stack of empty experts whose count no byte of the file bounds.
     let mut bytes = valid();
-    let (_, dims, _, _) = fields(&bytes, "w.f32");
-    put_u64(&mut bytes, dims + 8, 0); // ne[1]: shape [0, 8]
-    let h = read(&bytes).expect("a zero dimension is allowed");
-    let e = h
-        .tensors
-        .iter()
-        .find(|e| e.name == "w.f32")
-        .expect("tensor");
-    assert_eq!(e.shape, [0, 8]);
-    assert_eq!(e.start, e.end);
-    assert_eq!(h.tensors.len(), TENSORS.len());
+    let (_, dims, _, _) = fields(&bytes, "w.q8_0");
+    put_u64(&mut bytes, dims + 8, 0);
+    put_u64(&mut bytes, dims + 16, 1 << 40);
+    assert_reason(&bytes, &["tensor `w.q8_0`", "ne[1]", "1099511627776"]);
 }
 
 #[test]
