@@ -19,7 +19,7 @@
 //! (each pair's index `token * topk + j`). Without `topk_weights` the input is one row per
 //! token and pair `p` reads row `p / topk`; with them (the down projection) the input is one row
 //! per pair and pair `p` is scaled by `topk_weights.flatten()[p]`. The output has one row per
-//! pair, in pair order.
+//! pair, in pair order: an empty batch (no rows, no pairs) gives an empty `[0, n]`.
 
 use candle_core::{DType, Module, Result, Tensor};
 
@@ -174,7 +174,7 @@ pub fn moe_gemm_gguf(
         }));
     }
     let (rows, k) = input.dims2()?;
-    let &[experts, _, k1] = weights.shape().dims() else {
+    let &[experts, n, k1] = weights.shape().dims() else {
         return Err(to_candle(Error::ShapeMismatch {
             what: format!("the experts `{what}` of moe_gemm_gguf ([n_expert, n, k])"),
             expected: vec![0, 0, k],
@@ -188,7 +188,7 @@ pub fn moe_gemm_gguf(
             got: vec![rows, k],
         }));
     }
-    if !weights.is_managed() && input.device().is_cuda() {
+    if !weights.is_managed() && input.device().is_cuda() && rows > 0 {
         if let Some(q) = weights.owned() {
             return candle_nn::moe::moe_gemm_gguf(
                 input,
@@ -211,6 +211,9 @@ pub fn moe_gemm_gguf(
         topk,
         topk_weights.is_some(),
     )?;
+    if routing.runs.is_empty() {
+        return Tensor::zeros((0, n), DType::F32, input.device());
+    }
     // The routing names every expert this layer uses: prefetch them (and the layer's later
     // expert matrices) on the lanes while the first computes.
     let routed: Vec<(usize, usize)> = routing.runs.iter().map(|r| (r.0, r.1.len())).collect();
@@ -221,7 +224,8 @@ pub fn moe_gemm_gguf(
 }
 
 /// candle-nn's `moe_gemm` on dense experts `weights [n_expert, n, k]`: as [`moe_gemm_gguf`],
-/// each routed expert's `x · wᵀ` in the input's dtype (on CUDA candle-nn's kernel).
+/// each routed expert's `x · wᵀ` in the input's dtype (on CUDA candle-nn's kernel, but for an
+/// empty batch, which gives `[0, n]` here).
 ///
 /// # Errors
 /// As [`moe_gemm_gguf`] (any float input dtype).
@@ -234,7 +238,16 @@ pub fn moe_gemm(
     topk: usize,
     is_prefill: bool,
 ) -> Result<Tensor> {
-    if input.device().is_cuda() {
+    let (rows, k) = input.dims2()?;
+    let (experts, n, k1) = weights.dims3()?;
+    if k != k1 {
+        return Err(to_candle(Error::ShapeMismatch {
+            what: "the input of moe_gemm".into(),
+            expected: vec![rows, k1],
+            got: vec![rows, k],
+        }));
+    }
+    if input.device().is_cuda() && rows > 0 {
         return candle_nn::moe::moe_gemm(
             input,
             weights,
@@ -245,15 +258,6 @@ pub fn moe_gemm(
             is_prefill,
         );
     }
-    let (rows, k) = input.dims2()?;
-    let (experts, _, k1) = weights.dims3()?;
-    if k != k1 {
-        return Err(to_candle(Error::ShapeMismatch {
-            what: "the input of moe_gemm".into(),
-            expected: vec![rows, k1],
-            got: vec![rows, k],
-        }));
-    }
     let routing = routing(
         "dense experts",
         rows,
@@ -263,6 +267,9 @@ pub fn moe_gemm(
         topk,
         topk_weights.is_some(),
     )?;
+    if routing.runs.is_empty() {
+        return Tensor::zeros((0, n), input.dtype(), input.device());
+    }
     run_experts(input, &routing, topk_weights, |e, x| {
         let w = weights.get(e)?.to_dtype(x.dtype())?;
         x.matmul(&w.t()?)
@@ -357,6 +364,34 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("shape mismatch"), "{err}");
+    }
+
+    #[test]
+    fn an_empty_batch_gives_an_empty_result_with_the_experts_width() {
+        let (k, n) = (32, 5);
+        let none = Tensor::zeros(0, DType::U32, &Device::Cpu).unwrap();
+        let x = Tensor::zeros((0, k), DType::F32, &Device::Cpu).unwrap();
+        let w = uniform(&[3, n, k], 2);
+        for weights in [
+            None,
+            Some(Tensor::zeros((0, 2), DType::F32, &Device::Cpu).unwrap()),
+        ] {
+            let y = moe_gemm(&x, &w, &weights, &none, &none, 2, false).unwrap();
+            assert_eq!((y.dims(), y.dtype()), (&[0, n][..], DType::F32));
+        }
+        let x16 = x.to_dtype(DType::F16).unwrap();
+        let y = moe_gemm(&x16, &w, &None, &none, &none, 2, false).unwrap();
+        assert_eq!((y.dims(), y.dtype()), (&[0, n][..], DType::F16));
+        let q = QTensor::from(
+            candle_core::quantized::QTensor::quantize(&w, candle_core::quantized::GgmlDType::Q8_0)
+                .unwrap(),
+        );
+        let y = moe_gemm_gguf(&x, &q, &None, &none, &none, 2, false, DType::F32).unwrap();
+        assert_eq!((y.dims(), y.dtype()), (&[0, n][..], DType::F32));
+        // Pairs without rows are still routing that does not fit.
+        let one = Tensor::new(&[0u32], &Device::Cpu).unwrap();
+        let err = moe_gemm(&x, &w, &None, &one, &one, 2, false).unwrap_err();
+        assert!(err.to_string().contains("routing"), "{err}");
     }
 
     #[test]
