@@ -114,3 +114,107 @@ fn a_broken_adapter_config_is_an_error_naming_it() {
         "{msg}"
     );
 }
+
+/// A model of `modules` (each an `[8, 8]` weight) and a rank-4 PEFT LoRA on every one of them,
+/// saved with PEFT's `base_model.model.` prefix and `config` beside it. Returns the patcher and
+/// the LoRA file.
+fn peft_on(
+    dir: &std::path::Path,
+    modules: &[&str],
+    config: &str,
+) -> (ModelPatcher, std::path::PathBuf) {
+    let m = Model::from_tensors(
+        "net",
+        modules.iter().enumerate().map(|(i, m)| {
+            (
+                format!("{m}.weight"),
+                common::rand_tensor(&[8, 8], i as u64),
+            )
+        }),
+    )
+    .unwrap();
+    let t = |shape: &[usize], seed| (common::rand_tensor(shape, seed), Dtype::F32);
+    let mut tensors: Vec<(String, Tensor, Dtype)> = Vec::new();
+    for (i, m) in modules.iter().enumerate() {
+        let seed = 100 + 2 * i as u64;
+        for (part, (t, d)) in [
+            ("lora_A", t(&[4, 8], seed)),
+            ("lora_B", t(&[8, 4], seed + 1)),
+        ] {
+            tensors.push((format!("base_model.model.{m}.{part}.weight"), t, d));
+        }
+    }
+    let path = dir.join("adapter_model.safetensors");
+    save_safetensors(&path, &tensors, &SafetensorsOptions::default()).unwrap();
+    std::fs::write(dir.join("adapter_config.json"), config).unwrap();
+    (ModelPatcher::on_device(Arc::new(m), DeviceId::Cpu), path)
+}
+
+/// The scale the LoRA at `path` is applied with on each of `modules`: its delta over the delta
+/// of the same file without a config (scale 1).
+fn scales(p: &ModelPatcher, path: &std::path::Path, modules: &[&str]) -> Vec<f32> {
+    let unscaled_dir = tempfile::tempdir().unwrap();
+    let unscaled = unscaled_dir.path().join("adapter_model.safetensors");
+    std::fs::copy(path, &unscaled).unwrap();
+    let delta = |lora: &std::path::Path, key: &str| {
+        let patches = lora_file::load(lora, p.model().keys()).unwrap().patches;
+        let mut styled = p.clone();
+        styled.add_patches(patches, 1.0, 1.0).unwrap();
+        let w = styled.patched_weight(key).unwrap();
+        common::f32s(&(w - p.patched_weight(key).unwrap()).unwrap())
+    };
+    modules
+        .iter()
+        .map(|m| {
+            let key = format!("{m}.weight");
+            ratio(&delta(path, &key), &delta(&unscaled, &key))
+        })
+        .collect()
+}
+
+fn assert_scales(got: &[f32], want: &[f32]) {
+    assert!(
+        got.len() == want.len() && got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-4),
+        "scales {got:?}, PEFT's {want:?}"
+    );
+}
+
+#[test]
+fn alpha_pattern_keys_are_regular_expressions_matched_as_peft_does() {
+    let modules = [
+        "down.attn1.to_out.0",
+        "down.attn2.to_out.0",
+        "down.attn1.to_q",
+        "down.attn2.to_k",
+        "down.attn1.to_out_proj",
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    // PEFT: `re.match(rf"(.*\.)?({key})$", name)`. `to_out\.0` matches both `to_out.0`; `attn2\.to_[qk]`
+    // is a character class; `to_out` must match a whole trailing name part, so `to_out_proj` and
+    // `to_out.0` are not it.
+    let (p, path) = peft_on(
+        dir.path(),
+        &modules,
+        r#"{"r": 4, "lora_alpha": 8,
+            "alpha_pattern": {"to_out\\.0": 32, "attn2\\.to_[qk]": 4, "to_out": 1}}"#,
+    );
+    assert_scales(&scales(&p, &path, &modules), &[8.0, 8.0, 2.0, 1.0, 2.0]);
+}
+
+#[test]
+fn an_alpha_pattern_that_is_no_regular_expression_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, path) = peft_on(
+        dir.path(),
+        &["down.to_q"],
+        r#"{"r": 4, "lora_alpha": 8, "alpha_pattern": {"to_q": 2, "to_(out": 4}}"#,
+    );
+    let err = lora_file::load(&path, p.model().keys()).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(err, residency::Error::File { .. })
+            && msg.contains("adapter_config.json")
+            && msg.contains("`to_(out`"),
+        "{msg}"
+    );
+}

@@ -5,32 +5,46 @@
 //! `r` (or its `rank_pattern` entry), so the scale is given to the patch as an alpha:
 //! `lora_alpha` (or its `alpha_pattern` entry), times `√r` under rsLoRA, so that the patch's
 //! `alpha / rank` is PEFT's scale. A group that carries its own `.alpha` keeps it.
+//!
+//! `alpha_pattern` is PEFT's: each key is a regular expression a module's name matches as
+//! `re.match(rf"(.*\.)?({key})$", name)` (the whole name, or a trailing run of its dot-separated
+//! parts), the first match giving the alpha. The name is the module's
+//! in the base model: the file's `base_model.model.` prefix is not part of it. A key that is no
+//! regular expression (Rust's `regex` has no look-around or back-references) is an error, found
+//! before anything is loaded. `rank_pattern` needs no reading: the rank it set is the file's
+//! `lora_A` rank, which is what the scale divides by.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::Tensor;
+use regex::Regex;
 
 use crate::error::{Error, Result};
 
 /// The file PEFT writes beside `adapter_model.safetensors`.
 pub(crate) const CONFIG_NAME: &str = "adapter_config.json";
 
+/// The prefix PEFT's `PeftModel` puts before a module's name in the file it saves.
+const PEFT_PREFIX: &str = "base_model.model.";
+
 /// The scale numbers of a PEFT config.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub(crate) struct PeftScale {
     lora_alpha: f64,
     use_rslora: bool,
-    /// Module-name suffix → alpha (PEFT's `alpha_pattern`).
-    alpha_pattern: Vec<(String, f64)>,
+    /// PEFT's `alpha_pattern`: each key's expression as PEFT matches it,
+    /// and its alpha.
+    alpha_pattern: Vec<(Regex, f64)>,
 }
 
 impl PeftScale {
     /// Reads `adapter_config.json` beside `lora_file`, if there is one.
     ///
     /// # Errors
-    /// [`Error::File`] naming the config when it exists but cannot be read, is not JSON, or has
-    /// no numeric `lora_alpha`.
+    /// [`Error::File`] naming the config when it exists but cannot be read, is not JSON, has no
+    /// numeric `lora_alpha`, or has an `alpha_pattern` entry that is not a number or whose key is
+    /// not a regular expression (naming the key).
     pub(crate) fn beside(lora_file: &Path) -> Result<Option<PeftScale>> {
         let Some(path) = lora_file.parent().map(|d| d.join(CONFIG_NAME)) else {
             return Ok(None);
@@ -54,15 +68,30 @@ impl PeftScale {
             .get("use_rslora")
             .and_then(serde_json::Value::as_bool)
             .unwrap_or(false);
-        let alpha_pattern = json
+        let alpha_pattern = match json
             .get("alpha_pattern")
             .and_then(serde_json::Value::as_object)
-            .map(|m| {
-                m.iter()
-                    .filter_map(|(k, v)| v.as_f64().map(|a| (k.clone(), a)))
-                    .collect()
-            })
-            .unwrap_or_default();
+        {
+            None => Vec::new(),
+            Some(alphas) => {
+                let keys: Vec<String> = alphas.keys().cloned().collect();
+                let mut pattern = Vec::with_capacity(keys.len());
+                for key in keys {
+                    let alpha = alphas
+                        .get(&key)
+                        .and_then(serde_json::Value::as_f64)
+                        .filter(|a| a.is_finite())
+                        .ok_or_else(|| bad(format!("`alpha_pattern` `{key}` is not a number")))?;
+                    let re = Regex::new(&format!(r"^(?:.*\.)?(?:{key})$")).map_err(|e| {
+                        bad(format!(
+                            "`alpha_pattern` key `{key}` is not a regular expression: {e}"
+                        ))
+                    })?;
+                    pattern.push((re, alpha));
+                }
+                pattern
+            }
+        };
         Ok(Some(PeftScale {
             lora_alpha,
             use_rslora,
@@ -70,12 +99,14 @@ impl PeftScale {
         }))
     }
 
-    /// The alpha for the module `base` whose down projection has rank `rank`.
+    /// The alpha for the module `base` (a name in the file) whose down projection has rank
+    /// `rank`.
     fn alpha_for(&self, base: &str, rank: usize) -> f64 {
+        let name = base.strip_prefix(PEFT_PREFIX).unwrap_or(base);
         let alpha = self
             .alpha_pattern
             .iter()
-            .find(|(k, _)| base == k || base.ends_with(&format!(".{k}")))
+            .find(|(re, _)| re.is_match(name))
             .map_or(self.lora_alpha, |(_, a)| *a);
         if self.use_rslora {
             alpha * (rank as f64).sqrt()
