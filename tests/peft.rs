@@ -202,6 +202,27 @@ fn alpha_pattern_keys_are_regular_expressions_matched_as_peft_does() {
 }
 
 #[test]
+fn the_first_alpha_pattern_key_in_the_files_order_wins() {
+    let modules = ["down.attn1.to_out.0", "down.attn2.to_out.0"];
+    let dir = tempfile::tempdir().unwrap();
+    // Sorted, `attn1.to_out.0` would come first; PEFT takes the file's first match, `to_out.0`.
+    let (p, path) = peft_on(
+        dir.path(),
+        &modules,
+        r#"{"r": 4, "lora_alpha": 8, "alpha_pattern": {"to_out.0": 32, "attn1.to_out.0": 2}}"#,
+    );
+    assert_scales(&scales(&p, &path, &modules), &[8.0, 8.0]);
+    // The other way round, `attn1.to_out.0` is first for attn1 only.
+    let dir = tempfile::tempdir().unwrap();
+    let (p, path) = peft_on(
+        dir.path(),
+        &modules,
+        r#"{"r": 4, "lora_alpha": 8, "alpha_pattern": {"attn1.to_out.0": 2, "to_out.0": 32}}"#,
+    );
+    assert_scales(&scales(&p, &path, &modules), &[0.5, 8.0]);
+}
+
+#[test]
 fn an_alpha_pattern_that_is_no_regular_expression_is_an_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let (p, path) = peft_on(

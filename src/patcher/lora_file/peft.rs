@@ -8,11 +8,13 @@
 //!
 //! `alpha_pattern` is PEFT's: each key is a regular expression a module's name matches as
 //! `re.match(rf"(.*\.)?({key})$", name)` (the whole name, or a trailing run of its dot-separated
-//! parts), the first match giving the alpha. The name is the module's
+//! parts), tried in the file's order, the first match giving the alpha. The name is the module's
 //! in the base model: the file's `base_model.model.` prefix is not part of it. A key that is no
 //! regular expression (Rust's `regex` has no look-around or back-references) is an error, found
 //! before anything is loaded. `rank_pattern` needs no reading: the rank it set is the file's
 //! `lora_A` rank, which is what the scale divides by.
+
+mod key_order;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -33,7 +35,7 @@ const PEFT_PREFIX: &str = "base_model.model.";
 pub(crate) struct PeftScale {
     lora_alpha: f64,
     use_rslora: bool,
-    /// PEFT's `alpha_pattern`: each key's expression as PEFT matches it,
+    /// PEFT's `alpha_pattern` in the file's order: each key's expression as PEFT matches it,
     /// and its alpha.
     alpha_pattern: Vec<(Regex, f64)>,
 }
@@ -74,7 +76,12 @@ impl PeftScale {
         {
             None => Vec::new(),
             Some(alphas) => {
-                let keys: Vec<String> = alphas.keys().cloned().collect();
+                // `Value` sorts the keys; PEFT's first match is in the file's order.
+                let keys = key_order::object_keys(&text, "alpha_pattern")
+                    .ok()
+                    .flatten()
+                    .filter(|keys| keys.len() == alphas.len())
+                    .ok_or_else(|| bad("cannot read the order of `alpha_pattern`".into()))?;
                 let mut pattern = Vec::with_capacity(keys.len());
                 for key in keys {
                     let alpha = alphas
