@@ -227,13 +227,52 @@ pub(super) fn storage_ptr(s: &CpuStorage) -> usize {
     }
 }
 
-/// The memory of a sim page-locked host buffer.
+/// The memory of a sim page-locked host buffer: words from `Box::into_raw`, freed when the last
+/// holder (the buffer, or a queued copy still to read it) drops it.
+///
+/// It holds the allocation as a raw pointer, not a `Box`: a `Box` asserts unique access each
+/// time it moves, which would invalidate the pointers `SimHostBuffer::ptr` and queued copies
+/// read and write through (undefined behaviour under Stacked Borrows). Every access goes through
+/// pointers derived from `words`.
 pub(crate) struct HostMem {
-    /// Owns the memory `SimHostBuffer::ptr` addresses.
-    pub(super) _buf: Box<[u64]>,
+    words: std::ptr::NonNull<[u64]>,
     /// Set when the buffer is freed: a queued copy still reading it reads poison.
     pub(super) freed: AtomicBool,
 }
+
+impl HostMem {
+    /// `len` zeroed bytes (rounded up to whole `u64` words, so 8-aligned).
+    fn zeroed(len: usize) -> HostMem {
+        let words = Box::into_raw(vec![0u64; len.div_ceil(8)].into_boxed_slice());
+        HostMem {
+            // SAFETY: `Box::into_raw` never returns null (an empty slice gives a dangling,
+            // non-null, aligned pointer).
+            words: unsafe { std::ptr::NonNull::new_unchecked(words) },
+            freed: AtomicBool::new(false),
+        }
+    }
+
+    /// The first byte.
+    fn as_ptr(&self) -> *mut u8 {
+        self.words.as_ptr().cast::<u8>()
+    }
+}
+
+impl Drop for HostMem {
+    fn drop(&mut self) {
+        // SAFETY: `words` came from `Box::into_raw` in `zeroed` and is freed only here, once;
+        // nothing reads or writes it any more: the `SimHostBuffer` and every queued copy that
+        // reads it hold an `Arc<HostMem>`, and this is the last one going.
+        drop(unsafe { Box::from_raw(self.words.as_ptr()) });
+    }
+}
+
+// SAFETY: `HostMem` owns its words as a `Box<[u64]>` would (plain data, freed once in `Drop`);
+// the pointer only stops the compiler from seeing that. Who reads and writes them, and when, is
+// `SimHostBuffer`'s contract below.
+unsafe impl Send for HostMem {}
+// SAFETY: as above; `&HostMem` gives no access to the words by itself.
+unsafe impl Sync for HostMem {}
 
 /// Page-locked host memory of a simulated device (a staging buffer), zeroed at creation.
 pub struct SimHostBuffer {
@@ -244,20 +283,17 @@ pub struct SimHostBuffer {
     pub(super) gpu: Arc<SimGpu>,
 }
 
-// SAFETY: `ptr` addresses `mem._buf`, owned through `mem`; writes need `&mut self` and wait for every
-// queued read first; queued reads only read.
+// SAFETY: `ptr` addresses `mem`'s words, owned through `mem`; writes need `&mut self` and wait for
+// every queued read first; queued reads only read.
 unsafe impl Send for SimHostBuffer {}
 // SAFETY: as above.
 unsafe impl Sync for SimHostBuffer {}
 
 impl SimHostBuffer {
     pub(super) fn new(gpu: Arc<SimGpu>, len: usize) -> SimHostBuffer {
-        let mut buf = vec![0u64; len.div_ceil(8)].into_boxed_slice();
-        let ptr = buf.as_mut_ptr().cast::<u8>();
-        let mem = Arc::new(HostMem {
-            _buf: buf,
-            freed: AtomicBool::new(false),
-        });
+        let mem = Arc::new(HostMem::zeroed(len));
+        // Derived from the raw allocation, so moving `mem` (or the `Arc`) never invalidates it.
+        let ptr = mem.as_ptr();
         let range = gpu.add_host_range(ptr as usize, len, Arc::downgrade(&mem));
         SimHostBuffer {
             mem,
@@ -280,7 +316,7 @@ impl SimHostBuffer {
 
     /// The bytes, to read (a copy queued from them keeps the memory alive).
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr + len` lies in `mem._buf`, alive while `self` is; writers need
+        // SAFETY: `ptr..ptr + len` lies in `mem`'s words, alive while `self` is; writers need
         // `&mut self`.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }

@@ -11,6 +11,7 @@ use candle_core::DType;
 
 use super::{SimFault, SimGpu};
 use crate::error::{Error, Result};
+use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
 /// Where a queued copy reads from.
@@ -281,12 +282,24 @@ impl SimStream {
         })
     }
 
-    /// Enqueues a copy of `src` into `dst`.
+    /// Enqueues a copy of `src` into `dst`, which must be exactly `dst`'s size.
+    ///
+    /// # Errors
+    /// [`crate::Error::Device`] naming both sizes when they differ (checked here, not only by
+    /// [`crate::device::Stream::copy_htod`]: the copy executes with `dst`'s length, so a shorter
+    /// page-locked source would be read past its end), before anything is queued.
     ///
     /// # Safety
     /// As [`crate::device::Stream::copy_htod`].
     pub(crate) unsafe fn copy_htod(&self, src: &[u8], dst: &mut SimBuffer) -> Result<()> {
         let gpu = self.gpu()?;
+        if src.len() != dst.mem.len {
+            return Err(gpu.error(&format!(
+                "a copy of {} bytes into a device buffer of {}",
+                src.len(),
+                ByteSize(dst.mem.len as u64)
+            )));
+        }
         if gpu.fault(SimFault::Copy) {
             return Err(gpu.injected("enqueuing a copy"));
         }

@@ -670,3 +670,33 @@ fn a_copy_whose_record_and_stream_sync_both_fail_stays_fenced() {
     assert!(fences.is_empty());
     release.join().unwrap();
 }
+
+#[test]
+fn a_copy_whose_length_is_not_its_buffers_is_an_error_naming_both_and_queues_nothing() {
+    let g = gpu(ByteSize::mib(1));
+    let s = g.new_stream().unwrap();
+    let mut dst = buffer(&s, 32);
+    let host = g.alloc_host(64).unwrap();
+    let refused = |err: Error| {
+        let msg = err.to_string();
+        assert!(
+            matches!(err, Error::Device { .. }) && msg.contains("32 B") && msg.contains("bytes"),
+            "{msg}"
+        );
+        msg
+    };
+    // SAFETY: pageable memory; refused for its size.
+    let msg = refused(unsafe { s.copy_htod(&[1u8; 16], &mut dst) }.unwrap_err());
+    assert!(msg.contains("16"), "{msg}");
+    // SAFETY: as above.
+    refused(unsafe { s.copy_htod(&[1u8; 48], &mut dst) }.unwrap_err());
+    // From page-locked memory a short source would be read past its end when the copy executes.
+    // SAFETY: `host` outlives the synchronize below; refused for its size anyway.
+    refused(unsafe { s.copy_htod(&host.as_slice()[..16], &mut dst) }.unwrap_err());
+    // SAFETY: as above, and the right size.
+    unsafe { s.copy_htod(&host.as_slice()[..32], &mut dst) }.unwrap();
+    s.synchronize().unwrap();
+    drop(host);
+    assert_eq!(take(dst, 32), vec![0; 32]);
+    assert!(g.violations().is_empty(), "{:?}", g.violations());
+}
