@@ -46,7 +46,7 @@ impl Embedding {
 
     /// The table, fetched now for a managed embedding (upstream returns `&Tensor`; code such as
     /// T5's tied head, `x.matmul(&shared.embeddings().t()?)`, compiles unchanged on this). A
-    /// failed fetch is logged and gives an empty table: see [`crate::nn::Embedding::embeddings`].
+    /// failed fetch panics, naming the weight: see [`crate::nn::Embedding::embeddings`].
     pub fn embeddings(&self) -> Tensor {
         self.inner.embeddings()
     }

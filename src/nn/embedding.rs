@@ -38,31 +38,29 @@ impl Embedding {
     /// managed: [`super::Linear::new`] recognises the table and fetches the embedding's weight
     /// (as [`super::Linear::from_embedding`] does).
     ///
-    /// A fetch that fails (a device out of memory) is logged at error level with its cause and
-    /// gives an empty `[0, hidden]` table, so the operation that uses it fails with a shape
-    /// error instead of computing with a wrong table. [`Embedding::try_embeddings`] returns the
-    /// error itself.
+    /// # Panics
+    /// When the fetch fails (the load device out of memory, the weight's file changed
+    /// underneath, patch math): candle-nn's accessor cannot fail, so there is no table to return
+    /// that would not be wrong (an empty one made a later op fail far from the cause, or compute
+    /// an empty result). The message, logged at error level first, names the weight, its model
+    /// and the cause. [`Embedding::try_embeddings`] returns the error instead, and
+    /// [`super::Linear::from_embedding`] builds a tied head without fetching at all.
     pub fn embeddings(&self) -> Tensor {
         match self.try_embeddings() {
             Ok(t) => t,
             Err(e) => {
-                tracing::error!(error = %e, "fetching an embedding table failed");
-                let device = self
-                    .weights()
-                    .and_then(|w| w.source().patcher().load_device().to_candle().ok())
-                    .unwrap_or(candle_core::Device::Cpu);
-                Tensor::zeros((0, self.hidden_size), candle_core::DType::F32, &device)
-                    .or_else(|_| {
-                        Tensor::zeros(
-                            (0, self.hidden_size),
-                            candle_core::DType::F32,
-                            &candle_core::Device::Cpu,
-                        )
-                    })
-                    .unwrap_or_else(|_| {
-                        Tensor::new(&[0f32; 0], &candle_core::Device::Cpu)
-                            .expect("an empty CPU tensor")
-                    })
+                let weight = self.weights().map_or_else(
+                    || "the owned table".to_string(),
+                    |w| {
+                        let model = w.source().patcher().model().name().to_string();
+                        format!("`{}` of `{model}`", w.weight_key())
+                    },
+                );
+                tracing::error!(weight = %weight, error = %e, "fetching an embedding table failed");
+                panic!(
+                    "fetching the embedding table {weight} failed: {e} \
+                     (Embedding::try_embeddings returns this error)"
+                );
             }
         }
     }

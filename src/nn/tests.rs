@@ -433,3 +433,63 @@ fn set_patcher_on_the_source_switches_every_layer() {
     // Another model is refused.
     assert!(vb.source().set_patcher(&patcher()).is_err());
 }
+
+#[test]
+fn a_failed_table_fetch_is_try_embeddings_error_and_an_embeddings_panic_naming_the_weight() {
+    use crate::trace::{Kind, Trace};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("emb.safetensors");
+    let table = uniform_tensor(&[10, 4], 1).unwrap();
+    crate::weights::save_safetensors(
+        &path,
+        &[("emb.weight".to_string(), table, Dtype::F32)],
+        &crate::weights::SafetensorsOptions::default(),
+    )
+    .unwrap();
+    let tier = crate::weights::HostTier::new(None);
+    let model = Model::from_safetensors_lazy("lazy", &[&path], &tier).unwrap();
+    let p = ModelPatcher::new(model, DeviceId::Cpu, DeviceId::Cpu);
+    let vb = VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap();
+    let emb = embedding(10, 4, vb.pp("emb")).unwrap();
+    // The file changes underneath the lazy model: every fetch of the table fails.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(16)
+        .unwrap();
+
+    let cause = emb.try_embeddings().unwrap_err().to_string();
+    assert!(cause.contains("emb.weight"), "{cause}");
+
+    // candle-nn's accessor has no error to return: it panics naming the weight, its model and
+    // the cause (never an empty table that fails a later op), and logs the same first.
+    let trace = Trace::new();
+    let subscriber = tracing_subscriber::registry().with(trace.layer());
+    let panicked = tracing::subscriber::with_default(subscriber, || {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| emb.embeddings()))
+    });
+    let payload = panicked.expect_err("a failed fetch gives no table");
+    let msg = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        msg.contains("`emb.weight` of `lazy`")
+            && msg.contains(&cause)
+            && msg.contains("try_embeddings"),
+        "{msg}"
+    );
+    let records = trace.records();
+    let logged = records
+        .iter()
+        .find(|r| r.kind == Kind::Instant && r.field("weight").is_some())
+        .unwrap_or_else(|| panic!("no event names the weight: {records:?}"));
+    let field = |name| logged.field(name).map(|v| v.text()).unwrap_or_default();
+    assert!(
+        field("weight").contains("emb.weight") && field("error") == cause,
+        "{logged:?}"
+    );
+}
