@@ -8,7 +8,7 @@ use proptest::prelude::*;
 
 use std::sync::Arc;
 
-use candle_core::{Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 use residency::loader::{LoadOptions, MemoryManager};
 use residency::nn::{Linear, RmsNorm, VarBuilder};
 use residency::ops::OpsMode;
@@ -197,9 +197,12 @@ proptest::proptest! {
     /// Model-based: a reference list of the tensors the model keeps or dropped while its builder
     /// lives (key, bytes), against
     /// `held_outside` and the ledger, after every step of a random sequence of reads, adoptions,
-    /// drops, rebuilds, loads and unloads.
+    /// drops, rebuilds, loads and unloads; with a builder in the weights' dtype (a read hands out
+    /// the clean tensor itself) or in bf16 (each read makes a new tensor, the second is kept and
+    /// handed out again: never more than two counted per weight).
     #[test]
     fn held_outside_and_the_ledger_follow_what_the_model_keeps(
+        bf16 in proptest::bool::ANY,
         steps in proptest::collection::vec(proptest::prop_oneof![
             3 => (0..4usize).prop_map(Step::Get),
             1 => (0..4usize).prop_map(Step::GetUnchecked),
@@ -213,7 +216,9 @@ proptest::proptest! {
         let mm = common::manager_with(&["--vram-budget", "1MiB", "--reserve-vram", "0"]);
         let m = model();
         let p = ModelPatcher::new(Arc::clone(&m), DeviceId::Cpu, DeviceId::Cpu);
-        let mut vb = Some(VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap());
+        let dtype = if bf16 { DType::BF16 } else { DType::F32 };
+        let builder = || VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap().to_dtype(dtype);
+        let mut vb = Some(builder());
         let mut kept: Vec<(String, Tensor)> = Vec::new();
         let mut dropped: Vec<(String, candle_core::TensorId, ByteSize)> = Vec::new();
         let mut layers: Vec<Linear> = Vec::new();
@@ -239,7 +244,8 @@ proptest::proptest! {
                     // A dropped tensor cannot be seen: it stays counted while its builder lives
                     // (never under the truth), so the reference moves it to `dropped`.
                     if let Some(last) = kept.pop() {
-                        dropped.push((last.0, last.1.id(), ByteSize(last.1.elem_count() as u64 * 4)));
+                        let bytes = last.1.elem_count() * last.1.dtype().size_in_bytes();
+                        dropped.push((last.0, last.1.id(), ByteSize(bytes as u64)));
                     }
                 }
                 Step::Rebuild => {
@@ -247,7 +253,7 @@ proptest::proptest! {
                     dropped.clear();
                     layers.clear();
                     drop(vb.take());
-                    vb = Some(VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit).unwrap());
+                    vb = Some(builder());
                 }
                 Step::Load => {
                     mm.load_model_gpu(&p).unwrap();
@@ -272,6 +278,12 @@ proptest::proptest! {
             }
             let want: Vec<(String, ByteSize)> = want.into_iter().collect();
             prop_assert_eq!(m.held_outside(), want.clone(), "step {}: {:?}", i, step);
+            // Bounded by what the model can hold, not by how often it reads: two copies a key.
+            for (key, bytes) in &want {
+                let shape = WEIGHTS.iter().find(|(k, _)| k == key).unwrap().1;
+                let copy = shape.iter().product::<usize>() * dtype.size_in_bytes();
+                prop_assert!(*bytes <= ByteSize(2 * copy as u64), "step {}: {} holds {}", i, key, bytes);
+            }
             let outside: ByteSize = want.iter().map(|(_, b)| *b).sum();
             let expected = if registered {
                 m.resident_bytes(DeviceId::Cpu).saturating_add(outside)
@@ -337,4 +349,43 @@ fn a_partial_load_counts_the_loading_model_s_held_tensors_so_plan_and_load_agree
     assert_eq!(report.models[0].held_outside, held);
     assert_eq!(mm.ledger(SIM0), plan.devices[0].ledger_after);
     assert!(mm.ledger(SIM0) <= total, "{} over {total}", mm.ledger(SIM0));
+}
+
+/// A weight read again and again (a port that calls `vb.get` in its forward) used to count one
+/// more copy per read while the builder lived, until every plan on the device was refused.
+#[test]
+fn reading_one_weight_ten_thousand_times_keeps_the_held_figure_bounded() {
+    let mm = common::manager_with(&["--sim-gpu", "1MiB", "--novram", "--disable-dynamic-vram"]);
+    let m = model();
+    let p = ModelPatcher::new(Arc::clone(&m), SIM0, DeviceId::Cpu);
+    // In bf16 over f32 weights: every read makes a new tensor (cast now), as a streamed weight's
+    // does.
+    let vb = VarBuilder::from_patcher(&p, OpsMode::DisableWeightInit)
+        .unwrap()
+        .to_dtype(DType::BF16);
+    let bf16 = |t: &Tensor| common::bits(&t.to_dtype(DType::F32).unwrap());
+    let want = bf16(&m.clean("w").unwrap().to_dtype(DType::BF16).unwrap());
+    let mut ids = std::collections::HashSet::new();
+    for _ in 0..10_000 {
+        let t = vb.get((64, 64), "w").unwrap();
+        ids.insert(t.id());
+        assert_eq!(t.dtype(), DType::BF16);
+        drop(t);
+    }
+    // What counts is what was handed out and can still be alive: the first read's copy, then
+    // the second's, kept and handed out again.
+    let two = ByteSize::kib(16);
+    assert_eq!(m.held_outside(), vec![("w".to_string(), two)]);
+    assert_eq!(ids.len(), 2, "distinct tensors handed out");
+    assert_eq!(bf16(&vb.get((64, 64), "w").unwrap()), want, "the same bits");
+    let plan = mm.plan(&[&p], LoadOptions::default()).unwrap();
+    assert!(plan.fits(), "{:?}", plan.problem);
+    mm.load_model_gpu(&p).unwrap();
+    assert_eq!(mm.ledger(SIM0), two);
+
+    // The builder gone, nothing counts (and the kept copy is freed).
+    drop(vb);
+    assert!(m.held_outside().is_empty(), "{:?}", m.held_outside());
+    mm.load_model_gpu(&p).unwrap();
+    assert_eq!(mm.ledger(SIM0), ByteSize::ZERO);
 }

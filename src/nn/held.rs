@@ -1,9 +1,20 @@
 //! What a layer of [`crate::nn`] holds — the keys of weights it fetches, or tensors it owns — and
-//! the fetch every fetched layer's forward and accessors go through.
+//! the fetch every fetched layer's forward and accessors go through; and the tensors a model's
+//! code holds as its own, outside the ledger (`Model::held_outside`, docs/ARCHITECTURE.md §11).
+//!
+//! The held-outside table counts each tensor `VarBuilder::get` handed to a model's code, per model, key and tensor, until a layer constructor adopts it, the
+//! source it was read through is dropped, or the model is: a tensor's own drop cannot be seen.
+//! It stays bounded by what the model's code can hold, not by how often it reads: a second copy
+//! of one weight read in one form (patcher, dtype, device, call) from one source is kept and
+//! handed out in place of every later read, so a weight read in a loop counts two copies. The
+//! list a constructor adopts from keeps the last 4 096 hand-outs. Lookups are O(copies of the
+//! key); the ledger's figures O(entries of the model).
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor, TensorId};
 
-use crate::ops::{cast_bias_weight, to_candle, LayerWeights};
+use crate::ops::{cast_bias_weight, to_candle, LayerWeights, OpsSource, WeakSource};
+use crate::size::ByteSize;
+use crate::vram::DeviceId;
 
 /// A layer's tensors: fetched through the patcher at every use, or owned as candle-nn owns them
 /// (a layer made with `new`, which the memory manager cannot evict).
@@ -135,8 +146,8 @@ pub(crate) fn adopt_handed_out(t: &Tensor) -> Option<LayerWeights> {
 /// A parameter [`super::VarBuilder::get`] handed out: what a layer constructor needs to manage it
 /// instead (`Linear::new(vb.get(..)?, None)` becomes a managed layer on the same key).
 struct RawGet {
-    id: candle_core::TensorId,
-    source: crate::ops::WeakSource,
+    id: TensorId,
+    source: WeakSource,
     mode: crate::ops::OpsMode,
     key: String,
     shape: Vec<usize>,
@@ -151,24 +162,167 @@ static RAW: crate::lock::Mutex<std::collections::VecDeque<RawGet>> = crate::lock
     std::collections::VecDeque::new(),
 );
 
-/// How many handed-out parameters are remembered for adoption.
+/// How many hand-outs are remembered for adoption. Past it the oldest is forgotten: a
+/// constructor given that tensor builds an owned layer (the tensor stays counted), never a wrong
+/// one.
 const RAW_KEPT: usize = 4096;
 
-/// The parameters one model's code holds as its own tensors, by key and tensor (a key read twice
-/// and kept twice is two tensors): bytes, the device the
-/// tensor was made for (the patcher's load device), and the source it was read through. A
-/// tensor's drop cannot be seen, so an entry counts while its source lives: the model built from
-/// that `VarBuilder` (its managed layers hold the source) — a model dropped and built again does
-/// not count twice.
-type Outside = std::collections::HashMap<(String, candle_core::TensorId), OutsideTensor>;
+/// What makes two hand-outs of one weight the same bits in the same place: the patcher the
+/// source fetched through (its patches and wrappers), the dtype and device asked for, and the
+/// path (a `VarBuilder::get` in its mode).
+#[derive(Clone)]
+struct Form {
+    /// Compared by allocation; the weak handle keeps the address from being reused.
+    patcher: std::sync::Weak<crate::patcher::ModelPatcher>,
+    dtype: DType,
+    location: candle_core::DeviceLocation,
+    via: Via,
+}
 
-/// One handed-out tensor (a clean weight read twice may be handed out twice as one tensor).
+/// The call that handed a tensor out.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Via {
+    Get(crate::ops::OpsMode),
+}
+
+impl Form {
+    fn new(source: &OpsSource, dtype: DType, device: &Device, via: Via) -> Form {
+        Form {
+            patcher: std::sync::Arc::downgrade(&source.patcher()),
+            dtype,
+            location: device.location(),
+            via,
+        }
+    }
+
+    fn same(&self, other: &Form) -> bool {
+        self.patcher.ptr_eq(&other.patcher)
+            && self.dtype == other.dtype
+            && self.location == other.location
+            && self.via == other.via
+    }
+}
+
+/// One tensor handed to a model's code (a clean weight read twice may be handed out twice as one
+/// tensor). A tensor's drop cannot be seen (candle gives no weak handle on one), so it counts
+/// until a layer adopts every hand-out of it, its source is dropped (the builder and every layer
+/// built from it), or its model is.
 struct OutsideTensor {
-    bytes: crate::ByteSize,
-    device: crate::vram::DeviceId,
-    source: crate::ops::WeakSource,
+    id: TensorId,
+    bytes: ByteSize,
+    /// The ledger's device for it.
+    device: DeviceId,
+    source: WeakSource,
+    form: Form,
     /// Hand-outs not adopted by a layer: counted while any is left.
     handouts: u32,
+    /// The second copy made of one weight in one form from one source: kept, and handed out in
+    /// place of every later read, so reading a weight again and again counts two copies, not one
+    /// per read. (The first is not kept: model code that reads each weight once and transforms
+    /// it — experts stacked at build — must not pay for the copies it dropped.)
+    kept: Option<Tensor>,
+}
+
+/// The tensors one model's code holds as its own, by key.
+#[derive(Default)]
+struct Outside {
+    by_key: std::collections::HashMap<String, Vec<OutsideTensor>>,
+    /// Entries keeping a copy: their tensors are released as soon as any call sees their source
+    /// gone, whichever model it asks about.
+    keeping: usize,
+}
+
+/// Drops the entries of `copies` whose source is gone, moving the copies they kept to `released`
+/// (to be dropped once the table's lock is released).
+fn prune_copies(copies: &mut Vec<OutsideTensor>, keeping: &mut usize, released: &mut Vec<Tensor>) {
+    copies.retain_mut(|o| {
+        let alive = o.source.alive();
+        if !alive {
+            if let Some(t) = o.kept.take() {
+                *keeping = keeping.saturating_sub(1);
+                released.push(t);
+            }
+        }
+        alive
+    });
+}
+
+impl Outside {
+    /// Drops the entries whose source is gone ([`prune_copies`]).
+    fn prune(&mut self, released: &mut Vec<Tensor>) {
+        let keeping = &mut self.keeping;
+        self.by_key.retain(|_, copies| {
+            prune_copies(copies, keeping, released);
+            !copies.is_empty()
+        });
+    }
+
+    /// Counts one more hand-out of `t` (weight `key`, in `form`, from `source`).
+    fn note(
+        &mut self,
+        key: &str,
+        t: &Tensor,
+        device: DeviceId,
+        source: WeakSource,
+        form: Form,
+        released: &mut Vec<Tensor>,
+    ) {
+        let copies = self.by_key.entry(key.to_string()).or_default();
+        // A count whose source is gone is over: a clean tensor handed out again by the builder
+        // of a model built again starts a new one.
+        prune_copies(copies, &mut self.keeping, released);
+        if let Some(o) = copies.iter_mut().find(|o| o.id == t.id()) {
+            // The same tensor again: a resident or clean copy is handed out as itself.
+            o.handouts = o.handouts.saturating_add(1);
+            return;
+        }
+        let earlier = copies
+            .iter()
+            .filter(|o| o.source.same_as(&source) && o.form.same(&form));
+        let keep = earlier.clone().next().is_some() && !earlier.clone().any(|o| o.kept.is_some());
+        if keep {
+            self.keeping += 1;
+        }
+        copies.push(OutsideTensor {
+            id: t.id(),
+            bytes: ByteSize((t.elem_count() * t.dtype().size_in_bytes()) as u64),
+            device,
+            source,
+            form,
+            handouts: 1,
+            kept: keep.then(|| t.clone()),
+        });
+    }
+
+    /// The copy kept for weight `key` in `form` from `source`, counted as handed out once more.
+    fn hand_out_kept(&mut self, key: &str, source: &WeakSource, form: &Form) -> Option<Tensor> {
+        let o = self.by_key.get_mut(key)?.iter_mut().find(|o| {
+            o.kept.is_some() && o.source.alive() && o.source.same_as(source) && o.form.same(form)
+        })?;
+        o.handouts = o.handouts.saturating_add(1);
+        o.kept.clone()
+    }
+
+    /// One hand-out of tensor `id` (weight `key`) adopted by a layer: gone from the count once
+    /// every hand-out of it is.
+    fn adopted(&mut self, key: &str, id: TensorId, released: &mut Vec<Tensor>) {
+        let Some(copies) = self.by_key.get_mut(key) else {
+            return;
+        };
+        let Some(at) = copies.iter().position(|o| o.id == id) else {
+            return;
+        };
+        copies[at].handouts = copies[at].handouts.saturating_sub(1);
+        if copies[at].handouts == 0 {
+            if let Some(t) = copies.remove(at).kept {
+                self.keeping = self.keeping.saturating_sub(1);
+                released.push(t);
+            }
+            if copies.is_empty() {
+                self.by_key.remove(key);
+            }
+        }
+    }
 }
 
 /// Set by the first hand-out: until then (most processes: no model keeps raw tensors) the
@@ -179,49 +333,94 @@ static ANY_OUTSIDE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBoo
 static OUTSIDE: crate::lock::Mutex<Option<std::collections::HashMap<u64, Outside>>> =
     crate::lock::Mutex::new(crate::lock::Rank::NnHandedOut, None);
 
-/// Notes that `t`, the parameter `weights` names, was handed to model code: it is outside the
-/// ledger until a layer constructor adopts it.
-pub(crate) fn note_raw(t: &Tensor, weights: &LayerWeights) {
-    let patcher = weights.source().patcher();
-    let model_id = patcher.model().id();
-    let key = weights.weight_key().to_string();
-    let bytes = crate::ByteSize((t.elem_count() * t.dtype().size_in_bytes()) as u64);
-    let device = patcher.load_device();
-    ANY_OUTSIDE.store(true, std::sync::atomic::Ordering::Relaxed);
-    {
-        let mut raw = RAW.lock();
-        if raw.len() == RAW_KEPT {
-            raw.pop_front();
+/// Prunes every model that keeps copies (their tensors must not outlive their source, whoever
+/// asks next), then `f` on the table.
+fn with_outside<R>(f: impl FnOnce(&mut std::collections::HashMap<u64, Outside>) -> R) -> R {
+    let mut released = Vec::new();
+    let r = {
+        let mut outside = OUTSIDE.lock();
+        let models = outside.get_or_insert_with(Default::default);
+        for table in models.values_mut().filter(|t| t.keeping > 0) {
+            table.prune(&mut released);
         }
-        raw.push_back(RawGet {
-            id: t.id(),
-            source: weights.source().downgrade(),
-            mode: weights.mode(),
-            key: key.clone(),
-            shape: weights.weight_shape().to_vec(),
-            model_id,
-        });
+        f(models)
+    };
+    // Tensors are freed outside the lock.
+    drop(released);
+    r
+}
+
+/// The parameter `weights` names, handed to model code by `VarBuilder::get` in `dtype` on
+/// `device`: the copy kept for it when this weight was read twice before in this form from this
+/// source, else `read()`'s tensor; counted outside the ledger until a layer constructor adopts
+/// it, and remembered for adoption.
+pub(crate) fn get(
+    weights: &LayerWeights,
+    dtype: DType,
+    device: &Device,
+    read: impl FnOnce() -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
+    let form = Form::new(weights.source(), dtype, device, Via::Get(weights.mode()));
+    let t = hand_out(weights.source(), weights.weight_key(), form, read)?;
+    let entry = RawGet {
+        id: t.id(),
+        source: weights.source().downgrade(),
+        mode: weights.mode(),
+        key: weights.weight_key().to_string(),
+        shape: weights.weight_shape().to_vec(),
+        model_id: weights.source().patcher().model().id(),
+    };
+    let mut raw = RAW.lock();
+    if raw.len() == RAW_KEPT {
+        raw.pop_front();
     }
-    OUTSIDE
-        .lock()
-        .get_or_insert_with(Default::default)
-        .entry(model_id)
-        .or_default()
-        .entry((key, t.id()))
-        .and_modify(|o| {
-            // Handed out again by a builder of a model rebuilt since: the old count is over.
-            if !o.source.alive() {
-                o.source = weights.source().downgrade();
-                o.handouts = 0;
-            }
-            o.handouts += 1;
-        })
-        .or_insert(OutsideTensor {
-            bytes,
-            device,
-            source: weights.source().downgrade(),
-            handouts: 1,
-        });
+    raw.push_back(entry);
+    Ok(t)
+}
+
+/// The ledger's device for a tensor on `device` handed out by a model loaded on `load`: the load
+/// device when `device` is its candle device, else the device it names (the host, a GPU).
+fn ledger_device(load: DeviceId, device: &Device) -> DeviceId {
+    if load.to_candle().is_ok_and(|d| d.same_device(device)) {
+        return load;
+    }
+    match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => DeviceId::Cuda(gpu_id),
+        _ => DeviceId::Cpu,
+    }
+}
+
+/// Hands out weight `key` of `source`'s model in `form`: the copy kept for it, or `read()`'s
+/// tensor, counted.
+fn hand_out(
+    source: &OpsSource,
+    key: &str,
+    form: Form,
+    read: impl FnOnce() -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
+    let patcher = source.patcher();
+    let model_id = patcher.model().id();
+    let weak = source.downgrade();
+    ANY_OUTSIDE.store(true, std::sync::atomic::Ordering::Relaxed);
+    let kept = with_outside(|models| {
+        models
+            .get_mut(&model_id)
+            .and_then(|t| t.hand_out_kept(key, &weak, &form))
+    });
+    if let Some(t) = kept {
+        return Ok(t);
+    }
+    let t = read()?;
+    let counted_on = ledger_device(patcher.load_device(), t.device());
+    let mut released = Vec::new();
+    with_outside(|models| {
+        models
+            .entry(model_id)
+            .or_default()
+            .note(key, &t, counted_on, weak, form, &mut released)
+    });
+    drop(released);
+    Ok(t)
 }
 
 /// The managed form of a layer made on `weight` (and `bias`) when `VarBuilder::get` handed them
@@ -265,27 +464,23 @@ pub(crate) fn adopt(weight: &Tensor, bias: Option<&Tensor>) -> Option<LayerWeigh
     let layer = crate::ops::OpsBuilder::from_source(&source, w.mode)
         .weights_at(w.key.clone(), &w.shape, bias.clone())
         .ok()?;
-    if let Some(map) = OUTSIDE.lock().as_mut().and_then(|m| m.get_mut(&w.model_id)) {
-        let mut adopted = |entry: (String, candle_core::TensorId)| {
-            if let Some(o) = map.get_mut(&entry) {
-                o.handouts = o.handouts.saturating_sub(1);
-                if o.handouts == 0 {
-                    map.remove(&entry);
-                }
+    let mut released = Vec::new();
+    with_outside(|models| {
+        if let Some(table) = models.get_mut(&w.model_id) {
+            table.adopted(&w.key, w.id, &mut released);
+            if let (Some((key, _)), Some(b)) = (&bias, bias_id) {
+                table.adopted(key, b, &mut released);
             }
-        };
-        adopted((w.key.clone(), w.id));
-        if let (Some((key, _)), Some(b)) = (&bias, bias_id) {
-            adopted((key.clone(), b));
         }
-    }
+    });
+    drop(released);
     Some(layer)
 }
 
 /// The parameters model `model_id` holds outside the ledger (handed out by `VarBuilder::get` and
 /// kept by the model as its own tensors), by key, with their bytes.
-pub(crate) fn outside_of(model_id: u64) -> Vec<(String, crate::ByteSize)> {
-    let mut by_key: Vec<(String, crate::ByteSize)> = Vec::new();
+pub(crate) fn outside_of(model_id: u64) -> Vec<(String, ByteSize)> {
+    let mut by_key: Vec<(String, ByteSize)> = Vec::new();
     // Live entries come sorted by key: one row per key, its tensors summed.
     for (k, b, _) in live_outside(model_id) {
         match by_key.last_mut() {
@@ -297,7 +492,7 @@ pub(crate) fn outside_of(model_id: u64) -> Vec<(String, crate::ByteSize)> {
 }
 
 /// Bytes of the parameters model `model_id`'s code holds on `device` (see [`outside_of`]).
-pub(crate) fn outside_on(model_id: u64, device: crate::vram::DeviceId) -> crate::ByteSize {
+pub(crate) fn outside_on(model_id: u64, device: DeviceId) -> ByteSize {
     live_outside(model_id)
         .into_iter()
         .filter(|(_, _, d)| *d == device)
@@ -307,8 +502,8 @@ pub(crate) fn outside_on(model_id: u64, device: crate::vram::DeviceId) -> crate:
 
 /// Bytes of the parameters model `model_id`'s code holds, per device they are on (see
 /// [`outside_of`]).
-pub(crate) fn outside_by_device(model_id: u64) -> Vec<(crate::vram::DeviceId, crate::ByteSize)> {
-    let mut by_device: Vec<(crate::vram::DeviceId, crate::ByteSize)> = Vec::new();
+pub(crate) fn outside_by_device(model_id: u64) -> Vec<(DeviceId, ByteSize)> {
+    let mut by_device: Vec<(DeviceId, ByteSize)> = Vec::new();
     for (_, b, d) in live_outside(model_id) {
         match by_device.iter_mut().find(|(x, _)| *x == d) {
             Some((_, sum)) => *sum = sum.saturating_add(b),
@@ -318,27 +513,30 @@ pub(crate) fn outside_by_device(model_id: u64) -> Vec<(crate::vram::DeviceId, cr
     by_device
 }
 
-/// The entries of `model_id` whose source still lives (dead ones are dropped).
-fn live_outside(model_id: u64) -> Vec<(String, crate::ByteSize, crate::vram::DeviceId)> {
+/// The entries of `model_id` whose source still lives (dead ones are dropped), sorted by key.
+fn live_outside(model_id: u64) -> Vec<(String, ByteSize, DeviceId)> {
     if !ANY_OUTSIDE.load(std::sync::atomic::Ordering::Relaxed) {
         return Vec::new();
     }
-    let mut outside = OUTSIDE.lock();
-    let Some(keys) = outside.as_mut().and_then(|m| m.get_mut(&model_id)) else {
-        return Vec::new();
-    };
-    keys.retain(|_, o| o.source.alive());
-    let mut live: Vec<_> = keys
-        .iter()
-        .map(|((k, _), o)| (k.clone(), o.bytes, o.device))
-        .collect();
+    let mut released = Vec::new();
+    let mut live: Vec<_> = with_outside(|models| {
+        let Some(table) = models.get_mut(&model_id) else {
+            return Vec::new();
+        };
+        table.prune(&mut released);
+        table
+            .by_key
+            .iter()
+            .flat_map(|(k, copies)| copies.iter().map(|o| (k.clone(), o.bytes, o.device)))
+            .collect()
+    });
+    drop(released);
     live.sort_by(|a, b| a.0.cmp(&b.0));
     live
 }
 
-/// Forgets model `model_id` (it was dropped).
+/// Forgets model `model_id` (it was dropped), with the copies kept for it.
 pub(crate) fn forget_model(model_id: u64) {
-    if let Some(m) = OUTSIDE.lock().as_mut() {
-        m.remove(&model_id);
-    }
+    let table = OUTSIDE.lock().as_mut().and_then(|m| m.remove(&model_id));
+    drop(table);
 }

@@ -211,14 +211,21 @@ impl<'a> VarBuilder<'a> {
     /// [`OpsSource::set_patcher`]. Reading it does not enter the forward order prefetch follows
     /// (a parameter read while building is not fetched by the forward).
     ///
+    /// Handed straight to a layer constructor (`Linear::new`, `RmsNorm::new`, ...) it is adopted:
+    /// the layer is managed on its key. Otherwise it counts in
+    /// [`crate::weights::Model::held_outside`] (and the ledger) until this builder's source and
+    /// every layer built from it are dropped — its own drop cannot be seen. Reading one weight
+    /// again and again stays bounded: the second copy read in this dtype from this source is kept
+    /// and returned by every later call (no fetch; two copies counted, not one per call). Only the
+    /// last 4 096 tensors handed out can be adopted: an older one given to a constructor makes an
+    /// owned layer and stays counted.
+    ///
     /// # Errors
     /// [`crate::Error::UnknownWeight`] for a missing weight and [`crate::Error::ShapeMismatch`]
     /// for another shape (candle-nn: `CannotFindTensor`, `UnexpectedShape`), inside candle's error.
     pub fn get<S: Into<Shape>>(&self, s: S, name: &str) -> candle_core::Result<Tensor> {
         let weights = self.weights(name, s.into().dims(), None)?;
-        let t = self.read(&weights)?;
-        super::held::note_raw(&t, &weights);
-        Ok(t)
+        super::held::get(&weights, self.dtype, &self.device, || self.read(&weights))
     }
 
     /// The parameter `name` of shape `s` as a managed handle: [`Param::fetch`] reads it at
@@ -272,9 +279,7 @@ impl<'a> VarBuilder<'a> {
             slot.shape().to_vec()
         };
         let weights = self.ops.weights_at(key, &shape, None).map_err(to_candle)?;
-        let t = self.read(&weights)?;
-        super::held::note_raw(&t, &weights);
-        Ok(t)
+        super::held::get(&weights, self.dtype, &self.device, || self.read(&weights))
     }
 
     /// [`VarBuilder::get_unchecked`] in `dtype`.
