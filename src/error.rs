@@ -269,7 +269,9 @@ fn quoted(name: &str) -> String {
 
 /// What would help a request that can never fit `device`'s budget.
 fn budget_hint(model: &str, device: &str) -> &'static str {
-    if model.contains("weight `") && !device.starts_with("host") {
+    if model.starts_with("reservation") {
+        "reserve less, or raise --vram-budget"
+    } else if model.contains("weight `") && !device.starts_with("host") {
         "a weight is fetched whole, so partial loading does not help: raise --vram-budget, store it in a smaller dtype, or place it on the CPU with a device map"
     } else if device.starts_with("host") {
         "raise --ram-budget, or store the weight in a smaller dtype; a weight is read whole, so partial loading does not help"

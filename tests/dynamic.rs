@@ -298,3 +298,51 @@ fn a_lora_clone_that_fits_beside_other_models_is_patched_once_per_weight() {
         "classic streams some and patches them at every forward"
     );
 }
+
+#[test]
+fn a_fault_in_still_copying_when_everything_is_unloaded_keeps_no_copy_the_ledger_misses() {
+    // A weight's copy takes ~100 ms (16 KiB at 160 KB/s). A forward faults it in; meanwhile
+    // another thread unloads every model. The copy then arrives for a model no longer
+    // registered: keeping it would hold device memory the ledger (refreshed to nothing) never
+    // counts, and later loads would plan into it.
+    let mm = Arc::new(manager_with(&[
+        "--sim-gpu",
+        "1MiB@160KB/s",
+        "--reserve-vram",
+        "0",
+        "--disable-async-offload",
+    ]));
+    let model = layers("slow", 2, 900);
+    let p = ModelPatcher::new(Arc::clone(&model), SIM0, DeviceId::Cpu);
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    let forward_thread = {
+        let p = p.clone();
+        std::thread::spawn(move || forward(&p))
+    };
+    // Unload while the first weight's fault-in is booked and copying.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while mm.ledger(SIM0) == ByteSize::ZERO && std::time::Instant::now() < deadline {
+        std::thread::yield_now();
+    }
+    mm.unload_all_models();
+    forward_thread.join().unwrap();
+    let sim = Arc::clone(&mm.transfer_engine().devices().sims()[0]);
+    sim.synchronize().unwrap();
+    // Frees run in stream order: wait until the sim holds only what a model keeps.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while sim.used() > model.resident_bytes(SIM0) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let report = mm.memory_report();
+    assert_eq!(
+        model.resident_bytes(SIM0),
+        ByteSize::ZERO,
+        "a model nobody registered keeps no copy: {report}"
+    );
+    assert_eq!(
+        sim.used(),
+        mm.ledger(SIM0),
+        "the sim holds what the ledger says: {report}"
+    );
+}

@@ -272,6 +272,17 @@ fn a_refused_reservation_says_reserve_less_or_raise_the_budget() {
         "{msg}"
     );
     assert!(!msg.contains("lower the budget"), "{msg}");
+    // Twice the device can never fit: retrying after evictions cannot help.
+    assert!(matches!(err, Error::BudgetExceeded { .. }), "{msg}");
+    assert!(!err.is_retryable(), "{msg}");
+    // Beside a reservation of 768 KiB, 512 KiB more can never fit either; 256 KiB can.
+    let _kv = mm.reserve_named("kv", SIM0, ByteSize::kib(768)).unwrap();
+    let err = mm
+        .reserve_named("more", SIM0, ByteSize::kib(512))
+        .map(|_| ())
+        .unwrap_err();
+    assert!(!err.is_retryable(), "{err}");
+    assert!(mm.reserve_named("fits", SIM0, ByteSize::kib(256)).is_ok());
 }
 
 #[test]

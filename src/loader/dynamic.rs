@@ -31,11 +31,11 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use super::ledger::Ledger;
+use super::ledger::{FaultColumn, Ledger};
 use super::ViewEntry;
 use crate::device::DeviceHold;
 use crate::lock::{Mutex, Rank};
-use crate::offload::{Keeper, Reservation};
+use crate::offload::{Keeper, PrefetchGate, Reservation};
 use crate::patcher::ModelPatcher;
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
@@ -319,6 +319,8 @@ pub(crate) struct Dynamic {
     kept: Arc<Mutex<std::collections::HashMap<u64, usize>>>,
     /// The manual-cast caches the manager attached (their casts go before any weight).
     casts: Arc<Mutex<Vec<std::sync::Weak<crate::ops::CastCache>>>>,
+    /// The ledger's faulting column, as the gate fault-ins book on.
+    faults: Arc<dyn PrefetchGate>,
     lock: Mutex<()>,
     stats: Mutex<Vec<DeviceStats>>,
 }
@@ -331,6 +333,7 @@ impl Dynamic {
         casts: Arc<Mutex<Vec<std::sync::Weak<crate::ops::CastCache>>>>,
     ) -> Dynamic {
         Dynamic {
+            faults: Arc::new(FaultColumn(Arc::clone(&ledger))),
             ledger,
             view,
             kept,
@@ -345,14 +348,21 @@ impl Dynamic {
         self.lock.lock()
     }
 
-    /// The registered models, most recently loaded first (as of the last manager call), and
-    /// the rank of `patcher`'s model among them when weight `index`, as `patcher` builds it, is
-    /// what the registered patcher computes with on the device it was loaded to: only such a
-    /// copy is kept (a handle loaded elsewhere, or another clone's patch list, streams — a
-    /// rollback could not rebuild its copies).
-    fn registered(&self, patcher: &ModelPatcher, index: usize) -> (Vec<Arc<Model>>, Option<usize>) {
+    /// Fills `models` with the registered models, most recently loaded first (as of the last
+    /// manager call), and gives the rank of `patcher`'s model among them when weight `index`,
+    /// as `patcher` builds it, is what the registered patcher computes with on the device it
+    /// was loaded to: only such a copy is kept (a handle loaded elsewhere, or another clone's
+    /// patch list, streams — a rollback could not rebuild its copies). The caller declares
+    /// `models` before taking [`Dynamic::lock`]: one of them may be a model's last handle, and
+    /// it must drop after the lock.
+    fn registered_into(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+        models: &mut Vec<Arc<Model>>,
+    ) -> Option<usize> {
         let view = Arc::clone(&self.view.lock());
-        let mut models = Vec::with_capacity(view.len());
+        models.reserve(view.len());
         let mut rank = None;
         for e in view.iter() {
             let Some(m) = e.model.upgrade() else { continue };
@@ -365,7 +375,7 @@ impl Dynamic {
             }
             models.push(m);
         }
-        (models, rank)
+        rank
     }
 
     fn is_kept(&self, id: u64) -> bool {
@@ -573,23 +583,28 @@ impl Dynamic {
 }
 
 impl Keeper for Dynamic {
-    fn book(&self, patcher: &ModelPatcher, index: usize, room: ByteSize) -> bool {
+    fn book(&self, patcher: &ModelPatcher, index: usize, room: ByteSize) -> Option<Reservation> {
         if patcher.streams_always(index) {
             // Mapped to the host by a device map: it never becomes resident.
-            return false;
+            return None;
         }
         let model = patcher.model();
+        // The booking's device and size, decided once: the commit checks them, never re-reads.
         let device = patcher.weight_device(index);
         let bytes = patcher.resident_size(index);
+        if !self.ledger.probe_allows(device, bytes, room) {
+            // The driver's figure refuses the copy whatever is evicted (evicting frees memory
+            // only once the frees run): evict nothing, stream.
+            return None;
+        }
+        // Declared before the lock: the last handle of a model can be among them, and dropping
+        // a model unpins its weights, which waits on the device — after the lock.
+        let mut models: Vec<Arc<Model>> = Vec::new();
+        let mut victims: Vec<Candidate> = Vec::new();
         let _g = self.lock.lock();
         // Only a registered model keeps copies (the ledger counts the registry's).
-        let (models, rank) = self.registered(patcher, index);
-        let Some(my_rank) = rank else {
-            return false;
-        };
-        let Some(mut short) = self.ledger.keep_shortfall(device, bytes, room) else {
-            return false;
-        };
+        let my_rank = self.registered_into(patcher, index, &mut models)?;
+        let mut short = self.ledger.keep_shortfall(device, bytes, room)?;
         if short > ByteSize::ZERO && self.drop_casts(device) > ByteSize::ZERO {
             // Cached casts go before any weight.
             short = self
@@ -598,12 +613,12 @@ impl Keeper for Dynamic {
                 .unwrap_or(short);
         }
         if short == ByteSize::ZERO {
-            return self.ledger.book_keep(device, bytes, room);
+            return Reservation::take(&self.faults, device, bytes, room);
         }
         let me = model.usage().of(index);
         if me.position != NO_POSITION && me.position >= model.usage().watermark() {
             self.with_stats(device, |s| s.past_watermark += 1);
-            return false;
+            return None;
         }
         let window = model.usage().distinct();
         // Candidates of lower priority than this weight: lower-ranked models, and in this model
@@ -611,24 +626,33 @@ impl Keeper for Dynamic {
         // as often and later in a forward (an admission test: a weight used once does not evict
         // one used at every step, and a dense model's later weights do not push out its prefix).
         let mine = victim_key(my_rank, &me, window);
-        let victims: Vec<Candidate> = victim_order(&models, device, |id| self.is_kept(id))
-            .into_iter()
-            .filter(|c| {
-                let rank = c.key.model.0;
-                if rank > my_rank {
-                    return true;
-                }
-                rank == my_rank && Arc::ptr_eq(&c.model, model) && c.index != index && c.key < mine
-            })
-            .collect();
+        victims.extend(
+            victim_order(&models, device, |id| self.is_kept(id))
+                .into_iter()
+                .filter(|c| {
+                    let rank = c.key.model.0;
+                    if rank > my_rank {
+                        return true;
+                    }
+                    rank == my_rank
+                        && Arc::ptr_eq(&c.model, model)
+                        && c.index != index
+                        && c.key < mine
+                }),
+        );
         // Not enough to give of lower priority: evict nothing, stream.
-        self.evict_enough(model, &victims, short, device, window, me.count)
-            && self.ledger.book_keep(device, bytes, room)
+        if !self.evict_enough(model, &victims, short, device, window, me.count) {
+            return None;
+        }
+        Reservation::take(&self.faults, device, bytes, room)
     }
 
     fn make_room(&self, patcher: &ModelPatcher, index: usize, bytes: ByteSize) -> bool {
         let model = patcher.model();
         let device = patcher.weight_device(index);
+        // Before the lock, so they drop after it ([`Keeper::book`]).
+        let mut models: Vec<Arc<Model>> = Vec::new();
+        let mut victims: Vec<Candidate> = Vec::new();
         let _g = self.lock.lock();
         let Some(mut short) = self.ledger.transit_shortfall(device, bytes) else {
             return false;
@@ -643,20 +667,19 @@ impl Keeper for Dynamic {
             return true;
         }
         // A weight in use outranks every kept copy: the lowest priority go first.
-        let (models, _) = self.registered(patcher, index);
+        self.registered_into(patcher, index, &mut models);
         let window = model.usage().distinct();
         // The weight's own slot included: a copy resident there is another patcher's (this
         // one's would not stream), and the weight in use needs the room. A keep guard protects
         // a model from the others, not from its own weight in use.
         // Pinned copies last: a pin keeps a weight through partial unloads, but a weight that
         // must stream to run needs the room more (the pinned one comes back by use).
-        let victims = victims_of(
+        victims.extend(victims_of(
             &models,
             device,
             |id| id != model.id() && self.is_kept(id),
             true,
-        );
-        let _ = index;
+        ));
         self.evict_enough(model, &victims, short, device, window, u32::MAX)
     }
 
@@ -666,21 +689,43 @@ impl Keeper for Dynamic {
         index: usize,
         tensor: &Tensor,
         hold: DeviceHold,
+        booking: Reservation,
     ) -> bool {
-        let device = patcher.weight_device(index);
-        let bytes = patcher.resident_size(index);
-        let g = self.lock.lock();
+        let device = booking.device();
+        let bytes = booking.bytes();
+        // The weight moved (a placement chose another device) or changed size since it was
+        // booked: not this booking's copy. The booking is returned as it drops.
+        if patcher.weight_device(index) != device || patcher.resident_size(index) != bytes {
+            return false;
+        }
+        // Built before the lock: a quantized weight's resident form may read back or upload.
+        let Ok((weight, size)) = patcher.resident_from(index, tensor.clone(), device) else {
+            return false;
+        };
+        if size != bytes {
+            return false;
+        }
         // A weight that becomes GPU-resident is unpinned, and unpinning waits for the copies out
-        // of it: dropped after this lock too.
-        let mut released = Vec::new();
-        let kept = (|| {
-            let (weight, size) = patcher.resident_from(index, tensor.clone(), device).ok()?;
-            if size != bytes {
-                return None;
-            }
+        // of it; the registered models may hold a model's last handle: both dropped after the
+        // lock.
+        let released;
+        let mut models: Vec<Arc<Model>> = Vec::new();
+        let g = self.lock.lock();
+        // A device closed by a load or a reclaim, or a model that left the registry (an unload
+        // of everything, a cleanup), keeps nothing: the ledger those decided on does not have
+        // this copy, and would not count it.
+        if self.ledger.is_closed(device)
+            || self.registered_into(patcher, index, &mut models).is_none()
+        {
+            drop(g);
+            return false;
+        }
+        {
             let mut st = patcher.model().state_mut();
             if !matches!(st.slots().get(index), Some(SlotResidency::Offloaded)) {
-                return None;
+                drop(st);
+                drop(g);
+                return false;
             }
             st.set_held(
                 index,
@@ -693,29 +738,16 @@ impl Keeper for Dynamic {
                 hold,
             );
             released = st.take_released();
-            Some(())
-        })()
-        .is_some();
-        self.ledger.settle_keep(device, bytes, kept);
-        if kept {
-            let resident = self.ledger.resident(device);
-            self.with_stats(device, |s| {
-                s.faults_in += 1;
-                s.peak_resident = s.peak_resident.max(resident);
-            });
         }
+        FaultColumn(Arc::clone(&self.ledger)).commit(booking);
+        let resident = self.ledger.resident(device);
+        self.with_stats(device, |s| {
+            s.faults_in += 1;
+            s.peak_resident = s.peak_resident.max(resident);
+        });
         drop(g);
         drop(released);
-        kept
-    }
-
-    fn cancel(&self, patcher: &ModelPatcher, index: usize) {
-        let _g = self.lock.lock();
-        self.ledger.settle_keep(
-            patcher.weight_device(index),
-            patcher.resident_size(index),
-            false,
-        );
+        true
     }
 
     fn keep_prefetched(
@@ -735,42 +767,46 @@ impl Keeper for Dynamic {
         {
             return Some((hold, booking));
         }
-        let g = self.lock.lock();
-        if self.registered(patcher, index).1.is_none() {
-            return Some((hold, booking));
-        }
+        // Built before the lock: a quantized weight's resident form may read back or upload.
         let Ok((weight, size)) = patcher.resident_from(index, tensor.clone(), device) else {
             return Some((hold, booking));
         };
         if size != bytes {
             return Some((hold, booking));
         }
-        let mut st = patcher.model().state_mut();
-        if !matches!(st.slots().get(index), Some(SlotResidency::Offloaded))
-            || !self.ledger.keep_prefetched(device, bytes, room)
+        let mut models: Vec<Arc<Model>> = Vec::new();
+        let released;
         {
-            return Some((hold, booking));
+            let _g = self.lock.lock();
+            if self.registered_into(patcher, index, &mut models).is_none() {
+                return Some((hold, booking));
+            }
+            let mut st = patcher.model().state_mut();
+            if !matches!(st.slots().get(index), Some(SlotResidency::Offloaded))
+                || !self.ledger.keep_prefetched(device, bytes, room)
+            {
+                return Some((hold, booking));
+            }
+            st.set_held(
+                index,
+                SlotResidency::Resident {
+                    tensor: weight,
+                    fingerprint: patcher.fingerprint(index),
+                    device,
+                    bytes,
+                },
+                hold,
+            );
+            released = st.take_released();
+            drop(st);
+            // The in-flight booking became resident bytes in the ledger.
+            booking.absorb();
+            let resident = self.ledger.resident(device);
+            self.with_stats(device, |s| {
+                s.faults_in += 1;
+                s.peak_resident = s.peak_resident.max(resident);
+            });
         }
-        st.set_held(
-            index,
-            SlotResidency::Resident {
-                tensor: weight,
-                fingerprint: patcher.fingerprint(index),
-                device,
-                bytes,
-            },
-            hold,
-        );
-        let released = st.take_released();
-        drop(st);
-        // The in-flight booking became resident bytes in the ledger.
-        booking.absorb();
-        let resident = self.ledger.resident(device);
-        self.with_stats(device, |s| {
-            s.faults_in += 1;
-            s.peak_resident = s.peak_resident.max(resident);
-        });
-        drop(g);
         // Unpinning (the weight is GPU-resident now) waits for its copies: after every lock.
         drop(released);
         None

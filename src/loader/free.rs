@@ -17,6 +17,9 @@ impl MemoryManager {
     ) -> Vec<Eviction> {
         let keep: Vec<u64> = keep_loaded.iter().map(|m| m.model().id()).collect();
         let mut inner = self.lock_inner();
+        // No fault-in refills the room being freed, or keeps a copy of a model leaving the
+        // registry, until the call is done.
+        self.close_all(&mut inner);
         cleanup(&mut inner);
         let _span =
             tracing::debug_span!("free_memory", %device, required = required.bytes()).entered();
@@ -38,6 +41,7 @@ impl MemoryManager {
     ) -> Vec<Eviction> {
         let last: Vec<u64> = last.iter().map(|m| m.model().id()).collect();
         let mut inner = self.lock_inner();
+        self.close_all(&mut inner);
         cleanup(&mut inner);
         let _span =
             tracing::debug_span!("free_memory", %device, required = required.bytes()).entered();
@@ -129,6 +133,9 @@ impl MemoryManager {
     /// Unloads every model from every device; the registry is emptied.
     pub fn unload_all_models(&self) -> usize {
         let mut inner = self.lock_inner();
+        // A fault-in in flight must not commit a copy after its model left (the ledger is
+        // refreshed to what is registered: nothing).
+        self.close_all(&mut inner);
         let n = inner.registry.len();
         let entries: Vec<Entry> = inner.registry.drain(..).collect();
         for e in entries {
@@ -159,6 +166,7 @@ impl MemoryManager {
     /// Drops registry entries no patcher outside holds, and releases every weight pin.
     pub fn cleanup_models(&self) {
         let mut inner = self.lock_inner();
+        self.close_all(&mut inner);
         cleanup(&mut inner);
         for e in &inner.registry {
             e.patcher.unpin_all_weights();

@@ -27,7 +27,7 @@ use std::sync::Arc;
 
 use crate::lock::{Condvar, Mutex, Rank};
 
-use crate::offload::PrefetchGate;
+use crate::offload::{PrefetchGate, Reservation};
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
@@ -101,6 +101,20 @@ impl Book {
             }
             None => true,
         }
+    }
+
+    /// Whether `bytes` more beside `keep_free` fit what the driver said is free (`probed`, asked
+    /// before the books were locked). The driver cannot know of a booking whose buffer is not
+    /// allocated yet, so every booked column counts — in flight, faulting and cached casts, the
+    /// same for every kind of booking, so two bookings of different kinds cannot both pass one
+    /// figure. Bookings already allocated count twice: conservative.
+    fn probe_fits(&self, bytes: ByteSize, keep_free: ByteSize, probed: Option<ByteSize>) -> bool {
+        let Some(free) = probed else { return true };
+        let booked = self
+            .in_flight
+            .saturating_add(self.faulting)
+            .saturating_add(self.cached);
+        bytes.saturating_add(keep_free).saturating_add(booked) <= free
     }
 
     /// Books `bytes` when the ledger plus `bytes` plus `keep_free` stays within the bound and no
@@ -306,19 +320,14 @@ impl Ledger {
     }
 
     /// Books `bytes` to keep a weight being faulted in on `device` (the faulting column), when
-    /// [`Ledger::keep_shortfall`] is zero; whether it did. The caller holds the manager's
-    /// residency-by-use lock.
-    pub(crate) fn book_keep(&self, device: DeviceId, bytes: ByteSize, room: ByteSize) -> bool {
+    /// [`Ledger::keep_shortfall`] is zero and the driver's figure allows it
+    /// ([`Ledger::probe_allows`]); whether it did. The caller holds the manager's
+    /// residency-by-use lock. Through [`FaultColumn`] the booking is a [`Reservation`].
+    fn book_keep(&self, device: DeviceId, bytes: ByteSize, room: ByteSize) -> bool {
         let probed = self.probed_free(device);
         self.with(device, |b| {
-            if b.loading > 0 || !b.keeps(bytes, room) {
+            if b.loading > 0 || !b.keeps(bytes, room) || !b.probe_fits(bytes, room, probed) {
                 return false;
-            }
-            if let Some(free) = probed {
-                let booked = b.in_flight.saturating_add(b.faulting);
-                if bytes.saturating_add(room).saturating_add(booked) > free {
-                    return false;
-                }
             }
             b.faulting = b.faulting.saturating_add(bytes);
             b.note_peak();
@@ -326,8 +335,22 @@ impl Ledger {
         })
     }
 
+    /// Whether what the driver says is free on `device` (a GPU without a budget) leaves room
+    /// for `bytes` more beside `keep_free` and every booking not yet allocated: asked before
+    /// a fault-in evicts anything, since evicting cannot change the figure it is checked
+    /// against (frees run later, in stream order). True on a device without a probe.
+    pub(crate) fn probe_allows(
+        &self,
+        device: DeviceId,
+        bytes: ByteSize,
+        keep_free: ByteSize,
+    ) -> bool {
+        let probed = self.probed_free(device);
+        self.with(device, |b| b.probe_fits(bytes, keep_free, probed))
+    }
+
     /// A faulted-in weight's booking becomes resident (`commit`) or is returned.
-    pub(crate) fn settle_keep(&self, device: DeviceId, bytes: ByteSize, commit: bool) {
+    fn settle_keep(&self, device: DeviceId, bytes: ByteSize, commit: bool) {
         self.with(device, |b| {
             b.faulting = b.faulting.saturating_sub(bytes);
             if commit {
@@ -455,19 +478,14 @@ impl Ledger {
         keep_free: ByteSize,
     ) -> bool {
         // The driver's figure is asked before the books are locked (a probe is a driver call),
-        // and checked under that lock against everything booked so far: the driver cannot know
-        // of a booking whose buffer is not allocated yet, so two bookings that each fit the same
-        // figure must not both pass. Bookings already allocated count twice: conservative.
+        // and checked under that lock against everything booked so far (`Book::probe_fits`).
         let probed = self.probed_free(device);
         self.with(device, |b| {
-            if (column == Column::Cached && b.total.is_none()) || !b.fits(bytes, keep_free) {
+            if (column == Column::Cached && b.total.is_none())
+                || !b.fits(bytes, keep_free)
+                || !b.probe_fits(bytes, keep_free, probed)
+            {
                 return false;
-            }
-            if let Some(free) = probed {
-                let booked = b.in_flight.saturating_add(b.cached);
-                if bytes.saturating_add(keep_free).saturating_add(booked) > free {
-                    return false;
-                }
             }
             let c = b.column(column);
             *c = c.saturating_add(bytes);
@@ -563,6 +581,8 @@ impl PrefetchGate for Ledger {
     ) -> bool {
         let deadline = std::time::Instant::now() + timeout;
         loop {
+            // Read before the attempt: a return between its refusal and the wait is not missed.
+            let seen = self.returns();
             if self.reserve(Column::InFlight, device, bytes, keep_free) {
                 return true;
             }
@@ -571,9 +591,7 @@ impl PrefetchGate for Ledger {
                 return false;
             }
             // Woken when any booking comes back (a cancelled prefetch's, once its free ran).
-            let mut books = self.books.lock();
-            self.returned
-                .wait_for(&mut books, left.min(std::time::Duration::from_millis(20)));
+            self.wait_returned(seen, left);
         }
     }
 }
@@ -589,6 +607,36 @@ impl PrefetchGate for CastColumn {
 
     fn release(&self, device: DeviceId, bytes: ByteSize) {
         self.0.unreserve(Column::Cached, device, bytes);
+    }
+}
+
+/// The ledger's faulting column, as a gate: a fault-in's booking (residency by use) is a
+/// [`Reservation`] on it — its device and bytes fixed when booked, returned when dropped
+/// (a fetch that failed or unwound), moved to the resident column by [`FaultColumn::commit`].
+pub(crate) struct FaultColumn(pub(crate) Arc<Ledger>);
+
+impl FaultColumn {
+    /// The booked copy became the weight's resident copy: its bytes move from the faulting
+    /// column to the resident one, and the booking is spent.
+    pub(crate) fn commit(&self, booking: Reservation) {
+        self.0.settle_keep(booking.device(), booking.bytes(), true);
+        booking.absorb();
+    }
+}
+
+impl PrefetchGate for FaultColumn {
+    /// Books a weight to keep, with `keep_free` the room left free for streaming beside what
+    /// is kept ([`Ledger::keep_shortfall`]).
+    fn try_reserve(&self, device: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool {
+        self.0.book_keep(device, bytes, keep_free)
+    }
+
+    fn release(&self, device: DeviceId, bytes: ByteSize) {
+        self.0.settle_keep(device, bytes, false);
+    }
+
+    fn is_closed(&self, device: DeviceId) -> bool {
+        self.0.is_closed(device)
     }
 }
 

@@ -77,17 +77,27 @@ impl MemoryManager {
         .entered();
         self.drop_unheld_prefetches();
         let mut inner = self.lock_inner();
-        let _no_prefetch = self.ledger.loading(&devices);
+        // Closed until the lock is released and the registry's view published.
+        inner.hold_closed(self.close(&devices));
         cleanup(&mut inner);
+        // A device that cannot hold tensors (a CUDA device in a build without CUDA tensors, or
+        // without a driver) is refused here in both modes, not at the first forward: a load by
+        // use moves nothing, and would otherwise succeed.
+        if let Some(e) = devices.iter().find_map(|d| d.to_candle().err()) {
+            let stale = Self::take_stale(&mut inner);
+            drop(inner);
+            drop(stale);
+            return Err(e);
+        }
         let placed = self.place_auto(&inner, &mut all);
         // A placed model may go to a device not closed above: close it too.
-        let _no_prefetch_placed = (!placed.is_empty()).then(|| {
+        if !placed.is_empty() {
             let mut more: Vec<DeviceId> = all.iter().flat_map(|m| m.devices()).collect();
             more.retain(|d| !devices.contains(d));
             more.sort();
             more.dedup();
-            self.ledger.loading(&more)
-        });
+            inner.hold_closed(self.close(&more));
+        }
         // Every handle of a placed model the caller passed learns where it went (two handles of
         // one model in a call load as one, the last given).
         let record_placement = || {

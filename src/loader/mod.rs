@@ -157,10 +157,22 @@ struct ViewEntry {
     fingerprints: Arc<[crate::weights::Fingerprint]>,
 }
 
-/// The manager lock; releasing it publishes the registry view.
+/// The manager lock; releasing it publishes the registry view, and only then reopens the
+/// devices the call closed ([`InnerGuard::hold_closed`]).
 struct InnerGuard<'a> {
     guard: crate::lock::MutexGuard<'a, Inner>,
     view: &'a Mutex<Arc<[ViewEntry]>>,
+    /// Devices closed to bookings and fault-in commits until the view is published: a fault-in
+    /// committing in between would see a model the call removed as still registered, and keep
+    /// a copy the ledger never counts.
+    closed: Vec<ledger::LoadingGuard>,
+}
+
+impl InnerGuard<'_> {
+    /// Keeps `guard`'s devices closed until this lock is released and the view published.
+    fn hold_closed(&mut self, guard: ledger::LoadingGuard) {
+        self.closed.push(guard);
+    }
 }
 
 impl std::ops::Deref for InnerGuard<'_> {
@@ -190,6 +202,8 @@ impl Drop for InnerGuard<'_> {
             })
             .collect();
         *self.view.lock() = entries;
+        // The view is true again: the devices reopen (a fault-in's commit checks both).
+        self.closed.clear();
     }
 }
 
@@ -368,6 +382,7 @@ impl MemoryManager {
         InnerGuard {
             guard: self.inner.lock(),
             view: &self.view,
+            closed: Vec::new(),
         }
     }
 
@@ -551,6 +566,25 @@ impl MemoryManager {
         models().filter_map(|m| m.take_stale_derived()).collect()
     }
 
+    /// Closes every device the manager knows (the ledger's books and the compute device) to
+    /// bookings and fault-in commits until `inner` is released: for a call that may take models
+    /// out of the registry or evict them.
+    fn close_all(&self, inner: &mut InnerGuard<'_>) {
+        let mut devices = self.ledger.devices();
+        devices.push(self.policy.compute_device());
+        devices.sort();
+        devices.dedup();
+        inner.hold_closed(self.close(&devices));
+    }
+
+    /// Closes `devices` to bookings and fault-in commits until the guard drops. Taken under
+    /// the residency-by-use lock: a commit either finished before (the caller sees its copy)
+    /// or comes after and finds the device closed — none decided before and lands after.
+    fn close(&self, devices: &[DeviceId]) -> ledger::LoadingGuard {
+        let _dynamic = self.dynamic.lock();
+        self.ledger.loading(devices)
+    }
+
     /// The highest ledger (resident plus in flight) seen on `device` since the manager was built.
     pub fn peak_ledger(&self, device: DeviceId) -> ByteSize {
         self.ledger.peak(device)
@@ -646,6 +680,7 @@ impl MemoryManager {
             let inner = InnerGuard {
                 guard,
                 view: &self.view,
+                closed: Vec::new(),
             };
             self.refresh_ledger(&inner);
         }

@@ -692,9 +692,27 @@ impl World {
     /// Runs a reservation call: on success the reference learns nothing else changed but
     /// evictions of models that are not kept; on failure (a retryable out-of-memory) nothing
     /// changed at all (less cached casts, which are a cache).
+    /// Whether `bytes` more reserved on device `d` can never fit, whatever is evicted: beside
+    /// every reservation the model holds there (only their owners give them back), more than
+    /// the device's bound. Such a request is refused as over budget, not as retryable.
+    fn never_fits(&self, d: usize, bytes: ByteSize, also: ByteSize) -> bool {
+        let device = self.devices[d];
+        if !self.mm.policy.is_scheduled(device) {
+            return false;
+        }
+        let reserved: ByteSize = self
+            .reservations
+            .iter()
+            .filter(|r| self.devices[r.1] == device)
+            .map(|r| r.2)
+            .sum();
+        bytes.saturating_add(reserved).saturating_add(also) > self.mm.get_total_memory(device)
+    }
+
     fn reserve_checked<T>(
         &mut self,
         ctx: &str,
+        never_fits: bool,
         f: impl FnOnce(&Self) -> crate::Result<T>,
     ) -> Result<Option<T>, TestCaseError> {
         self.cleanup();
@@ -724,12 +742,21 @@ impl World {
                 Ok(Some(v))
             }
             Err(e) => {
-                prop_assert!(
-                    matches!(e, crate::Error::OutOfMemory { .. }) && e.is_retryable(),
-                    "{}: {}",
-                    ctx,
-                    e
-                );
+                if never_fits {
+                    prop_assert!(
+                        matches!(e, crate::Error::BudgetExceeded { .. }) && !e.is_retryable(),
+                        "{}: a reservation that can never fit: {}",
+                        ctx,
+                        e
+                    );
+                } else {
+                    prop_assert!(
+                        matches!(e, crate::Error::OutOfMemory { .. }) && e.is_retryable(),
+                        "{}: {}",
+                        ctx,
+                        e
+                    );
+                }
                 let mut after = self.snapshot();
                 after.ledger = ByteSize::ZERO;
                 prop_assert_eq!(

@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use super::{cleanup, MemoryManager};
 use crate::error::{Error, Result};
+use crate::offload::PrefetchGate;
 use crate::patcher::ModelPatcher;
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
@@ -206,9 +207,10 @@ impl MemoryManager {
             });
         }
         let mut inner = self.lock_inner();
-        // As during a load, no prefetch or cached cast books room on the device while the
-        // reservation is decided: the free figure checked below stays true until it is booked.
-        let _no_prefetch = self.ledger.loading(&[device]);
+        // As during a load, no prefetch, fault-in or cached cast books room on the device while
+        // the reservation is decided: the free figure checked below stays true until it is
+        // booked, and bookings already made can only come back.
+        self.close_all(&mut inner);
         cleanup(&mut inner);
         // The books learn what the cleanup dropped before the reservation is added to them.
         self.refresh_ledger(&inner);
@@ -216,10 +218,37 @@ impl MemoryManager {
         // the models on the device (a reservation must not leave a streamed weight no room).
         let room = Self::streaming_room(&inner, device);
         let needed = bytes.saturating_add(room);
-        if self.free_in(&inner.registry, device) < needed {
+        // A request no eviction and no return can ever serve: the device's bound less the
+        // reservations (which only their owners give back; a growing one's own bytes among
+        // them) is below it. Not retryable: evicting and retrying cannot help.
+        if self.policy.is_scheduled(device) {
+            let total = self.policy.total_memory(device);
+            let others = self.ledger.reserved(device);
+            if bytes.saturating_add(others) > total {
+                let name = name.to_string();
+                let stale = Self::take_stale(&mut inner);
+                drop(inner);
+                drop(stale);
+                return Err(Error::BudgetExceeded {
+                    model: format!("reservation `{name}`"),
+                    device: device.to_string(),
+                    required: bytes,
+                    budget: total.saturating_sub(others),
+                });
+            }
+        }
+        for attempt in 0..2 {
+            if self.free_in(&inner.registry, device) >= needed {
+                break;
+            }
             // Evictions only when they make enough room: a reservation that cannot be had
             // evicts nothing (I4).
             self.make_room(&mut inner, needed, device, &[], true);
+            if attempt == 0 {
+                // Copies in flight (a forward's streamed weights, fault-ins) hold room only until
+                // their use ends and their buffers are freed: wait for them rather than refuse.
+                self.wait_for_transit(&inner, device, needed);
+            }
         }
         let free = self.free_in(&inner.registry, device);
         if free < needed {
@@ -229,12 +258,18 @@ impl MemoryManager {
                 String::new()
             };
             // Residency by use gives up every weight it can first: say what holds the rest.
+            let in_flight = self
+                .ledger
+                .in_flight(device)
+                .saturating_add(self.ledger.faulting(device));
             let held = if self.policy.dynamic_vram() {
                 format!(
-                    "; residency by use gave up every weight it could: what is left is {} reserved and {} of kept or pinned weights",
+                    "; residency by use gave up every weight it could: what is left is {} reserved, {} of kept or pinned weights and {in_flight} of copies in flight",
                     self.ledger.reserved(device),
                     Self::resident_in(&inner.registry, device)
                 )
+            } else if in_flight > ByteSize::ZERO {
+                format!("; {in_flight} of copies in flight did not come back in time")
             } else {
                 String::new()
             };
@@ -259,6 +294,27 @@ impl MemoryManager {
 }
 
 impl MemoryManager {
+    /// Waits, under the manager lock with `device` closed to new bookings, until copies in
+    /// flight there (streamed weights in use, fault-ins, prefetches cancelled by the reclaim)
+    /// have given back enough for `needed` bytes to be free, or until none is left to come
+    /// back; at most a second, in case a forward on another thread holds its weight long.
+    fn wait_for_transit(&self, inner: &super::Inner, device: DeviceId, needed: ByteSize) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        loop {
+            let seen = self.ledger.returns();
+            let free = self.free_in(&inner.registry, device);
+            let transit = self
+                .ledger
+                .in_flight(device)
+                .saturating_add(self.ledger.faulting(device));
+            let now = std::time::Instant::now();
+            if free >= needed || transit == ByteSize::ZERO || now >= deadline {
+                return;
+            }
+            self.ledger.wait_returned(seen, deadline - now);
+        }
+    }
+
     /// The room a forward needs on `device` to stream a weight: the largest weight of the
     /// registered models that lives there (nothing on the CPU, which streams from host memory).
     fn streaming_room(inner: &super::Inner, device: DeviceId) -> ByteSize {

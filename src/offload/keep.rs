@@ -17,28 +17,29 @@ use crate::size::ByteSize;
 /// What keeps fetched weights resident (the memory manager's residency by use).
 pub(crate) trait Keeper: Send + Sync {
     /// Books room to keep weight `index` of `patcher` once fetched, leaving `room` free for
-    /// streaming beside what is kept; may evict copies of lower priority to make it. Whether it
-    /// booked.
-    fn book(&self, patcher: &ModelPatcher, index: usize, room: ByteSize) -> bool;
+    /// streaming beside what is kept; may evict copies of lower priority to make it. The
+    /// booking (the ledger's faulting column: its device and bytes, decided once, here) is
+    /// returned when dropped, so a fetch that fails or unwinds gives it back.
+    fn book(&self, patcher: &ModelPatcher, index: usize, room: ByteSize) -> Option<Reservation>;
 
     /// Makes `tensor` (weight `index`, just fetched, with what keeps its device memory) the
-    /// weight's resident copy under the booking [`Keeper::book`] made. Returns the booking when
-    /// the copy cannot be kept after all (the residency changed meanwhile).
+    /// weight's resident copy under `booking` ([`Keeper::book`]'s). Whether it was kept: a copy
+    /// whose weight moved to another device or changed size since it was booked, of a model no
+    /// longer registered, or on a device a load or a reclaim closed meanwhile, is not (its
+    /// booking is returned).
     fn commit(
         &self,
         patcher: &ModelPatcher,
         index: usize,
         tensor: &Tensor,
         hold: DeviceHold,
+        booking: Reservation,
     ) -> bool;
 
     /// Makes room on weight `index`'s device for `bytes` in flight beside everything booked
     /// (a weight in use that is not kept), evicting kept copies of the lowest priority; whether
     /// the room is there.
     fn make_room(&self, patcher: &ModelPatcher, index: usize, bytes: ByteSize) -> bool;
-
-    /// Returns the booking [`Keeper::book`] made for weight `index` (its fetch failed).
-    fn cancel(&self, patcher: &ModelPatcher, index: usize);
 
     /// Keeps a prefetched weight, booked in flight by `booking`, as the resident copy when it
     /// can be kept with `room` left free; gives back the hold and the booking when it cannot.

@@ -320,8 +320,9 @@ impl Streamer {
         drop(dropped);
     }
 
-    /// Drops the prefetched weights bound for `device`; returns their bytes. Their bookings
-    /// come back once each one's device buffer is freed (stream-ordered).
+    /// Drops the prefetched weights bound for `device`; returns the bytes they had booked on
+    /// the gate (an unbooked prefetch returns nothing to wait for). Those bookings come back
+    /// once each one's device buffer is freed (stream-ordered).
     pub fn cancel_on(&self, device: DeviceId) -> ByteSize {
         let dropped: Vec<InFlight> = {
             let mut q = self.inflight.lock();
@@ -330,7 +331,19 @@ impl Streamer {
             q.extend(kept);
             gone
         };
-        dropped.iter().map(|f| f.pending.bytes()).sum()
+        dropped.iter().map(|f| f.booked).sum()
+    }
+
+    /// Drops the prefetched weights predicted from use, keeping those a routing asked for (a
+    /// layer's routed experts are about to run: a miss in that layer must not trim them).
+    fn drop_predicted(&self) {
+        let dropped: Vec<InFlight> = {
+            let mut q = self.inflight.lock();
+            let (gone, kept): (Vec<InFlight>, Vec<InFlight>) = q.drain(..).partition(|f| !f.routed);
+            q.extend(kept);
+            gone
+        };
+        drop(dropped);
     }
 
     fn key(patcher: &ModelPatcher, index: usize) -> FetchKey {
@@ -422,10 +435,13 @@ impl Streamer {
                 // the host computes it about as fast as the device, it never does.
                 let worth_keeping =
                     costs.is_none_or(|(c, (ggml, rows))| c.worth_keeping(ggml, rows));
-                let booked = worth_keeping
-                    && keeper
-                        .as_ref()
-                        .is_some_and(|(k, room)| k.book(patcher, index, *room));
+                // The fault-in's booking: returned when dropped, on every path out of here
+                // (an error, a panic in a kernel the engine catches) unless committed.
+                let booking = keeper
+                    .as_ref()
+                    .filter(|_| worth_keeping)
+                    .and_then(|(k, room)| k.book(patcher, index, *room));
+                let booked = booking.is_some();
                 let bytes = patcher.model().slots()[index].bytes().bytes();
                 if let Some((c, (ggml, rows))) = costs.filter(|_| !booked) {
                     // A weight the device map puts on the host runs there (llama.cpp's
@@ -459,20 +475,16 @@ impl Streamer {
                 if let Some((c, _)) = costs.filter(|_| fetched.is_ok()) {
                     c.note_fetch(bytes, waited);
                 }
-                match (fetched, &keeper) {
-                    (Ok((t, hold)), Some((k, _))) if booked => {
-                        k.commit(patcher, index, &t, hold);
+                match (fetched, &keeper, booking) {
+                    (Ok((t, hold)), Some((k, _)), Some(booking)) => {
+                        k.commit(patcher, index, &t, hold, booking);
                         t
                     }
-                    (Ok((t, hold)), _) => {
+                    (Ok((t, hold)), _, _) => {
                         hold.release_then(Box::new(move || drop(transit)));
                         t
                     }
-                    (Err(e), Some((k, _))) if booked => {
-                        k.cancel(patcher, index);
-                        return Err(e);
-                    }
-                    (Err(e), _) => return Err(e),
+                    (Err(e), _, _) => return Err(e),
                 }
             }
         };
@@ -552,7 +564,9 @@ impl Streamer {
             // A load is deciding on the device: its plan left the room this copy goes in.
             return None;
         }
-        self.clear();
+        // Prefetches predicted from use are the lowest priority memory there is; routed ones
+        // name weights about to run (`prefetch_routed`: a later call never trims what it names).
+        self.drop_predicted();
         // The weight in use comes before the activation memory the load asked to keep free:
         // room for both when evictions give it, else for the weight alone.
         let (made, keep_free) = match keeper {

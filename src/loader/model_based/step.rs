@@ -316,7 +316,8 @@ impl World {
             Op::Reserve { device, kib } => {
                 let d = *device % 2;
                 let bytes = ByteSize::kib(*kib);
-                let r = self.reserve_checked(&ctx(), |w| {
+                let never = self.never_fits(d, bytes, ByteSize::ZERO);
+                let r = self.reserve_checked(&ctx(), never, |w| {
                     w.mm.reserve_named(format!("r{step}"), w.devices[d], bytes)
                 })?;
                 if let Some(r) = r {
@@ -330,7 +331,8 @@ impl World {
                 let i = *r % self.reservations.len();
                 let bytes = ByteSize::kib(*kib);
                 let mut taken = self.reservations.remove(i);
-                let grown = self.reserve_checked(&ctx(), |w| taken.0.grow(&w.mm, bytes))?;
+                let never = self.never_fits(taken.1, bytes, taken.2);
+                let grown = self.reserve_checked(&ctx(), never, |w| taken.0.grow(&w.mm, bytes))?;
                 if grown.is_some() {
                     taken.2 = taken.2.saturating_add(bytes);
                 }
