@@ -346,3 +346,41 @@ fn a_fault_in_still_copying_when_everything_is_unloaded_keeps_no_copy_the_ledger
         "the sim holds what the ledger says: {report}"
     );
 }
+
+#[test]
+fn a_kv_reservation_returns_only_once_the_weights_it_evicted_are_freed_on_the_device() {
+    // The engine allocates what it reserved as soon as `grow` returns: the copies the
+    // reservation evicted must be gone from the device by then, not only from the ledger
+    // (their frees run in stream order). What the sim holds plus what is reserved stays
+    // within the budget after every grow.
+    let budget = ByteSize::kib(256);
+    let mm = manager_with(&[
+        "--sim-gpu",
+        "256KiB@20MB/s",
+        "--reserve-vram",
+        "0",
+        "--async-offload",
+        "2",
+    ]);
+    let model = layers("llm", 16, 700);
+    let p = ModelPatcher::new(Arc::clone(&model), SIM0, DeviceId::Cpu);
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    forward(&p);
+    forward(&p);
+    let sim = Arc::clone(&mm.transfer_engine().devices().sims()[0]);
+    let mut kv = mm.reserve_named("kv", SIM0, ByteSize::kib(16)).unwrap();
+    let mut grows = 0;
+    while kv.grow(&mm, ByteSize::kib(16)).is_ok() {
+        grows += 1;
+        let held = sim.used().saturating_add(kv.bytes());
+        assert!(
+            held <= budget,
+            "after grow {grows}: the device holds {} beside {} reserved",
+            sim.used(),
+            kv.bytes()
+        );
+        forward(&p);
+    }
+    assert!(grows >= 6, "the cache grew into the weights' room: {grows}");
+}

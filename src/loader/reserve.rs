@@ -237,13 +237,16 @@ impl MemoryManager {
                 });
             }
         }
+        let mut evicted = false;
         for attempt in 0..2 {
             if self.free_in(&inner.registry, device) >= needed {
                 break;
             }
             // Evictions only when they make enough room: a reservation that cannot be had
             // evicts nothing (I4).
-            self.make_room(&mut inner, needed, device, &[], true);
+            evicted |= !self
+                .make_room(&mut inner, needed, device, &[], true)
+                .is_empty();
             if attempt == 0 {
                 // Copies in flight (a forward's streamed weights, fault-ins) hold room only until
                 // their use ends and their buffers are freed: wait for them rather than refuse.
@@ -283,6 +286,17 @@ impl MemoryManager {
                 required: bytes,
                 available: free.saturating_sub(room),
             });
+        }
+        if evicted {
+            // Evicted copies left the ledger at once, but their device memory is freed in
+            // stream order: the engine allocates what it reserved as soon as this returns, so
+            // the frees must have run (a GPU's out-of-memory otherwise; the manager lock may
+            // wait). Copies a forward on another thread still uses are freed when it lets go.
+            if let Some(gpu) = self.engine.devices().gpu(device) {
+                if let Err(e) = gpu.synchronize() {
+                    tracing::warn!(error = %e, %device, "could not wait for evicted copies' frees");
+                }
+            }
         }
         self.ledger.add_reserved(id, name, device, bytes);
         self.refresh_ledger(&inner);
