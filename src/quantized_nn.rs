@@ -128,7 +128,7 @@ impl Module for Linear {
         match &self.bias {
             None => Ok(x),
             Some(Bias::Owned(b)) => x.broadcast_add(b),
-            Some(Bias::Managed(b)) => x.broadcast_add(&b.dequantize(x.device())?),
+            Some(Bias::Managed(b)) => x.broadcast_add(&b.dequantize_now(x.device())?),
         }
     }
 }
@@ -174,9 +174,9 @@ pub struct LayerNorm {
 
 impl Module for LayerNorm {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let w = self.weight.dequantize(xs.device())?;
+        let w = self.weight.dequantize_now(xs.device())?;
         let layer = match &self.bias {
-            Some(b) => candle_nn::LayerNorm::new(w, b.dequantize(xs.device())?, self.eps),
+            Some(b) => candle_nn::LayerNorm::new(w, b.dequantize_now(xs.device())?, self.eps),
             None => candle_nn::LayerNorm::new_no_bias(w, self.eps),
         };
         layer.forward(xs)

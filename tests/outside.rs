@@ -389,3 +389,78 @@ fn reading_one_weight_ten_thousand_times_keeps_the_held_figure_bounded() {
     mm.load_model_gpu(&p).unwrap();
     assert_eq!(mm.ledger(SIM0), ByteSize::ZERO);
 }
+
+// ---------------------------------------------------------------------------------------------
+// A quantized port: candle-transformers' `quantized_llama` dequantizes its token table at build.
+
+include!("ported/shim.rs");
+
+#[path = "ported/quantized_llama.rs"]
+#[allow(dead_code, clippy::all)]
+mod quantized_llama;
+
+/// candle-transformers' `quantized_llama` dequantizes its token table to f32 when it is built
+/// (one per instance: one per concurrent request), into a tensor it keeps: that table used to be
+/// outside the ledger and uncounted.
+#[test]
+fn a_quantized_port_s_dequantized_token_table_counts_as_held_outside() {
+    use common::gguf::{EMBD, VOCAB};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-llama.gguf");
+    common::gguf::write_tiny_llama(&path);
+    let mm = common::manager_with(&[
+        "--sim-gpu",
+        "64MiB",
+        "--reserve-vram",
+        "0",
+        "--disable-dynamic-vram",
+    ]);
+    let m = Arc::new(mm.read_gguf("tiny-llama", &path).unwrap());
+    let p = ModelPatcher::new(Arc::clone(&m), SIM0, DeviceId::Cpu);
+    let device = SIM0.to_candle().unwrap();
+    let build = || {
+        let ct = residency::quantized::gguf_file::Content::from_patcher(&p);
+        let mut unread = std::io::Cursor::new(Vec::<u8>::new());
+        quantized_llama::ModelWeights::from_gguf(ct, &mut unread, &device).unwrap()
+    };
+    // `token_embd.weight` [64, 256] in Q8_0, dequantized to f32.
+    let table = ByteSize((VOCAB * EMBD * 4) as u64);
+    let held = |tables: u64| {
+        vec![(
+            "token_embd.weight".to_string(),
+            ByteSize(table.bytes() * tables),
+        )]
+    };
+    let mut a = build();
+    assert_eq!(m.held_outside(), held(1));
+    let b = build();
+    assert_eq!(m.held_outside(), held(2), "one table per instance");
+
+    let plan = mm.plan(&[&p], LoadOptions::default()).unwrap();
+    assert_eq!(plan.models[0].held_outside, ByteSize(2 * table.bytes()));
+    let report = mm.load_model_gpu(&p).unwrap();
+    assert_eq!(
+        report.models[0].outside_keys,
+        vec!["token_embd.weight".to_string()]
+    );
+    let in_ledger = m
+        .resident_bytes(SIM0)
+        .saturating_add(ByteSize(2 * table.bytes()));
+    assert_eq!(mm.ledger(SIM0), in_ledger);
+
+    // A forward adds nothing: what it dequantizes (norm gains) it uses and drops.
+    let input = Tensor::new(&[1u32, 17, 42], &device)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    a.forward(&input, 0).unwrap();
+    assert_eq!(m.held_outside(), held(2));
+
+    // An instance dropped (its handles, so its source), its table no longer counts.
+    drop(a);
+    assert_eq!(m.held_outside(), held(1));
+    drop(b);
+    assert!(m.held_outside().is_empty(), "{:?}", m.held_outside());
+    mm.load_model_gpu(&p).unwrap();
+    assert_eq!(mm.ledger(SIM0), m.resident_bytes(SIM0));
+}

@@ -2,7 +2,8 @@
 //! the fetch every fetched layer's forward and accessors go through; and the tensors a model's
 //! code holds as its own, outside the ledger (`Model::held_outside`, docs/ARCHITECTURE.md §11).
 //!
-//! The held-outside table counts each tensor `VarBuilder::get` handed to a model's code, per model, key and tensor, until a layer constructor adopts it, the
+//! The held-outside table counts each tensor `VarBuilder::get` (or a quantized `dequantize` of a
+//! managed weight) handed to a model's code, per model, key and tensor, until a layer constructor adopts it, the
 //! source it was read through is dropped, or the model is: a tensor's own drop cannot be seen.
 //! It stays bounded by what the model's code can hold, not by how often it reads: a second copy
 //! of one weight read in one form (patcher, dtype, device, call) from one source is kept and
@@ -169,7 +170,7 @@ const RAW_KEPT: usize = 4096;
 
 /// What makes two hand-outs of one weight the same bits in the same place: the patcher the
 /// source fetched through (its patches and wrappers), the dtype and device asked for, and the
-/// path (a `VarBuilder::get` in its mode).
+/// path (a `VarBuilder::get` in its mode, or a dequantize).
 #[derive(Clone)]
 struct Form {
     /// Compared by allocation; the weak handle keeps the address from being reused.
@@ -183,6 +184,7 @@ struct Form {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Via {
     Get(crate::ops::OpsMode),
+    Dequantize,
 }
 
 impl Form {
@@ -378,6 +380,20 @@ pub(crate) fn get(
     Ok(t)
 }
 
+/// Managed weight `key` of `source`'s model dequantized for the caller (`quantized::QTensor`'s
+/// `dequantize`) in `dtype` on `device`: counted outside the ledger as a `VarBuilder::get`
+/// tensor is (the same table, the same rules), never adopted.
+pub(crate) fn dequantized(
+    source: &OpsSource,
+    key: &str,
+    dtype: DType,
+    device: &Device,
+    read: impl FnOnce() -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
+    let form = Form::new(source, dtype, device, Via::Dequantize);
+    hand_out(source, key, form, read)
+}
+
 /// The ledger's device for a tensor on `device` handed out by a model loaded on `load`: the load
 /// device when `device` is its candle device, else the device it names (the host, a GPU).
 fn ledger_device(load: DeviceId, device: &Device) -> DeviceId {
@@ -477,8 +493,9 @@ pub(crate) fn adopt(weight: &Tensor, bias: Option<&Tensor>) -> Option<LayerWeigh
     Some(layer)
 }
 
-/// The parameters model `model_id` holds outside the ledger (handed out by `VarBuilder::get` and
-/// kept by the model as its own tensors), by key, with their bytes.
+/// The parameters model `model_id` holds outside the ledger (handed out by `VarBuilder::get` or
+/// dequantized by `quantized::QTensor`, and kept by the model as its own tensors), by key, with
+/// their bytes.
 pub(crate) fn outside_of(model_id: u64) -> Vec<(String, ByteSize)> {
     let mut by_key: Vec<(String, ByteSize)> = Vec::new();
     // Live entries come sorted by key: one row per key, its tensors summed.

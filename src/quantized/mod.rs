@@ -25,7 +25,8 @@
 //! code paths such as `ggml_file` models that read their own tensors.
 //!
 //! Accessors that return dense tensors (`QTensor::dequantize`) fetch now and return a tensor the
-//! caller owns: not evicted, not switched by a later patch set — see `docs/PORTING.md`.
+//! caller owns: not evicted, not switched by a later patch set, and counted outside the ledger
+//! as a `VarBuilder::get` tensor is (`Model::held_outside`) — see `docs/PORTING.md`.
 
 pub mod ggml_file;
 pub mod gguf_file;
@@ -419,11 +420,61 @@ impl QTensor {
 
     /// The weight dense in f32 on `device`, as candle's `QTensor::dequantize`. For a managed
     /// weight: fetched now (resident or streamed) with its patches applied; the tensor is the
-    /// caller's (not evicted, not switched by a later patch set).
+    /// caller's (not evicted, not switched by a later patch set), so it counts in
+    /// [`Model::held_outside`](crate::weights::Model::held_outside) and the ledger as a
+    /// `VarBuilder::get` tensor does (`nn/held.rs`): until the handles fetched through its
+    /// source (the `gguf_file::Content` and every layer built from it) are dropped. A second
+    /// dequantize of one weight to one device is kept and returned by every later call.
     ///
     /// # Errors
     /// Errors of the fetch, the dequantization or the move.
     pub fn dequantize(&self, device: &Device) -> candle_core::Result<Tensor> {
+        self.handed_out(candle_core::DType::F32, device, || {
+            self.dequantize_now(device)
+        })
+    }
+
+    /// [`QTensor::dequantize`] in f16.
+    ///
+    /// # Errors
+    /// As [`QTensor::dequantize`].
+    pub fn dequantize_f16(&self, device: &Device) -> candle_core::Result<Tensor> {
+        match &self.inner {
+            Inner::Owned(q) => q.dequantize_f16(device),
+            _ => self.handed_out(candle_core::DType::F16, device, || {
+                self.dequantize_now(device)?
+                    .to_dtype(candle_core::DType::F16)
+            }),
+        }
+    }
+
+    /// `read()`'s dense copy of this weight in `dtype` on `device`, handed to the caller: counted
+    /// outside the ledger for a managed weight (`nn/held.rs`), as candle's for an owned one.
+    fn handed_out(
+        &self,
+        dtype: candle_core::DType,
+        device: &Device,
+        read: impl FnOnce() -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        match self.managed_source() {
+            Some((source, key)) => crate::nn::held::dequantized(source, key, dtype, device, read),
+            None => read(),
+        }
+    }
+
+    /// The source a managed handle fetches through, and the key it is counted under.
+    fn managed_source(&self) -> Option<(&OpsSource, &str)> {
+        match &self.inner {
+            Inner::Owned(_) => None,
+            Inner::Quantized(r) => Some((&r.source, &r.key)),
+            Inner::Dense(d) => Some((d.weights.source(), d.weights.weight_key())),
+            Inner::Stacked(s) => Some((s.experts.first()?.managed_source()?.0, &s.key)),
+        }
+    }
+
+    /// The weight dense in f32 on `device`, fetched now and not counted: for a forward that uses
+    /// it and drops it (a bias, a norm's gain).
+    pub(crate) fn dequantize_now(&self, device: &Device) -> candle_core::Result<Tensor> {
         let t = match &self.inner {
             Inner::Owned(q) => return q.dequantize(device),
             Inner::Quantized(r) => match r.fetch(false, None).map_err(to_candle)? {
@@ -444,23 +495,12 @@ impl QTensor {
                 let experts = s
                     .experts
                     .iter()
-                    .map(|e| e.dequantize(device))
+                    .map(|e| e.dequantize_now(device))
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 return Tensor::stack(&experts, 0);
             }
         };
         t.to_device(device)
-    }
-
-    /// [`QTensor::dequantize`] in f16.
-    ///
-    /// # Errors
-    /// As [`QTensor::dequantize`].
-    pub fn dequantize_f16(&self, device: &Device) -> candle_core::Result<Tensor> {
-        match &self.inner {
-            Inner::Owned(q) => q.dequantize_f16(device),
-            _ => self.dequantize(device)?.to_dtype(candle_core::DType::F16),
-        }
     }
 
     /// The weight for a forward on `device` (recorded in the forward order).
@@ -695,7 +735,13 @@ impl QMatMul {
     pub fn forward_via_f16(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         match &self.owned {
             Some(m) => m.forward_via_f16(xs),
-            None => cq::QMatMul::TensorF16(self.dequantize_f16()?).forward(xs),
+            // Used and dropped here: not a tensor the caller holds.
+            None => cq::QMatMul::TensorF16(
+                self.weight
+                    .dequantize_now(&self.weight.device()?)?
+                    .to_dtype(candle_core::DType::F16)?,
+            )
+            .forward(xs),
         }
     }
 
