@@ -43,10 +43,15 @@
 //!
 //! **Pinning in place.** [`HostTier::try_pin`] page-locks a host copy where it lives (a
 //! [`PinnedWeight`]), so the weight's GPU copies DMA straight from it; the pinned bytes stay
-//! within the pin budget ([`crate::vram::pin_budget`] less the staging pool's limit). A pin
-//! beyond the budget, or one the driver refuses, fails softly: the weight is staged as before,
-//! and the pinned total is unchanged. A weight is unpinned when it becomes resident on a GPU,
-//! when its host copy is evicted and when its model is dropped.
+//! within the pin budget ([`crate::vram::pin_budget`] less the staging pool's limit). The driver
+//! locks whole pages and refuses a range touching a locked page, so a host copy large enough to
+//! pin ([`MIN_PIN_BYTES`]) is read onto pages of its own (`page.rs`: a page-aligned start inside
+//! an allocation that holds its last page too, under two pages of slack the ledger does not
+//! count) and its pin locks exactly those whole pages (booked so in the pinned total): pins of
+//! neighbouring weights never collide. A pin beyond the budget, or one the driver refuses, fails
+//! softly: the weight is staged as before, and the pinned total is unchanged. A weight is
+//! unpinned when it becomes resident on a GPU, when its host copy is evicted and when its model
+//! is dropped.
 //!
 //! Locks: `HostTier::books` is `Rank::HostTier` in the crate's lock table (`src/lock/rank.rs`). It
 //! is taken inside `Model::state` when a weight's residency changes, never held across a file
@@ -74,8 +79,9 @@ use crate::error::{Error, Result};
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
-/// Weights smaller than this are not pinned in place: staging them costs little, and small
-/// allocations share pages with others.
+/// Weights smaller than this are not pinned in place: staging them costs little. Weights of at
+/// least this size are read onto pages of their own (`page.rs`), whose slack (under two pages)
+/// would be a large share of a smaller one.
 pub const MIN_PIN_BYTES: ByteSize = ByteSize::kib(256);
 
 /// A host copy: which weight of which model.
@@ -273,7 +279,7 @@ pub struct HostStats {
     pub hits: u64,
     /// Host copies evicted.
     pub evictions: u64,
-    /// Bytes page-locked in place.
+    /// Bytes page-locked in place (whole pages: a weight's bytes rounded out to its pages).
     pub pinned: ByteSize,
     /// The most that may be page-locked in place.
     pub pin_budget: ByteSize,
@@ -635,9 +641,9 @@ impl HostTier {
         lazy: bool,
     ) -> Option<Arc<PinnedWeight>> {
         let gpu = self.shared.gpu.as_ref()?;
-        let (_, len) = super::pin::host_bytes(tensor)?;
-        let len = len as u64;
-        if len < MIN_PIN_BYTES.bytes() {
+        // What the pin locks (whole pages for a weight the crate read) is what it is budgeted.
+        let (bytes, len) = super::pin::pin_extent(tensor)?;
+        if bytes < MIN_PIN_BYTES.bytes() {
             return None;
         }
         let key = (model_id, index);
@@ -685,7 +691,7 @@ impl HostTier {
             drop(out);
             return existing;
         }
-        b.pinned += len;
+        b.pinned += pin.size().bytes();
         b.pins.insert(key, Arc::clone(&pin));
         drop(b);
         Some(pin)

@@ -5,7 +5,9 @@
 //! is made when the weight is first asked for, through the model's [`HostTier`] (which books it
 //! and evicts it again under pressure): a positioned read (`pread`) of exactly the tensor's bytes
 //! into a buffer of the tensor's own element type, which becomes the candle tensor as it is — no
-//! second copy, no memory map. A file truncated or replaced underneath therefore gives an
+//! second copy, no memory map. A weight large enough to be pinned is read onto pages of its own
+//! (`page.rs`: a page-aligned start, under two pages of slack), so it can be page-locked in place
+//! whatever is pinned beside it. A file truncated or replaced underneath therefore gives an
 //! [`Error::File`] naming the file, the tensor and the sizes (a memory-mapped read would die of
 //! `SIGBUS`), and nothing else changes (I4).
 //!
@@ -18,10 +20,11 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, DType, Device, Tensor, WithDType};
+use candle_core::{CpuStorage, DType, Tensor, WithDType};
 use safetensors::tensor::{Dtype as StDtype, Metadata};
 
 use super::host::HostTier;
+use super::page::PageBuf;
 use super::safetensors::{check_shape, file_err, storage_of};
 use super::{Clean, Model, Slot};
 use crate::error::{Error, Result};
@@ -118,12 +121,9 @@ pub(super) fn read_at(wf: &WeightFile, buf: &mut [u8], offset: u64, key: &str) -
     })
 }
 
-/// A zeroed vector of `n` elements (the allocator's zeroed pages: untouched until read into).
-fn zeroed<T: WithDType>(n: usize) -> Vec<T> {
-    vec![T::from_f64(0.0); n]
-}
-
-/// Reads `n` elements of `T` at `offset` straight into a vector that becomes the tensor.
+/// Reads `n` elements of `T` at `offset` straight into a buffer that becomes the tensor: a
+/// [`PageBuf`], so a weight large enough to be pinned sits on pages of its own and can be
+/// page-locked in place without colliding with its neighbours' pins.
 fn read_typed<T: WithDType>(
     wf: &WeightFile,
     offset: u64,
@@ -131,14 +131,15 @@ fn read_typed<T: WithDType>(
     key: &str,
 ) -> Result<Tensor> {
     let n: usize = shape.iter().product();
-    let mut v: Vec<T> = zeroed(n);
-    let len = std::mem::size_of_val(v.as_slice());
+    let mut buf = PageBuf::<T>::zeroed(n);
+    let v = buf.as_mut_slice();
+    let len = std::mem::size_of_val(v);
     // SAFETY: every `T` read here (f32, f16, bf16, f64, u8, fp8 E4M3) is plain data for which
-    // every bit pattern is a valid value; `v` holds `n` initialised elements, so the slice is
-    // `len` initialised bytes, borrowed mutably from `v` for this call only.
+    // every bit pattern is a valid value; `v` is `n` initialised elements, so the slice is `len`
+    // initialised bytes, borrowed mutably from `buf` for this call only.
     let bytes = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), len) };
     read_at(wf, bytes, offset, key)?;
-    Tensor::from_vec(v, shape, &Device::Cpu)
+    buf.into_tensor(shape)
         .map_err(|e| file_err(&wf.path, format!("tensor `{key}`: {e}")))
 }
 

@@ -26,6 +26,7 @@ mod access;
 mod gguf;
 mod host;
 mod lazy;
+mod page;
 mod pin;
 mod quant;
 mod safetensors;

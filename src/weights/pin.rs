@@ -2,12 +2,20 @@
 //!
 //! A [`PinnedWeight`] page-locks the memory of one host tensor where it already lives (CUDA's
 //! `cuMemHostRegister`, or the sim's registration; no copy is made) and keeps a handle to the
-//! tensor, so the memory cannot be freed while it is locked. Every copy out of it records an event
-//! on its stream in the weight's [`Fences`] — one event per stream, so copies of one weight queued
-//! on two lanes, or on a lane and the compute stream, are each waited for (one event re-recorded on
-//! every stream would keep only the latest: F1). Dropping it waits on all of them and only then
-//! unlocks: memory is never unlocked under a running DMA. When that wait fails, the memory is
-//! neither unlocked nor freed (it is leaked, with an error in the log): a copy may still read it.
+//! tensor, so the memory cannot be freed while it is locked. The driver locks whole pages and
+//! refuses a range touching a locked page, so what is registered is the tensor's bytes rounded
+//! out to whole pages (a page-aligned address and size) when those pages lie inside the
+//! tensor's own storage, as they do for every weight the crate reads that is large enough to
+//! pin (`page.rs`): its neighbours' pins then never collide with it. A tensor made elsewhere,
+//! whose first and last pages may hold other memory, registers its exact bytes, which the
+//! driver may refuse (it is staged then).
+//!
+//! Every copy out of a pin records an event on its stream in the weight's [`Fences`] — one event
+//! per stream, so copies of one weight queued on two lanes, or on a lane and the compute stream,
+//! are each waited for (one event re-recorded on every stream would keep only the latest: F1).
+//! Dropping it waits on all of them and only then unlocks: memory is never unlocked under a
+//! running DMA. When that wait fails, the memory is neither unlocked nor freed (it is leaked,
+//! with an error in the log): a copy may still read it.
 //!
 //! Locking goes through the device interface ([`crate::device::Gpu`]); a lock that fails is not
 //! an error: the weight is copied through a staging buffer as before
@@ -20,40 +28,65 @@
 use crate::lock::{Mutex, Rank};
 use candle_core::{CpuStorage, Storage, Tensor};
 
+use super::page::page_span;
 use crate::device::{Fences, Gpu, Stream};
 use crate::error::Result;
 use crate::size::ByteSize;
 
 /// The address and length of a contiguous CPU tensor's bytes, or `None` for anything else.
 pub(crate) fn host_bytes(t: &Tensor) -> Option<(usize, usize)> {
-    with_host_bytes(t, |addr, len| (addr, len))
+    with_host_bytes(t, |p| (p.addr, p.len))
 }
 
-/// Calls `f` with the address and length of a contiguous CPU tensor's bytes while holding
-/// candle's lock on its storage (so no in-place candle operation can change it meanwhile).
-fn with_host_bytes<R>(t: &Tensor, f: impl FnOnce(usize, usize) -> R) -> Option<R> {
+/// The bytes of `t` and the bytes a pin of it would lock, `(tensor bytes, locked bytes)`, or
+/// `None` when `t` is not a contiguous CPU tensor.
+pub(crate) fn pin_extent(t: &Tensor) -> Option<(u64, u64)> {
+    with_host_bytes(t, |p| (p.len as u64, p.lock.1 as u64))
+}
+
+/// Where a contiguous CPU tensor's bytes lie, and what a pin of them locks.
+#[derive(Debug, Clone, Copy)]
+struct Placement {
+    addr: usize,
+    len: usize,
+    /// The range to register, `(address, length)`: the bytes rounded out to whole pages when
+    /// those pages lie inside the tensor's own storage (a buffer the crate read onto pages of its
+    /// own, `page.rs`), so the registration is page-aligned and no other memory shares it; else
+    /// the bytes themselves (a tensor made elsewhere, whose first and last pages may hold other
+    /// memory: the driver may refuse it, and the weight is then staged).
+    lock: (usize, usize),
+}
+
+/// Calls `f` with where a contiguous CPU tensor's bytes lie while holding candle's lock on its
+/// storage (so no in-place candle operation can change it meanwhile).
+fn with_host_bytes<R>(t: &Tensor, f: impl FnOnce(Placement) -> R) -> Option<R> {
     let (storage, layout) = t.storage_and_layout();
     let (start, end) = layout.contiguous_offsets()?;
     let Storage::Cpu(cpu) = &*storage else {
         return None;
     };
-    fn span<T>(v: &[T], start: usize, end: usize) -> Option<(usize, usize)> {
+    fn place<T>(v: &[T], start: usize, end: usize) -> Option<Placement> {
         let s = v.get(start..end)?;
-        Some((s.as_ptr() as usize, std::mem::size_of_val(s)))
+        let (addr, len) = (s.as_ptr() as usize, std::mem::size_of_val(s));
+        let (base, all) = (v.as_ptr() as usize, std::mem::size_of_val(v));
+        let (lo, n) = page_span(addr, len);
+        let own = len > 0 && lo >= base && lo + n <= base + all;
+        let lock = if own { (lo, n) } else { (addr, len) };
+        Some(Placement { addr, len, lock })
     }
-    let (addr, len) = match cpu {
-        CpuStorage::F32(v) => span(v, start, end),
-        CpuStorage::F16(v) => span(v, start, end),
-        CpuStorage::BF16(v) => span(v, start, end),
-        CpuStorage::F64(v) => span(v, start, end),
-        CpuStorage::U8(v) => span(v, start, end),
-        CpuStorage::F8E4M3(v) => span(v, start, end),
+    let placement = match cpu {
+        CpuStorage::F32(v) => place(v, start, end),
+        CpuStorage::F16(v) => place(v, start, end),
+        CpuStorage::BF16(v) => place(v, start, end),
+        CpuStorage::F64(v) => place(v, start, end),
+        CpuStorage::U8(v) => place(v, start, end),
+        CpuStorage::F8E4M3(v) => place(v, start, end),
         // Token ids and positions (activations a split model moves between devices).
-        CpuStorage::U32(v) => span(v, start, end),
-        CpuStorage::I64(v) => span(v, start, end),
+        CpuStorage::U32(v) => place(v, start, end),
+        CpuStorage::I64(v) => place(v, start, end),
         _ => None,
     }?;
-    Some(f(addr, len))
+    Some(f(placement))
 }
 
 /// One host tensor page-locked in place (see the module docs).
@@ -79,8 +112,10 @@ impl PinnedWeight {
     /// Page-locks `tensor`'s memory in place on `gpu`. `Err` says why it could not (not a
     /// contiguous CPU tensor, or the driver refused).
     pub(crate) fn lock(tensor: &Tensor, gpu: Gpu) -> std::result::Result<PinnedWeight, String> {
-        let locked = with_host_bytes(tensor, |addr, len| {
-            // SAFETY: `addr..addr + len` are the bytes of `tensor`'s CPU storage, held by the
+        let locked = with_host_bytes(tensor, |p| {
+            let (addr, len) = p.lock;
+            // SAFETY: `addr..addr + len` lies in `tensor`'s CPU storage (its bytes, or the whole
+            // pages around them when those pages are inside that storage), held by the
             // `PinnedWeight` built below until it unregisters them after waiting on every copy
             // out of them (its `Drop`); on failure nothing is registered.
             unsafe { gpu.register_host(addr, len) }.map(|()| (addr, len))
@@ -97,7 +132,8 @@ impl PinnedWeight {
         })
     }
 
-    /// Bytes locked.
+    /// Bytes locked: the weight's bytes rounded out to whole pages when it sits on pages of its
+    /// own (a weight the crate read), else its bytes.
     pub fn size(&self) -> ByteSize {
         ByteSize(self.len as u64)
     }

@@ -98,21 +98,18 @@ fn big(n: usize, v: f32) -> Tensor {
     Tensor::full(v, n, &candle_core::Device::Cpu).unwrap()
 }
 
-/// `count` tensors of `n` f32 each, views of one buffer two pages apart (separate
-/// allocations may share a page, which the driver locks only once).
-fn spaced(n: usize, count: usize) -> Vec<Tensor> {
-    let gap = 2 * 4096 / 4;
-    let all = big((n + gap) * count, 0.0);
-    (0..count)
-        .map(|i| all.narrow(0, i * (n + gap), n).unwrap())
-        .collect()
+/// A tensor of `n` f32 in a buffer of its own pages, as the crate reads weights (`page.rs`).
+fn paged(n: usize, v: f32) -> Tensor {
+    let mut buf = super::super::page::PageBuf::<f32>::zeroed(n);
+    buf.as_mut_slice().fill(v);
+    buf.into_tensor(&[n]).unwrap()
 }
 
 #[test]
 fn pins_stay_within_the_pin_budget_and_fail_softly_beyond_it() {
     let (locker, gpu) = sim();
     let tier = HostTier::with_pinning(None, ByteSize::mib(2), gpu);
-    let views = spaced(256 * 1024, 3); // 1 MiB each
+    let views: Vec<Tensor> = (0..3).map(|i| paged(256 * 1024, i as f32)).collect(); // 1 MiB each
     let (a, b, c) = (&views[0], &views[1], &views[2]);
     let pa = tier.try_pin(1, 0, a, false).expect("within budget");
     assert!(tier.try_pin(1, 1, b, false).is_some());
@@ -129,6 +126,14 @@ fn pins_stay_within_the_pin_budget_and_fail_softly_beyond_it() {
     // Too small to pin.
     assert!(tier.try_pin(1, 3, &big(16, 0.0), false).is_none());
     assert_eq!(locker.registered_host().len(), 2);
+    assert!(
+        locker
+            .registered_host()
+            .iter()
+            .all(|&(a, l)| a % 4096 == 0 && l == 1 << 20),
+        "whole pages: {:?}",
+        locker.registered_host()
+    );
     // Becoming resident on a GPU unpins; on the CPU it does not.
     drop(tier.note_resident(1, 1, Some(DeviceId::Cpu)));
     assert_eq!(tier.pinned(), ByteSize::mib(2));
@@ -138,6 +143,47 @@ fn pins_stay_within_the_pin_budget_and_fail_softly_beyond_it() {
     // Dropping the model unpins the rest.
     tier.forget_model(1);
     assert_eq!(tier.pinned(), ByteSize::ZERO);
+    assert!(locker.registered_host().is_empty());
+}
+
+#[test]
+fn weights_on_pages_of_their_own_all_pin_and_shared_pages_pin_once() {
+    // Issue 45, item 19: the driver locks whole pages; weights whose buffers shared a page with a
+    // pinned neighbour were refused. Buffers of 256 KiB and one element (not whole pages) each
+    // lock their own whole pages, page-aligned, and every one of them pins.
+    let (locker, gpu) = sim();
+    let tier = HostTier::with_pinning(None, ByteSize::gib(1), gpu);
+    let n = 64 * 1024 + 1;
+    let weights: Vec<Tensor> = (0..16).map(|i| paged(n, i as f32)).collect();
+    let page = super::super::page::page_size() as u64;
+    let rounded = (n as u64 * 4).next_multiple_of(page);
+    for (i, w) in weights.iter().enumerate() {
+        assert!(tier.try_pin(1, i, w, false).is_some(), "weight {i}");
+    }
+    assert_eq!(tier.stats().pin_failures, 0);
+    assert_eq!(
+        tier.pinned(),
+        ByteSize(16 * rounded),
+        "whole pages are booked"
+    );
+    let ranges = locker.registered_host();
+    assert_eq!(ranges.len(), 16);
+    for (a, l) in &ranges {
+        assert_eq!((a % page as usize, *l as u64), (0, rounded));
+    }
+    // A tensor made elsewhere locks its exact bytes: two views of one buffer sharing a page pin
+    // once, the second is refused and staged (counted), and the first stays pinned.
+    let shared = big(2 * n, 1.0);
+    let (x, y) = (
+        shared.narrow(0, 0, n).unwrap(),
+        shared.narrow(0, n, n).unwrap(),
+    );
+    assert!(tier.try_pin(2, 0, &x, false).is_some());
+    assert!(tier.try_pin(2, 1, &y, false).is_none());
+    assert_eq!(tier.stats().pin_failures, 1);
+    assert_eq!(locker.registered_host().len(), 17);
+    tier.forget_model(1);
+    tier.forget_model(2);
     assert!(locker.registered_host().is_empty());
 }
 
