@@ -236,24 +236,54 @@ fn a_flux_lora_in_onetrainer_naming_patches_comfyui_s_in_memory_keys() {
     check("model.diffusion_model.", true);
 }
 
+/// With the model's keys alone (`lora_file::load`, what `lora_merge` uses) a LoRA's MLP rows are
+/// read off its own shape — `3 × in` columns into `linear1`, as many as it has rows — and land
+/// where the model's shapes put them; an OFT, whose tensors do not give its module's width, is
+/// reported, naming `load_for`, which places it.
 #[test]
-fn without_the_model_s_shapes_the_mlp_rows_are_reported_not_guessed() {
+fn without_the_model_s_shapes_the_mlp_rows_come_from_the_lora_and_an_oft_is_reported() {
     let dir = tempfile::tempdir().unwrap();
     let path = write_lora(dir.path(), false);
     let model = flux("");
-    let lora = lora_file::load(&path, model.keys()).unwrap();
-    assert_eq!(
-        lora.unmatched_lora_keys,
-        vec![
-            "transformer.single_transformer_blocks.0.proj_mlp.lora_A.weight".to_string(),
-            "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight".to_string(),
-        ]
+    let keys_only = lora_file::load(&path, model.keys()).unwrap();
+    assert!(
+        keys_only.unmatched_lora_keys.is_empty(),
+        "{:?}",
+        keys_only.unmatched_lora_keys
     );
-    // q, k and v still find their rows from the LoRA's own size.
-    assert!(lora
+    let with_shapes = lora_file::load_for(&path, &model).unwrap();
+    let keys =
+        |l: &lora_file::LoraLoad| l.patches.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>();
+    assert_eq!(keys(&keys_only), keys(&with_shapes));
+    assert!(keys_only
         .patches
         .iter()
-        .any(|(k, _)| k.key == "double_blocks.0.img_attn.qkv.weight" && k.offset.is_some()));
+        .any(|(k, _)| k.key == "single_blocks.0.linear1.weight"
+            && k.offset.is_some_and(|o| (o.start, o.len) == (3 * H, MLP))));
+
+    let oft = dir.path().join("oft.safetensors");
+    let blocks = common::rand_tensor(&[MLP / 4, 4, 4], 9);
+    save_safetensors(
+        &oft,
+        &[(
+            "transformer.single_transformer_blocks.0.proj_mlp.oft_blocks".to_string(),
+            blocks,
+            Dtype::F32,
+        )],
+        &SafetensorsOptions::default(),
+    )
+    .unwrap();
+    let keys_only = lora_file::load(&oft, model.keys()).unwrap();
+    let left = &keys_only.unmatched_modules;
+    assert!(
+        left.len() == 1 && left[0].reason.contains("load_for"),
+        "{left:?}"
+    );
+    let with_shapes = lora_file::load_for(&oft, &model).unwrap();
+    assert_eq!(
+        keys(&with_shapes)[0].offset.map(|o| (o.start, o.len)),
+        Some((3 * H, MLP))
+    );
 }
 
 #[test]

@@ -13,11 +13,16 @@
 //! The family is detected from the model's own keys (`double_blocks.0.img_attn.qkv.weight`, under
 //! any prefix). LoRA names: diffusers/PEFT (`transformer.transformer_blocks.0.attn.to_q`,
 //! `base_model.model.…`), OneTrainer's underscored `lora_transformer_transformer_blocks_0_attn_to_q`.
-//! A name of the family that cannot be placed (no such block, a fused part without the model's
-//! shapes) is left unmatched and reported.
+//! Where a part's rows depend on the model's sizes — a single block's MLP rows start `3 × hidden`
+//! into `linear1`, and SD3's context modulation swaps its halves when it has two chunks of the
+//! hidden size (the last, pre-only block) — they are the model's when its shapes are known
+//! (`load_for`) and else the patch's own (`module_shape.rs`: the module's input is the hidden
+//! size). A name of the family that cannot be placed (no such block, a part whose sizes neither
+//! the model nor the patch gives) is left unmatched and reported.
 
 use std::collections::HashMap;
 
+use super::module_shape::module_shape;
 use crate::patcher::adapters::{Offset, Patch};
 use crate::patcher::PatchKey;
 
@@ -964,7 +969,9 @@ impl Dit {
     ) -> Result<(PatchKey, Patch), String> {
         let rows = shapes.get(&key).and_then(|s| s.first().copied());
         let hidden = self.hidden(shapes);
-        let own_rows = patch_rows(&patch);
+        // The module's own `(out, in)`, for what the model's shapes would otherwise say.
+        let own = module_shape(&patch);
+        let own_rows = own.map(|(out, _)| out);
         let region = |start: usize, len: usize| -> Result<PatchKey, String> {
             if let Some(r) = rows {
                 if start + len > r {
@@ -977,11 +984,13 @@ impl Dit {
             Ok((key.clone(), Offset { dim: 0, start, len }).into())
         };
         let part = match target.part {
-            Part::SwapHalvesIfPair => match (rows, hidden) {
-                (Some(r), Some(h)) if r == 2 * h => Part::SwapHalves,
-                (Some(_), Some(_)) => Part::Whole,
-                _ => {
-                    return Err("whether this modulation's halves swap depends on the model's shapes: load with lora_file::load_for".into())
+            // Two chunks of the hidden size: the model's, or the module's own (its input is the
+            // hidden size).
+            Part::SwapHalvesIfPair => match rows.zip(hidden).or(own) {
+                Some((r, h)) if r == 2 * h => Part::SwapHalves,
+                Some(_) => Part::Whole,
+                None => {
+                    return Err(format!("whether this modulation's halves swap depends on its size, which a {} does not give: load with lora_file::load_for", patch.kind()))
                 }
             },
             other => other,
@@ -1033,10 +1042,17 @@ impl Dit {
                 Ok((region(0, n)?, patch))
             }
             Part::SingleMlp => {
-                let (Some(h), Some(r)) = (hidden, rows) else {
-                    return Err("the MLP rows of `linear1` need the model's shapes: load with lora_file::load_for".into());
+                // After q, k and v of the hidden size each, to the end of `linear1`: the model's
+                // sizes, or the module's own (its input is the hidden size, its rows the MLP's).
+                let h = hidden.or(own.map(|(_, cols)| cols));
+                let len = match (rows, h) {
+                    (Some(r), Some(h)) => Some(r.saturating_sub(3 * h)),
+                    _ => own_rows,
                 };
-                Ok((region(3 * h, r.saturating_sub(3 * h))?, patch))
+                let (Some(h), Some(len)) = (h, len) else {
+                    return Err(format!("the MLP rows of `linear1` depend on its size, which a {} does not give: load with lora_file::load_for", patch.kind()));
+                };
+                Ok((region(3 * h, len)?, patch))
             }
             Part::SwapHalvesIfPair => unreachable!("resolved above"),
             Part::SwapHalves => match patch {
@@ -1086,14 +1102,6 @@ fn map(table: &[(&str, &str, Part)], path: &str, underscored: bool) -> Option<Ta
         };
         Some(Target { module, part })
     })
-}
-
-/// The output rows of a LoRA patch (its up matrix), the one kind whose rows are read off it.
-fn patch_rows(patch: &Patch) -> Option<usize> {
-    match patch {
-        Patch::Lora(l) => l.up.dims().first().copied(),
-        _ => None,
-    }
 }
 
 #[cfg(test)]

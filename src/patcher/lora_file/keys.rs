@@ -28,6 +28,8 @@ const MODEL_PREFIXES: &[(&str, Component)] = &[
     ("text_encoder.", Component::TextEncoder(1)),
     ("cond_stage_model.", Component::TextEncoder(1)),
     ("clip_l.", Component::TextEncoder(1)),
+    // SD2's one text encoder in ComfyUI.
+    ("clip_h.", Component::TextEncoder(1)),
     ("clip_g.", Component::TextEncoder(2)),
     ("t5xxl.", Component::TextEncoder(3)),
 ];
@@ -50,6 +52,10 @@ const LORA_PREFIXES: &[(&str, Component, bool)] = &[
     ("text_encoder_3.", Component::TextEncoder(3), false),
     ("text_encoder.", Component::TextEncoder(1), false),
 ];
+
+/// The prefix of ComfyUI's generic text-encoder LoRA names: `text_encoders.` and then the model
+/// key without `.weight`, for every weight of every text encoder (what its LoRA saver writes).
+const GENERIC_TEXT_ENCODER: &str = "text_encoders.";
 
 /// `(in-memory, as trainers spell it)` fragments of one native module's path, each with its
 /// trailing `.`: HunyuanVideo's Tencent names (`img_attn_qkv`, `img_mod.linear`, `img_mlp.fc1`),
@@ -254,6 +260,9 @@ impl ModelIndex {
         if let Some(&pos) = self.keys.get(&direct) {
             return Some((pos, direct));
         }
+        if let Some(module) = base.strip_prefix(GENERIC_TEXT_ENCODER) {
+            return self.resolve_text_encoder(module, suffix);
+        }
         let (comp, path, underscored) = LORA_PREFIXES
             .iter()
             .find_map(|&(p, c, u)| base.strip_prefix(p).map(|rest| (c, rest, u)))
@@ -279,6 +288,32 @@ impl ModelIndex {
             return self.best(renamed, path, comp, suffix);
         }
         None
+    }
+
+    /// The model key of ComfyUI's generic text-encoder name `text_encoders.<module>`, `module`
+    /// being a text-encoder module as ComfyUI holds it
+    /// (`clip_g.transformer.text_model.embeddings.position_embedding`): the model's own key when
+    /// it has one (`module` with or without `text_encoders.`, which rule 1 tried); else, for a known encoder name (`clip_l.`,
+    /// `clip_h.`, `clip_g.`, `t5xxl.`), the same path in that text encoder under any of its
+    /// prefixes (`conditioner.embedders.1.`, `text_encoder_2.`, `cond_stage_model.` …, after
+    /// `transformer.` and `text_model.`), or an unprefixed model key; else, for any other name
+    /// (`umt5xxl.`, `llama.` …), the path after it as an unprefixed model key (an encoder held
+    /// alone).
+    fn resolve_text_encoder(&self, module: &str, suffix: &str) -> Option<(usize, String)> {
+        let own = format!("{module}{suffix}");
+        if let Some(&pos) = self.keys.get(&own) {
+            return Some((pos, own));
+        }
+        match split_model_prefix(module) {
+            (comp @ Component::TextEncoder(_), path) => {
+                self.best(&self.dotted, te_path(path, '.'), comp, suffix)
+            }
+            _ => {
+                let (_, path) = module.split_once('.')?;
+                let key = format!("{path}{suffix}");
+                self.keys.get(&key).map(|&pos| (pos, key))
+            }
+        }
     }
 
     /// The best-ranked model key among the modules `map` holds for `path` (first in model key

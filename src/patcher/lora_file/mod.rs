@@ -49,8 +49,13 @@
 //!      `lora_te2_` text encoder 2, `lora_te3_` text encoder 3, each followed by the module path
 //!      with `.` written as `_`; diffusers `unet.`, `transformer.`, `diffusion_model.`,
 //!      `model.diffusion_model.` name the diffusion model and `text_encoder.`, `text_encoder_2.`,
-//!      `text_encoder_3.` the text encoders, followed by the dotted path; anything else names no
-//!      component.
+//!      `text_encoder_3.` the text encoders, followed by the dotted path; ComfyUI's generic
+//!      `text_encoders.<module>`, for every weight of every text encoder, `module` being its key
+//!      as ComfyUI holds it without `.weight`
+//!      (`text_encoders.clip_g.transformer.text_model.embeddings.position_embedding`), names the
+//!      text encoder of `module`'s own prefix (`clip_l.`, `clip_h.`, `clip_g.`, `t5xxl.`), or,
+//!      under another encoder name, the model key `module` itself or the path after that name;
+//!      anything else names no component.
 //!
 //!    For text encoders a leading `transformer.` and then `text_model.` are dropped from the path
 //!    on both sides, so `lora_te_text_model_encoder_layers_0_mlp_fc1` finds both
@@ -76,10 +81,21 @@
 //!    `down_blocks.0.attentions.0.proj_in.weight`. A key set the detector does not understand
 //!    (another architecture, a partial UNet) gets no second naming: matching is rules 1 and 2.
 //!
-//! Not attempted: renaming between other model layouts (Flux `double_blocks` versus diffusers
-//! `transformer_blocks`; UNets whose transformer depth differs between the blocks of one level)
-//! and splitting fused projections; such names are reported unmatched. Callers that know the
+//! Before these rules, a DiT family detected from the model's keys (Flux, SD3, AuraFlow, Lumina 2,
+//! PixArt, Wan) maps its diffusers / PEFT / OneTrainer names onto its native, fused weights
+//! (`dit.rs`), q, k, v and a single block's MLP as offset patches on their rows.
+//!
+//! Not attempted: renaming between other model layouts (UNets whose transformer depth differs
+//! between the blocks of one level); such names are reported unmatched. Callers that know the
 //! layouts can rename keys and pass tensors in memory.
+//!
+//! # Reporting
+//!
+//! Every module no model key takes is in [`LoraLoad::unmatched_modules`] (with its tensors in
+//! [`LoraLoad::unmatched_lora_keys`]), and the load logs one `tracing` warning naming all of them:
+//! "no module of this LoRA matches a model key" when nothing matched, "LoRA partly matched" with
+//! the matched count when some did; when every module matched but some tensors are no part of a
+//! patch, the warning names those tensors.
 //!
 //! # Cost
 //!
@@ -91,7 +107,9 @@
 //!
 //! `mod.rs` reads the tensors and assembles the result; `groups.rs` groups file tensors by base
 //! name into patches (the suffix table above); `keys.rs` maps base names onto model keys (rules 1
-//! and 2); [`unet`] holds the UNet layouts and their two namings (rule 3).
+//! and 2); [`unet`] holds the UNet layouts and their two namings (rule 3); `dit.rs` the DiT
+//! families' name tables and `module_shape.rs` the module size a patch gives, which places a
+//! fused part when the model's shapes are not known.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -111,6 +129,7 @@ pub mod unet;
 use groups::{check_alpha, group_by_base, group_patches, PartKind};
 
 mod dit;
+mod module_shape;
 mod peft;
 use keys::ModelIndex;
 
@@ -226,8 +245,9 @@ fn nearest_key<'a>(keys: impl Iterator<Item = &'a str>, lora_module: &str) -> Op
 ///
 /// Errors: [`Error::File`](crate::Error::File) naming the file when it cannot be read or parsed;
 /// [`Error::BadPatch`](crate::Error::BadPatch) naming the tensor when an `.alpha` is not one
-/// finite number. Names that do not map are reported in [`LoraLoad::unmatched_lora_keys`], not
-/// as errors. Values inside the adapters (NaN, infinities) are checked when the patches are added
+/// finite number. Names that do not map are reported in [`LoraLoad::unmatched_lora_keys`] and
+/// [`LoraLoad::unmatched_modules`] and logged (one warning naming every module left), not as
+/// errors. Values inside the adapters (NaN, infinities) are checked when the patches are added
 /// ([`crate::patcher::ModelPatcher::add_patches`]).
 pub fn load<'a>(
     source: impl Into<LoraSource>,
@@ -236,9 +256,10 @@ pub fn load<'a>(
     load_with_shapes(source, model_keys, HashMap::new())
 }
 
-/// [`load`] onto `model`, knowing its weights' shapes: what a LoRA for one projection of a fused
-/// weight needs to find its rows (Flux's single blocks' `linear1`, whose MLP rows follow q, k and
-/// v), and what lets every offset be checked against the weight.
+/// [`load`] onto `model`, knowing its weights' shapes: a LoRA for one projection of a fused
+/// weight finds its rows from the model's sizes (Flux's single blocks' `linear1`, whose MLP rows
+/// follow q, k and v) rather than from the patch's own (what [`load`] reads them off, for the
+/// kinds whose shape says it), and every offset is checked against the weight here.
 ///
 /// # Errors
 /// As [`load`].
@@ -277,7 +298,57 @@ fn load_with_shapes<'a>(
         unmatched = result.unmatched_lora_keys.len(),
         "loaded LoRA"
     );
+    warn_unmatched(&origin, &result);
     Ok(result)
+}
+
+/// One warning per load that left something unused, naming it: every module without a model key
+/// (and the first one's nearest model key) — a file that matched nothing, or one that matched in
+/// part, which would otherwise patch less than it was trained to with nothing said — or, when
+/// every module found its key, the tensors that are no part of a patch (an unknown suffix, an
+/// alpha without an adapter).
+fn warn_unmatched(source: &str, load: &LoraLoad) {
+    let unused_tensors = load.unmatched_lora_keys.len();
+    let Some(first) = load.unmatched_modules.first() else {
+        if unused_tensors > 0 {
+            tracing::warn!(
+                source,
+                unused_tensors,
+                tensors = %load.unmatched_lora_keys.join(", "),
+                "LoRA tensors that are no part of a patch"
+            );
+        }
+        return;
+    };
+    let names = load
+        .unmatched_modules
+        .iter()
+        .map(|m| m.lora_module.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let (family, left) = (first.family, load.unmatched_modules.len());
+    if load.patches.is_empty() {
+        tracing::warn!(
+            source,
+            family,
+            left,
+            unused_tensors,
+            modules = %names,
+            nearest = ?first.nearest_model_key,
+            "no module of this LoRA matches a model key"
+        );
+    } else {
+        tracing::warn!(
+            source,
+            family,
+            matched = load.matched_model_keys.len(),
+            left,
+            unused_tensors,
+            modules = %names,
+            nearest = ?first.nearest_model_key,
+            "LoRA partly matched: these modules patch nothing"
+        );
+    }
 }
 
 /// Every tensor of a LoRA file by name, read by the crate's own checked reader (a shape candle
@@ -397,15 +468,6 @@ fn build(
             reason,
         })
         .collect();
-    if !unmatched_modules.is_empty() {
-        tracing::warn!(
-            family,
-            modules = unmatched_modules.len(),
-            first = %unmatched_modules[0].lora_module,
-            nearest = ?unmatched_modules[0].nearest_model_key,
-            "LoRA modules without a model key"
-        );
-    }
     Ok(LoraLoad {
         unmatched_modules,
         patches: found.into_iter().map(|(_, _, k, p)| (k, p)).collect(),
