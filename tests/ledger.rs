@@ -456,15 +456,16 @@ fn a_reservation_is_a_ledger_column_that_loads_prefetch_and_growth_respect() {
     assert_eq!(kv.bytes(), ByteSize::kib(20));
 
     // Growing makes room by evicting (A first: not the model just loaded by ComfyUI's order of
-    // most-offloaded first), and what cannot fit is a retryable error that changes nothing.
+    // most-offloaded first), and what can never fit beside the reservation (36 + 64 KiB on a
+    // 64 KiB budget) is over budget, not retryable, and changes nothing.
     kv.grow(&mm, ByteSize::kib(16)).unwrap();
     assert_eq!(kv.bytes(), ByteSize::kib(36));
     assert!(mm.ledger(CPU) <= budget);
     let before = (mm.ledger(CPU), registered(&mm));
     let err = kv.grow(&mm, ByteSize::kib(64)).unwrap_err();
-    assert!(err.is_retryable(), "{err}");
+    assert!(!err.is_retryable(), "{err}");
     assert!(
-        matches!(&err, Error::OutOfMemory { model, required, .. } if model.contains("kv-cache") && *required == ByteSize::kib(64)),
+        matches!(&err, Error::BudgetExceeded { model, required, .. } if model.contains("kv-cache") && *required == ByteSize::kib(64)),
         "{err}"
     );
     assert_eq!(
@@ -539,7 +540,8 @@ fn a_kept_model_is_never_evicted_and_guards_nest() {
 fn a_kv_cache_growing_by_blocks_beside_a_streamed_model_fails_where_the_arithmetic_says() {
     // A 6-layer MLP (6 × 64² f32 = 96 KiB) under a 160 KiB budget; a KV cache grows by 8 KiB
     // per step. The model gives up weights as the cache grows (streamed: same bits), and growth
-    // fails at the first step where the cache alone would pass the budget.
+    // fails at the first step where the cache alone would pass the budget: over budget, not a
+    // retryable out-of-memory (evicting more cannot help).
     let budget = ByteSize::kib(160);
     let mm = small_manager(budget, &[]);
     let m = mlp(6, 64, 7);
@@ -552,7 +554,8 @@ fn a_kv_cache_growing_by_blocks_beside_a_streamed_model_fails_where_the_arithmet
         match kv.grow(&mm, block) {
             Ok(()) => steps += 1,
             Err(e) => {
-                assert!(e.is_retryable(), "{e}");
+                assert!(matches!(e, Error::BudgetExceeded { .. }), "{e}");
+                assert!(!e.is_retryable(), "{e}");
                 break;
             }
         }
@@ -587,8 +590,11 @@ fn a_reservation_growing_on_one_thread_beside_loads_and_forwards_never_passes_th
             while std::time::Instant::now() < deadline {
                 match kv.grow(&mm, ByteSize::kib(16)) {
                     Ok(()) => grown += 1,
+                    // Refused: retryable while other memory holds the room, over budget once
+                    // the cache alone would pass it.
                     Err(e) => {
-                        assert!(e.is_retryable(), "{e}");
+                        let over = kv.bytes().saturating_add(ByteSize::kib(16)) > budget;
+                        assert_eq!(e.is_retryable(), !over, "{e}");
                         refused += 1;
                         kv.shrink(ByteSize::kib(128));
                     }

@@ -158,7 +158,8 @@ impl MemoryManager {
                         .memory_to_keep_free(&super::LoadOptions::default(), patcher.load_device());
                     let keep_free = ByteSize::from_f64(extra.max(min_required).ceil())
                         .saturating_add(largest.saturating_mul(2));
-                    self.give_streamer(&patcher, keep_free);
+                    // A classic model (a dynamic one has its streamer): no keeper, no room.
+                    self.give_streamer(&patcher, keep_free, ByteSize::ZERO);
                 }
             }
         }
@@ -261,7 +262,12 @@ impl MemoryManager {
             }
         }
         for (m, load) in all.iter().zip(&report.models) {
-            self.attach_streamer(m, load, options);
+            let room = plan
+                .models
+                .iter()
+                .find(|p| p.model_id == m.model().id())
+                .map_or(ByteSize::ZERO, |p| p.streaming_room);
+            self.attach_streamer(m, load, options, room);
             self.attach_cast_cache(m, options);
             log_load(load);
             if load.full {

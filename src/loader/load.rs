@@ -270,6 +270,7 @@ impl MemoryManager {
         m: &ModelPatcher,
         load: &ModelLoad,
         options: &LoadOptions,
+        room: ByteSize,
     ) {
         let dynamic = self.dynamic_load(m.load_device(), options);
         if load.full && !dynamic {
@@ -280,12 +281,14 @@ impl MemoryManager {
             // Loaded again: prioritized (the registry's front) and its watermark reset.
             m.model().usage().reset_watermark();
         }
-        self.give_streamer(m, options.memory_required);
+        self.give_streamer(m, options.memory_required, room);
     }
 
     /// Attaches a prefetching streamer to `m`'s model (reusing its own when it has one of this
-    /// manager's), its bytes in flight booked in the ledger keeping `keep_free` free.
-    pub(super) fn give_streamer(&self, m: &ModelPatcher, keep_free: ByteSize) {
+    /// manager's), its bytes in flight booked in the ledger keeping `keep_free` free. In
+    /// dynamic mode its keeper keeps copies leaving `keep_free` and `room` free: the plan's
+    /// [`super::PlannedLoad::streaming_room`], the room a classic partial load would leave.
+    pub(super) fn give_streamer(&self, m: &ModelPatcher, keep_free: ByteSize, room: ByteSize) {
         let streamer = match crate::offload::streamer_of(m) {
             Some(s) if Arc::ptr_eq(s.engine(), &self.engine) => s,
             _ => Arc::new(Streamer::new(
@@ -300,27 +303,10 @@ impl MemoryManager {
             streamer.set_misses(Arc::clone(costs));
         }
         if self.policy.dynamic_vram() {
-            // Residency by use: what is kept leaves `keep_free` free and, on a GPU, the room a
-            // partial load leaves for streaming: the prefetch window and the weight in use.
-            let depth = self.policy.config().prefetch_depth() as u64;
-            let largest = (0..m.model().len())
-                .filter(|&i| !m.weight_device(i).is_cpu())
-                .map(|i| m.resident_size(i))
-                .max()
-                .unwrap_or(ByteSize::ZERO);
-            // The planner's rule for a partial load's room (`plan.rs` `prefetch_room`): the
-            // window and the weight in use, at most half the device, at least that weight.
-            let half = ByteSize(self.policy.total_memory(m.load_device()).bytes() / 2);
-            let window = if self.engine.lanes() > 0 && depth > 0 {
-                largest
-                    .saturating_mul(depth + 1)
-                    .min(half.saturating_sub(keep_free))
-                    .max(largest)
-            } else {
-                largest
-            };
+            // Residency by use: what is kept leaves `keep_free` free and the room the plan
+            // gives streaming (one rule with the classic partial load's: `plan_group`).
             let keeper: Arc<dyn crate::offload::Keeper> = self.dynamic.clone();
-            streamer.set_keeper(Some((keeper, keep_free.saturating_add(window))));
+            streamer.set_keeper(Some((keeper, keep_free.saturating_add(room))));
             m.model().set_dynamic(true);
         }
         crate::offload::attach_streamer(m, Some(streamer));

@@ -83,6 +83,12 @@ pub struct PlannedLoad {
     /// Per device the model's weights are resident on (one entry unless the model is split by
     /// a [`crate::DeviceMap`]): bytes resident and streaming there.
     pub placed: Vec<PlacedOn>,
+    /// Device memory the load leaves free beside the resident weights for streaming: the
+    /// prefetch window and, on a GPU, the weight in use (`depth` times the largest weight a
+    /// classic partial load streams, plus one; at most half of what is free). Under residency
+    /// by use the same figure is the room kept free beside the copies kept by use, so both
+    /// modes stream the same weights. Zero for a full load.
+    pub streaming_room: ByteSize,
 }
 
 /// One device's part of a planned load.
@@ -404,6 +410,7 @@ impl MemoryManager {
                 held_outside: m.model().held_outside().iter().map(|(_, b)| *b).sum(),
                 quantized: m.model().quantized_size().0,
                 placed: Vec::new(),
+                streaming_room: ByteSize::ZERO,
             };
             let model_devices = m.devices();
             let counted = registered(&inner.registry, m.model());
@@ -420,7 +427,9 @@ impl MemoryManager {
                     Some(ix) => ix.iter().map(|&i| views[k][i]).collect(),
                 };
                 let already = already_on(k, device);
-                let (sub_want, budget) = self.plan_group(&mut p, m, device, &sub, already, options);
+                let (sub_want, budget, room) =
+                    self.plan_group(&mut p, m, device, &sub, already, options);
+                planned.streaming_room = planned.streaming_room.max(room);
                 // What the ledger counts of this model on the device now.
                 let here: ByteSize = if counted {
                     m.model().resident_bytes(device)

@@ -5,7 +5,11 @@ use super::*;
 
 impl MemoryManager {
     /// Which of `views` (one model's weights on `device`; `already` of their bytes current
-    /// there) will be resident, and the weight budget of a partial load (`None`: full).
+    /// there) will be resident, the weight budget of a partial load (`None`: full), and the
+    /// room the load leaves free for streaming ([`MemoryManager::prefetch_room`] of the weights
+    /// a classic partial load would stream). A dynamic load (residency by use) gets the same
+    /// room from the same selection: what it keeps by use leaves exactly the room a classic
+    /// load would, so it never streams more than the classic load does (one rule, not two).
     #[allow(clippy::too_many_arguments)]
     pub(in crate::loader) fn plan_group(
         &self,
@@ -15,7 +19,7 @@ impl MemoryManager {
         views: &[WeightView],
         already: ByteSize,
         options: &LoadOptions,
-    ) -> (Vec<bool>, Option<ByteSize>) {
+    ) -> (Vec<bool>, Option<ByteSize>, ByteSize) {
         let (_, min_required, min_inf) = self.memory_to_keep_free(options, device);
         // A whole model (a managed module) cannot stream: it loads fully or not at all.
         let whole = m.model().is_whole();
@@ -24,23 +28,45 @@ impl MemoryManager {
             && self.policy.is_scheduled(device);
         let full = whole || (!novram && self.full_load(device, options));
         if full {
-            return (vec![true; views.len()], None);
+            return (vec![true; views.len()], None, ByteSize::ZERO);
         }
         if novram {
             // ComfyUI gives this load a 0.1-byte budget: every castable weight streams, even
             // with `force_full_load`.
-            return (vec![false; views.len()], Some(ByteSize::ZERO));
+            let want = vec![false; views.len()];
+            let room = self.prefetch_room(views, &want, p.free(device), options, device);
+            return (want, Some(ByteSize::ZERO), room);
         }
+        let (classic, budget, room) =
+            self.partial_selection(p, device, views, already, options, min_required, min_inf);
         if self.dynamic_load(device, options) {
             // Residency by use: what is resident and current stays (pinned weights are loaded,
-            // as asked); everything else becomes resident when a forward uses it.
+            // as asked); everything else becomes resident when a forward uses it, beside the
+            // room the classic selection leaves for what it would stream.
+            let _ = (classic, budget);
             let want: Vec<bool> = views
                 .iter()
                 .map(|w| w.pinned || (w.current && w.on_device.is_some()))
                 .collect();
             let kept = selection::wanted_bytes(views, &want);
-            return (want, Some(kept));
+            return (want, Some(kept), room);
         }
+        (classic, Some(budget), room)
+    }
+
+    /// A classic partial load's selection of `views` on `device`: the resident set, its weight
+    /// budget, and the room left for streaming (the selection shrinks until that room fits).
+    #[allow(clippy::too_many_arguments)]
+    fn partial_selection(
+        &self,
+        p: &mut Planner<'_>,
+        device: DeviceId,
+        views: &[WeightView],
+        already: ByteSize,
+        options: &LoadOptions,
+        min_required: f64,
+        min_inf: f64,
+    ) -> (Vec<bool>, ByteSize, ByteSize) {
         let budget = weight_budget(
             p.free(device),
             already,
@@ -63,13 +89,14 @@ impl MemoryManager {
         // resident set can stream a larger weight than before, which needs more room: each
         // round shrinks the selected bytes (not only the budget, which can stay above them for
         // many rounds when weights are large) until the room is there or nothing is left.
+        let mut needed = ByteSize::ZERO;
         for _ in 0..=views.len() {
             let wanted = selection::wanted_bytes(views, &want);
             let room_after = p
                 .free(device)
                 .saturating_add(already)
                 .saturating_sub(wanted);
-            let needed = self.prefetch_room(views, &want, p.free(device), options, device);
+            needed = self.prefetch_room(views, &want, p.free(device), options, device);
             if room_after >= needed || budget == ByteSize::ZERO {
                 break;
             }
@@ -78,7 +105,7 @@ impl MemoryManager {
                 .saturating_sub(needed.saturating_sub(room_after));
             want = select(budget);
         }
-        (want, Some(budget))
+        (want, budget, needed)
     }
 
     /// Free memory a partial load leaves for streaming: the activation memory asked for plus
