@@ -462,3 +462,85 @@ fn by_use_streams_no_more_per_step_than_the_classic_partial_load_beside_a_large_
         );
     }
 }
+
+#[test]
+fn when_the_working_set_fits_by_use_copies_each_weight_once_and_then_nothing() {
+    // Fits ⇒ free: where the classic load keeps every weight resident, residency by use keeps
+    // every weight at its first use (no weight with room streams, however small the model) and
+    // a steady step copies nothing.
+    // A 64 KiB table beside four 16 KiB layers: the old room (the largest weight × 3, at
+    // most half the device) left the table's model streaming on a device that holds it all.
+    let table = || {
+        let mut tensors = vec![(
+            "layers.0.weight".to_string(),
+            common::rand_tensor(&[256, 64], 41),
+        )];
+        tensors.extend((1..5).map(|i| {
+            (
+                format!("layers.{i}.weight"),
+                common::rand_tensor(&[64, 64], 41 + i as u64),
+            )
+        }));
+        Arc::new(Model::from_tensors("table", tensors).unwrap())
+    };
+    for (budget, model) in [
+        ("224KiB", layers("fits", 8, 40)),
+        ("64KiB", layers("fits", 2, 40)),
+        ("1MiB", layers("fits", 48, 40)),
+        ("224KiB", table()),
+    ] {
+        let flags = |mode| {
+            vec![
+                "--sim-gpu".to_string(),
+                format!("{budget}@25GB/s"),
+                "--reserve-vram".into(),
+                "0".into(),
+                "--async-offload".into(),
+                "2".into(),
+                mode,
+            ]
+        };
+        let classic = manager_with(
+            &flags("--disable-dynamic-vram".into())
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+        );
+        let size = model.model_size();
+        let p = ModelPatcher::new(Arc::clone(&model), SIM0, DeviceId::Cpu);
+        let plan = classic
+            .plan(std::slice::from_ref(&p), LoadOptions::default())
+            .unwrap();
+        assert_eq!(
+            plan.models[0].streaming,
+            ByteSize::ZERO,
+            "{budget}: the working set fits the classic load"
+        );
+        drop(p);
+        drop(classic);
+        let mm = manager_with(
+            &flags("--enable-dynamic-vram".into())
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+        );
+        let p = ModelPatcher::new(Arc::clone(&model), SIM0, DeviceId::Cpu);
+        mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+            .unwrap();
+        let before = copied(&mm);
+        let want = forward(&p);
+        assert_eq!(
+            copied(&mm) - before,
+            size.bytes(),
+            "{budget}: the first step copies each weight once"
+        );
+        assert_eq!(p.model().resident_bytes(SIM0), size, "{budget}: all kept");
+        let before = copied(&mm);
+        assert_eq!(forward(&p), want);
+        assert_eq!(
+            copied(&mm) - before,
+            0,
+            "{budget}: a steady step copies nothing"
+        );
+    }
+}

@@ -38,6 +38,8 @@
 //! `Model::state` when a weight's residency changes and is never held across a file read, a
 //! driver call or a wait.
 
+#[cfg(test)]
+mod booking_tests;
 mod dynamic;
 mod execute;
 mod free;
