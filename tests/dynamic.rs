@@ -544,3 +544,33 @@ fn when_the_working_set_fits_by_use_copies_each_weight_once_and_then_nothing() {
         );
     }
 }
+
+#[test]
+fn a_kv_cache_growing_before_every_forward_is_not_refused_while_copies_in_flight_hold_its_room() {
+    // A server's decode loop: before each forward its KV cache grows by a block. The model is
+    // three times the device, so each forward streams, with prefetches on two lanes over a slow
+    // link still in flight when it returns. Their bookings come back within a copy's time:
+    // the grow must wait for them, not refuse (a fresh reservation was refused with 1.5-2.6 MiB
+    // of a 3.33 MiB device booked by copies in flight).
+    let mm = manager_with(&[
+        "--sim-gpu",
+        "96KiB@4MB/s",
+        "--reserve-vram",
+        "0",
+        "--async-offload",
+        "2",
+    ]);
+    let model = layers("llm", 18, 900);
+    let want = reference(&model);
+    let p = ModelPatcher::new(Arc::clone(&model), SIM0, DeviceId::Cpu);
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    let mut kv = mm.reserve_named("kv", SIM0, ByteSize::ZERO).unwrap();
+    for step in 0..12 {
+        if let Err(e) = kv.grow(&mm, ByteSize::kib(2)) {
+            panic!("step {step}: {e}");
+        }
+        assert_eq!(forward(&p), want, "step {step}");
+        assert!(mm.ledger(SIM0) <= ByteSize::kib(96));
+    }
+}

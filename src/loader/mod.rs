@@ -572,11 +572,16 @@ impl MemoryManager {
     /// bookings and fault-in commits until `inner` is released: for a call that may take models
     /// out of the registry or evict them.
     fn close_all(&self, inner: &mut InnerGuard<'_>) {
+        inner.hold_closed(self.close_every_device());
+    }
+
+    /// [`MemoryManager::close`] on every device the manager knows.
+    fn close_every_device(&self) -> ledger::LoadingGuard {
         let mut devices = self.ledger.devices();
         devices.push(self.policy.compute_device());
         devices.sort();
         devices.dedup();
-        inner.hold_closed(self.close(&devices));
+        self.close(&devices)
     }
 
     /// Closes `devices` to bookings and fault-in commits until the guard drops. Taken under

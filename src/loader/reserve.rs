@@ -209,8 +209,9 @@ impl MemoryManager {
         let mut inner = self.lock_inner();
         // As during a load, no prefetch, fault-in or cached cast books room on the device while
         // the reservation is decided: the free figure checked below stays true until it is
-        // booked, and bookings already made can only come back.
-        self.close_all(&mut inner);
+        // booked, and bookings already made can only come back. (Reopened while it waits for
+        // copies in flight, below.)
+        let mut closed = Some(self.close_every_device());
         cleanup(&mut inner);
         // The books learn what the cleanup dropped before the reservation is added to them.
         self.refresh_ledger(&inner);
@@ -247,11 +248,22 @@ impl MemoryManager {
             evicted |= !self
                 .make_room(&mut inner, needed, device, &[], true)
                 .is_empty();
-            if attempt == 0 {
+            if attempt == 0 && self.free_in(&inner.registry, device) < needed {
                 // Copies in flight (a forward's streamed weights, fault-ins) hold room only until
                 // their use ends and their buffers are freed: wait for them rather than refuse.
+                // The devices reopen meanwhile: a forward on another thread books its copies
+                // (closed, it would copy them unbooked, outside the ledger) and can finish and
+                // return the room. Dynamic mode's evictions never take a model out of the
+                // registry and classic mode keeps nothing by use, so no commit lands on a model
+                // this call removed.
+                drop(closed.take());
                 self.wait_for_transit(&inner, device, needed);
+                closed = Some(self.close_every_device());
             }
+        }
+        // Closed until the lock is released and the view published.
+        if let Some(c) = closed.take() {
+            inner.hold_closed(c);
         }
         let free = self.free_in(&inner.registry, device);
         if free < needed {
