@@ -389,9 +389,15 @@ fn a_kv_reservation_returns_only_once_the_weights_it_evicted_are_freed_on_the_de
 /// largest weight (a 64 KiB table, used first) dwarfs its twelve 16 KiB layers, on a device
 /// that cannot hold it all beside the room for streaming, under `mode`.
 fn steady_step_bytes(mode: &str, depth: usize) -> (u64, u64) {
+    steady_step_bytes_at("224KiB", mode, depth)
+}
+
+/// [`steady_step_bytes`] on a simulated GPU of `budget`.
+fn steady_step_bytes_at(budget: &str, mode: &str, depth: usize) -> (u64, u64) {
+    let sim = format!("{budget}@25GB/s");
     let mut config = Config::from_args([
         "--sim-gpu",
-        "224KiB@25GB/s",
+        sim.as_str(),
         "--reserve-vram",
         "0",
         "--async-offload",
@@ -572,5 +578,28 @@ fn a_kv_cache_growing_before_every_forward_is_not_refused_while_copies_in_flight
         }
         assert_eq!(forward(&p), want, "step {step}");
         assert!(mm.ledger(SIM0) <= ByteSize::kib(96));
+    }
+}
+
+#[test]
+fn bytes_per_step_never_grow_with_the_budget_in_either_mode() {
+    // Monotone: on a ten-point budget sweep (the model is 256 KiB: a 64 KiB table and twelve
+    // 16 KiB layers) the bytes a steady step copies never increase as the budget grows, in
+    // either mode, within one layer of slack (a prefetch dropped by timing now and then).
+    for mode in ["--disable-dynamic-vram", "--enable-dynamic-vram"] {
+        let mut last: Option<(u64, u64)> = None;
+        for kib in (0..10).map(|i| 112 + 24 * i) {
+            let (bytes, _) = steady_step_bytes_at(&format!("{kib}KiB"), mode, 2);
+            eprintln!("{mode} {kib} KiB: {bytes} B per steady step");
+            if let Some((before, at)) = last {
+                assert!(
+                    bytes <= before + 16 * 1024,
+                    "{mode}: {bytes} B per step at {kib} KiB, {before} B at {at} KiB"
+                );
+            }
+            last = Some((bytes, kib));
+        }
+        let (at_most, _) = steady_step_bytes_at("400KiB", mode, 2);
+        assert_eq!(at_most, 0, "{mode}: with room for all nothing streams");
     }
 }
