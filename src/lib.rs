@@ -62,6 +62,8 @@
 //!   rank, checked at run time in debug builds (the table is `src/lock/rank.rs`). `docs/ARCHITECTURE.md` §4 says how each is kept and tested.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
+// A type in a public signature must have a public path (and so a rustdoc page).
+#![warn(unnameable_types)]
 
 pub mod attention;
 pub mod device;

@@ -35,6 +35,7 @@ use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
 pub use crate::vram::SimSpec;
+pub use cuda::CudaBuffer;
 pub use sim::{SimFault, SimGpu, SimStats, Violation, ViolationKind};
 
 /// A GPU residency copies to: a CUDA device (candle's context for it) or a simulated one.

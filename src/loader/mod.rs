@@ -73,7 +73,7 @@ pub use dynamic::{DynamicDeviceReport, DynamicLayerReport};
 pub use global::{global, init_global};
 pub use options::{weight_budget, InputShape, LoadOptions, MIN_WEIGHT_BUDGET};
 pub use plan::{LoadPlan, PlacedOn, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad};
-pub use report::{Eviction, LoadReport, LoadedModelInfo, MemoryReport, ModelLoad};
+pub use report::{DeviceMemory, Eviction, LoadReport, LoadedModelInfo, MemoryReport, ModelLoad};
 pub use reserve::{KeepGuard, MemoryReservation, ReservationInfo};
 
 struct Entry {

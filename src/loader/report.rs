@@ -172,7 +172,30 @@ pub struct LoadedModelInfo {
     pub placed: Vec<(DeviceId, ByteSize)>,
 }
 
-/// One device's memory.
+/// One device's memory: a row of [`MemoryReport::devices`] (one per device the manager
+/// schedules or a model is placed on, in [`DeviceId`] order).
+///
+/// `ledger` is what the manager booked there: resident weights, copies in flight, cached casts
+/// and reservations (`cached_casts` and `reserved` are parts of it). `free` is what a load may
+/// still use: `total` less the ledger on a budgeted device, the driver's figure otherwise.
+///
+/// ```
+/// use residency::loader::{DeviceMemory, MemoryManager};
+/// use residency::{ByteSize, Config, DeviceId, Hardware};
+///
+/// let config = Config::default().with_vram_budget(ByteSize::gib(1));
+/// let manager = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(8)))?;
+/// let report = manager.memory_report();
+/// let cpu: &DeviceMemory = report
+///     .devices
+///     .iter()
+///     .find(|d| d.device == DeviceId::Cpu)
+///     .expect("the budgeted CPU is scheduled");
+/// assert!(cpu.budgeted);
+/// assert_eq!(cpu.ledger, ByteSize::ZERO);
+/// assert!(cpu.free <= cpu.total);
+/// # Ok::<(), residency::Error>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct DeviceMemory {
@@ -199,7 +222,7 @@ pub struct DeviceMemory {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct MemoryReport {
-    /// Per device.
+    /// Per device, in [`DeviceId`] order.
     pub devices: Vec<DeviceMemory>,
     /// The host tier: host copies of lazily read weights (bounded by `--ram-budget`) and the
     /// weights pinned in place.
