@@ -125,10 +125,39 @@ impl MemoryManager {
     }
 
     /// Runs `f`; when it fails with a retryable out-of-memory, makes room on the device the
-    /// error names (`device` when it names none) and runs it once more — the loop ComfyUI runs around VAE decodes, for any engine step. Room: the
-    /// bytes the error says were missing (an [`Error::OutOfMemory`] from the manager or from
-    /// candle, converted), else every model not in `keep_loaded` and not kept; cached casts
-    /// first, then models by the usual order; then the device's cache is trimmed.
+    /// error names (`device` when it names none) and runs it once more — the loop ComfyUI runs
+    /// around VAE decodes, for any engine step. Room: the bytes the error says were missing (an
+    /// [`Error::OutOfMemory`] from the manager or from candle, converted), else every model not
+    /// in `keep_loaded` and not kept; cached casts first, then models by the usual order; then
+    /// the device's cache is trimmed.
+    ///
+    /// # Running twice
+    ///
+    /// `f` must be safe to run twice: the out-of-memory can come halfway through it, after it
+    /// changed state the second run then changes again. A forward that appends to a KV cache
+    /// would append the step twice. Put back what the first run touched at the start of each
+    /// run: truncate the cache to its length before the first try, or restore a clone taken
+    /// then (candle's `KvCache` clones cheaply: it shares its tensors and keeps its length, and
+    /// the second run writes over what the first wrote past it).
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use residency::loader::MemoryManager;
+    /// use residency::nn::kv_cache::KvCache;
+    /// use residency::{ByteSize, Config, Hardware};
+    ///
+    /// let manager = MemoryManager::new(Config::default(), Hardware::cpu_only(ByteSize::gib(8)))?;
+    /// let mut cache = KvCache::new(2, 16); // a model's: every forward appends to it
+    /// let k = Tensor::ones((1, 2, 1, 8), DType::F32, &Device::Cpu)?;
+    /// let before = cache.clone(); // the state before the first try
+    /// let (keys, _) = manager.retry_on_oom(manager.compute_device(), &[], || {
+    ///     cache = before.clone(); // a second try starts where the first did
+    ///     Ok(cache.append(&k, &k)?)
+    /// })?;
+    /// assert_eq!(cache.current_seq_len(), 1);
+    /// assert_eq!(keys.dims(), &[1, 2, 1, 8]);
+    /// # Ok::<(), residency::Error>(())
+    /// ```
     ///
     /// # Errors
     /// `f`'s error when it is not retryable, or its second error.
