@@ -133,6 +133,16 @@ pub fn attention_name(policy: &vram::Policy) -> String {
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
 
+/// docs/PORTING.md's code blocks, compiled (and run where they need no files) as doc tests.
+#[doc = include_str!("../docs/PORTING.md")]
+#[cfg(doctest)]
+pub struct PortingDoctests;
+
+/// docs/ARCHITECTURE.md's code blocks, compiled as doc tests (it has none today: any added is).
+#[doc = include_str!("../docs/ARCHITECTURE.md")]
+#[cfg(doctest)]
+pub struct ArchitectureDoctests;
+
 pub use loader::{global, init_global, LoadOptions, LoadReport, MemoryManager, MemoryReport};
 pub use patcher::{AutoMapOptions, DeviceMap, ModelPatcher, Target};
 pub use vram::{Config, DeviceId, Hardware};
