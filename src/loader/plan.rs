@@ -83,11 +83,11 @@ pub struct PlannedLoad {
     /// Per device the model's weights are resident on (one entry unless the model is split by
     /// a [`crate::DeviceMap`]): bytes resident and streaming there.
     pub placed: Vec<PlacedOn>,
-    /// Device memory the load leaves free beside the resident weights for streaming: the
-    /// prefetch window and, on a GPU, the weight in use (`depth` times the largest weight a
-    /// classic partial load streams, plus one; at most half of what is free). Under residency
-    /// by use the same figure is the room kept free beside the copies kept by use, so both
-    /// modes stream the same weights. Zero for a full load.
+    /// Device memory the load leaves free beside the resident weights and the activation
+    /// memory it asked for, for streaming: the prefetch window and, on a GPU, the weight in use
+    /// (`depth` times the largest weight a classic partial load streams, plus one; at most half
+    /// of what is free). Under residency by use the same figure is the room kept free beside
+    /// the copies kept by use, so both modes stream the same weights. Zero for a full load.
     pub streaming_room: ByteSize,
 }
 

@@ -34,7 +34,9 @@ impl MemoryManager {
             // ComfyUI gives this load a 0.1-byte budget: every castable weight streams, even
             // with `force_full_load`.
             let want = vec![false; views.len()];
-            let room = self.prefetch_room(views, &want, p.free(device), options, device);
+            let room = self
+                .prefetch_room(views, &want, p.free(device), options, device)
+                .saturating_sub(options.memory_required);
             return (want, Some(ByteSize::ZERO), room);
         }
         let (classic, budget, room) =
@@ -105,7 +107,10 @@ impl MemoryManager {
                 .saturating_sub(needed.saturating_sub(room_after));
             want = select(budget);
         }
-        (want, budget, needed)
+        // The plan's streaming room is the window beside the activation memory the load asked
+        // for (`keep_free` to every booking already): counting it here too left by use keeping
+        // `memory_required` less than classic.
+        (want, budget, needed.saturating_sub(options.memory_required))
     }
 
     /// Free memory a partial load leaves for streaming: the activation memory asked for plus
