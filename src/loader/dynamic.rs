@@ -588,6 +588,15 @@ impl Dynamic {
         out
     }
 
+    /// Counts a copy kept by use on `device`, and the most bytes resident there at once.
+    fn count_fault_in(&self, device: DeviceId) {
+        let resident = self.ledger.resident(device);
+        self.with_stats(device, |s| {
+            s.faults_in += 1;
+            s.peak_resident = s.peak_resident.max(resident);
+        });
+    }
+
     /// Forgets the statistics and traces (a new measurement starts).
     pub(crate) fn reset_stats(&self) {
         self.stats.lock().clear();
@@ -732,31 +741,15 @@ impl Keeper for Dynamic {
             drop(g);
             return false;
         }
-        {
-            let mut st = patcher.model().state_mut();
-            if !matches!(st.slots().get(index), Some(SlotResidency::Offloaded)) {
-                drop(st);
+        match install(patcher, index, (weight, device, bytes), hold, || true) {
+            Ok(pins) => released = pins,
+            Err(_) => {
                 drop(g);
                 return false;
             }
-            st.set_held(
-                index,
-                SlotResidency::Resident {
-                    tensor: weight,
-                    fingerprint: patcher.fingerprint(index),
-                    device,
-                    bytes,
-                },
-                hold,
-            );
-            released = st.take_released();
         }
         FaultColumn(Arc::clone(&self.ledger)).commit(booking);
-        let resident = self.ledger.resident(device);
-        self.with_stats(device, |s| {
-            s.faults_in += 1;
-            s.peak_resident = s.peak_resident.max(resident);
-        });
+        self.count_fault_in(device);
         drop(g);
         drop(released);
         true
@@ -793,31 +786,16 @@ impl Keeper for Dynamic {
             if self.registered_into(patcher, index, &mut models).is_none() {
                 return Some((hold, booking));
             }
-            let mut st = patcher.model().state_mut();
-            if !matches!(st.slots().get(index), Some(SlotResidency::Offloaded))
-                || !self.ledger.keep_prefetched(device, bytes, room)
-            {
-                return Some((hold, booking));
+            // The in-flight booking becomes resident bytes in the ledger as the slot does.
+            let ledger = &self.ledger;
+            match install(patcher, index, (weight, device, bytes), hold, || {
+                ledger.keep_prefetched(device, bytes, room)
+            }) {
+                Ok(pins) => released = pins,
+                Err(hold) => return Some((hold, booking)),
             }
-            st.set_held(
-                index,
-                SlotResidency::Resident {
-                    tensor: weight,
-                    fingerprint: patcher.fingerprint(index),
-                    device,
-                    bytes,
-                },
-                hold,
-            );
-            released = st.take_released();
-            drop(st);
-            // The in-flight booking became resident bytes in the ledger.
             booking.absorb();
-            let resident = self.ledger.resident(device);
-            self.with_stats(device, |s| {
-                s.faults_in += 1;
-                s.peak_resident = s.peak_resident.max(resident);
-            });
+            self.count_fault_in(device);
         }
         // Unpinning (the weight is GPU-resident now) waits for its copies: after every lock.
         drop(released);
@@ -842,6 +820,34 @@ impl Keeper for Dynamic {
             }
         });
     }
+}
+
+/// Makes `weight` (on `device`, `bytes`) weight `index`'s resident copy when its slot is still
+/// offloaded and `ledger_moves` — the ledger's side of the same move — agrees; the pins it
+/// released, for the caller to drop after its locks, or the hold back when nothing was kept.
+/// The caller holds the keeper's lock.
+fn install(
+    patcher: &ModelPatcher,
+    index: usize,
+    (weight, device, bytes): (crate::weights::ResidentWeight, DeviceId, ByteSize),
+    hold: DeviceHold,
+    ledger_moves: impl FnOnce() -> bool,
+) -> Result<Vec<Arc<crate::weights::PinnedWeight>>, DeviceHold> {
+    let mut st = patcher.model().state_mut();
+    if !matches!(st.slots().get(index), Some(SlotResidency::Offloaded)) || !ledger_moves() {
+        return Err(hold);
+    }
+    st.set_held(
+        index,
+        SlotResidency::Resident {
+            tensor: weight,
+            fingerprint: patcher.fingerprint(index),
+            device,
+            bytes,
+        },
+        hold,
+    );
+    Ok(st.take_released())
 }
 
 /// Hits of Belady's offline policy on `trace` (model, weight, bytes) with `capacity` bytes: on a
