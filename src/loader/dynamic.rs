@@ -195,8 +195,9 @@ pub struct DynamicDeviceReport {
     /// `optimum_hits`.
     pub fixed_hits: Option<u64>,
     /// A true upper bound on the hits any policy could score on the same uses in the same room,
-    /// the weights resident at the start included ([`hit_bound`]: a fractional relaxation over
-    /// bytes × time). With unequal sizes Belady's rule (`optimum_hits`) is a heuristic, not an
+    /// the weights resident at the start included: a fractional relaxation over bytes × time
+    /// (a repeat use hits only if its weight stayed resident since its previous use, and the
+    /// resident bytes integrated over the uses are at most the room × the uses). With unequal sizes Belady's rule (`optimum_hits`) is a heuristic, not an
     /// optimum, and can score below the fixed set; "x points from the bound" is a real gap.
     /// Computed with `optimum_hits`.
     pub bound_hits: Option<u64>,
