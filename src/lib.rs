@@ -40,7 +40,8 @@
 //!
 //! `error`, `size` (leaves) → [`float`] (dtypes, casts, fp8, stochastic rounding) → [`vram`]
 //! (config, hardware probe, VRAM state, device helpers, dtype policy) → [`device`] (everything
-//! asked of a GPU, behind one interface: CUDA, and a simulated GPU with a checker) → [`weights`] (models as
+//! asked of a GPU, behind one interface: CUDA, and a simulated GPU with a checker) → [`costs`] (the cost
+//! model: copy and compute figures per device, predicted step time) → [`weights`] (models as
 //! named slots, residency; the disk and host tiers) → [`patcher`] (ModelPatcher; patch kinds in [`patcher::adapters`], one
 //! file per kind; LoRA files in [`patcher::lora_file`]) → [`offload`] (staging pool, transfer
 //! lanes, prefetch) → [`ops`] (layers) → [`nn`] (candle-nn's constructors on `ops`),
@@ -66,6 +67,7 @@
 #![warn(unnameable_types)]
 
 pub mod attention;
+pub mod costs;
 pub mod device;
 pub mod error;
 #[cfg(test)]

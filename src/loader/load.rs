@@ -302,6 +302,7 @@ impl MemoryManager {
         if let Some(costs) = &self.misses {
             streamer.set_misses(Arc::clone(costs));
         }
+        streamer.set_costs(Arc::clone(&self.costs));
         if self.policy.dynamic_vram() {
             // Residency by use: what is kept leaves `keep_free` free and the room the plan
             // gives streaming (one rule with the classic partial load's: `plan_group`).

@@ -50,6 +50,7 @@ mod load;
 mod model_based;
 mod options;
 mod placement;
+mod predict;
 pub mod plan;
 mod report;
 mod reserve;
@@ -72,6 +73,7 @@ use self::ledger::Ledger;
 pub use dynamic::{DynamicDeviceReport, DynamicLayerReport};
 pub use global::{global, init_global};
 pub use options::{weight_budget, InputShape, LoadOptions, MIN_WEIGHT_BUDGET};
+pub use predict::StepAudit;
 pub use plan::{LoadPlan, PlacedOn, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad};
 pub use report::{DeviceMemory, Eviction, LoadReport, LoadedModelInfo, MemoryReport, ModelLoad};
 pub use reserve::{KeepGuard, MemoryReservation, ReservationInfo};
@@ -145,6 +147,11 @@ pub struct MemoryManager {
     /// The measured costs of cost-aware misses (`--cost-aware-misses`), shared by every
     /// streamer this manager attaches; `None` when off.
     misses: Option<Arc<crate::offload::MissCosts>>,
+    /// The measured copy figures of every device (`crate::costs`), fed by the streamers'
+    /// synchronous fetches.
+    costs: Arc<crate::costs::CostModel>,
+    /// The last [`StepAudit`] of each model.
+    audits: Mutex<Vec<StepAudit>>,
 }
 
 /// A registry entry as reports see it: membership and order as of the last release of the
@@ -281,6 +288,21 @@ impl MemoryManager {
         let prepared = policy
             .config()
             .prepared_host_limit(policy.hardware().host.available);
+        let costs = Arc::new(crate::costs::CostModel::new());
+        // Each GPU's copies start from what it says of itself: a simulated GPU's spec (its
+        // streams copy side by side), a CUDA device's modelled PCIe link (one bus).
+        for (n, spec) in config.sim_gpus.iter().enumerate() {
+            let link = crate::costs::Link {
+                latency_ns: spec.latency.as_nanos() as u64,
+                ps_per_byte: spec.bandwidth.map_or(0, |bw| (1e12 / bw).round() as u64),
+            };
+            costs.seed(DeviceId::Sim(n), &format!("sim:{n} {spec}"), link, false);
+        }
+        for gpu in &policy.hardware().gpus {
+            let device = DeviceId::Cuda(gpu.ordinal);
+            let label = format!("{device} {}", gpu.name);
+            costs.seed(device, &label, crate::costs::Link::MODELLED_PCIE, true);
+        }
         let dynamic = Arc::new(dynamic::Dynamic::new(
             Arc::clone(&ledger),
             Arc::clone(&view),
@@ -307,6 +329,8 @@ impl MemoryManager {
             dynamic,
             misses: config_misses
                 .then(|| Arc::new(crate::offload::MissCosts::with_prepared(prepared))),
+            costs,
+            audits: Mutex::new(Rank::Audits, Vec::new()),
         }
     }
 

@@ -74,9 +74,11 @@ ranks! {
     DynamicStats = 32, "loader::Dynamic statistics", "hits, misses, faults-in and the recorded uses, per device";
     ManagerView = 33, "MemoryManager::view", "the registry as reports read it (published when the manager lock is released)";
     MissCosts = 34, "offload::MissCosts figures", "the measured costs of cost-aware misses and their counts";
-    PreparedHost = 35, "offload::PreparedCopies entries", "a model's prepared host copies of quantized weights run on the host";
-    Trace = 36, "trace::Trace records", "a recording's records (an event may be emitted under any lock above)";
-    TrackNames = 37, "trace track names", "each thread's track number and name";
+    Costs = 35, "costs::CostModel figures", "each device's link figure and its fit (a leaf: held to read or add a sample)";
+    Audits = 36, "MemoryManager audits", "the last step audit of each model (a leaf)";
+    PreparedHost = 37, "offload::PreparedCopies entries", "a model's prepared host copies of quantized weights run on the host";
+    Trace = 38, "trace::Trace records", "a recording's records (an event may be emitted under any lock above)";
+    TrackNames = 39, "trace track names", "each thread's track number and name";
 }
 
 #[cfg_attr(not(debug_assertions), allow(dead_code))]

@@ -50,6 +50,8 @@ fn routing(
             reason,
         })
     };
+    // The routing is read back to the host: on a GPU a synchronizing copy.
+    crate::lock::check_wait("a read-back of a routing (candle `to_vec1`)");
     let pairs = sorted_token_ids
         .flatten_all()?
         .to_dtype(DType::U32)?

@@ -82,6 +82,7 @@ pub fn fetch_weight_at(patcher: &ModelPatcher, index: usize) -> Result<(Tensor, 
                 s.note_hit(patcher, index);
             }
         }
+        model.note_fetched(index);
         return Ok((t, false));
     }
     let streamer = model
@@ -95,6 +96,7 @@ pub fn fetch_weight_at(patcher: &ModelPatcher, index: usize) -> Result<(Tensor, 
             patcher.materialize(index, patcher.resident_dtype(index), device)?
         }
     };
+    model.note_fetched(index);
     Ok((t, true))
 }
 

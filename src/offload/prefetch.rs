@@ -184,6 +184,8 @@ pub struct Streamer {
     inflight: Mutex<VecDeque<InFlight>>,
     /// The manager's cost-aware misses, when on (`--cost-aware-misses`).
     misses: once_cell::sync::OnceCell<Arc<super::MissCosts>>,
+    /// The cost model synchronous fetches are timed into (`crate::costs`).
+    costs: once_cell::sync::OnceCell<Arc<crate::costs::CostModel>>,
     /// This model's prepared host copies, with cost-aware misses ([`super::PreparedCopies`]).
     prepared: once_cell::sync::OnceCell<super::PreparedCopies>,
     /// The input rows of the latest matmul a weight was fetched for (what a prefetch predicted
@@ -218,6 +220,7 @@ impl Streamer {
             gate: Mutex::new(Rank::StreamerGate, None),
             inflight: Mutex::new(Rank::StreamerQueue, VecDeque::new()),
             misses: once_cell::sync::OnceCell::new(),
+            costs: once_cell::sync::OnceCell::new(),
             prepared: once_cell::sync::OnceCell::new(),
             last_rows: AtomicUsize::new(1),
         }
@@ -225,6 +228,11 @@ impl Streamer {
 
     /// Turns cost-aware misses on for this streamer's model, with the manager's figures (once:
     /// later calls keep the first).
+    /// Times this streamer's synchronous fetches into `costs` (the first one given stays).
+    pub(crate) fn set_costs(&self, costs: Arc<crate::costs::CostModel>) {
+        let _ = self.costs.set(costs);
+    }
+
     pub(crate) fn set_misses(&self, costs: Arc<super::MissCosts>) {
         let _ = self
             .prepared
@@ -474,6 +482,9 @@ impl Streamer {
                 stats.waited(waited);
                 if let Some((c, _)) = costs.filter(|_| fetched.is_ok()) {
                     c.note_fetch(bytes, waited);
+                }
+                if let Some(model) = self.costs.get().filter(|_| fetched.is_ok()) {
+                    model.note_copy(patcher.weight_device(index), bytes, waited);
                 }
                 match (fetched, &keeper, booking) {
                     (Ok((t, hold)), Some((k, _)), Some(booking)) => {

@@ -26,6 +26,7 @@ pub fn quantize_per_tensor(w: &Tensor, format: Dtype, key: &str) -> Result<(Tens
         }
     };
     let ctx = || format!("quantizing `{key}`");
+    crate::lock::check_wait("a read-back of a weight's absolute maximum (candle `to_scalar`)");
     let amax = w
         .abs()
         .and_then(|a| a.flatten_all())

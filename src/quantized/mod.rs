@@ -536,9 +536,11 @@ impl QTensor {
         self.on_weight_device(ids, |ids| {
             match self.fetch_for_forward(ids.device()).map_err(to_candle)? {
                 Fetched::Quantized(q) | Fetched::Uploaded(q, _) => q.embedding(ids),
-                Fetched::Host(q, _) => q
-                    .embedding(&ids.to_device(&Device::Cpu)?)?
-                    .to_device(ids.device()),
+                Fetched::Host(q, _) => {
+                    crate::lock::check_wait("a read-back of token ids (candle `to_device`)");
+                    q.embedding(&ids.to_device(&Device::Cpu)?)?
+                        .to_device(ids.device())
+                }
                 Fetched::Dense(w) => cq::QMatMul::Tensor(w).embedding(ids),
             }
         })
@@ -566,6 +568,15 @@ impl QRef {
     /// `rows`: the input rows of the matmul it is fetched for; with cost-aware misses on, an
     /// unpatched miss may then run on the host ([`crate::offload::MissCosts`]).
     fn fetch(&self, record: bool, rows: Option<usize>) -> Result<Fetched> {
+        let fetched = self.fetch_untimed(record, rows);
+        if record && fetched.is_ok() {
+            // The weight's compute is timed from here ([`crate::weights::Model::compute_ns`]).
+            self.source.patcher().model().note_fetched(self.index);
+        }
+        fetched
+    }
+
+    fn fetch_untimed(&self, record: bool, rows: Option<usize>) -> Result<Fetched> {
         let patcher = self.source.patcher();
         let model = patcher.model();
         if record {
@@ -784,6 +795,7 @@ impl QMatMul {
                 Ok(y)
             }
             Fetched::Host(q, note) => {
+                crate::lock::check_wait("a read-back of a matmul's input (candle `to_device`)");
                 let x = xs.to_device(&Device::Cpu)?;
                 let matmul = cq::QMatMul::from_arc(q)?;
                 let t0 = std::time::Instant::now();

@@ -320,6 +320,19 @@ impl Model {
         fo.order.push(index);
     }
 
+    /// Weight `index`'s fetch for a forward returned: the time until the next weight's use is
+    /// its compute ([`Model::compute_ns`]).
+    pub fn note_fetched(&self, index: usize) {
+        self.usage.returned(index);
+    }
+
+    /// Weight `index`'s compute per use as the host saw it — from the return of its fetch to
+    /// the next weight's use, an exponential average (weight 1/4) — in nanoseconds; `None`
+    /// before a forward measured it. What [`crate::costs::predict_step`] is given.
+    pub fn compute_ns(&self, index: usize) -> Option<u64> {
+        self.usage.compute_ns(index)
+    }
+
     /// Marks the recorded forward order complete (called at the end of a forward).
     pub fn finish_forward(&self) {
         let mut fo = self.forward_order.lock();

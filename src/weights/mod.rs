@@ -551,6 +551,7 @@ impl Model {
                     what: format!("weight `{key}` of `{name}` declared as {dtype}"),
                 });
             }
+            crate::lock::check_wait("a read-back of a weight to the host (candle `to_device`)");
             let t = t.to_device(&candle_core::Device::Cpu).map_err(|e| {
                 Error::tensor(format!("`{key}` of `{name}`: moving to the host"), e)
             })?;

@@ -102,6 +102,9 @@ pub(crate) fn qtensor_from_bytes(
             e,
         )
     };
+    // On a CUDA device the blocks are read back below: a synchronizing copy, checked on every
+    // device so the simulated GPU's tests find a lock held across it.
+    crate::lock::check_wait("a read-back of quantized blocks (candle `to_vec1`)");
     let flat = blocks.flatten_all().map_err(ctx)?;
     let (storage, layout) = flat.storage_and_layout();
     let candle_core::Storage::Cpu(candle_core::CpuStorage::U8(bytes)) = &*storage else {
@@ -458,6 +461,29 @@ mod tests {
         assert_eq!(block_bytes(GgmlDType::Q4_0, &[4, 48]), None);
         assert_eq!(block_bytes(GgmlDType::Q4_0, &[usize::MAX, 64]), None);
         assert_eq!(block_bytes(GgmlDType::Q4_0, &[]), None);
+    }
+
+    /// The lock checker knows the crate's own calls into candle that synchronize on a GPU
+    /// (issue 45: the keeper's lock was once held across this read-back and upload); on the
+    /// simulated GPU nothing waits, so only the checker can find such a lock.
+    #[cfg(debug_assertions)]
+    #[test]
+    fn building_a_qtensor_under_the_keeper_s_lock_is_refused_by_the_lock_checker() {
+        let blocks = Tensor::zeros(34, DType::U8, &Device::Cpu).unwrap();
+        let build = || qtensor_from_bytes(&blocks, GgmlDType::Q8_0, &[1, 32], &Device::Cpu, ("m", "w"));
+        assert!(build().is_ok(), "no lock held: built");
+        let keeper = crate::lock::Mutex::new(crate::lock::Rank::Dynamic, ());
+        let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _g = keeper.lock();
+            let _ = build();
+        }))
+        .expect_err("the checker should refuse a read-back under the keeper's lock");
+        let msg = err
+            .downcast_ref::<String>()
+            .cloned()
+            .unwrap_or_default();
+        assert!(msg.contains("read-back of quantized blocks"), "{msg}");
+        assert!(msg.contains("loader::Dynamic"), "{msg}");
     }
 
     fn entry(name: &str, shape: &[usize], ggml: GgmlDType, start: u64, end: u64) -> GgufEntry {

@@ -6,6 +6,11 @@
 //! follows). A model also keeps its *watermark*: the first-use position from which its weights
 //! stream without evicting anything (set by an eviction inside the model, reset when it is loaded
 //! again).
+//!
+//! It also learns each weight's compute as the host sees it: the time from the return of its
+//! fetch to the next weight's fetch (a span that starts a forward — the model's first weight in
+//! first-use order — is the gap between forwards and is not counted), an exponential average per
+//! weight that the cost model predicts step times from ([`crate::costs`]).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
@@ -25,6 +30,14 @@ pub(crate) struct Usage {
     watermark: AtomicUsize,
     /// Patched weights built (each application of a weight's patch chain).
     patched: AtomicU64,
+    /// What the model's spans are timed from.
+    epoch: std::time::Instant,
+    /// The weight whose fetch returned last ([`NONE`] after a span was taken) and when, in
+    /// nanoseconds since `epoch`.
+    returned: AtomicUsize,
+    returned_at: AtomicU64,
+    /// Per weight, its compute's exponential average in nanoseconds (0: not measured).
+    compute: Box<[AtomicU64]>,
 }
 
 /// What the eviction order reads of one weight.
@@ -54,7 +67,54 @@ impl Usage {
             previous: AtomicUsize::new(NONE),
             watermark: AtomicUsize::new(NONE),
             patched: AtomicU64::new(0),
+            epoch: std::time::Instant::now(),
+            returned: AtomicUsize::new(NONE),
+            returned_at: AtomicU64::new(0),
+            compute: atomics(n, || AtomicU64::new(0)),
         }
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// Weight `index`'s fetch returned: its compute starts now.
+    pub(crate) fn returned(&self, index: usize) {
+        self.returned_at.store(self.now_ns(), Ordering::Relaxed);
+        self.returned.store(index, Ordering::Relaxed);
+    }
+
+    /// The span since the last fetch returned ends at a use of `index`: counted as that
+    /// weight's compute unless `index` starts a forward.
+    fn end_span(&self, index: usize) {
+        let prev = self.returned.swap(NONE, Ordering::Relaxed);
+        let starts_forward = self.first.get(index).map(|f| f.load(Ordering::Relaxed)) == Some(0);
+        if prev == NONE || starts_forward {
+            return;
+        }
+        let Some(slot) = self.compute.get(prev) else {
+            return;
+        };
+        let span = self
+            .now_ns()
+            .saturating_sub(self.returned_at.load(Ordering::Relaxed))
+            .max(1);
+        let old = slot.load(Ordering::Relaxed);
+        // A quarter of the way to the new span, an outlier counted as 4× the average.
+        let new = if old == 0 {
+            span
+        } else {
+            old + span.min(4 * old) / 4 - old / 4
+        };
+        slot.store(new.max(1), Ordering::Relaxed);
+    }
+
+    /// Weight `index`'s compute per use as measured (`None` before a span was).
+    pub(crate) fn compute_ns(&self, index: usize) -> Option<u64> {
+        self.compute
+            .get(index)
+            .map(|c| c.load(Ordering::Relaxed))
+            .filter(|&c| c > 0)
     }
 
     /// Records a use of weight `index`.
@@ -71,6 +131,7 @@ impl Usage {
             let _ =
                 self.first[index].compare_exchange(NONE, p, Ordering::Relaxed, Ordering::Relaxed);
         }
+        self.end_span(index);
         let before = self.previous.swap(index, Ordering::Relaxed);
         if before != NONE && before != index {
             self.successor[before].store(index, Ordering::Relaxed);
@@ -162,6 +223,31 @@ mod tests {
         assert_eq!(u.successor(1), Some(2));
         assert_eq!(u.successor(3), None);
         assert_eq!(u.distinct(), 3);
+    }
+
+    #[test]
+    fn compute_is_the_span_from_a_fetch_s_return_to_the_next_use_and_not_between_forwards() {
+        let u = Usage::new(3);
+        let pause = |ms: u64| std::thread::sleep(std::time::Duration::from_millis(ms));
+        // Forward 1: weight 0 computes ~4 ms, weight 1 ~1 ms, weight 2 ends the forward.
+        u.record(0);
+        u.returned(0);
+        pause(4);
+        u.record(1);
+        u.returned(1);
+        pause(1);
+        u.record(2);
+        u.returned(2);
+        assert!(u.compute_ns(2).is_none());
+        // The gap before the next forward is not weight 2's compute.
+        pause(30);
+        u.record(0);
+        assert!(u.compute_ns(2).is_none(), "the gap between forwards");
+        let (c0, c1) = (u.compute_ns(0).unwrap(), u.compute_ns(1).unwrap());
+        assert!(c0 >= 4_000_000 && c1 >= 1_000_000, "{c0} {c1}");
+        // A use whose fetch has not returned yet ends no span.
+        u.record(1);
+        assert_eq!(u.compute_ns(0), Some(c0));
     }
 
     #[test]

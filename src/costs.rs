@@ -1,0 +1,720 @@
+//! The cost model: what a copy and a weight's compute take, per device, and the step time a
+//! residency predicts from them (docs/ARCHITECTURE.md §14).
+//!
+//! - **Copies.** A host→device copy of `b` bytes takes `latency + b × ps_per_byte` ([`Link`]).
+//!   Each device's figure starts from what the device says of itself (a simulated GPU's modelled
+//!   latency and bandwidth; a CUDA device's [`Link::MODELLED_PCIE`] until measured) or from a
+//!   file saved by an earlier run ([`CostModel::load`]), and is refined by every synchronous
+//!   fetch the streamer times ([`CostModel::note_copy`]): a least-squares line through the
+//!   samples, each new one weighing as much as the last ten together.
+//! - **Compute.** Each weight's share of a forward is learned by its model as the host sees it:
+//!   the time from the return of its fetch to the next weight's fetch
+//!   ([`crate::weights::Model::compute_ns`]), an exponential average. A weight not measured yet
+//!   costs the device's average per byte over the weights that were.
+//! - **Prediction** ([`predict_step`]): an event simulation of one steady forward over the
+//!   model's recorded use order, with the compute thread, each transfer lane and (on a real GPU)
+//!   the one link as resources, following the streamer's rules: a weight not resident is
+//!   fetched synchronously unless a prefetch brought it, and each fetch requests the next
+//!   `depth` streamed weights in use order while their bytes fit the streaming room. It gives
+//!   the step's time, its compute, the copy time and the part of it compute waited for, and the
+//!   bytes copied. Linear in the uses times the depth.
+//!
+//! The figures are what the host observes: on a GPU, whose kernels run asynchronously, a
+//! weight's compute is the host's time to launch its work, so the prediction is a lower bound
+//! there until a step synchronizes; on the simulated GPU and the CPU it is the work itself.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::lock::{Mutex, Rank};
+use crate::size::ByteSize;
+use crate::vram::DeviceId;
+
+/// A link's copy time: a fixed latency plus a time per byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct Link {
+    /// The fixed cost of one copy, in nanoseconds.
+    pub latency_ns: u64,
+    /// Picoseconds per byte (1 000 / GB/s: 40 at 25 GB/s).
+    pub ps_per_byte: u64,
+}
+
+impl Link {
+    /// A PCIe 4.0 ×16 link as a host sees it with page-locked memory: 10 µs, 25 GB/s — the
+    /// figure a CUDA device starts from until copies are measured.
+    pub const MODELLED_PCIE: Link = Link {
+        latency_ns: 10_000,
+        ps_per_byte: 40,
+    };
+
+    /// The modelled time of copying `bytes`, in nanoseconds.
+    pub fn copy_ns(&self, bytes: u64) -> f64 {
+        self.latency_ns as f64 + bytes as f64 * self.ps_per_byte as f64 / 1000.0
+    }
+
+    /// The bandwidth in bytes per second (`None` for a link that costs nothing per byte).
+    pub fn bandwidth(&self) -> Option<f64> {
+        (self.ps_per_byte > 0).then(|| 1e12 / self.ps_per_byte as f64)
+    }
+
+    fn from_f64(latency_ns: f64, ps_per_byte: f64) -> Link {
+        Link {
+            latency_ns: latency_ns.max(0.0).round() as u64,
+            ps_per_byte: ps_per_byte.max(0.0).round() as u64,
+        }
+    }
+}
+
+impl fmt::Display for Link {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let us = self.latency_ns as f64 / 1000.0;
+        match self.bandwidth() {
+            Some(bw) => write!(f, "{us:.1} µs + {:.2} GB/s", bw / 1e9),
+            None => write!(f, "{us:.1} µs per copy"),
+        }
+    }
+}
+
+/// Where a device's link figure comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub enum FigureSource {
+    /// What the device says of itself (a simulated GPU's spec; [`Link::MODELLED_PCIE`]).
+    Modelled,
+    /// A file an earlier run saved ([`CostModel::load`]).
+    Saved,
+    /// Copies timed in this run (how many).
+    Measured(u64),
+}
+
+/// One device's costs, as [`crate::loader::MemoryManager::costs`] reports them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct DeviceCosts {
+    /// The device.
+    pub device: DeviceId,
+    /// What the figure is saved under: the device and what it is (a simulated GPU's spec, a
+    /// CUDA device's name).
+    pub label: String,
+    /// Host→device copies.
+    pub link: Link,
+    /// Where `link` comes from.
+    pub source: FigureSource,
+    /// Whether concurrent copies share one link (a real GPU's bus: lanes overlap copies with
+    /// compute, not with each other) or each run at the link's speed (the simulated GPU, whose
+    /// streams each sleep their own copy time).
+    pub shared_link: bool,
+    /// The compute of a weight use per byte of weight, in picoseconds, averaged over the
+    /// weights measured on this device (filled by the manager; `None` before any forward).
+    pub compute_ps_per_byte: Option<u64>,
+}
+
+impl fmt::Display for DeviceCosts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: copies {}", self.device, self.link)?;
+        match self.source {
+            FigureSource::Modelled => write!(f, " (modelled)")?,
+            FigureSource::Saved => write!(f, " (saved)")?,
+            FigureSource::Measured(n) => write!(f, " (measured, {n} copies)")?,
+        }
+        if self.shared_link {
+            write!(f, ", one link")?;
+        }
+        match self.compute_ps_per_byte {
+            Some(ps) => write!(f, "; compute {:.3} ns per weight byte", ps as f64 / 1000.0),
+            None => write!(f, "; compute unmeasured"),
+        }
+    }
+}
+
+/// A decayed least-squares fit of copy time against bytes.
+#[derive(Debug, Clone, Copy, Default)]
+struct Fit {
+    w: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+    samples: u64,
+}
+
+/// Each new sample weighs as much as the last ten together (a weight of 0.9 on the past).
+const KEEP: f64 = 0.9;
+
+/// Samples before a measured figure replaces the modelled or saved one.
+const MIN_SAMPLES: u64 = 3;
+
+impl Fit {
+    fn add(&mut self, bytes: f64, ns: f64) {
+        self.w = self.w * KEEP + 1.0;
+        self.x = self.x * KEEP + bytes;
+        self.y = self.y * KEEP + ns;
+        self.xx = self.xx * KEEP + bytes * bytes;
+        self.xy = self.xy * KEEP + bytes * ns;
+        self.samples += 1;
+    }
+
+    /// The line through the samples; where their sizes hardly differ, `prior`'s latency is
+    /// kept and only the time per byte fitted.
+    fn link(&self, prior: Link) -> Option<Link> {
+        if self.samples < MIN_SAMPLES || self.w <= 0.0 {
+            return None;
+        }
+        let (mx, my) = (self.x / self.w, self.y / self.w);
+        let var = self.xx / self.w - mx * mx;
+        let cov = self.xy / self.w - mx * my;
+        if var > 1e-6 * (self.xx / self.w).max(1.0) {
+            let slope = cov / var;
+            let latency = my - slope * mx;
+            if slope > 0.0 && latency >= 0.0 {
+                return Some(Link::from_f64(latency, slope * 1000.0));
+            }
+        }
+        let latency = (prior.latency_ns as f64).min(my);
+        let per_byte = if mx > 0.0 { (my - latency) / mx } else { 0.0 };
+        Some(Link::from_f64(latency, per_byte * 1000.0))
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Figures {
+    device: DeviceId,
+    label: String,
+    prior: Link,
+    source: FigureSource,
+    shared_link: bool,
+    fit: Fit,
+}
+
+impl Figures {
+    fn link(&self) -> (Link, FigureSource) {
+        match self.fit.link(self.prior) {
+            Some(l) => (l, FigureSource::Measured(self.fit.samples)),
+            None => (self.prior, self.source),
+        }
+    }
+}
+
+/// One manager's measured costs, per device (module docs).
+#[derive(Debug)]
+pub struct CostModel {
+    figures: Mutex<HashMap<DeviceId, Figures>>,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        CostModel::new()
+    }
+}
+
+impl CostModel {
+    /// No device known yet.
+    pub fn new() -> CostModel {
+        CostModel {
+            figures: Mutex::new(Rank::Costs, HashMap::new()),
+        }
+    }
+
+    /// Registers `device` with its modelled link (kept until copies are measured) under
+    /// `label` (what a saved figure is matched by). Registering again changes nothing.
+    pub fn seed(&self, device: DeviceId, label: &str, link: Link, shared_link: bool) {
+        self.figures.lock().entry(device).or_insert_with(|| Figures {
+            device,
+            label: label.to_string(),
+            prior: link,
+            source: FigureSource::Modelled,
+            shared_link,
+            fit: Fit::default(),
+        });
+    }
+
+    /// A synchronous copy of `bytes` to `device` took `ns`, as the thread that waited saw it.
+    pub fn note_copy(&self, device: DeviceId, bytes: u64, ns: u64) {
+        if let Some(f) = self.figures.lock().get_mut(&device) {
+            f.fit.add(bytes as f64, ns as f64);
+        }
+    }
+
+    /// `device`'s copy figure and whether its copies share one link (`None`: not a device
+    /// that copies — the CPU).
+    pub fn link(&self, device: DeviceId) -> Option<(Link, bool)> {
+        let figures = self.figures.lock();
+        let f = figures.get(&device)?;
+        Some((f.link().0, f.shared_link))
+    }
+
+    /// Every known device's figures (compute left for the manager to fill), in device order.
+    pub fn devices(&self) -> Vec<DeviceCosts> {
+        let figures = self.figures.lock();
+        let mut v: Vec<DeviceCosts> = figures
+            .values()
+            .map(|f| {
+                let (link, source) = f.link();
+                DeviceCosts {
+                    device: f.device,
+                    label: f.label.clone(),
+                    link,
+                    source,
+                    shared_link: f.shared_link,
+                    compute_ps_per_byte: None,
+                }
+            })
+            .collect();
+        v.sort_by_key(|d| d.device);
+        v
+    }
+
+    /// Writes every device's current figure to `path` (a small text file, one line per
+    /// device: label, latency in ns, picoseconds per byte), creating its directory.
+    ///
+    /// # Errors
+    /// [`Error::File`] when the file cannot be written.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let bad = |e: std::io::Error| Error::File {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(bad)?;
+        }
+        let mut text = String::from("# residency cost model: label\tlatency_ns\tps_per_byte\n");
+        for d in self.devices() {
+            text.push_str(&format!(
+                "{}\t{}\t{}\n",
+                d.label.replace(['\t', '\n'], " "),
+                d.link.latency_ns,
+                d.link.ps_per_byte
+            ));
+        }
+        std::fs::write(path, text).map_err(bad)
+    }
+
+    /// Reads figures saved by [`CostModel::save`]: each device seeded under the same label
+    /// starts from the saved figure (until this run measures its own). Returns how many
+    /// devices matched; a missing file matches none.
+    ///
+    /// # Errors
+    /// [`Error::File`] naming the line when the file exists but a line is not three fields
+    /// (label, two whole numbers).
+    pub fn load(&self, path: &Path) -> Result<usize> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => {
+                return Err(Error::File {
+                    path: path.to_path_buf(),
+                    reason: e.to_string(),
+                })
+            }
+        };
+        let mut saved = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            if line.starts_with('#') || line.trim().is_empty() {
+                continue;
+            }
+            let fields: Vec<&str> = line.split('\t').collect();
+            let parsed = match fields.as_slice() {
+                [label, lat, ps] => lat
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+                    .zip(ps.trim().parse::<u64>().ok())
+                    .map(|(latency_ns, ps_per_byte)| {
+                        (
+                            label.to_string(),
+                            Link {
+                                latency_ns,
+                                ps_per_byte,
+                            },
+                        )
+                    }),
+                _ => None,
+            };
+            saved.push(parsed.ok_or_else(|| Error::File {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "line {}: expected `label<TAB>latency_ns<TAB>ps_per_byte`, found `{line}`",
+                    n + 1
+                ),
+            })?);
+        }
+        let mut matched = 0;
+        for f in self.figures.lock().values_mut() {
+            if let Some((_, link)) = saved.iter().find(|(l, _)| *l == f.label) {
+                f.prior = *link;
+                f.source = FigureSource::Saved;
+                matched += 1;
+            }
+        }
+        Ok(matched)
+    }
+}
+
+/// Where [`CostModel::save`]'s file lives by default: `$RESIDENCY_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/residency`, else `~/.cache/residency`, then `costs.tsv`; `None` when none
+/// of those is set.
+pub fn default_path() -> Option<PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let dir = var("RESIDENCY_CACHE_DIR")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("residency")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache").join("residency")))?;
+    Some(dir.join("costs.tsv"))
+}
+
+/// One weight use of a step, in use order, for [`predict_step`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct UseCost {
+    /// The bytes copied when it streams.
+    pub bytes: u64,
+    /// Whether it is resident (no copy).
+    pub resident: bool,
+    /// Its compute, in nanoseconds.
+    pub compute_ns: f64,
+}
+
+/// How streamed weights are copied, for [`predict_step`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Streaming {
+    /// The link's figure.
+    pub link: Link,
+    /// Whether concurrent copies share the link ([`DeviceCosts::shared_link`]).
+    pub shared_link: bool,
+    /// Transfer lanes (0: every streamed weight is copied when used, on the compute thread).
+    pub lanes: usize,
+    /// Prefetch depth: streamed weights requested ahead at each fetch.
+    pub depth: usize,
+    /// Device memory for copies in flight beside the weight in use
+    /// ([`crate::loader::PlannedLoad::streaming_room`]): a prefetch that would pass it waits
+    /// for the next fetch.
+    pub room: u64,
+}
+
+/// A predicted (or, in a [`crate::loader::StepAudit`], measured) step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct StepPrediction {
+    /// The step's time, in nanoseconds.
+    pub step_ns: u64,
+    /// Of it, compute.
+    pub compute_ns: u64,
+    /// Copy time of the step's copies (on their lanes; may overlap compute and each other).
+    pub copy_ns: u64,
+    /// The time compute waited for copies (the part of `copy_ns` not hidden).
+    pub exposed_ns: u64,
+    /// Bytes copied to the device in the step.
+    pub bytes: ByteSize,
+    /// Weight uses in the step, and of them streamed.
+    pub uses: usize,
+    /// Of `uses`, weights copied (not resident).
+    pub streamed: usize,
+    /// Uses whose compute was not measured yet (costed at the device's average per byte, or
+    /// nothing).
+    pub unmeasured: usize,
+}
+
+impl fmt::Display for StepPrediction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        write!(
+            f,
+            "{:.3} ms a step ({:.3} ms compute, {:.3} ms copying of which {:.3} ms exposed; {} in {} of {} weights)",
+            ms(self.step_ns),
+            ms(self.compute_ns),
+            ms(self.copy_ns),
+            ms(self.exposed_ns),
+            self.bytes,
+            self.streamed,
+            self.uses
+        )?;
+        if self.unmeasured > 0 {
+            write!(f, " [{} uses unmeasured]", self.unmeasured)?;
+        }
+        Ok(())
+    }
+}
+
+/// Steps simulated before the one reported: the prefetches the last weights of a step request
+/// for the next one have reached their steady state by then.
+const WARM_STEPS: usize = 2;
+
+/// Predicts a steady step over `uses` (module docs): the event simulation of the compute thread,
+/// the lanes and the link.
+pub fn predict_step(uses: &[UseCost], s: Streaming) -> StepPrediction {
+    let n = uses.len();
+    let mut out = StepPrediction {
+        uses: n,
+        streamed: uses.iter().filter(|u| !u.resident).count(),
+        ..StepPrediction::default()
+    };
+    if n == 0 {
+        return out;
+    }
+    let prefetching = s.lanes > 0 && s.depth > 0;
+    // In flight: (position, done at, bytes).
+    let mut inflight: Vec<(usize, f64, u64)> = Vec::new();
+    let mut lanes = vec![0.0f64; s.lanes];
+    let mut link_free = 0.0f64;
+    let mut t = 0.0f64;
+    for step in 0..=WARM_STEPS {
+        let counted = step == WARM_STEPS;
+        let start = t;
+        let (mut compute, mut copy, mut exposed, mut bytes) = (0.0, 0.0, 0.0, 0u64);
+        for (j, u) in uses.iter().enumerate() {
+            if !u.resident {
+                if let Some(p) = inflight.iter().position(|f| f.0 == j) {
+                    let (_, done, _) = inflight.swap_remove(p);
+                    exposed += (done - t).max(0.0);
+                    t = t.max(done);
+                } else {
+                    // Fetched now, on this thread.
+                    let begin = if s.shared_link { t.max(link_free) } else { t };
+                    let took = s.link.copy_ns(u.bytes);
+                    let end = begin + took;
+                    if s.shared_link {
+                        link_free = end;
+                    }
+                    exposed += end - t;
+                    copy += took;
+                    bytes += u.bytes;
+                    t = end;
+                }
+                if prefetching {
+                    let (c, b) = prefetch_after(uses, j, s, t, &mut inflight, &mut lanes, &mut link_free);
+                    copy += c;
+                    bytes += b;
+                }
+            }
+            compute += u.compute_ns;
+            t += u.compute_ns;
+        }
+        if counted {
+            let ns = |v: f64| v.max(0.0).round() as u64;
+            out.step_ns = ns(t - start);
+            out.compute_ns = ns(compute);
+            out.copy_ns = ns(copy);
+            out.exposed_ns = ns(exposed);
+            out.bytes = ByteSize(bytes);
+        }
+    }
+    out
+}
+
+/// The streamer's prefetch after fetching position `j` at time `t`: the next `depth` streamed
+/// weights in use order (wrapping into the next step), each not in flight queued on the lane
+/// free first, while the bytes in flight and the weight in use fit the room. The copy time and
+/// bytes queued.
+fn prefetch_after(
+    uses: &[UseCost],
+    j: usize,
+    s: Streaming,
+    t: f64,
+    inflight: &mut Vec<(usize, f64, u64)>,
+    lanes: &mut [f64],
+    link_free: &mut f64,
+) -> (f64, u64) {
+    let n = uses.len();
+    let (mut copy, mut bytes, mut requested) = (0.0, 0u64, 0);
+    for k in 1..n {
+        if requested >= s.depth {
+            break;
+        }
+        let q = (j + k) % n;
+        let u = uses[q];
+        if u.resident {
+            continue;
+        }
+        requested += 1;
+        if inflight.iter().any(|f| f.0 == q) {
+            continue;
+        }
+        let held: u64 = inflight.iter().map(|f| f.2).sum::<u64>() + uses[j].bytes;
+        if held + u.bytes > s.room {
+            break;
+        }
+        let lane = (0..lanes.len())
+            .min_by(|&a, &b| lanes[a].total_cmp(&lanes[b]))
+            .unwrap_or(0);
+        let mut begin = t.max(lanes[lane]);
+        if s.shared_link {
+            begin = begin.max(*link_free);
+        }
+        let took = s.link.copy_ns(u.bytes);
+        let end = begin + took;
+        lanes[lane] = end;
+        if s.shared_link {
+            *link_free = end;
+        }
+        inflight.push((q, end, u.bytes));
+        copy += took;
+        bytes += u.bytes;
+    }
+    (copy, bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LINK: Link = Link {
+        latency_ns: 1_000,
+        ps_per_byte: 1_000,
+    };
+
+    fn uses(n: usize, bytes: u64, compute_ns: f64, resident: impl Fn(usize) -> bool) -> Vec<UseCost> {
+        (0..n)
+            .map(|i| UseCost {
+                bytes,
+                resident: resident(i),
+                compute_ns,
+            })
+            .collect()
+    }
+
+    fn streaming(lanes: usize, depth: usize) -> Streaming {
+        Streaming {
+            link: LINK,
+            shared_link: true,
+            lanes,
+            depth,
+            room: u64::MAX,
+        }
+    }
+
+    #[test]
+    fn all_resident_is_the_sum_of_compute_and_copies_nothing() {
+        let u = uses(8, 1_000_000, 500.0, |_| true);
+        let p = predict_step(&u, streaming(2, 2));
+        assert_eq!((p.step_ns, p.compute_ns, p.copy_ns, p.exposed_ns), (4000, 4000, 0, 0));
+        assert_eq!((p.bytes, p.streamed), (ByteSize::ZERO, 0));
+    }
+
+    #[test]
+    fn without_lanes_every_streamed_copy_is_exposed() {
+        // 4 of 8 stream: each 1 µs + 10 000 B × 1 ns = 11 µs, on the compute thread.
+        let u = uses(8, 10_000, 2_000.0, |i| i % 2 == 0);
+        let p = predict_step(&u, streaming(0, 2));
+        assert_eq!(p.compute_ns, 16_000);
+        assert_eq!(p.copy_ns, 44_000);
+        assert_eq!(p.exposed_ns, 44_000);
+        assert_eq!(p.step_ns, 60_000);
+        assert_eq!(p.bytes, ByteSize(40_000));
+    }
+
+    #[test]
+    fn lanes_hide_copies_behind_compute_and_never_change_the_bytes() {
+        // Compute per weight (20 µs) longer than a copy (11 µs): prefetched a weight ahead,
+        // every copy is hidden in the steady step.
+        let u = uses(8, 10_000, 20_000.0, |i| i % 2 == 0);
+        let sync = predict_step(&u, streaming(0, 1));
+        let one = predict_step(&u, streaming(1, 1));
+        assert_eq!(one.exposed_ns, 0, "{one}");
+        assert_eq!(one.step_ns, one.compute_ns);
+        assert!(one.step_ns < sync.step_ns);
+        assert_eq!(one.bytes, sync.bytes);
+        // Compute shorter than a copy: the link is the bound, one link or two lanes alike.
+        let fast = uses(8, 10_000, 1_000.0, |_| false);
+        let one = predict_step(&fast, streaming(1, 2));
+        let two = predict_step(&fast, streaming(2, 2));
+        assert!(one.step_ns >= 8 * 11_000, "{one}");
+        assert!(two.step_ns >= 8 * 11_000, "one shared link: {two}");
+        // Without a shared link (the simulated GPU) two lanes copy side by side.
+        let apart = predict_step(
+            &fast,
+            Streaming {
+                shared_link: false,
+                ..streaming(2, 2)
+            },
+        );
+        assert!(apart.step_ns < two.step_ns, "{apart} vs {two}");
+    }
+
+    #[test]
+    fn a_larger_resident_set_never_predicts_a_slower_step() {
+        // Weights of unequal sizes; resident sets nested by a density order.
+        let base: Vec<UseCost> = (0..24)
+            .map(|i| UseCost {
+                bytes: 4_000 + (i as u64 * 7_919) % 30_000,
+                resident: false,
+                compute_ns: 3_000.0 + (i as f64 * 1_237.0) % 9_000.0,
+            })
+            .collect();
+        for (lanes, depth) in [(0, 0), (1, 1), (2, 2), (2, 4)] {
+            let mut last = u64::MAX;
+            for k in 0..=base.len() {
+                let mut u = base.clone();
+                for w in u.iter_mut().take(k) {
+                    w.resident = true;
+                }
+                let p = predict_step(&u, streaming(lanes, depth));
+                assert!(p.step_ns <= last, "lanes {lanes} depth {depth}: {k} resident {p}");
+                last = p.step_ns;
+            }
+        }
+    }
+
+    #[test]
+    fn the_room_bounds_what_is_prefetched() {
+        let u = uses(6, 10_000, 30_000.0, |_| false);
+        let free = predict_step(&u, streaming(2, 2));
+        // Room for the weight in use only: every fetch is synchronous.
+        let none = predict_step(
+            &u,
+            Streaming {
+                room: 10_000,
+                ..streaming(2, 2)
+            },
+        );
+        assert_eq!(free.exposed_ns, 0, "{free}");
+        assert_eq!(none.exposed_ns, 6 * 11_000, "{none}");
+        assert_eq!(free.bytes, none.bytes);
+    }
+
+    #[test]
+    fn a_fit_recovers_latency_and_bandwidth_and_one_size_keeps_the_prior_latency() {
+        let c = CostModel::new();
+        let d = DeviceId::Sim(0);
+        c.seed(d, "sim:0 test", Link { latency_ns: 5_000, ps_per_byte: 100 }, false);
+        assert_eq!(c.link(d).unwrap().0.ps_per_byte, 100, "modelled until measured");
+        for bytes in [10_000u64, 50_000, 200_000, 1_000_000] {
+            c.note_copy(d, bytes, 2_000 + bytes * 2); // 2 µs + 2 ns/B
+        }
+        let l = c.link(d).unwrap().0;
+        assert_eq!((l.latency_ns, l.ps_per_byte), (2_000, 2_000), "{l}");
+        assert_eq!(c.devices()[0].source, FigureSource::Measured(4));
+        let one = CostModel::new();
+        one.seed(d, "x", Link { latency_ns: 5_000, ps_per_byte: 100 }, false);
+        for _ in 0..4 {
+            one.note_copy(d, 100_000, 105_000);
+        }
+        let l = one.link(d).unwrap().0;
+        assert_eq!((l.latency_ns, l.ps_per_byte), (5_000, 1_000), "{l}");
+    }
+
+    #[test]
+    fn figures_saved_by_one_run_seed_the_next_and_a_bad_file_names_its_line() {
+        let dir = std::env::temp_dir().join(format!("residency-costs-{}", std::process::id()));
+        let path = dir.join("costs.tsv");
+        let a = CostModel::new();
+        let d = DeviceId::Sim(0);
+        a.seed(d, "sim:0 8MiB@25GB/s", Link::MODELLED_PCIE, false);
+        for bytes in [10_000u64, 90_000, 400_000] {
+            a.note_copy(d, bytes, 3_000 + bytes / 2);
+        }
+        a.save(&path).unwrap();
+        let b = CostModel::new();
+        b.seed(d, "sim:0 8MiB@25GB/s", Link::MODELLED_PCIE, false);
+        b.seed(DeviceId::Sim(1), "sim:1 other", Link::MODELLED_PCIE, false);
+        assert_eq!(b.load(&path).unwrap(), 1);
+        assert_eq!(b.link(d), a.link(d));
+        assert_eq!(b.devices()[0].source, FigureSource::Saved);
+        assert_eq!(b.link(DeviceId::Sim(1)).unwrap().0, Link::MODELLED_PCIE);
+        assert_eq!(CostModel::new().load(&dir.join("none.tsv")).unwrap(), 0);
+        std::fs::write(&path, "sim:0 x\t12\n").unwrap();
+        let err = b.load(&path).unwrap_err().to_string();
+        assert!(err.contains("line 1"), "{err}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

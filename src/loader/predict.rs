@@ -1,0 +1,223 @@
+//! Plans in time: the step a model's residency predicts (`crate::costs`), and the audit that
+//! holds a measured step against it.
+
+use std::sync::Arc;
+
+use super::MemoryManager;
+use crate::costs::{DeviceCosts, Link, StepPrediction, Streaming, UseCost};
+use crate::patcher::ModelPatcher;
+use crate::size::ByteSize;
+use crate::vram::DeviceId;
+
+/// A step run under [`MemoryManager::audit`]: what the cost model predicted for it beside what
+/// was measured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct StepAudit {
+    /// The model.
+    pub model: String,
+    /// The prediction, made from the model's residency when the step began.
+    pub predicted: StepPrediction,
+    /// The wall time of the step, in nanoseconds.
+    pub measured_ns: u64,
+    /// Of it, the time compute waited for copies (synchronous fetches and prefetches still in
+    /// flight when used).
+    pub measured_exposed_ns: u64,
+    /// Bytes copied host→device during the step (every copy of the manager's engine: run the
+    /// audited step alone for an exact figure).
+    pub measured_bytes: ByteSize,
+}
+
+impl StepAudit {
+    /// Whether the step copied exactly the bytes predicted.
+    pub fn bytes_agree(&self) -> bool {
+        self.measured_bytes == self.predicted.bytes
+    }
+
+    /// Measured over predicted step time (1.0: exact; `f64::INFINITY` for a prediction of 0).
+    pub fn time_ratio(&self) -> f64 {
+        if self.predicted.step_ns == 0 {
+            return f64::INFINITY;
+        }
+        self.measured_ns as f64 / self.predicted.step_ns as f64
+    }
+}
+
+impl std::fmt::Display for StepAudit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        write!(
+            f,
+            "`{}`: predicted {:.3} ms ({:.3} exposed, {}), measured {:.3} ms ({:.3} exposed, {}): time ×{:.2}, bytes {}",
+            self.model,
+            ms(self.predicted.step_ns),
+            ms(self.predicted.exposed_ns),
+            self.predicted.bytes,
+            ms(self.measured_ns),
+            ms(self.measured_exposed_ns),
+            self.measured_bytes,
+            self.time_ratio(),
+            if self.bytes_agree() { "equal" } else { "differ" }
+        )
+    }
+}
+
+impl MemoryManager {
+    /// The cost model: every device's copy figure, fed by the synchronous fetches of this
+    /// manager's streamers; save it at the end of a run and load it at the start of the next
+    /// ([`crate::costs::CostModel::save`], [`crate::costs::default_path`]) so the first
+    /// plan of a run is made with measured figures.
+    pub fn cost_model(&self) -> &Arc<crate::costs::CostModel> {
+        &self.costs
+    }
+
+    /// Every device's costs: its copy figure and the compute per weight byte measured on the
+    /// weights of the models loaded there.
+    pub fn costs(&self) -> Vec<DeviceCosts> {
+        let mut devices = self.costs.devices();
+        let models: Vec<(Arc<crate::weights::Model>, DeviceId)> = self
+            .view
+            .lock()
+            .iter()
+            .filter_map(|e| Some((e.model.upgrade()?, e.device)))
+            .collect();
+        let mut cpu = DeviceCosts {
+            device: DeviceId::Cpu,
+            label: "cpu".into(),
+            link: Link::default(),
+            source: crate::costs::FigureSource::Modelled,
+            shared_link: false,
+            compute_ps_per_byte: None,
+        };
+        for d in devices.iter_mut().chain(std::iter::once(&mut cpu)) {
+            let (mut ns, mut bytes) = (0u128, 0u128);
+            for (m, _) in models.iter().filter(|(_, on)| *on == d.device) {
+                let (n, b) = measured_compute(m, d.device, None);
+                ns += n as u128;
+                bytes += b as u128;
+            }
+            d.compute_ps_per_byte = (bytes > 0).then(|| (ns * 1000 / bytes) as u64);
+        }
+        if cpu.compute_ps_per_byte.is_some() {
+            devices.push(cpu);
+        }
+        devices
+    }
+
+    /// The next step of `model` as its residency now predicts it: its weights in their recorded
+    /// use order (slot order before a forward completed), those resident now costing compute
+    /// only, the rest copied as the streamer would with this manager's lanes and prefetch depth
+    /// into the device's free memory.
+    pub fn predict(&self, model: &ModelPatcher) -> StepPrediction {
+        let device = model.load_device();
+        let room = if device.is_cpu() {
+            u64::MAX
+        } else {
+            self.free_with(self.ledger.booked(device), device).bytes()
+        };
+        self.predict_with(model, |i| model.resident_weight(i).is_some(), room)
+    }
+
+    /// The step `model` predicts with weights `resident(i)` resident and `room` bytes of device
+    /// memory for its copies in flight.
+    pub(super) fn predict_with(
+        &self,
+        model: &ModelPatcher,
+        resident: impl Fn(usize) -> bool,
+        room: u64,
+    ) -> StepPrediction {
+        let m = model.model();
+        let (order, complete) = m.forward_order();
+        let order: Vec<usize> = if complete && !order.is_empty() {
+            order
+        } else {
+            (0..m.len()).collect()
+        };
+        let device = model.load_device();
+        // A weight not measured yet costs this model's average per byte on the device.
+        let (ns, bytes) = measured_compute(m, device, Some(model));
+        let per_byte = (bytes > 0).then(|| ns as f64 / bytes as f64);
+        let mut unmeasured = 0;
+        let uses: Vec<UseCost> = order
+            .iter()
+            .map(|&i| {
+                let size = m.slots()[i].bytes().bytes();
+                let compute_ns = match m.compute_ns(i) {
+                    Some(ns) => ns as f64,
+                    None => {
+                        unmeasured += 1;
+                        per_byte.map_or(0.0, |p| p * size as f64)
+                    }
+                };
+                UseCost {
+                    bytes: size,
+                    resident: resident(i) || model.weight_device(i).is_cpu(),
+                    compute_ns,
+                }
+            })
+            .collect();
+        let (link, shared_link) = self.costs.link(device).unwrap_or((Link::default(), false));
+        let mut p = crate::costs::predict_step(
+            &uses,
+            Streaming {
+                link,
+                shared_link,
+                lanes: self.engine.lanes(),
+                depth: self.policy.config().prefetch_depth(),
+                room,
+            },
+        );
+        p.unmeasured = unmeasured;
+        p
+    }
+
+    /// Runs `step` (one forward or sampling step of `model`) and holds it against the
+    /// prediction made from `model`'s residency as the step begins ([`MemoryManager::predict`]):
+    /// the wall time, the time compute waited for copies, the bytes copied. Bytes are exact
+    /// when nothing else copies meanwhile; time is what the cost model has learned so far (a
+    /// first step measures it). The audit is also kept for [`MemoryManager::memory_report`]
+    /// (the last one per model).
+    pub fn audit<R>(&self, model: &ModelPatcher, step: impl FnOnce() -> R) -> (R, StepAudit) {
+        let predicted = self.predict(model);
+        let before = self.engine.stats().snapshot();
+        let t0 = std::time::Instant::now();
+        let out = step();
+        let measured_ns = t0.elapsed().as_nanos() as u64;
+        let after = self.engine.stats().snapshot();
+        let waited = |s: &crate::offload::TransferSnapshot| s.wait_ns + s.prefetch_hit_wait_ns;
+        let audit = StepAudit {
+            model: model.model().name().to_string(),
+            predicted,
+            measured_ns,
+            measured_exposed_ns: waited(&after).saturating_sub(waited(&before)),
+            measured_bytes: after.bytes_copied().saturating_sub(before.bytes_copied()),
+        };
+        let mut audits = self.audits.lock();
+        audits.retain(|a| a.model != audit.model);
+        audits.push(audit.clone());
+        (out, audit)
+    }
+
+    /// The last audit of each model ([`MemoryManager::audit`]).
+    pub fn audits(&self) -> Vec<StepAudit> {
+        self.audits.lock().clone()
+    }
+}
+
+/// The compute measured of `m`'s weights on `device` (of `patcher`'s placement, or the load
+/// device's of any placement): total nanoseconds and the bytes of the weights measured.
+fn measured_compute(
+    m: &crate::weights::Model,
+    device: DeviceId,
+    patcher: Option<&ModelPatcher>,
+) -> (u64, u64) {
+    let (mut ns, mut bytes) = (0u64, 0u64);
+    for i in 0..m.len() {
+        let on = patcher.map_or(true, |p| p.weight_device(i) == device);
+        if let Some(c) = m.compute_ns(i).filter(|_| on) {
+            ns = ns.saturating_add(c);
+            bytes = bytes.saturating_add(m.slots()[i].bytes().bytes());
+        }
+    }
+    (ns, bytes)
+}
