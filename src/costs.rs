@@ -221,14 +221,17 @@ impl CostModel {
     /// Registers `device` with its modelled link (kept until copies are measured) under
     /// `label` (what a saved figure is matched by). Registering again changes nothing.
     pub fn seed(&self, device: DeviceId, label: &str, link: Link, shared_link: bool) {
-        self.figures.lock().entry(device).or_insert_with(|| Figures {
-            device,
-            label: label.to_string(),
-            prior: link,
-            source: FigureSource::Modelled,
-            shared_link,
-            fit: Fit::default(),
-        });
+        self.figures
+            .lock()
+            .entry(device)
+            .or_insert_with(|| Figures {
+                device,
+                label: label.to_string(),
+                prior: link,
+                source: FigureSource::Modelled,
+                shared_link,
+                fit: Fit::default(),
+            });
     }
 
     /// A synchronous copy of `bytes` to `device` took `ns`, as the thread that waited saw it.
@@ -357,7 +360,11 @@ impl CostModel {
 /// `$XDG_CACHE_HOME/residency`, else `~/.cache/residency`, then `costs.tsv`; `None` when none
 /// of those is set.
 pub fn default_path() -> Option<PathBuf> {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     let dir = var("RESIDENCY_CACHE_DIR")
         .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("residency")))
         .or_else(|| var("HOME").map(|d| d.join(".cache").join("residency")))?;
@@ -458,6 +465,9 @@ pub fn predict_step(uses: &[UseCost], s: Streaming) -> StepPrediction {
     let mut lanes = vec![0.0f64; s.lanes];
     let mut link_free = 0.0f64;
     let mut t = 0.0f64;
+    // The streamed weight used before the one in use: its memory is still held (its free is
+    // ordered behind the copies on its stream), so prefetches fit beside both.
+    let mut before = 0u64;
     for step in 0..=WARM_STEPS {
         let counted = step == WARM_STEPS;
         let start = t;
@@ -482,10 +492,20 @@ pub fn predict_step(uses: &[UseCost], s: Streaming) -> StepPrediction {
                     t = end;
                 }
                 if prefetching {
-                    let (c, b) = prefetch_after(uses, j, s, t, &mut inflight, &mut lanes, &mut link_free);
+                    let held = before + u.bytes;
+                    let (c, b) = prefetch_after(
+                        uses,
+                        j,
+                        s,
+                        (t, held),
+                        &mut inflight,
+                        &mut lanes,
+                        &mut link_free,
+                    );
                     copy += c;
                     bytes += b;
                 }
+                before = u.bytes;
             }
             compute += u.compute_ns;
             t += u.compute_ns;
@@ -502,22 +522,23 @@ pub fn predict_step(uses: &[UseCost], s: Streaming) -> StepPrediction {
     out
 }
 
-/// The streamer's prefetch after fetching position `j` at time `t`: the next `depth` streamed
-/// weights in use order (wrapping into the next step), each not in flight queued on the lane
-/// free first, while the bytes in flight and the weight in use fit the room. The copy time and
-/// bytes queued.
+/// The streamer's prefetch after fetching position `j` at time `t`, with `in_use` bytes held
+/// by the weights in use: the next `depth` streamed weights in use order (wrapping into the
+/// next step, up to the weight just fetched), each not in flight queued on the lane free first, while the bytes in flight
+/// beside `in_use` fit the room. The copy time and bytes queued.
 fn prefetch_after(
     uses: &[UseCost],
     j: usize,
     s: Streaming,
-    t: f64,
+    (t, in_use): (f64, u64),
     inflight: &mut Vec<(usize, f64, u64)>,
     lanes: &mut [f64],
     link_free: &mut f64,
 ) -> (f64, u64) {
     let n = uses.len();
     let (mut copy, mut bytes, mut requested) = (0.0, 0u64, 0);
-    for k in 1..n {
+    // Up to the weight just fetched itself, for its use in the next step.
+    for k in 1..=n {
         if requested >= s.depth {
             break;
         }
@@ -530,7 +551,7 @@ fn prefetch_after(
         if inflight.iter().any(|f| f.0 == q) {
             continue;
         }
-        let held: u64 = inflight.iter().map(|f| f.2).sum::<u64>() + uses[j].bytes;
+        let held: u64 = inflight.iter().map(|f| f.2).sum::<u64>() + in_use;
         if held + u.bytes > s.room {
             break;
         }
@@ -563,7 +584,12 @@ mod tests {
         ps_per_byte: 1_000,
     };
 
-    fn uses(n: usize, bytes: u64, compute_ns: f64, resident: impl Fn(usize) -> bool) -> Vec<UseCost> {
+    fn uses(
+        n: usize,
+        bytes: u64,
+        compute_ns: f64,
+        resident: impl Fn(usize) -> bool,
+    ) -> Vec<UseCost> {
         (0..n)
             .map(|i| UseCost {
                 bytes,
@@ -587,7 +613,10 @@ mod tests {
     fn all_resident_is_the_sum_of_compute_and_copies_nothing() {
         let u = uses(8, 1_000_000, 500.0, |_| true);
         let p = predict_step(&u, streaming(2, 2));
-        assert_eq!((p.step_ns, p.compute_ns, p.copy_ns, p.exposed_ns), (4000, 4000, 0, 0));
+        assert_eq!(
+            (p.step_ns, p.compute_ns, p.copy_ns, p.exposed_ns),
+            (4000, 4000, 0, 0)
+        );
         assert_eq!((p.bytes, p.streamed), (ByteSize::ZERO, 0));
     }
 
@@ -649,7 +678,10 @@ mod tests {
                     w.resident = true;
                 }
                 let p = predict_step(&u, streaming(lanes, depth));
-                assert!(p.step_ns <= last, "lanes {lanes} depth {depth}: {k} resident {p}");
+                assert!(
+                    p.step_ns <= last,
+                    "lanes {lanes} depth {depth}: {k} resident {p}"
+                );
                 last = p.step_ns;
             }
         }
@@ -659,11 +691,12 @@ mod tests {
     fn the_room_bounds_what_is_prefetched() {
         let u = uses(6, 10_000, 30_000.0, |_| false);
         let free = predict_step(&u, streaming(2, 2));
-        // Room for the weight in use only: every fetch is synchronous.
+        // Room for the weights in use only (the one computing and the one before it, whose
+        // free is still queued): every fetch is synchronous.
         let none = predict_step(
             &u,
             Streaming {
-                room: 10_000,
+                room: 20_000,
                 ..streaming(2, 2)
             },
         );
@@ -676,8 +709,20 @@ mod tests {
     fn a_fit_recovers_latency_and_bandwidth_and_one_size_keeps_the_prior_latency() {
         let c = CostModel::new();
         let d = DeviceId::Sim(0);
-        c.seed(d, "sim:0 test", Link { latency_ns: 5_000, ps_per_byte: 100 }, false);
-        assert_eq!(c.link(d).unwrap().0.ps_per_byte, 100, "modelled until measured");
+        c.seed(
+            d,
+            "sim:0 test",
+            Link {
+                latency_ns: 5_000,
+                ps_per_byte: 100,
+            },
+            false,
+        );
+        assert_eq!(
+            c.link(d).unwrap().0.ps_per_byte,
+            100,
+            "modelled until measured"
+        );
         for bytes in [10_000u64, 50_000, 200_000, 1_000_000] {
             c.note_copy(d, bytes, 2_000 + bytes * 2); // 2 µs + 2 ns/B
         }
@@ -685,7 +730,15 @@ mod tests {
         assert_eq!((l.latency_ns, l.ps_per_byte), (2_000, 2_000), "{l}");
         assert_eq!(c.devices()[0].source, FigureSource::Measured(4));
         let one = CostModel::new();
-        one.seed(d, "x", Link { latency_ns: 5_000, ps_per_byte: 100 }, false);
+        one.seed(
+            d,
+            "x",
+            Link {
+                latency_ns: 5_000,
+                ps_per_byte: 100,
+            },
+            false,
+        );
         for _ in 0..4 {
             one.note_copy(d, 100_000, 105_000);
         }

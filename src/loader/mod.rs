@@ -50,8 +50,8 @@ mod load;
 mod model_based;
 mod options;
 mod placement;
-mod predict;
 pub mod plan;
+mod predict;
 mod report;
 mod reserve;
 
@@ -73,8 +73,8 @@ use self::ledger::Ledger;
 pub use dynamic::{DynamicDeviceReport, DynamicLayerReport};
 pub use global::{global, init_global};
 pub use options::{weight_budget, InputShape, LoadOptions, MIN_WEIGHT_BUDGET};
-pub use predict::StepAudit;
 pub use plan::{LoadPlan, PlacedOn, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad};
+pub use predict::StepAudit;
 pub use report::{DeviceMemory, Eviction, LoadReport, LoadedModelInfo, MemoryReport, ModelLoad};
 pub use reserve::{KeepGuard, MemoryReservation, ReservationInfo};
 
@@ -749,6 +749,8 @@ impl MemoryManager {
             dynamic: self.policy.dynamic_vram(),
             dynamic_devices: self.dynamic.report(false),
             misses: self.miss_report(),
+            costs: self.costs(),
+            audits: self.audits(),
         }
     }
 }

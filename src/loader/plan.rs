@@ -89,6 +89,11 @@ pub struct PlannedLoad {
     /// of what is free). Under residency by use the same figure is the room kept free beside
     /// the copies kept by use, so both modes stream the same weights. Zero for a full load.
     pub streaming_room: ByteSize,
+    /// The steady step this load predicts ([`crate::costs`]): compute, copies and the part of
+    /// them exposed, with the planned resident set (for a dynamic load, the one its use keeps:
+    /// the classic selection), the manager's lanes and prefetch depth, and the cost model's
+    /// figures. Filled by [`MemoryManager::plan`]; a load does not pay for it.
+    pub predicted: Option<crate::costs::StepPrediction>,
 }
 
 /// One device's part of a planned load.
@@ -260,6 +265,9 @@ pub struct LoadPlan {
     pub misses: Option<crate::offload::MissReport>,
     #[cfg_attr(feature = "serde", serde(skip))]
     pub(super) steps: Vec<Step>,
+    /// Per model, the resident set of the steady step `predicted` is made for.
+    #[cfg_attr(feature = "serde", serde(skip))]
+    pub(super) steady: Vec<Vec<bool>>,
 }
 
 impl LoadPlan {
@@ -297,7 +305,18 @@ impl MemoryManager {
         let options = options.resolved(&all);
         let inner = self.lock_inner();
         self.place_auto(&inner, &mut all);
-        self.plan_locked(&inner, &all, &options)
+        let mut plan = self.plan_locked(&inner, &all, &options)?;
+        drop(inner);
+        for (k, planned) in plan.models.iter_mut().enumerate() {
+            let steady = &plan.steady[k];
+            let room = if planned.device.is_cpu() {
+                u64::MAX
+            } else {
+                planned.streaming_room.bytes()
+            };
+            planned.predicted = Some(self.predict_with(&all[k], |i| steady[i], room));
+        }
+        Ok(plan)
     }
 
     pub(super) fn plan_locked(
@@ -393,6 +412,7 @@ impl MemoryManager {
             ledger_before: self.host.ledger(),
             from_disk: ByteSize::ZERO,
         };
+        let mut steadies = Vec::with_capacity(all.len());
         for (k, m) in all.iter().enumerate() {
             let mut want = vec![false; views[k].len()];
             let mut planned = PlannedLoad {
@@ -411,7 +431,9 @@ impl MemoryManager {
                 quantized: m.model().quantized_size().0,
                 placed: Vec::new(),
                 streaming_room: ByteSize::ZERO,
+                predicted: None,
             };
+            let mut steady = vec![false; views[k].len()];
             let model_devices = m.devices();
             let counted = registered(&inner.registry, m.model());
             for &device in &model_devices {
@@ -427,8 +449,9 @@ impl MemoryManager {
                     Some(ix) => ix.iter().map(|&i| views[k][i]).collect(),
                 };
                 let already = already_on(k, device);
-                let (sub_want, budget, room) =
+                let (sub_want, budget, room, sub_steady) =
                     self.plan_group(&mut p, m, device, &sub, already, options);
+                let dynamic_here = self.dynamic_load(device, options);
                 planned.streaming_room = planned.streaming_room.max(room);
                 // What the ledger counts of this model on the device now.
                 let here: ByteSize = if counted {
@@ -512,11 +535,22 @@ impl MemoryManager {
                 let resident = selection::wanted_bytes(&sub, &sub_want);
                 p.sub(device, here);
                 p.add(device, resident);
+                // The steady step's resident set: what a classic load keeps (after any
+                // shrinking above), what a dynamic load's use will keep.
+                let sub_steady = if dynamic_here {
+                    sub_steady
+                } else {
+                    sub_want.clone()
+                };
                 match &indices {
-                    None => want.copy_from_slice(&sub_want),
+                    None => {
+                        want.copy_from_slice(&sub_want);
+                        steady.copy_from_slice(&sub_steady);
+                    }
                     Some(ix) => {
                         for (j, &i) in ix.iter().enumerate() {
                             want[i] = sub_want[j];
+                            steady[i] = sub_steady[j];
                         }
                     }
                 }
@@ -579,6 +613,7 @@ impl MemoryManager {
                 .from_disk
                 .saturating_add(from_disk(m, &views[k], &want));
             models.push(planned);
+            steadies.push(steady);
             p.steps.push(Step::Load { k, want });
         }
         // A device no requested model loads weights on, where one's code holds tensors (a table
@@ -628,6 +663,7 @@ impl MemoryManager {
             dynamic,
             misses: self.miss_report(),
             steps: p.steps,
+            steady: steadies,
         })
     }
 }

@@ -23,8 +23,9 @@ pub struct StepAudit {
     /// Of it, the time compute waited for copies (synchronous fetches and prefetches still in
     /// flight when used).
     pub measured_exposed_ns: u64,
-    /// Bytes copied host→device during the step (every copy of the manager's engine: run the
-    /// audited step alone for an exact figure).
+    /// Bytes of streamed weights the step requested copied to a device (prefetches submitted
+    /// and fetches made during it, [`crate::offload::TransferSnapshot::bytes_requested`]; every
+    /// request of the manager's engine: run the audited step alone for an exact figure).
     pub measured_bytes: ByteSize,
 }
 
@@ -110,10 +111,15 @@ impl MemoryManager {
     /// into the device's free memory.
     pub fn predict(&self, model: &ModelPatcher) -> StepPrediction {
         let device = model.load_device();
+        // The device's free memory, this model's copies in flight counted as free: they are
+        // the room its streaming works in.
+        let in_flight =
+            crate::offload::streamer_of(model).map_or(ByteSize::ZERO, |s| s.in_flight_bytes());
         let room = if device.is_cpu() {
             u64::MAX
         } else {
-            self.free_with(self.ledger.booked(device), device).bytes()
+            let booked = self.ledger.booked(device).saturating_sub(in_flight);
+            self.free_with(booked, device).bytes()
         };
         self.predict_with(model, |i| model.resident_weight(i).is_some(), room)
     }
@@ -190,7 +196,7 @@ impl MemoryManager {
             predicted,
             measured_ns,
             measured_exposed_ns: waited(&after).saturating_sub(waited(&before)),
-            measured_bytes: after.bytes_copied().saturating_sub(before.bytes_copied()),
+            measured_bytes: after.bytes_requested.saturating_sub(before.bytes_requested),
         };
         let mut audits = self.audits.lock();
         audits.retain(|a| a.model != audit.model);

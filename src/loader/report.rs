@@ -244,6 +244,11 @@ pub struct MemoryReport {
     pub dynamic_devices: Vec<super::DynamicDeviceReport>,
     /// Cost-aware misses (`--cost-aware-misses`): where misses ran and the measured costs.
     pub misses: Option<crate::offload::MissReport>,
+    /// The cost model's figures per device ([`super::MemoryManager::costs`]).
+    pub costs: Vec<crate::costs::DeviceCosts>,
+    /// The last audited step of each model ([`super::MemoryManager::audit`]): predicted beside
+    /// measured.
+    pub audits: Vec<super::StepAudit>,
 }
 
 impl fmt::Display for MemoryReport {
@@ -325,6 +330,12 @@ impl fmt::Display for MemoryReport {
         }
         if let Some(m) = &self.misses {
             writeln!(f, "{m}")?;
+        }
+        for c in &self.costs {
+            writeln!(f, "costs {c}")?;
+        }
+        for a in &self.audits {
+            writeln!(f, "step {a}")?;
         }
         let t = &self.transfers;
         writeln!(

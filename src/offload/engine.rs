@@ -52,6 +52,7 @@ pub struct TransferStats {
     hit_wait_ns: AtomicU64,
     routed: AtomicU64,
     routed_hits: AtomicU64,
+    requested: AtomicU64,
 }
 
 /// A snapshot of [`TransferStats`].
@@ -84,6 +85,10 @@ pub struct TransferSnapshot {
     pub routed_prefetches: u64,
     /// Of them, used (the prediction was right and the copy arrived or was arriving).
     pub routed_hits: u64,
+    /// Bytes of streamed weights requested for a copy to a GPU, counted when requested (a
+    /// prefetch submitted, a fetch made now) rather than when a lane gets to it: what a step
+    /// asked for, as [`crate::costs::StepPrediction::bytes`] predicts it (clean bytes).
+    pub bytes_requested: ByteSize,
 }
 
 impl TransferSnapshot {
@@ -110,6 +115,7 @@ impl TransferStats {
             prefetch_hit_wait_ns: self.hit_wait_ns.load(Ordering::Relaxed),
             routed_prefetches: self.routed.load(Ordering::Relaxed),
             routed_hits: self.routed_hits.load(Ordering::Relaxed),
+            bytes_requested: ByteSize(self.requested.load(Ordering::Relaxed)),
         }
     }
     pub(crate) fn hit_waited(&self, ns: u64, routed: bool) {
@@ -126,6 +132,13 @@ impl TransferStats {
     }
     pub(crate) fn miss(&self) {
         self.misses.fetch_add(1, Ordering::Relaxed);
+    }
+    /// A streamed copy of `index` was requested: counted when its destination is a GPU.
+    fn requested(&self, patcher: &ModelPatcher, index: usize) {
+        if !patcher.weight_device(index).is_cpu() {
+            let bytes = patcher.model().slots()[index].bytes().bytes();
+            self.requested.fetch_add(bytes, Ordering::Relaxed);
+        }
     }
     pub(crate) fn waited(&self, ns: u64) {
         self.wait_ns.fetch_add(ns, Ordering::Relaxed);
@@ -313,6 +326,7 @@ impl TransferEngine {
         booking: Option<Reservation>,
     ) -> Pending {
         let bytes = patcher.resident_size(index);
+        self.stats.requested(patcher, index);
         let queue = self.queue.lock().clone();
         let Some(queue) = queue else {
             let arrived = stream_weight(self.route(true), patcher, index, None)
@@ -357,6 +371,7 @@ impl TransferEngine {
     /// Materializes weight `index` on the calling thread through the same path, copying on the
     /// calling thread's own stream.
     pub fn fetch_now(&self, patcher: &ModelPatcher, index: usize) -> Result<Tensor> {
+        self.stats.requested(patcher, index);
         stream_weight(self.route(true), patcher, index, None)?.into_tensor()
     }
 
@@ -367,6 +382,7 @@ impl TransferEngine {
         patcher: &ModelPatcher,
         index: usize,
     ) -> Result<(Tensor, DeviceHold)> {
+        self.stats.requested(patcher, index);
         stream_weight(self.route(true), patcher, index, None)?.into_held_tensor()
     }
 

@@ -648,18 +648,24 @@ impl Streamer {
             let Some(next) = Streamer::predicted_after(patcher, cur, &order) else {
                 break;
             };
-            if next == index {
-                break;
-            }
+            // Back at the weight just fetched: its use in the next forward is the last one to
+            // prefetch (a model that streams a single weight would otherwise fetch it
+            // synchronously every time: fewer weights streaming ran slower than more).
+            let wrapped = next == index;
             cur = next;
             // Resident in any form: a quantized weight's resident copy is its blocks (counting it
             // as streamed booked a prefetch that was never used, which then held the gate's
             // room: 0 hits in 52 on a quantized Llama with a tied head).
             if patcher.resident_weight(next).is_some() {
+                if wrapped {
+                    break;
+                }
                 continue;
             }
             requested += 1;
-            if self.submit(&mut q, patcher, next, &mut in_use, cap, false) == Submitted::Refused {
+            if self.submit(&mut q, patcher, next, &mut in_use, cap, false) == Submitted::Refused
+                || wrapped
+            {
                 break;
             }
         }

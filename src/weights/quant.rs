@@ -470,7 +470,8 @@ mod tests {
     #[test]
     fn building_a_qtensor_under_the_keeper_s_lock_is_refused_by_the_lock_checker() {
         let blocks = Tensor::zeros(34, DType::U8, &Device::Cpu).unwrap();
-        let build = || qtensor_from_bytes(&blocks, GgmlDType::Q8_0, &[1, 32], &Device::Cpu, ("m", "w"));
+        let build =
+            || qtensor_from_bytes(&blocks, GgmlDType::Q8_0, &[1, 32], &Device::Cpu, ("m", "w"));
         assert!(build().is_ok(), "no lock held: built");
         let keeper = crate::lock::Mutex::new(crate::lock::Rank::Dynamic, ());
         let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -478,10 +479,7 @@ mod tests {
             let _ = build();
         }))
         .expect_err("the checker should refuse a read-back under the keeper's lock");
-        let msg = err
-            .downcast_ref::<String>()
-            .cloned()
-            .unwrap_or_default();
+        let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
         assert!(msg.contains("read-back of quantized blocks"), "{msg}");
         assert!(msg.contains("loader::Dynamic"), "{msg}");
     }

@@ -19,7 +19,7 @@ impl MemoryManager {
         views: &[WeightView],
         already: ByteSize,
         options: &LoadOptions,
-    ) -> (Vec<bool>, Option<ByteSize>, ByteSize) {
+    ) -> (Vec<bool>, Option<ByteSize>, ByteSize, Vec<bool>) {
         let (_, min_required, min_inf) = self.memory_to_keep_free(options, device);
         // A whole model (a managed module) cannot stream: it loads fully or not at all.
         let whole = m.model().is_whole();
@@ -28,7 +28,8 @@ impl MemoryManager {
             && self.policy.is_scheduled(device);
         let full = whole || (!novram && self.full_load(device, options));
         if full {
-            return (vec![true; views.len()], None, ByteSize::ZERO);
+            let all = vec![true; views.len()];
+            return (all.clone(), None, ByteSize::ZERO, all);
         }
         if novram {
             // ComfyUI gives this load a 0.1-byte budget: every castable weight streams, even
@@ -37,7 +38,7 @@ impl MemoryManager {
             let room = self
                 .prefetch_room(views, &want, p.free(device), options, device)
                 .saturating_sub(options.memory_required);
-            return (want, Some(ByteSize::ZERO), room);
+            return (want.clone(), Some(ByteSize::ZERO), room, want);
         }
         let (classic, budget, room) =
             self.partial_selection(p, device, views, already, options, min_required, min_inf);
@@ -45,15 +46,15 @@ impl MemoryManager {
             // Residency by use: what is resident and current stays (pinned weights are loaded,
             // as asked); everything else becomes resident when a forward uses it, beside the
             // room the classic selection leaves for what it would stream.
-            let _ = (classic, budget);
+            let _ = budget;
             let want: Vec<bool> = views
                 .iter()
                 .map(|w| w.pinned || (w.current && w.on_device.is_some()))
                 .collect();
             let kept = selection::wanted_bytes(views, &want);
-            return (want, Some(kept), room);
+            return (want, Some(kept), room, classic);
         }
-        (classic, Some(budget), room)
+        (classic.clone(), Some(budget), room, classic)
     }
 
     /// A classic partial load's selection of `views` on `device`: the resident set, its weight
@@ -151,8 +152,12 @@ impl MemoryManager {
         if !prefetching {
             return largest.saturating_add(options.memory_required);
         }
-        // The window, and on a GPU the weight in use beside it.
-        let in_use = u64::from(!device.is_cpu());
+        // The window, and on a GPU the weight in use beside it and the one used before it:
+        // its memory returns only when its stream-ordered free runs, behind the copies queued
+        // on its lane (without it, a prefetch was refused now and then, the miss that followed
+        // dropped a prefetch already copied, and a steady step copied one weight more or less
+        // than the plan predicted).
+        let in_use = 2 * u64::from(!device.is_cpu());
         ByteSize(largest.bytes().saturating_mul(depth + in_use))
             .saturating_add(options.memory_required)
             .min(ByteSize(free.bytes() / 2))
