@@ -1,0 +1,288 @@
+//! Plans in time: the cost model's predicted step against the measured one, and the cost of
+//! predicting.
+//!
+//! 1. Criterion: [`residency::costs::predict_step`] on 1 000 and 100 000 weight uses (half
+//!    streamed, 2 lanes, depth 2), beside the limit a prediction cannot beat — one pass summing
+//!    the uses' compute (the naive model: no copies, no lanes). The ratio per weight shows the
+//!    simulation is linear.
+//! 2. A table, predicted beside measured (`MemoryManager::audit`): a dense model of 16 f32
+//!    weights of 1 MiB, each used by a real matmul on 32 rows, on a simulated GPU at 2, 8 and
+//!    25 GB/s, budgets from a sixth of the model to all of it, 0 and 2 lanes, both residency
+//!    modes: the median of five audited steps after three warm-up steps (compute learned by
+//!    then), the ratio measured / predicted, and whether the bytes agreed in every step.
+//! 3. A table, the default (no flag) beside the best of a sweep (lanes 0/1/2/4 × depth 1/2/4 ×
+//!    classic / by use) per link and budget, and the configuration the prediction ranks first —
+//!    the choice an `auto` policy would make — with its measured time.
+//!
+//! `RESIDENCY_BENCH_QUICK=1` runs the tables on fewer configurations.
+
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use criterion::{criterion_group, BenchmarkId, Criterion};
+use residency::costs::{predict_step, Link, Streaming, UseCost};
+use residency::loader::{LoadOptions, MemoryManager, StepAudit};
+use residency::patcher::ModelPatcher;
+use residency::vram::{Config, DeviceId, Hardware};
+use residency::weights::Model;
+use residency::ByteSize;
+
+const SIM0: DeviceId = DeviceId::Sim(0);
+const LAYERS: usize = 16;
+const DIM: usize = 512;
+const ROWS: usize = 32;
+
+fn uses(n: usize) -> Vec<UseCost> {
+    (0..n)
+        .map(|i| UseCost {
+            bytes: 1 << 20,
+            resident: i % 2 == 0,
+            compute_ns: 50_000.0 + (i % 7) as f64 * 1_000.0,
+        })
+        .collect()
+}
+
+fn bench(c: &mut Criterion) {
+    let mut group = c.benchmark_group("planner/predict_step");
+    group.sample_size(20);
+    let mut per_weight = Vec::new();
+    for n in [1_000usize, 100_000] {
+        let u = uses(n);
+        let s = Streaming {
+            link: Link::MODELLED_PCIE,
+            shared_link: true,
+            lanes: 2,
+            depth: 2,
+            room: 4 << 20,
+        };
+        group.bench_with_input(BenchmarkId::new("simulation", n), &u, |b, u| {
+            b.iter(|| predict_step(std::hint::black_box(u), s))
+        });
+        group.bench_with_input(BenchmarkId::new("sum_of_compute", n), &u, |b, u| {
+            b.iter(|| {
+                std::hint::black_box(u)
+                    .iter()
+                    .map(|w| w.compute_ns)
+                    .sum::<f64>()
+            })
+        });
+        // A direct timing for the summary (criterion keeps its figures to itself).
+        let time = |f: &dyn Fn()| {
+            let t0 = Instant::now();
+            for _ in 0..5 {
+                f();
+            }
+            t0.elapsed() / 5
+        };
+        let sim = time(&|| {
+            std::hint::black_box(predict_step(&u, s));
+        });
+        let sum = time(&|| {
+            std::hint::black_box(u.iter().map(|w| w.compute_ns).sum::<f64>());
+        });
+        per_weight.push((n, sim, sum));
+    }
+    group.finish();
+    println!("\npredict_step per weight use (limit: one pass summing compute):");
+    for (n, sim, sum) in &per_weight {
+        println!(
+            "  {n:>7} uses: {:>8.1} ns/use simulated, {:>6.2} ns/use summed ({:.0}×)",
+            sim.as_nanos() as f64 / *n as f64,
+            sum.as_nanos() as f64 / *n as f64,
+            sim.as_secs_f64() / sum.as_secs_f64().max(1e-12)
+        );
+    }
+    if let [(n0, a, _), (n1, b, _)] = per_weight.as_slice() {
+        let growth = (b.as_secs_f64() / *n1 as f64) / (a.as_secs_f64() / *n0 as f64);
+        println!("  per-use cost grows {growth:.2}× from {n0} to {n1} uses (linear: 1.0)");
+    }
+}
+
+fn model() -> Model {
+    let tensors = (0..LAYERS).map(|i| {
+        let w = Tensor::randn(0f32, 0.05, (DIM, DIM), &Device::Cpu).unwrap();
+        (format!("layers.{i}.weight"), w)
+    });
+    Model::from_tensors("dense", tensors).unwrap()
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Setup {
+    gbps: f64,
+    /// Device capacity as a share of the model (> 1: it fits).
+    share: f64,
+    lanes: Option<usize>,
+    depth: Option<usize>,
+    dynamic: Option<bool>,
+}
+
+fn manager(s: Setup) -> MemoryManager {
+    let model_bytes = (LAYERS * DIM * DIM * 4) as f64;
+    let capacity = ByteSize((model_bytes * s.share) as u64);
+    let sim = format!("{}B@{}GB/s", capacity.bytes(), s.gbps);
+    let mut flags = vec!["--sim-gpu".to_string(), sim, "--reserve-vram".into(), "0".into()];
+    match s.lanes {
+        Some(0) => flags.push("--disable-async-offload".into()),
+        Some(n) => flags.extend(["--async-offload".to_string(), n.to_string()]),
+        None => {}
+    }
+    match s.dynamic {
+        Some(true) => flags.push("--enable-dynamic-vram".into()),
+        Some(false) => flags.push("--disable-dynamic-vram".into()),
+        None => {}
+    }
+    let mut config = Config::from_args(flags).expect("flags");
+    if s.depth.is_some() {
+        config.prefetch_depth = s.depth;
+    }
+    MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(64))).expect("manager")
+}
+
+fn step(p: &ModelPatcher, x: &Tensor) -> f32 {
+    let mut h = x.clone();
+    for i in 0..LAYERS {
+        let (w, _) = residency::offload::fetch_weight_at(p, i).unwrap();
+        let w = w.to_device(&Device::Cpu).unwrap();
+        h = h.matmul(&w.t().unwrap()).unwrap().tanh().unwrap();
+    }
+    h.sum_all().unwrap().to_scalar::<f32>().unwrap()
+}
+
+/// Loads the model, warms up three steps, audits `n`: the audits and the median measured time.
+fn run(s: Setup, n: usize) -> Option<(Vec<StepAudit>, Duration)> {
+    let mm = manager(s);
+    let p = ModelPatcher::new(std::sync::Arc::new(model()), SIM0, DeviceId::Cpu);
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .ok()?;
+    let x = Tensor::randn(0f32, 1.0, (ROWS, DIM), &Device::Cpu).unwrap();
+    for _ in 0..3 {
+        step(&p, &x);
+    }
+    let audits: Vec<StepAudit> = (0..n).map(|_| mm.audit(&p, || step(&p, &x)).1).collect();
+    let mut times: Vec<u64> = audits.iter().map(|a| a.measured_ns).collect();
+    times.sort_unstable();
+    Some((audits, Duration::from_nanos(times[times.len() / 2])))
+}
+
+fn tables() {
+    let quick = std::env::var_os("RESIDENCY_BENCH_QUICK").is_some();
+    let links: &[f64] = if quick { &[2.0, 25.0] } else { &[2.0, 8.0, 25.0] };
+    let shares: &[f64] = if quick {
+        &[0.34, 1.25]
+    } else {
+        &[0.17, 0.34, 0.5, 0.75, 1.25]
+    };
+    println!("\npredicted beside measured (dense 16 × 1 MiB f32, matmul on {ROWS} rows; median of 5 audited steps):");
+    println!(
+        "{:>6} {:>6} {:>5} {:>7} {:>10} {:>10} {:>7} {:>10} {:>6}",
+        "GB/s", "budget", "lanes", "mode", "predicted", "measured", "ratio", "streamed", "bytes"
+    );
+    let mut ratios = Vec::new();
+    for &gbps in links {
+        for &share in shares {
+            for lanes in [0usize, 2] {
+                for dynamic in [false, true] {
+                    let s = Setup {
+                        gbps,
+                        share,
+                        lanes: Some(lanes),
+                        depth: Some(2),
+                        dynamic: Some(dynamic),
+                    };
+                    let Some((audits, median)) = run(s, 5) else {
+                        println!("{gbps:>6} {share:>6.2} {lanes:>5}: load refused");
+                        continue;
+                    };
+                    let predicted = audits.last().map(|a| a.predicted).unwrap_or_default();
+                    let ratio = median.as_nanos() as f64 / predicted.step_ns.max(1) as f64;
+                    let agree = audits.iter().filter(|a| a.bytes_agree()).count();
+                    ratios.push(ratio);
+                    println!(
+                        "{gbps:>6} {share:>6.2} {lanes:>5} {:>7} {:>8.2}ms {:>8.2}ms {ratio:>7.3} {:>10} {agree}/{}",
+                        if dynamic { "by use" } else { "classic" },
+                        predicted.step_ns as f64 / 1e6,
+                        median.as_secs_f64() * 1e3,
+                        predicted.bytes.to_string(),
+                        audits.len()
+                    );
+                }
+            }
+        }
+    }
+    let within = ratios.iter().filter(|r| (0.9..=1.1).contains(*r)).count();
+    println!(
+        "{within} of {} configurations within ±10 % (limit: 1.000, the prediction exact)",
+        ratios.len()
+    );
+
+    println!("\nthe default beside the sweep's best (lanes 0/1/2/4 × depth 1/2/4 × classic / by use):");
+    println!(
+        "{:>6} {:>6} {:>10} {:>10} {:>7} {:>24} {:>10}",
+        "GB/s", "budget", "default", "best", "ratio", "predicted first", "its time"
+    );
+    let sweep_shares: &[f64] = if quick { &[0.34] } else { &[0.34, 0.5] };
+    for &gbps in links {
+        for &share in sweep_shares {
+            let default = Setup {
+                gbps,
+                share,
+                lanes: None,
+                depth: None,
+                dynamic: None,
+            };
+            let Some((_, d)) = run(default, 3) else {
+                continue;
+            };
+            let mut best: Option<(Duration, String)> = None;
+            let mut ranked: Option<(u64, String, Duration)> = None;
+            for lanes in [0usize, 1, 2, 4] {
+                for depth in [1usize, 2, 4] {
+                    if lanes == 0 && depth > 1 {
+                        continue;
+                    }
+                    for dynamic in [false, true] {
+                        let s = Setup {
+                            gbps,
+                            share,
+                            lanes: Some(lanes),
+                            depth: Some(depth),
+                            dynamic: Some(dynamic),
+                        };
+                        let Some((audits, t)) = run(s, 3) else {
+                            continue;
+                        };
+                        let name = format!(
+                            "{lanes}L d{depth} {}",
+                            if dynamic { "by use" } else { "classic" }
+                        );
+                        if best.as_ref().is_none_or(|(b, _)| t < *b) {
+                            best = Some((t, name.clone()));
+                        }
+                        let predicted = audits.last().map_or(u64::MAX, |a| a.predicted.step_ns);
+                        if ranked.as_ref().is_none_or(|(p, _, _)| predicted < *p) {
+                            ranked = Some((predicted, name, t));
+                        }
+                    }
+                }
+            }
+            if let (Some((b, bname)), Some((_, rname, rt))) = (best, ranked) {
+                println!(
+                    "{gbps:>6} {share:>6.2} {:>8.2}ms {:>8.2}ms {:>7.3} {:>24} {:>8.2}ms   (best: {bname})",
+                    d.as_secs_f64() * 1e3,
+                    b.as_secs_f64() * 1e3,
+                    d.as_secs_f64() / b.as_secs_f64(),
+                    rname,
+                    rt.as_secs_f64() * 1e3
+                );
+            }
+        }
+    }
+}
+
+criterion_group!(benches, bench);
+
+fn main() {
+    benches();
+    tables();
+    criterion::Criterion::default().final_summary();
+}
