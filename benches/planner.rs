@@ -120,7 +120,12 @@ fn manager(s: Setup) -> MemoryManager {
     let model_bytes = (LAYERS * DIM * DIM * 4) as f64;
     let capacity = ByteSize((model_bytes * s.share) as u64);
     let sim = format!("{}B@{}GB/s", capacity.bytes(), s.gbps);
-    let mut flags = vec!["--sim-gpu".to_string(), sim, "--reserve-vram".into(), "0".into()];
+    let mut flags = vec![
+        "--sim-gpu".to_string(),
+        sim,
+        "--reserve-vram".into(),
+        "0".into(),
+    ];
     match s.lanes {
         Some(0) => flags.push("--disable-async-offload".into()),
         Some(n) => flags.extend(["--async-offload".to_string(), n.to_string()]),
@@ -166,7 +171,11 @@ fn run(s: Setup, n: usize) -> Option<(Vec<StepAudit>, Duration)> {
 
 fn tables() {
     let quick = std::env::var_os("RESIDENCY_BENCH_QUICK").is_some();
-    let links: &[f64] = if quick { &[2.0, 25.0] } else { &[2.0, 8.0, 25.0] };
+    let links: &[f64] = if quick {
+        &[2.0, 25.0]
+    } else {
+        &[2.0, 8.0, 25.0]
+    };
     let shares: &[f64] = if quick {
         &[0.34, 1.25]
     } else {
@@ -215,7 +224,9 @@ fn tables() {
         ratios.len()
     );
 
-    println!("\nthe default beside the sweep's best (lanes 0/1/2/4 × depth 1/2/4 × classic / by use):");
+    println!(
+        "\nthe default beside the sweep's best (lanes 0/1/2/4 × depth 1/2/4 × classic / by use):"
+    );
     println!(
         "{:>6} {:>6} {:>10} {:>10} {:>7} {:>24} {:>10}",
         "GB/s", "budget", "default", "best", "ratio", "predicted first", "its time"

@@ -219,7 +219,7 @@ fn measured_compute(
 ) -> (u64, u64) {
     let (mut ns, mut bytes) = (0u64, 0u64);
     for i in 0..m.len() {
-        let on = patcher.map_or(true, |p| p.weight_device(i) == device);
+        let on = patcher.is_none_or(|p| p.weight_device(i) == device);
         if let Some(c) = m.compute_ns(i).filter(|_| on) {
             ns = ns.saturating_add(c);
             bytes = bytes.saturating_add(m.slots()[i].bytes().bytes());
