@@ -32,6 +32,16 @@ use crate::lock::{Mutex, Rank};
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
 
+/// An exponential average's new value: `old` moved a quarter of the way to `new`, a `new` above
+/// 4× `old` counted as 4× (one rule for every measured figure: a weight's compute, cost-aware
+/// misses' per-format figures).
+pub(crate) fn average(old: Option<f64>, new: f64) -> f64 {
+    match old {
+        Some(o) => o + (new.min(4.0 * o) - o) / 4.0,
+        None => new,
+    }
+}
+
 /// A link's copy time: a fixed latency plus a time per byte.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
@@ -64,6 +74,16 @@ impl Link {
         Link {
             latency_ns: latency_ns.max(0.0).round() as u64,
             ps_per_byte: ps_per_byte.max(0.0).round() as u64,
+        }
+    }
+}
+
+impl From<&crate::vram::SimSpec> for Link {
+    /// A simulated GPU's modelled copy: its latency and bandwidth (none: nothing per byte).
+    fn from(spec: &crate::vram::SimSpec) -> Link {
+        Link {
+            latency_ns: spec.latency.as_nanos() as u64,
+            ps_per_byte: spec.bandwidth.map_or(0, |bw| (1e12 / bw).round() as u64),
         }
     }
 }

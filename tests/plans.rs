@@ -165,3 +165,39 @@ fn the_plan_predicts_fewer_bytes_and_no_slower_steps_as_the_budget_grows_and_not
     assert_eq!((predicted.bytes, predicted.exposed_ns), (ByteSize::ZERO, 0));
     assert_eq!(predicted.step_ns, predicted.compute_ns);
 }
+
+#[test]
+fn a_model_streaming_a_single_weight_prefetches_it_for_its_next_use() {
+    // The prefetch walk once stopped when it came back to the weight just fetched: a model
+    // streaming one weight fetched it synchronously at every step, so keeping more resident ran
+    // slower than keeping less (the predictor's monotone property found it). Eleven of twelve
+    // weights resident, one lane, depth 1.
+    let mut p = ModelPatcher::new(model(3), DeviceId::Cpu, DeviceId::Cpu);
+    p.load(DeviceId::Cpu, ByteSize::kib(11 * 64 + 1), false, false)
+        .unwrap();
+    let streamed: Vec<usize> = (0..12)
+        .filter(|&i| p.resident_weight(i).is_none())
+        .collect();
+    assert_eq!(streamed.len(), 1, "{streamed:?}");
+    let engine = Arc::new(residency::offload::TransferEngine::new(1, None));
+    let streamer = Arc::new(residency::offload::Streamer::new(
+        Arc::clone(&engine),
+        1,
+        ByteSize::gib(1),
+    ));
+    residency::offload::attach_streamer(&p, Some(streamer));
+    for _ in 0..3 {
+        forward(&p, Duration::from_micros(200));
+    }
+    let before = engine.stats().snapshot();
+    for _ in 0..4 {
+        forward(&p, Duration::from_micros(200));
+    }
+    let after = engine.stats().snapshot();
+    assert_eq!(after.prefetch_misses - before.prefetch_misses, 0);
+    assert_eq!(
+        after.prefetch_hits - before.prefetch_hits,
+        4,
+        "one hit a step"
+    );
+}

@@ -292,11 +292,12 @@ impl MemoryManager {
         // Each GPU's copies start from what it says of itself: a simulated GPU's spec (its
         // streams copy side by side), a CUDA device's modelled PCIe link (one bus).
         for (n, spec) in config.sim_gpus.iter().enumerate() {
-            let link = crate::costs::Link {
-                latency_ns: spec.latency.as_nanos() as u64,
-                ps_per_byte: spec.bandwidth.map_or(0, |bw| (1e12 / bw).round() as u64),
-            };
-            costs.seed(DeviceId::Sim(n), &format!("sim:{n} {spec}"), link, false);
+            costs.seed(
+                DeviceId::Sim(n),
+                &format!("sim:{n} {spec}"),
+                spec.into(),
+                false,
+            );
         }
         for gpu in &policy.hardware().gpus {
             let device = DeviceId::Cuda(gpu.ordinal);

@@ -42,6 +42,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
 
+use crate::costs::average;
 use crate::lock::{Mutex, Rank};
 use crate::size::ByteSize;
 
@@ -138,15 +139,6 @@ pub struct MissCosts {
 impl Default for MissCosts {
     fn default() -> Self {
         MissCosts::new()
-    }
-}
-
-/// An exponential average's new value: `old` moved a quarter of the way to `new`, a `new` above
-/// 4× `old` counted as 4×.
-fn average(old: Option<f64>, new: f64) -> f64 {
-    match old {
-        Some(o) => o + (new.min(4.0 * o) - o) / 4.0,
-        None => new,
     }
 }
 

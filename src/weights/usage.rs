@@ -99,14 +99,9 @@ impl Usage {
             .now_ns()
             .saturating_sub(self.returned_at.load(Ordering::Relaxed))
             .max(1);
-        let old = slot.load(Ordering::Relaxed);
-        // A quarter of the way to the new span, an outlier counted as 4× the average.
-        let new = if old == 0 {
-            span
-        } else {
-            old + span.min(4 * old) / 4 - old / 4
-        };
-        slot.store(new.max(1), Ordering::Relaxed);
+        let old = Some(slot.load(Ordering::Relaxed)).filter(|&o| o > 0);
+        let new = crate::costs::average(old.map(|o| o as f64), span as f64);
+        slot.store((new.round() as u64).max(1), Ordering::Relaxed);
     }
 
     /// Weight `index`'s compute per use as measured (`None` before a span was).
