@@ -85,7 +85,8 @@ pub struct PlannedLoad {
     pub placed: Vec<PlacedOn>,
     /// Device memory the load leaves free beside the resident weights and the activation
     /// memory it asked for, for streaming: the prefetch window and, on a GPU, the weight in use
-    /// (`depth` times the largest weight a classic partial load streams, plus one; at most half
+    /// and the one used before it, whose stream-ordered free may still be queued (`depth` times
+    /// the largest weight a classic partial load streams, plus two; at most half
     /// of what is free). Under residency by use the same figure is the room kept free beside
     /// the copies kept by use, so both modes stream the same weights. Zero for a full load.
     pub streaming_room: ByteSize,

@@ -115,8 +115,8 @@ impl MemoryManager {
     }
 
     /// Free memory a partial load leaves for streaming: the activation memory asked for plus
-    /// `depth` times the largest weight that will stream (the prefetch window; on a GPU one
-    /// more, for the weight in use), when the engine prefetches — at most
+    /// `depth` times the largest weight that will stream (the prefetch window; on a GPU two
+    /// more, for the weight in use and the one before it), when the engine prefetches — at most
     /// half of what is free, so the window never crowds out residency, but never less than the
     /// largest streamed weight itself (a forward holds the weight it computes with beside the
     /// prefetched ones; found by the model-based test on a simulated GPU, where less ran the
