@@ -785,9 +785,14 @@ mod tests {
         assert_eq!(b.devices()[0].source, FigureSource::Saved);
         assert_eq!(b.link(DeviceId::Sim(1)).unwrap().0, Link::MODELLED_PCIE);
         assert_eq!(CostModel::new().load(&dir.join("none.tsv")).unwrap(), 0);
-        std::fs::write(&path, "sim:0 x\t12\n").unwrap();
+        std::fs::write(&path, "sim:0 8MiB@25GB/s\t1\t1\nsim:0 x\t12\n").unwrap();
         let err = b.load(&path).unwrap_err().to_string();
-        assert!(err.contains("line 1"), "{err}");
+        assert!(err.contains("line 2"), "{err}");
+        assert_eq!(
+            b.link(d),
+            a.link(d),
+            "a bad file changes nothing, its good lines included"
+        );
         std::fs::remove_dir_all(&dir).ok();
     }
 }
