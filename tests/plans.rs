@@ -30,6 +30,11 @@ fn model(seed: u64) -> Arc<Model> {
 }
 
 fn manager(budget: &str, lanes: usize, depth: usize, mode: &str) -> MemoryManager {
+    manager_with(budget, lanes, Some(depth), mode)
+}
+
+/// [`manager`]; a `depth` of `None` leaves the prefetch depth to the planner.
+fn manager_with(budget: &str, lanes: usize, depth: Option<usize>, mode: &str) -> MemoryManager {
     // 100 MB/s: a 64 KiB weight copies in 0.67 ms (+ 10 µs).
     let sim = format!("{budget}@100MB/s");
     let lanes = lanes.to_string();
@@ -40,7 +45,7 @@ fn manager(budget: &str, lanes: usize, depth: usize, mode: &str) -> MemoryManage
         flags.extend(["--async-offload", lanes.as_str()]);
     }
     let mut config = Config::from_args(flags).unwrap();
-    config.prefetch_depth = Some(depth);
+    config.prefetch_depth = depth;
     MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(64))).unwrap()
 }
 
@@ -200,4 +205,88 @@ fn a_model_streaming_a_single_weight_prefetches_it_for_its_next_use() {
         4,
         "one hit a step"
     );
+}
+
+/// Loads the model at `budget` with the depth left to the planner (`None`) or set, runs three
+/// forwards of `compute` per weight (the compute is learned), loads it again (the planner
+/// chooses with the compute measured) and audits three steps: the second load's plan and the
+/// audits.
+fn chosen(
+    budget: &str,
+    depth: Option<usize>,
+    mode: &str,
+    compute: Duration,
+) -> (residency::loader::PlannedLoad, Vec<StepAudit>) {
+    let mm = manager_with(budget, 2, depth, mode);
+    let p = ModelPatcher::new(model(4), SIM0, DeviceId::Cpu);
+    let one = std::slice::from_ref(&p);
+    mm.load_models_gpu(one, LoadOptions::default()).unwrap();
+    for _ in 0..3 {
+        forward(&p, compute);
+    }
+    let plan = mm.plan(one, LoadOptions::default()).unwrap();
+    mm.load_models_gpu(one, LoadOptions::default()).unwrap();
+    for _ in 0..2 {
+        forward(&p, compute);
+    }
+    let audits = (0..3)
+        .map(|_| mm.audit(&p, || forward(&p, compute)).1)
+        .collect();
+    (plan.models[0].clone(), audits)
+}
+
+#[test]
+fn the_planner_chooses_the_prefetch_depth_its_prediction_finds_fastest_and_the_run_keeps_it() {
+    // Compute (3 ms a weight) well above a copy (0.67 ms): one weight prefetched ahead hides
+    // every copy, and a deeper window only keeps fewer weights resident. The planner weighs
+    // depths 1, 2 and 4 and takes 1: fewer bytes a step than the default depth of 2, in
+    // both modes, and the steps run copy the bytes it predicted.
+    let compute = Duration::from_millis(3);
+    for mode in ["--disable-dynamic-vram", "--enable-dynamic-vram"] {
+        let (auto, audits) = chosen("480KiB", None, mode, compute);
+        let (fixed, fixed_audits) = chosen("480KiB", Some(2), mode, compute);
+        for d in &auto.depths {
+            eprintln!("{mode}: depth {}: {}", d.depth, d.predicted);
+        }
+        let depths: Vec<usize> = auto.depths.iter().map(|d| d.depth).collect();
+        assert_eq!(depths, [1, 2, 4], "{mode}");
+        assert!(fixed.depths.is_empty(), "a set depth is not weighed");
+        assert_eq!(auto.prefetch_depth, 1, "{mode}");
+        let best = auto
+            .depths
+            .iter()
+            .map(|d| d.predicted.step_ns)
+            .min()
+            .unwrap();
+        let chosen = auto.predicted.unwrap();
+        assert!(
+            chosen.step_ns as f64 <= best as f64 * 1.02,
+            "{mode}: {chosen}"
+        );
+        assert!(
+            chosen.bytes < fixed.predicted.unwrap().bytes,
+            "{mode}: {chosen} against depth 2's {}",
+            fixed.predicted.unwrap()
+        );
+        for (a, f) in audits.iter().zip(&fixed_audits) {
+            eprintln!("{mode}: auto {a}\n{mode}: depth 2 {f}");
+            assert!(a.bytes_agree(), "{mode}: {a}");
+            assert!(a.measured_bytes < f.measured_bytes, "{mode}: {a}\n{f}");
+        }
+    }
+}
+
+#[test]
+fn a_prefetch_depth_set_by_the_configuration_is_kept_and_the_first_load_uses_the_default() {
+    let compute = Duration::from_millis(1);
+    let (set, _) = chosen("480KiB", Some(4), "--disable-dynamic-vram", compute);
+    assert_eq!((set.prefetch_depth, set.depths.len()), (4, 0));
+    // Before a forward ran nothing is measured to choose by: the default depth.
+    let mm = manager_with("480KiB", 2, None, "--disable-dynamic-vram");
+    let p = ModelPatcher::new(model(5), SIM0, DeviceId::Cpu);
+    let plan = mm
+        .plan(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    assert_eq!(plan.models[0].prefetch_depth, 2);
+    assert!(plan.models[0].depths.is_empty());
 }

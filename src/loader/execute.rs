@@ -159,7 +159,7 @@ impl MemoryManager {
                     let keep_free = ByteSize::from_f64(extra.max(min_required).ceil())
                         .saturating_add(largest.saturating_mul(2));
                     // A classic model (a dynamic one has its streamer): no keeper, no room.
-                    self.give_streamer(&patcher, keep_free, ByteSize::ZERO);
+                    self.give_streamer(&patcher, keep_free, ByteSize::ZERO, None);
                 }
             }
         }
@@ -262,12 +262,10 @@ impl MemoryManager {
             }
         }
         for (m, load) in all.iter().zip(&report.models) {
-            let room = plan
-                .models
-                .iter()
-                .find(|p| p.model_id == m.model().id())
-                .map_or(ByteSize::ZERO, |p| p.streaming_room);
-            self.attach_streamer(m, load, options, room);
+            let planned = plan.models.iter().find(|p| p.model_id == m.model().id());
+            let room = planned.map_or(ByteSize::ZERO, |p| p.streaming_room);
+            let depth = planned.map(|p| p.prefetch_depth);
+            self.attach_streamer(m, load, options, room, depth);
             self.attach_cast_cache(m, options);
             log_load(load);
             if load.full {

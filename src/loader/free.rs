@@ -109,15 +109,44 @@ impl MemoryManager {
     /// wait — until their bookings came back: each returns once its buffer's free executed, so
     /// the room is the device's before it is counted free.
     pub(super) fn cancel_prefetches(&self, inner: &Inner, device: DeviceId) {
+        let streamers = inner
+            .registry
+            .iter()
+            .filter_map(|e| crate::offload::streamer_of(&e.patcher));
+        self.cancel_prefetches_of(streamers, device);
+    }
+
+    /// Cancels the unused prefetches of the models a load is about to plan, on the devices
+    /// they load on: a reload's plan then sees the room a first load saw (it counted the
+    /// model's own prefetches as taken, and gave it a smaller streaming window and resident
+    /// set than its first load); the next forward fetches them again.
+    pub(super) fn cancel_own_prefetches(&self, all: &[ModelPatcher]) {
+        for m in all {
+            let Some(s) = crate::offload::streamer_of(m) else {
+                continue;
+            };
+            if !Arc::ptr_eq(s.engine(), &self.engine) {
+                continue;
+            }
+            for device in m.devices() {
+                if s.booked_on(device) > ByteSize::ZERO {
+                    self.cancel_prefetches_of(std::iter::once(Arc::clone(&s)), device);
+                }
+            }
+        }
+    }
+
+    /// Cancels `streamers`' unused prefetches bound for `device` and waits until their
+    /// bookings came back ([`MemoryManager::cancel_prefetches`]).
+    fn cancel_prefetches_of(
+        &self,
+        streamers: impl Iterator<Item = Arc<crate::offload::Streamer>>,
+        device: DeviceId,
+    ) {
         // No new prefetch books on the device meanwhile: in flight can only fall from here.
         let _closed = self.ledger.loading(&[device]);
         let before = self.ledger.in_flight(device);
-        let cancelled: ByteSize = inner
-            .registry
-            .iter()
-            .filter_map(|e| crate::offload::streamer_of(&e.patcher))
-            .map(|s| s.cancel_on(device))
-            .sum();
+        let cancelled: ByteSize = streamers.map(|s| s.cancel_on(device)).sum();
         if cancelled == ByteSize::ZERO {
             return;
         }

@@ -130,6 +130,7 @@ impl MemoryManager {
         inner
             .unloaded
             .extend(all.iter().map(|m| Arc::clone(m.model())));
+        self.cancel_own_prefetches(&all);
         let result = self
             .plan_locked(&inner, &all, &options)
             .and_then(|plan| {
@@ -264,13 +265,15 @@ impl MemoryManager {
     /// A partially loaded model streams: give it a prefetching streamer whose bytes in flight
     /// are booked in the ledger, keeping free the activation memory the load asked for (each
     /// prefetch also keeps the weights in use beside it free: `offload/prefetch.rs`). In
-    /// dynamic mode every loaded model gets one: its weights are kept through it.
+    /// dynamic mode every loaded model gets one: its weights are kept through it. It prefetches
+    /// `depth` weights ahead (the plan's [`super::PlannedLoad::prefetch_depth`]).
     pub(super) fn attach_streamer(
         &self,
         m: &ModelPatcher,
         load: &ModelLoad,
         options: &LoadOptions,
         room: ByteSize,
+        depth: Option<usize>,
     ) {
         let dynamic = self.dynamic_load(m.load_device(), options);
         if load.full && !dynamic {
@@ -281,14 +284,22 @@ impl MemoryManager {
             // Loaded again: prioritized (the registry's front) and its watermark reset.
             m.model().usage().reset_watermark();
         }
-        self.give_streamer(m, options.memory_required, room);
+        self.give_streamer(m, options.memory_required, room, depth);
     }
 
     /// Attaches a prefetching streamer to `m`'s model (reusing its own when it has one of this
     /// manager's), its bytes in flight booked in the ledger keeping `keep_free` free. In
     /// dynamic mode its keeper keeps copies leaving `keep_free` and `room` free: the plan's
     /// [`super::PlannedLoad::streaming_room`], the room a classic partial load would leave.
-    pub(super) fn give_streamer(&self, m: &ModelPatcher, keep_free: ByteSize, room: ByteSize) {
+    /// `depth`: the prefetch depth the plan chose (`None` keeps a reused streamer's, and gives a
+    /// new one the configuration's).
+    pub(super) fn give_streamer(
+        &self,
+        m: &ModelPatcher,
+        keep_free: ByteSize,
+        room: ByteSize,
+        depth: Option<usize>,
+    ) {
         let streamer = match crate::offload::streamer_of(m) {
             Some(s) if Arc::ptr_eq(s.engine(), &self.engine) => s,
             _ => Arc::new(Streamer::new(
@@ -297,6 +308,9 @@ impl MemoryManager {
                 ByteSize::MAX,
             )),
         };
+        if let Some(depth) = depth {
+            streamer.set_depth(depth);
+        }
         let gate: Arc<dyn PrefetchGate> = self.ledger.clone();
         streamer.set_gate(Some((gate, keep_free)));
         if let Some(costs) = &self.misses {

@@ -73,7 +73,9 @@ use self::ledger::Ledger;
 pub use dynamic::{DynamicDeviceReport, DynamicLayerReport};
 pub use global::{global, init_global};
 pub use options::{weight_budget, InputShape, LoadOptions, MIN_WEIGHT_BUDGET};
-pub use plan::{LoadPlan, PlacedOn, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad};
+pub use plan::{
+    DepthOption, LoadPlan, PlacedOn, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad,
+};
 pub use predict::StepAudit;
 pub use report::{DeviceMemory, Eviction, LoadReport, LoadedModelInfo, MemoryReport, ModelLoad};
 pub use reserve::{KeepGuard, MemoryReservation, ReservationInfo};

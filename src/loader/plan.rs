@@ -41,7 +41,7 @@ use crate::size::ByteSize;
 use crate::vram::{DeviceId, VramState};
 use crate::weights::Model;
 
-use group::{from_disk, shrink_to_fit};
+use group::{from_disk, shrink_to_fit, GroupPlan};
 use planner::registered;
 pub(in crate::loader) use planner::Planner;
 
@@ -95,6 +95,26 @@ pub struct PlannedLoad {
     /// the classic selection), the manager's lanes and prefetch depth, and the cost model's
     /// figures. Filled by [`MemoryManager::plan`]; a load does not pay for it.
     pub predicted: Option<crate::costs::StepPrediction>,
+    /// The prefetch depth the model's streamer runs with: the configuration's when it sets one
+    /// ([`crate::vram::Config::prefetch_depth`]), else the planner's choice (`depths`).
+    pub prefetch_depth: usize,
+    /// The prefetch depths the planner weighed for this load, each with the step it predicts
+    /// (its own room, hence its own resident set): the fastest wins, a deeper one only when
+    /// at least 2 % faster (fewer bytes otherwise). Empty when the depth was not chosen: the
+    /// configuration sets it, the load is full, the engine has no lanes, the model is split by
+    /// a device map, or none of its compute is measured yet (the depth is chosen from its
+    /// second load on).
+    pub depths: Vec<DepthOption>,
+}
+
+/// A prefetch depth the planner weighed ([`PlannedLoad::depths`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct DepthOption {
+    /// Streamed weights prefetched ahead of use.
+    pub depth: usize,
+    /// The step predicted with it.
+    pub predicted: crate::costs::StepPrediction,
 }
 
 /// One device's part of a planned load.
@@ -269,6 +289,8 @@ pub struct LoadPlan {
     /// Per model, the resident set of the steady step `predicted` is made for.
     #[cfg_attr(feature = "serde", serde(skip))]
     pub(super) steady: Vec<Vec<bool>>,
+    /// Per model, the bytes its copies in flight may take in that step.
+    pub(super) rooms: Vec<u64>,
 }
 
 impl LoadPlan {
@@ -310,12 +332,9 @@ impl MemoryManager {
         drop(inner);
         for (k, planned) in plan.models.iter_mut().enumerate() {
             let steady = &plan.steady[k];
-            let room = if planned.device.is_cpu() {
-                u64::MAX
-            } else {
-                planned.streaming_room.bytes()
-            };
-            planned.predicted = Some(self.predict_with(&all[k], |i| steady[i], room));
+            let depth = planned.prefetch_depth;
+            planned.predicted =
+                Some(self.predict_with(&all[k], |i| steady[i], plan.rooms[k], depth));
         }
         Ok(plan)
     }
@@ -331,6 +350,7 @@ impl MemoryManager {
         }
         let mut problem = self.host_problem(all);
         let mut p = Planner::new(self, inner);
+        p.planning(all);
         // What to keep free, per device (its own reserve).
         let keep_free = |device: DeviceId| self.memory_to_keep_free(options, device);
         let views: Vec<Vec<WeightView>> = all
@@ -414,6 +434,7 @@ impl MemoryManager {
             from_disk: ByteSize::ZERO,
         };
         let mut steadies = Vec::with_capacity(all.len());
+        let mut rooms = vec![u64::MAX; all.len()];
         for (k, m) in all.iter().enumerate() {
             let mut want = vec![false; views[k].len()];
             let mut planned = PlannedLoad {
@@ -433,6 +454,8 @@ impl MemoryManager {
                 placed: Vec::new(),
                 streaming_room: ByteSize::ZERO,
                 predicted: None,
+                prefetch_depth: self.policy.config().prefetch_depth(),
+                depths: Vec::new(),
             };
             let mut steady = vec![false; views[k].len()];
             let model_devices = m.devices();
@@ -450,8 +473,20 @@ impl MemoryManager {
                     Some(ix) => ix.iter().map(|&i| views[k][i]).collect(),
                 };
                 let already = already_on(k, device);
-                let (sub_want, budget, room, sub_steady) =
-                    self.plan_group(&mut p, m, device, &sub, already, options);
+                let GroupPlan {
+                    want: sub_want,
+                    budget,
+                    room,
+                    steady: sub_steady,
+                    depth,
+                    weighed,
+                    prefetch_room,
+                } = self.plan_group(&mut p, m, device, &sub, already, options);
+                if device == m.load_device() {
+                    planned.prefetch_depth = depth;
+                    planned.depths = weighed;
+                    rooms[k] = prefetch_room;
+                }
                 let dynamic_here = self.dynamic_load(device, options);
                 planned.streaming_room = planned.streaming_room.max(room);
                 // What the ledger counts of this model on the device now.
@@ -665,6 +700,7 @@ impl MemoryManager {
             misses: self.miss_report(),
             steps: p.steps,
             steady: steadies,
+            rooms,
         })
     }
 }

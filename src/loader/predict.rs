@@ -107,8 +107,8 @@ impl MemoryManager {
 
     /// The next step of `model` as its residency now predicts it: its weights in their recorded
     /// use order (slot order before a forward completed), those resident now costing compute
-    /// only, the rest copied as the streamer would with this manager's lanes and prefetch depth
-    /// into the device's free memory.
+    /// only, the rest copied as the streamer would with this manager's lanes and its streamer's
+    /// prefetch depth into the device's free memory.
     pub fn predict(&self, model: &ModelPatcher) -> StepPrediction {
         let device = model.load_device();
         // The device's free memory, this model's copies in flight counted as free: they are
@@ -121,16 +121,19 @@ impl MemoryManager {
             let booked = self.ledger.booked(device).saturating_sub(in_flight);
             self.free_with(booked, device).bytes()
         };
-        self.predict_with(model, |i| model.resident_weight(i).is_some(), room)
+        let depth = crate::offload::streamer_of(model)
+            .map_or(self.policy.config().prefetch_depth(), |s| s.depth());
+        self.predict_with(model, |i| model.resident_weight(i).is_some(), room, depth)
     }
 
-    /// The step `model` predicts with weights `resident(i)` resident and `room` bytes of device
-    /// memory for its copies in flight.
+    /// The step `model` predicts with weights `resident(i)` resident, `room` bytes of device
+    /// memory for its copies in flight and `depth` weights prefetched ahead.
     pub(super) fn predict_with(
         &self,
         model: &ModelPatcher,
         resident: impl Fn(usize) -> bool,
         room: u64,
+        depth: usize,
     ) -> StepPrediction {
         let m = model.model();
         let (order, complete) = m.forward_order();
@@ -169,7 +172,7 @@ impl MemoryManager {
                 link,
                 shared_link,
                 lanes: self.engine.lanes(),
-                depth: self.policy.config().prefetch_depth(),
+                depth,
                 room,
             },
         );

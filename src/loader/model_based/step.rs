@@ -131,8 +131,9 @@ impl World {
                         let plan = plan.unwrap();
                         prop_assert!(
                             plan.fits(),
-                            "{}: a load succeeded that its plan said does not fit",
-                            ctx()
+                            "{}: a load succeeded that its plan said does not fit: {:?}",
+                            ctx(),
+                            plan.problem
                         );
                         let mut all: Vec<u64> = Vec::new();
                         for p in &req {

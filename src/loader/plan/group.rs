@@ -3,14 +3,53 @@
 
 use super::*;
 
+/// One model's share of a plan on one device ([`MemoryManager::plan_group`]).
+pub(in crate::loader) struct GroupPlan {
+    /// Which weights the load makes resident.
+    pub(in crate::loader) want: Vec<bool>,
+    /// The weight budget of a partial load (`None`: full).
+    pub(in crate::loader) budget: Option<ByteSize>,
+    /// The room the load leaves free for streaming.
+    pub(in crate::loader) room: ByteSize,
+    /// The resident set of the steady step (a dynamic load: the classic selection its use
+    /// keeps).
+    pub(in crate::loader) steady: Vec<bool>,
+    /// The prefetch depth its streamer runs with, and every depth the planner weighed with its
+    /// predicted step (empty when the depth was not chosen: set by the configuration, or
+    /// nothing measured yet to choose by).
+    pub(in crate::loader) depth: usize,
+    pub(in crate::loader) weighed: Vec<DepthOption>,
+    /// The bytes its streamer's copies in flight may take, as the prediction models them
+    /// (`u64::MAX`: no limit).
+    pub(in crate::loader) prefetch_room: u64,
+}
+
+/// The prefetch depths the planner weighs for a streaming load, fewest bytes first. Not 0: with
+/// no prefetch the one weight of room is shared by the copy in flight and the stream-ordered
+/// frees of the weights before it, so what residency by use admits depends on when those frees
+/// land (a growing KV reservation then left weight 15 resident and 12–14 streaming in half of the
+/// runs of `tests/dynamic.rs`'s stable-prefix test); a user may still set 0.
+const DEPTHS: [usize; 3] = [1, 2, 4];
+
+/// A deeper prefetch (more room for streaming, fewer weights resident) is taken only when it
+/// predicts at least this share faster than the shallower one chosen so far: below it, the
+/// figures' noise would trade bytes that are sure for time that is not.
+const DEEPER_GAIN: f64 = 0.02;
+
 impl MemoryManager {
     /// Which of `views` (one model's weights on `device`; `already` of their bytes current
-    /// there) will be resident, the weight budget of a partial load (`None`: full), and the
-    /// room the load leaves free for streaming ([`MemoryManager::prefetch_room`] of the weights
-    /// a classic partial load would stream). A dynamic load (residency by use) gets the same
-    /// room from the same selection: what it keeps by use leaves exactly the room a classic
-    /// load would, so it never streams more than the classic load does (one rule, not two).
-    #[allow(clippy::too_many_arguments)]
+    /// there) will be resident, the weight budget of a partial load (`None`: full), the room
+    /// the load leaves free for streaming ([`MemoryManager::prefetch_room`] of the weights a
+    /// classic partial load would stream) and the prefetch depth. A dynamic load (residency by
+    /// use) gets the same room from the same selection: what it keeps by use leaves exactly the
+    /// room a classic load would, so it never streams more than the classic load does (one
+    /// rule, not two).
+    ///
+    /// The prefetch depth is the planner's choice unless the configuration sets it
+    /// ([`crate::vram::Config::prefetch_depth`]): each depth of [`DEPTHS`] gives its own room,
+    /// hence its own resident set, and the depth whose step the cost model predicts fastest
+    /// wins (a deeper one only by [`DEEPER_GAIN`]). It needs the model's compute measured
+    /// (a forward run): before that, the default depth.
     pub(in crate::loader) fn plan_group(
         &self,
         p: &mut Planner<'_>,
@@ -19,8 +58,9 @@ impl MemoryManager {
         views: &[WeightView],
         already: ByteSize,
         options: &LoadOptions,
-    ) -> (Vec<bool>, Option<ByteSize>, ByteSize, Vec<bool>) {
+    ) -> GroupPlan {
         let (_, min_required, min_inf) = self.memory_to_keep_free(options, device);
+        let depth = self.policy.config().prefetch_depth();
         // A whole model (a managed module) cannot stream: it loads fully or not at all.
         let whole = m.model().is_whole();
         let novram = !whole
@@ -29,20 +69,92 @@ impl MemoryManager {
         let full = whole || (!novram && self.full_load(device, options));
         if full {
             let all = vec![true; views.len()];
-            return (all.clone(), None, ByteSize::ZERO, all);
+            return GroupPlan {
+                want: all.clone(),
+                budget: None,
+                room: ByteSize::ZERO,
+                steady: all,
+                depth,
+                weighed: Vec::new(),
+                prefetch_room: u64::MAX,
+            };
         }
         if novram {
             // ComfyUI gives this load a 0.1-byte budget: every castable weight streams, even
             // with `force_full_load`.
             let want = vec![false; views.len()];
             let room = self
-                .prefetch_room(views, &want, p.free(device), options, device)
+                .prefetch_room(views, &want, p.free(device), options, device, depth)
                 .saturating_sub(options.memory_required);
-            return (want.clone(), Some(ByteSize::ZERO), room, want);
+            return GroupPlan {
+                want: want.clone(),
+                budget: Some(ByteSize::ZERO),
+                room,
+                steady: want,
+                depth,
+                weighed: Vec::new(),
+                prefetch_room: if device.is_cpu() {
+                    u64::MAX
+                } else {
+                    room.bytes()
+                },
+            };
         }
-        let (classic, budget, room) =
-            self.partial_selection(p, device, views, already, options, min_required, min_inf);
-        if self.dynamic_load(device, options) {
+        let select = |p: &mut Planner<'_>, depth: usize| {
+            self.partial_selection(
+                p,
+                device,
+                views,
+                already,
+                options,
+                (min_required, min_inf),
+                depth,
+            )
+        };
+        // The room the streamer will prefetch in: in a classic load every byte the load leaves
+        // free beside the activation memory (the ledger is its gate); under residency by use
+        // the room the keeper keeps free.
+        let dynamic = self.dynamic_load(device, options);
+        let free_here = p.free(device).saturating_add(already);
+        let prefetch_room = |want: &[bool], room: ByteSize| {
+            if device.is_cpu() {
+                u64::MAX
+            } else if dynamic {
+                room.bytes()
+            } else {
+                free_here
+                    .saturating_sub(selection::wanted_bytes(views, want))
+                    .saturating_sub(options.memory_required)
+                    .bytes()
+            }
+        };
+        let mut weighed = Vec::new();
+        let (classic, budget, room, depth) = if self.chooses_depth(m, views) {
+            type Selection = (Vec<bool>, ByteSize, ByteSize);
+            let mut best: Option<(Selection, usize, u64)> = None;
+            for d in DEPTHS {
+                let selection = select(p, d);
+                let room = prefetch_room(&selection.0, selection.2);
+                let predicted = self.predict_with(m, |i| selection.0[i], room, d);
+                weighed.push(DepthOption {
+                    depth: d,
+                    predicted,
+                });
+                let faster = best.as_ref().is_none_or(|(_, _, ns)| {
+                    (predicted.step_ns as f64) < *ns as f64 * (1.0 - DEEPER_GAIN)
+                });
+                if faster {
+                    best = Some((selection, d, predicted.step_ns));
+                }
+            }
+            let ((want, budget, room), d, _) = best.expect("DEPTHS is not empty");
+            (want, budget, room, d)
+        } else {
+            let (want, budget, room) = select(p, depth);
+            (want, budget, room, depth)
+        };
+        let streaming_room = prefetch_room(&classic, room);
+        if dynamic {
             // Residency by use: what is resident and current stays (pinned weights are loaded,
             // as asked); everything else becomes resident when a forward uses it, beside the
             // room the classic selection leaves for what it would stream.
@@ -52,13 +164,44 @@ impl MemoryManager {
                 .map(|w| w.pinned || (w.current && w.on_device.is_some()))
                 .collect();
             let kept = selection::wanted_bytes(views, &want);
-            return (want, Some(kept), room, classic);
+            return GroupPlan {
+                want,
+                budget: Some(kept),
+                room,
+                steady: classic,
+                depth,
+                weighed,
+                prefetch_room: streaming_room,
+            };
         }
-        (classic.clone(), Some(budget), room, classic)
+        GroupPlan {
+            want: classic.clone(),
+            budget: Some(budget),
+            room,
+            steady: classic,
+            depth,
+            weighed,
+            prefetch_room: streaming_room,
+        }
+    }
+
+    /// Whether the planner chooses the prefetch depth of `m`'s partial load over `views`: the
+    /// configuration leaves it open, the engine has lanes to prefetch on, the views are the
+    /// whole model (a model split by a device map keeps the configured depth) and some of its
+    /// compute is measured (before a forward ran, every depth predicts the copies alone).
+    fn chooses_depth(&self, m: &ModelPatcher, views: &[WeightView]) -> bool {
+        let model = m.model();
+        self.policy.config().prefetch_depth.is_none()
+            && self.engine.lanes() > 0
+            && views.len() == model.len()
+            && m.device_map().is_none()
+            && (0..model.len()).any(|i| model.compute_ns(i).is_some())
     }
 
     /// A classic partial load's selection of `views` on `device`: the resident set, its weight
     /// budget, and the room left for streaming (the selection shrinks until that room fits).
+    /// `keep` is the load's `(min_required, min_inf)` and `depth` the prefetch depth the room is
+    /// made for.
     #[allow(clippy::too_many_arguments)]
     fn partial_selection(
         &self,
@@ -67,11 +210,12 @@ impl MemoryManager {
         views: &[WeightView],
         already: ByteSize,
         options: &LoadOptions,
-        min_required: f64,
-        min_inf: f64,
+        (min_required, min_inf): (f64, f64),
+        depth: usize,
     ) -> (Vec<bool>, ByteSize, ByteSize) {
+        let free = p.free(device);
         let budget = weight_budget(
-            p.free(device),
+            free,
             already,
             min_required,
             min_inf,
@@ -95,11 +239,18 @@ impl MemoryManager {
         let mut needed = ByteSize::ZERO;
         for _ in 0..=views.len() {
             let wanted = selection::wanted_bytes(views, &want);
-            let room_after = p
-                .free(device)
-                .saturating_add(already)
-                .saturating_sub(wanted);
-            needed = self.prefetch_room(views, &want, p.free(device), options, device);
+            let room_after = free.saturating_add(already).saturating_sub(wanted);
+            // Half of what is free to this model (its own current copies included), as at its
+            // first load: a reload counted them as taken, and planned a smaller window than its
+            // streamer used.
+            needed = self.prefetch_room(
+                views,
+                &want,
+                free.saturating_add(already),
+                options,
+                device,
+                depth,
+            );
             if room_after >= needed || budget == ByteSize::ZERO {
                 break;
             }
@@ -115,7 +266,7 @@ impl MemoryManager {
     }
 
     /// Free memory a partial load leaves for streaming: the activation memory asked for plus
-    /// `depth` times the largest weight that will stream (the prefetch window; on a GPU two
+    /// `depth` (the prefetch depth it runs with) times the largest weight that will stream (the prefetch window; on a GPU two
     /// more, for the weight in use and the one before it), when the engine prefetches — at most
     /// half of what is free, so the window never crowds out residency, but never less than the
     /// largest streamed weight itself (a forward holds the weight it computes with beside the
@@ -133,8 +284,9 @@ impl MemoryManager {
         free: ByteSize,
         options: &LoadOptions,
         device: DeviceId,
+        depth: usize,
     ) -> ByteSize {
-        let depth = self.policy.config().prefetch_depth() as u64;
+        let depth = depth as u64;
         let prefetching = self.engine.lanes() > 0 && depth > 0;
         if !prefetching && device.is_cpu() {
             return ByteSize::ZERO;

@@ -45,6 +45,10 @@ pub(in crate::loader) struct Planner<'a> {
     pub(in crate::loader) victims: Vec<Victim>,
     pub(in crate::loader) evictions: Vec<Eviction>,
     pub(in crate::loader) steps: Vec<Step>,
+    /// The streamers of the models being planned: a load cancels their unused prefetches
+    /// before it plans (`MemoryManager::cancel_own_prefetches`), so their bookings are free to
+    /// the plan (zero by then in a load; what a dry `plan()` counts free).
+    pub(in crate::loader) planned_streamers: Vec<Arc<crate::offload::Streamer>>,
 }
 
 impl<'a> Planner<'a> {
@@ -83,6 +87,21 @@ impl<'a> Planner<'a> {
             victims: Vec::new(),
             evictions: Vec::new(),
             steps: Vec::new(),
+            planned_streamers: Vec::new(),
+        }
+    }
+
+    /// Counts the unused prefetches of `models`' streamers (of this manager) free.
+    pub(in crate::loader) fn planning(&mut self, models: &[ModelPatcher]) {
+        for m in models {
+            let Some(s) = crate::offload::streamer_of(m) else {
+                continue;
+            };
+            if Arc::ptr_eq(s.engine(), &self.mm.engine)
+                && !self.planned_streamers.iter().any(|x| Arc::ptr_eq(x, &s))
+            {
+                self.planned_streamers.push(s);
+            }
         }
     }
 
@@ -111,12 +130,29 @@ impl<'a> Planner<'a> {
         // Unheld entries and cached casts are gone before anything else: the plan starts
         // without them.
         let cached = self.mm.cached_in(device);
-        let start = before.saturating_sub(unheld).saturating_sub(cached);
+        // The planned models' own prefetches (an unheld entry's are counted above).
+        let own: ByteSize = self
+            .planned_streamers
+            .iter()
+            .filter(|s| {
+                !self.registry.iter().any(|e| {
+                    !Self::held(e)
+                        && crate::offload::streamer_of(&e.patcher)
+                            .is_some_and(|x| Arc::ptr_eq(&x, s))
+                })
+            })
+            .map(|s| s.booked_on(device))
+            .sum();
+        let start = before
+            .saturating_sub(unheld)
+            .saturating_sub(cached)
+            .saturating_sub(own);
         let free_at_start = self
             .mm
             .free_in(self.registry, device)
             .saturating_add(unheld)
-            .saturating_add(cached);
+            .saturating_add(cached)
+            .saturating_add(own);
         self.devices.push(DeviceProjection {
             device,
             total: self.mm.policy.total_memory(device),
