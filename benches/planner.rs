@@ -10,9 +10,11 @@
 //!    25 GB/s, budgets from a sixth of the model to all of it, 0 and 2 lanes, both residency
 //!    modes: the median of five audited steps after three warm-up steps (compute learned by
 //!    then), the ratio measured / predicted, and whether the bytes agreed in every step.
-//! 3. A table, the default (no flag) beside the best of a sweep (lanes 0/1/2/4 × depth 1/2/4 ×
-//!    classic / by use) per link and budget, and the configuration the prediction ranks first —
-//!    the choice an `auto` policy would make — with its measured time.
+//! 3. A table on a decode-like step (each matmul on one row, so copies weigh): the default (no
+//!    flag: two lanes, residency by use, the prefetch depth the planner chooses at the second
+//!    load) beside the best of a sweep (lanes 0/1/2/4 × depth 0/1/2/4 × classic / by use) at the
+//!    default's two lanes — what the planner could have chosen — and over every lane count.
+//!    `RESIDENCY_BENCH_VERBOSE=1` prints every configuration's audit.
 //!
 //! `RESIDENCY_BENCH_QUICK=1` runs the tables on fewer configurations.
 
@@ -109,6 +111,9 @@ fn model() -> Model {
 #[derive(Clone, Copy, Debug)]
 struct Setup {
     gbps: f64,
+    /// Rows each matmul computes (32: compute well above a copy at 25 GB/s; 1: a decode step,
+    /// where copies weigh).
+    rows: usize,
     /// Device capacity as a share of the model (> 1: it fits).
     share: f64,
     lanes: Option<usize>,
@@ -144,6 +149,7 @@ fn manager(s: Setup) -> MemoryManager {
 }
 
 fn step(p: &ModelPatcher, x: &Tensor) -> f32 {
+    // Not the compute a weight's bytes would say: the planner learns it from these spans.
     let mut h = x.clone();
     for i in 0..LAYERS {
         let (w, _) = residency::offload::fetch_weight_at(p, i).unwrap();
@@ -153,20 +159,25 @@ fn step(p: &ModelPatcher, x: &Tensor) -> f32 {
     h.sum_all().unwrap().to_scalar::<f32>().unwrap()
 }
 
-/// Loads the model, warms up three steps, audits `n`: the audits and the median measured time.
-fn run(s: Setup, n: usize) -> Option<(Vec<StepAudit>, Duration)> {
+/// Loads the model, warms up three steps (its order and compute are learned), loads it again
+/// (the planner chooses with them, as an engine's next prompt would), warms up one more and
+/// audits `n`: the audits, the median measured time and the prefetch depth the second load ran.
+fn run(s: Setup, n: usize) -> Option<(Vec<StepAudit>, Duration, usize)> {
     let mm = manager(s);
     let p = ModelPatcher::new(std::sync::Arc::new(model()), SIM0, DeviceId::Cpu);
-    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
-        .ok()?;
-    let x = Tensor::randn(0f32, 1.0, (ROWS, DIM), &Device::Cpu).unwrap();
+    let one = std::slice::from_ref(&p);
+    mm.load_models_gpu(one, LoadOptions::default()).ok()?;
+    let x = Tensor::randn(0f32, 1.0, (s.rows, DIM), &Device::Cpu).unwrap();
     for _ in 0..3 {
         step(&p, &x);
     }
+    let depth = mm.plan(one, LoadOptions::default()).ok()?.models[0].prefetch_depth;
+    mm.load_models_gpu(one, LoadOptions::default()).ok()?;
+    step(&p, &x);
     let audits: Vec<StepAudit> = (0..n).map(|_| mm.audit(&p, || step(&p, &x)).1).collect();
     let mut times: Vec<u64> = audits.iter().map(|a| a.measured_ns).collect();
     times.sort_unstable();
-    Some((audits, Duration::from_nanos(times[times.len() / 2])))
+    Some((audits, Duration::from_nanos(times[times.len() / 2]), depth))
 }
 
 fn tables() {
@@ -193,12 +204,13 @@ fn tables() {
                 for dynamic in [false, true] {
                     let s = Setup {
                         gbps,
+                        rows: ROWS,
                         share,
                         lanes: Some(lanes),
                         depth: Some(2),
                         dynamic: Some(dynamic),
                     };
-                    let Some((audits, median)) = run(s, 5) else {
+                    let Some((audits, median, _)) = run(s, 5) else {
                         println!("{gbps:>6} {share:>6.2} {lanes:>5}: load refused");
                         continue;
                     };
@@ -225,65 +237,84 @@ fn tables() {
     );
 
     println!(
-        "\nthe default beside the sweep's best (lanes 0/1/2/4 × depth 1/2/4 × classic / by use):"
+        "\nthe default beside the sweep's best (decode: matmul on 1 row; lanes 0/1/2/4 × depth 0/1/2/4 × classic / by use; median of 3 audited steps):"
     );
     println!(
-        "{:>6} {:>6} {:>10} {:>10} {:>7} {:>24} {:>10}",
-        "GB/s", "budget", "default", "best", "ratio", "predicted first", "its time"
+        "{:>6} {:>6} {:>16} {:>10} {:>16} {:>7} {:>16} {:>10} {:>7}",
+        "GB/s",
+        "budget",
+        "default",
+        "its time",
+        "best at 2 lanes",
+        "ratio",
+        "best of all",
+        "its time",
+        "ratio"
     );
+    let verbose = std::env::var_os("RESIDENCY_BENCH_VERBOSE").is_some();
     let sweep_shares: &[f64] = if quick { &[0.34] } else { &[0.34, 0.5] };
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     for &gbps in links {
         for &share in sweep_shares {
-            let default = Setup {
-                gbps,
-                share,
-                lanes: None,
-                depth: None,
-                dynamic: None,
-            };
-            let Some((_, d)) = run(default, 3) else {
-                continue;
-            };
             let mut best: Option<(Duration, String)> = None;
-            let mut ranked: Option<(u64, String, Duration)> = None;
+            let mut best_default_lanes: Option<(Duration, String)> = None;
             for lanes in [0usize, 1, 2, 4] {
-                for depth in [1usize, 2, 4] {
-                    if lanes == 0 && depth > 1 {
+                for depth in [0usize, 1, 2, 4] {
+                    if lanes == 0 && depth > 0 {
                         continue;
                     }
                     for dynamic in [false, true] {
                         let s = Setup {
                             gbps,
+                            rows: 1,
                             share,
                             lanes: Some(lanes),
                             depth: Some(depth),
                             dynamic: Some(dynamic),
                         };
-                        let Some((audits, t)) = run(s, 3) else {
+                        let Some((audits, t, _)) = run(s, 3) else {
                             continue;
                         };
                         let name = format!(
                             "{lanes}L d{depth} {}",
                             if dynamic { "by use" } else { "classic" }
                         );
+                        if verbose {
+                            let a = audits.last().expect("three audits");
+                            println!(
+                                "    {gbps} {share} {name:>16}: measured {:.3} ms, {a}",
+                                ms(t)
+                            );
+                        }
                         if best.as_ref().is_none_or(|(b, _)| t < *b) {
                             best = Some((t, name.clone()));
                         }
-                        let predicted = audits.last().map_or(u64::MAX, |a| a.predicted.step_ns);
-                        if ranked.as_ref().is_none_or(|(p, _, _)| predicted < *p) {
-                            ranked = Some((predicted, name, t));
+                        if lanes == 2 && best_default_lanes.as_ref().is_none_or(|(b, _)| t < *b) {
+                            best_default_lanes = Some((t, name));
                         }
                     }
                 }
             }
-            if let (Some((b, bname)), Some((_, rname, rt))) = (best, ranked) {
+            // The default runs last, on a machine as warm as the sweep's best ran on.
+            let default = Setup {
+                gbps,
+                rows: 1,
+                share,
+                lanes: None,
+                depth: None,
+                dynamic: None,
+            };
+            let Some((_, d, chosen)) = run(default, 3) else {
+                continue;
+            };
+            if let (Some((b, bname)), Some((b2, b2name))) = (best, best_default_lanes) {
                 println!(
-                    "{gbps:>6} {share:>6.2} {:>8.2}ms {:>8.2}ms {:>7.3} {:>24} {:>8.2}ms   (best: {bname})",
-                    d.as_secs_f64() * 1e3,
-                    b.as_secs_f64() * 1e3,
-                    d.as_secs_f64() / b.as_secs_f64(),
-                    rname,
-                    rt.as_secs_f64() * 1e3
+                    "{gbps:>6} {share:>6.2} {:>16} {:>8.3}ms {b2name:>16} {:>7.3} {bname:>16} {:>8.3}ms {:>7.3}",
+                    format!("2L d{chosen} by use"),
+                    ms(d),
+                    ms(d) / ms(b2),
+                    ms(b),
+                    ms(d) / ms(b)
                 );
             }
         }
