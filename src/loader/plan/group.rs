@@ -116,7 +116,7 @@ impl MemoryManager {
         // the room the keeper keeps free.
         let dynamic = self.dynamic_load(device, options);
         let free_here = p.free(device).saturating_add(already);
-        let prefetch_room = |want: &[bool], room: ByteSize| {
+        let streamer_room = |want: &[bool], room: ByteSize| {
             if device.is_cpu() {
                 u64::MAX
             } else if dynamic {
@@ -134,7 +134,7 @@ impl MemoryManager {
             let mut best: Option<(Selection, usize, u64)> = None;
             for d in DEPTHS {
                 let selection = select(p, d);
-                let room = prefetch_room(&selection.0, selection.2);
+                let room = streamer_room(&selection.0, selection.2);
                 let predicted = self.predict_with(m, |i| selection.0[i], room, d);
                 weighed.push(DepthOption {
                     depth: d,
@@ -153,7 +153,7 @@ impl MemoryManager {
             let (want, budget, room) = select(p, depth);
             (want, budget, room, depth)
         };
-        let streaming_room = prefetch_room(&classic, room);
+        let streamer_room = streamer_room(&classic, room);
         if dynamic {
             // Residency by use: what is resident and current stays (pinned weights are loaded,
             // as asked); everything else becomes resident when a forward uses it, beside the
@@ -171,7 +171,7 @@ impl MemoryManager {
                 steady: classic,
                 depth,
                 weighed,
-                prefetch_room: streaming_room,
+                prefetch_room: streamer_room,
             };
         }
         GroupPlan {
@@ -181,7 +181,7 @@ impl MemoryManager {
             steady: classic,
             depth,
             weighed,
-            prefetch_room: streaming_room,
+            prefetch_room: streamer_room,
         }
     }
 

@@ -91,13 +91,19 @@ impl<'a> Planner<'a> {
         }
     }
 
-    /// Counts the unused prefetches of `models`' streamers (of this manager) free.
+    /// Counts the unused prefetches of `models`' streamers (of this manager) free; an unheld
+    /// entry's streamer is counted with its entry ([`Planner::device`]).
     pub(in crate::loader) fn planning(&mut self, models: &[ModelPatcher]) {
         for m in models {
             let Some(s) = crate::offload::streamer_of(m) else {
                 continue;
             };
+            let unheld = self.registry.iter().any(|e| {
+                !Self::held(e)
+                    && crate::offload::streamer_of(&e.patcher).is_some_and(|x| Arc::ptr_eq(&x, &s))
+            });
             if Arc::ptr_eq(s.engine(), &self.mm.engine)
+                && !unheld
                 && !self.planned_streamers.iter().any(|x| Arc::ptr_eq(x, &s))
             {
                 self.planned_streamers.push(s);
@@ -134,13 +140,6 @@ impl<'a> Planner<'a> {
         let own: ByteSize = self
             .planned_streamers
             .iter()
-            .filter(|s| {
-                !self.registry.iter().any(|e| {
-                    !Self::held(e)
-                        && crate::offload::streamer_of(&e.patcher)
-                            .is_some_and(|x| Arc::ptr_eq(&x, s))
-                })
-            })
             .map(|s| s.booked_on(device))
             .sum();
         let start = before
