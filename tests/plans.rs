@@ -98,15 +98,16 @@ fn an_audited_classic_step_copies_exactly_the_bytes_predicted_in_about_the_time_
         for a in &audits {
             assert!(a.bytes_agree(), "{a}");
         }
-        // Time: the sleeps only ever run long on a busy machine, so the bound is one-sided
-        // but for a little early wake-up; the best of three steps within 25 % above.
-        let best = audits
-            .iter()
-            .map(StepAudit::time_ratio)
-            .fold(f64::INFINITY, f64::min);
+        // Time: the sleeps only ever run long on a busy machine, so the best of three steps is
+        // within 25 % above. Below, the compute the prediction uses was learned from forwards
+        // that ran beside this binary's other tests and may be long too: the worst step (the
+        // one least likely to have run quicker than its learning) is at least 0.9.
+        let ratios: Vec<f64> = audits.iter().map(StepAudit::time_ratio).collect();
+        let best = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+        let worst = ratios.iter().copied().fold(0.0, f64::max);
         assert!(
-            (0.9..1.25).contains(&best),
-            "lanes {lanes} depth {depth}: measured / predicted {best:.3}"
+            best < 1.25 && worst >= 0.9,
+            "lanes {lanes} depth {depth}: measured / predicted {ratios:.3?}"
         );
     }
 }
