@@ -57,3 +57,42 @@ pub(crate) fn check(what: &str) -> Result<()> {
         None => Ok(()),
     })
 }
+
+/// What runs at a fetch, and how many fetches before it.
+type AtFetch = Option<(u64, Box<dyn FnOnce()>)>;
+
+thread_local! {
+    /// A pause between a fetch's copy and what is done with it.
+    static AT_FETCH: std::cell::RefCell<AtFetch> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` on this thread when the fetch `k` fetches from now (0 = the next) has its copy and
+/// its booking but has not yet kept or released them: the moment another thread's unload, load
+/// or reservation can land between a fault-in's booking and its commit. `f` may block (to let
+/// another thread act) or panic (a kernel's panic the engine catches).
+pub(crate) fn at_fetch(k: u64, f: impl FnOnce() + 'static) {
+    AT_FETCH.with(|a| *a.borrow_mut() = Some((k, Box::new(f))));
+}
+
+/// Cancels a pending [`at_fetch`].
+pub(crate) fn clear_at_fetch() {
+    AT_FETCH.with(|a| *a.borrow_mut() = None);
+}
+
+/// Called by a fetch between its copy and its commit.
+pub(crate) fn fetched() {
+    let due = AT_FETCH.with(|a| {
+        let mut a = a.borrow_mut();
+        match a.as_mut() {
+            Some((0, _)) => a.take().map(|(_, f)| f),
+            Some((k, _)) => {
+                *k -= 1;
+                None
+            }
+            None => None,
+        }
+    });
+    if let Some(f) = due {
+        f();
+    }
+}

@@ -38,6 +38,14 @@
 //! in and evict by the priority order; the same checks hold after every step, and a forward that
 //! failed leaves no fault-in booked (the weights it kept before the failure stay).
 //!
+//! **Races, run deterministically**: a forward runs on a second thread and is paused at one of
+//! its fetches between the copy (and its booking) and the commit, while this thread unloads
+//! everything, cleans up, frees memory, partially unloads, drops every handle (the forward's own
+//! becomes the model's last), loads (with automatic placement, possibly moving the model) or
+//! reserves; then the forward goes on and must give the resident output, and the checks after
+//! the step hold. Or the fetch panics there (a kernel's panic the engine catches): its booking
+//! must come back. The pause is `fault::at_fetch`, a seam in test builds.
+//!
 //! In a third of the cases model 1 is a **mixture of experts** instead: a Q8_0 GGUF file (a
 //! dense layer, two stacked-expert matrices of 8 experts each, a dense head) read as one weight
 //! per expert, its forwards routing two tokens to two experts each by a seed the operation draws
@@ -384,6 +392,54 @@ enum Op {
     },
     /// The oldest keep guard is dropped.
     Unkeep,
+    /// A forward of the model in `slot` on another thread, paused at its `at`-th fetch between
+    /// the copy (and its booking) and the commit, while `beside` runs here; then it goes on.
+    ForwardBeside {
+        slot: usize,
+        route: u64,
+        at: u64,
+        beside: Beside,
+    },
+}
+
+/// What lands while a forward's fetch is between its booking and its commit.
+#[derive(Debug, Clone)]
+enum Beside {
+    UnloadAll,
+    Cleanup,
+    Free {
+        kib: u64,
+    },
+    PartialUnload {
+        slot: usize,
+        kib: u64,
+    },
+    /// Every slot dropped: the paused forward's own handle is the model's last.
+    DropAll,
+    /// A load of the model in `slot` (with automatic placement, possibly onto another device).
+    Load {
+        slot: usize,
+        mem_kib: u64,
+    },
+    Reserve {
+        kib: u64,
+    },
+    /// The fetch panics there (a kernel's panic the engine catches), unwinding the forward.
+    Panic,
+}
+
+fn beside() -> impl Strategy<Value = Beside> {
+    let slot = 0..SLOTS;
+    prop_oneof![
+        Just(Beside::UnloadAll),
+        Just(Beside::Cleanup),
+        (0..64u64).prop_map(|kib| Beside::Free { kib }),
+        (slot.clone(), 0..24u64).prop_map(|(slot, kib)| Beside::PartialUnload { slot, kib }),
+        Just(Beside::DropAll),
+        (slot, 0..8u64).prop_map(|(slot, mem_kib)| Beside::Load { slot, mem_kib }),
+        (0..24u64).prop_map(|kib| Beside::Reserve { kib }),
+        Just(Beside::Panic),
+    ]
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -413,6 +469,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..4usize).prop_map(|r| Op::Unreserve { r }),
         1 => slot.clone().prop_map(|slot| Op::Keep { slot }),
         1 => Just(Op::Unkeep),
+        3 => (slot, any::<u64>(), 0..6u64, beside())
+            .prop_map(|(slot, route, at, beside)| Op::ForwardBeside { slot, route, at, beside }),
     ]
 }
 

@@ -424,6 +424,8 @@ impl Streamer {
         };
         let weight = match prefetched {
             Some((t, hold, booking)) => {
+                #[cfg(test)]
+                crate::fault::fetched();
                 let returned = match (&keeper, booking) {
                     (Some((k, room)), Some(b)) => {
                         k.keep_prefetched(patcher, index, &t, hold, b, *room)
@@ -478,6 +480,8 @@ impl Streamer {
                 };
                 let t0 = std::time::Instant::now();
                 let fetched = self.fetch_through_pressure(patcher, index);
+                #[cfg(test)]
+                crate::fault::fetched();
                 let waited = t0.elapsed().as_nanos() as u64;
                 stats.waited(waited);
                 if let Some((c, _)) = costs.filter(|_| fetched.is_ok()) {

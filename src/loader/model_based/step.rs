@@ -366,6 +366,108 @@ impl World {
                     self.kept.remove(0);
                 }
             }
+            Op::ForwardBeside {
+                slot,
+                route,
+                at,
+                beside,
+            } => self.forward_beside(step, *slot, *route, *at, beside)?,
+        }
+        Ok(())
+    }
+
+    /// A forward on another thread, paused at a fetch between its booking and its commit while
+    /// `beside` runs on this one: what a node graph's second thread can do at that moment.
+    fn forward_beside(
+        &mut self,
+        step: usize,
+        slot: usize,
+        route: u64,
+        at: u64,
+        beside: &Beside,
+    ) -> Result<(), TestCaseError> {
+        let ctx = || format!("step {step}: forward beside {beside:?} at fetch {at}");
+        let Some((p, m)) = self.patcher(slot) else {
+            return Ok(());
+        };
+        let expected = self.reference_forward(&p, m, route);
+        let moe = self.is_moe(m);
+        let panics = matches!(beside, Beside::Panic);
+        let (paused_tx, paused) = std::sync::mpsc::channel::<()>();
+        let (release, release_rx) = std::sync::mpsc::channel::<()>();
+        let forward = std::thread::spawn(move || {
+            fault::at_fetch(at, move || {
+                if panics {
+                    panic!("injected: a kernel panics during a fetch");
+                }
+                let _ = paused_tx.send(());
+                // Bounded: a call here that waits for this fetch's booking gets it back.
+                let _ = release_rx.recv_timeout(std::time::Duration::from_secs(2));
+            });
+            let got = if moe {
+                moe_forward(&p, route)
+            } else {
+                forward(&p, m)
+            };
+            fault::clear_at_fetch();
+            got
+        });
+        if paused.recv().is_ok() {
+            let ops: Vec<Op> = match beside {
+                Beside::UnloadAll => vec![Op::UnloadAll],
+                Beside::Cleanup => vec![Op::Cleanup],
+                Beside::Free { kib } => vec![Op::Free {
+                    kib: *kib,
+                    keep: Vec::new(),
+                }],
+                Beside::PartialUnload { slot, kib } => vec![Op::PartialUnload {
+                    slot: *slot,
+                    kib: *kib,
+                }],
+                Beside::DropAll => (0..SLOTS).map(|slot| Op::Drop { slot }).collect(),
+                Beside::Load { slot, mem_kib } => vec![Op::Load {
+                    slots: vec![*slot],
+                    mem_kib: *mem_kib,
+                    full: false,
+                    fpw: false,
+                    min_kib: None,
+                    fault: None,
+                }],
+                Beside::Reserve { kib } => vec![Op::Reserve {
+                    device: 0,
+                    kib: *kib,
+                }],
+                Beside::Panic => Vec::new(),
+            };
+            let run = ops.iter().try_for_each(|op| self.step(step, op));
+            let _ = release.send(());
+            let joined = forward.join();
+            run?;
+            match joined {
+                Ok(Ok(bits)) => prop_assert!(bits == expected, "{}: streamed != resident", ctx()),
+                Ok(Err(e)) => prop_assert!(false, "{}: the forward failed: {}", ctx(), e),
+                Err(_) => prop_assert!(false, "{}: the forward panicked", ctx()),
+            }
+        } else {
+            // The forward fetched fewer weights than `at`, or the fetch panicked.
+            match forward.join() {
+                Ok(Ok(bits)) => prop_assert!(bits == expected, "{}: streamed != resident", ctx()),
+                Ok(Err(e)) => prop_assert!(false, "{}: the forward failed: {}", ctx(), e),
+                Err(_) => prop_assert!(panics, "{}: the forward panicked", ctx()),
+            }
+        }
+        // A panic unwound through a fetch: its booking came back.
+        if panics {
+            self.settle();
+            for &d in &self.devices {
+                prop_assert_eq!(
+                    self.mm.ledger.faulting(d),
+                    ByteSize::ZERO,
+                    "{}: a panicking fetch left its booking on {}",
+                    ctx(),
+                    d
+                );
+            }
         }
         Ok(())
     }
