@@ -145,6 +145,11 @@ pub struct PortingDoctests;
 #[cfg(doctest)]
 pub struct ArchitectureDoctests;
 
+/// docs/REPORT.md's code blocks, compiled and run as doc tests.
+#[doc = include_str!("../docs/REPORT.md")]
+#[cfg(doctest)]
+pub struct ReportDoctests;
+
 pub use loader::{global, init_global, LoadOptions, LoadReport, MemoryManager, MemoryReport};
 pub use patcher::{AutoMapOptions, DeviceMap, ModelPatcher, Target};
 pub use vram::{Config, DeviceId, Hardware};
