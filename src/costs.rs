@@ -222,6 +222,9 @@ impl Figures {
 #[derive(Debug)]
 pub struct CostModel {
     figures: Mutex<HashMap<DeviceId, Figures>>,
+    /// The host's quantized matmul per GGML format, in nanoseconds per (input row × weight
+    /// byte), probed once each ([`CostModel::host_matmul`]).
+    host: Mutex<HashMap<candle_core::quantized::GgmlDType, f64>>,
 }
 
 impl Default for CostModel {
@@ -235,7 +238,23 @@ impl CostModel {
     pub fn new() -> CostModel {
         CostModel {
             figures: Mutex::new(Rank::Costs, HashMap::new()),
+            host: Mutex::new(Rank::Costs, HashMap::new()),
         }
+    }
+
+    /// The host's matmul of a weight in GGML format `ggml` (candle's quantized matmul on the
+    /// CPU), in nanoseconds per (input row × weight byte): what a miss run on the host costs
+    /// ([`crate::offload::MissCosts`] measures the same while it runs). Probed at the first
+    /// call for a format — a 256-row weight of 16 blocks a row, one input row, the fastest of
+    /// five runs after a warm one: a few milliseconds — then kept. `None` when candle cannot
+    /// build or multiply the format on the host.
+    pub fn host_matmul(&self, ggml: candle_core::quantized::GgmlDType) -> Option<f64> {
+        if let Some(&v) = self.host.lock().get(&ggml) {
+            return Some(v);
+        }
+        // Probed outside the lock: two racing first calls both probe, the first figure stays.
+        let probed = probe_host_matmul(ggml)?;
+        Some(*self.host.lock().entry(ggml).or_insert(probed))
     }
 
     /// Registers `device` with its modelled link (kept until copies are measured) under
@@ -374,6 +393,26 @@ impl CostModel {
         }
         Ok(matched)
     }
+}
+
+/// Times candle's quantized matmul of format `ggml` on the host ([`CostModel::host_matmul`]).
+fn probe_host_matmul(ggml: candle_core::quantized::GgmlDType) -> Option<f64> {
+    use candle_core::quantized::{QMatMul, QTensor};
+    use candle_core::{Device, Module, Tensor};
+    let cols = ggml.block_size() * 16;
+    let w = Tensor::randn(0f32, 1.0, (256, cols), &Device::Cpu).ok()?;
+    let q = QTensor::quantize(&w, ggml).ok()?;
+    let bytes = q.storage_size_in_bytes();
+    let mm = QMatMul::from_qtensor(q).ok()?;
+    let x = Tensor::randn(0f32, 1.0, (1, cols), &Device::Cpu).ok()?;
+    mm.forward(&x).ok()?;
+    let mut best = u128::MAX;
+    for _ in 0..5 {
+        let t0 = std::time::Instant::now();
+        mm.forward(&x).ok()?;
+        best = best.min(t0.elapsed().as_nanos());
+    }
+    Some(best.max(1) as f64 / bytes.max(1) as f64)
 }
 
 /// Where [`CostModel::save`]'s file lives by default: `$RESIDENCY_CACHE_DIR`, else
@@ -794,5 +833,19 @@ mod tests {
             "a bad file changes nothing, its good lines included"
         );
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn the_host_matmul_is_probed_once_per_format_and_kept() {
+        use candle_core::quantized::GgmlDType;
+        let c = CostModel::new();
+        let q8 = c
+            .host_matmul(GgmlDType::Q8_0)
+            .expect("Q8_0 runs on the host");
+        assert!(q8 > 0.0);
+        // Kept: the second call returns the probed figure, not a new probe's.
+        assert_eq!(c.host_matmul(GgmlDType::Q8_0), Some(q8));
+        let f32 = c.host_matmul(GgmlDType::F32).expect("f32 runs on the host");
+        assert!(f32 > 0.0 && f32 != q8);
     }
 }

@@ -1107,3 +1107,111 @@ fn the_safetensors_qwen3_moe_ported_by_its_use_lines_computes_candles_bits_in_ev
         });
     }
 }
+
+/// Cost-aware misses change bits on a real GPU, so they stay opt-in; where they would pay, the
+/// plan, `recommend` and the audit say so with the predicted gain. Here a quarter of the tiny
+/// Qwen3-MoE on a simulated GPU behind a slow link (10 MB/s, no lanes): at decode the copies of
+/// the streamed weights are waited for, and multiplying them on the host (the
+/// simulated GPU computes with the host's kernels) is predicted faster; turning the option on
+/// delivers a faster decode with the same bits. Where the option is on, or nothing streams,
+/// nothing is recommended.
+#[test]
+fn cost_aware_misses_are_recommended_with_their_predicted_gain_where_a_slow_link_feeds_streamed_quantized_weights(
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, want, tokens, size) = qwen3_fixture(&dir);
+    let run = |sim: u64, flags: &[&str]| {
+        let sim = format!("{sim}@10MB/s");
+        let mut all = vec![
+            "--reserve-vram",
+            "0",
+            "--sim-gpu",
+            sim.as_str(),
+            "--disable-dynamic-vram",
+            "--disable-async-offload",
+        ];
+        all.extend_from_slice(flags);
+        let mm = common::manager_with(&all);
+        let model = mm.read_gguf("tiny-qwen3moe", &path).unwrap();
+        let p = ModelPatcher::new(Arc::new(model), mm.compute_device(), DeviceId::Cpu);
+        mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+            .unwrap();
+        // A first decode measures the compute (and checks the bits); a second one's decode
+        // steps, after its prompt, are timed.
+        let (got, _) = qwen3_managed(&p, &tokens);
+        assert_eq!(got, want, "{flags:?}");
+        let took = timed_decode(&p, &tokens);
+        (mm, p, took)
+    };
+
+    let (mm, p, plain) = run(size / 4, &[]);
+    let r = mm.recommend(&p).expect("a recommendation");
+    println!("{r}");
+    assert_eq!(r.flag, "--cost-aware-misses");
+    assert_eq!(r.rows, 1, "priced at decode's one row: {r}");
+    assert!(r.weights > 0 && r.now.streamed >= r.weights, "{r}");
+    assert!(
+        r.with.bytes < r.now.bytes,
+        "the weights run on the host are not copied: {r}"
+    );
+    assert!(r.gain() >= 1.5, "a slow link: {r}");
+    // The plan of a reload says the same (its resident set is the one loaded).
+    let plan = mm
+        .plan(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    let planned = plan.models[0].recommended.as_ref().expect("in the plan");
+    assert_eq!(planned.flag, r.flag);
+    assert!(planned.gain() >= 1.5, "{planned}");
+    // An audited step carries it into the report.
+    let ((), audit) = mm.audit(&p, || {
+        timed_decode(&p, &tokens[..1]);
+    });
+    assert!(audit.recommended.is_some(), "{audit}");
+    assert!(
+        mm.memory_report()
+            .to_string()
+            .contains("recommended: `tiny-qwen3moe`: `--cost-aware-misses` predicted"),
+        "{}",
+        mm.memory_report()
+    );
+
+    // Turned on: the same bits (checked in `run`), a faster decode, nothing more to recommend.
+    let (mm, p, aware) = run(size / 4, &["--cost-aware-misses"]);
+    assert!(mm.recommend(&p).is_none());
+    assert!(
+        aware < plain,
+        "predicted {:.1}× faster, measured {plain:?} → {aware:?}",
+        r.gain()
+    );
+    println!(
+        "predicted {:.1}× faster, measured {:.1}× ({plain:?} → {aware:?})",
+        r.gain(),
+        plain.as_secs_f64() / aware.as_secs_f64()
+    );
+
+    // Everything resident: nothing streams, nothing to gain.
+    let (mm, p, _) = run(size * 4, &[]);
+    assert!(mm.recommend(&p).is_none());
+}
+
+/// The time of `tokens.len()` (at most `STEPS`) decode steps of the managed Qwen3-MoE after its
+/// prompt (not timed).
+fn timed_decode(patcher: &ModelPatcher, tokens: &[u32]) -> std::time::Duration {
+    let device = patcher.load_device().to_candle().unwrap();
+    let ct = gguf_file::Content::from_patcher(patcher);
+    let mut reader = std::io::Cursor::new(Vec::<u8>::new());
+    let mut model = managed::quantized_qwen3_moe::GGUFQWenMoE::from_gguf(
+        ct,
+        &mut reader,
+        &device,
+        candle_core::DType::F32,
+    )
+    .unwrap();
+    let input = |t: &[u32]| Tensor::new(t, &device).unwrap().unsqueeze(0).unwrap();
+    model.forward(&input(&PROMPT), 0).unwrap();
+    let t0 = std::time::Instant::now();
+    for (step, &next) in tokens.iter().take(STEPS).enumerate() {
+        model.forward(&input(&[next]), PROMPT.len() + step).unwrap();
+    }
+    t0.elapsed()
+}

@@ -76,7 +76,7 @@ pub use options::{weight_budget, InputShape, LoadOptions, MIN_WEIGHT_BUDGET};
 pub use plan::{
     DepthOption, LoadPlan, PlacedOn, PlanProblem, PlannedDevice, PlannedHost, PlannedLoad,
 };
-pub use predict::StepAudit;
+pub use predict::{Recommendation, StepAudit, RECOMMEND_GAIN};
 pub use report::{DeviceMemory, Eviction, LoadReport, LoadedModelInfo, MemoryReport, ModelLoad};
 pub use reserve::{KeepGuard, MemoryReservation, ReservationInfo};
 

@@ -95,6 +95,10 @@ pub struct PlannedLoad {
     /// the classic selection), the manager's lanes and prefetch depth, and the cost model's
     /// figures. Filled by [`MemoryManager::plan`]; a load does not pay for it.
     pub predicted: Option<crate::costs::StepPrediction>,
+    /// An option that may change output bits and is predicted faster for this load (with the
+    /// same resident set and room as `predicted`; [`MemoryManager::recommend`]). Filled by
+    /// [`MemoryManager::plan`].
+    pub recommended: Option<super::Recommendation>,
     /// The prefetch depth the model's streamer runs with: the configuration's when it sets one
     /// ([`crate::vram::Config::prefetch_depth`]), else the planner's choice (`depths`).
     pub prefetch_depth: usize,
@@ -335,6 +339,7 @@ impl MemoryManager {
             let depth = planned.prefetch_depth;
             planned.predicted =
                 Some(self.predict_with(&all[k], |i| steady[i], plan.rooms[k], depth));
+            planned.recommended = self.recommend_with(&all[k], |i| steady[i], plan.rooms[k], depth);
         }
         Ok(plan)
     }
@@ -454,6 +459,7 @@ impl MemoryManager {
                 placed: Vec::new(),
                 streaming_room: ByteSize::ZERO,
                 predicted: None,
+                recommended: None,
                 prefetch_depth: self.policy.config().prefetch_depth(),
                 depths: Vec::new(),
             };

@@ -27,7 +27,64 @@ pub struct StepAudit {
     /// and fetches made during it, [`crate::offload::TransferSnapshot::bytes_requested`]; every
     /// request of the manager's engine: run the audited step alone for an exact figure).
     pub measured_bytes: ByteSize,
+    /// An option that may change output bits and is predicted faster for this model
+    /// ([`MemoryManager::recommend`]), as the residency was when the step began.
+    pub recommended: Option<Recommendation>,
 }
+
+/// An option residency does not turn on by itself because it may change output bits on a real
+/// GPU, recommended where the cost model predicts it faster ([`MemoryManager::recommend`]).
+///
+/// Today one: cost-aware misses (`--cost-aware-misses`,
+/// [`crate::vram::Config::cost_aware_misses`]), recommended for a model that streams quantized
+/// weights it could multiply on the host instead: at decode (one input row) the host reads a
+/// weight once from RAM, often sooner than the link copies it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct Recommendation {
+    /// The model.
+    pub model: String,
+    /// The option, as its flag.
+    pub flag: String,
+    /// The step predicted as configured.
+    pub now: StepPrediction,
+    /// The step predicted with the option.
+    pub with: StepPrediction,
+    /// The weights it changes: streamed quantized weights run on the host instead of copied.
+    pub weights: usize,
+    /// The input rows the host's matmuls are priced at (the model's last quantized matmul's;
+    /// 1 before one ran).
+    pub rows: usize,
+}
+
+impl Recommendation {
+    /// Predicted step time as configured over predicted step time with the option.
+    pub fn gain(&self) -> f64 {
+        self.now.step_ns as f64 / self.with.step_ns.max(1) as f64
+    }
+}
+
+impl std::fmt::Display for Recommendation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        write!(
+            f,
+            "`{}`: `{}` predicted {:.1}× faster ({:.3} → {:.3} ms a step at {} input row{}: {} streamed quantized weights multiplied on the host instead of copied; may change output bits on a real GPU)",
+            self.model,
+            self.flag,
+            self.gain(),
+            ms(self.now.step_ns),
+            ms(self.with.step_ns),
+            self.rows,
+            if self.rows == 1 { "" } else { "s" },
+            self.weights
+        )
+    }
+}
+
+/// The least predicted gain an option is recommended for: below it the figures' noise could
+/// decide.
+pub const RECOMMEND_GAIN: f64 = 1.1;
 
 impl StepAudit {
     /// Whether the step copied exactly the bytes predicted.
@@ -59,7 +116,11 @@ impl std::fmt::Display for StepAudit {
             self.measured_bytes,
             self.time_ratio(),
             if self.bytes_agree() { "equal" } else { "differ" }
-        )
+        )?;
+        if let Some(r) = &self.recommended {
+            write!(f, "; recommended: {r}")?;
+        }
+        Ok(())
     }
 }
 
@@ -110,6 +171,86 @@ impl MemoryManager {
     /// only, the rest copied as the streamer would with this manager's lanes and its streamer's
     /// prefetch depth into the device's free memory.
     pub fn predict(&self, model: &ModelPatcher) -> StepPrediction {
+        let (room, depth) = self.streaming_now(model);
+        self.predict_with(model, |i| model.resident_weight(i).is_some(), room, depth)
+    }
+
+    /// What the options that may change output bits would gain `model`'s next step, as its
+    /// residency now predicts it ([`Recommendation`]): cost-aware misses when it streams
+    /// quantized weights onto a device and is predicted at least [`RECOMMEND_GAIN`] faster
+    /// with them run on the host. `None` when nothing is predicted to gain that much, or the
+    /// option is already on. The host's matmul speed per format is probed once per manager
+    /// ([`crate::costs::CostModel::host_matmul`]: a few milliseconds) and added to each such
+    /// weight's measured compute (conservative on a GPU: its own matmul there is not taken
+    /// off); on a simulated GPU, which computes with the host's kernels, only the copies go.
+    pub fn recommend(&self, model: &ModelPatcher) -> Option<Recommendation> {
+        let (room, depth) = self.streaming_now(model);
+        self.recommend_with(model, |i| model.resident_weight(i).is_some(), room, depth)
+    }
+
+    /// [`MemoryManager::recommend`] with weights `resident(i)` resident, `room` and `depth` as
+    /// [`MemoryManager::predict_with`] takes them.
+    pub(super) fn recommend_with(
+        &self,
+        model: &ModelPatcher,
+        resident: impl Fn(usize) -> bool,
+        room: u64,
+        depth: usize,
+    ) -> Option<Recommendation> {
+        let device = model.load_device();
+        if self.misses.is_some() || device.is_cpu() {
+            return None;
+        }
+        let m = model.model();
+        let rows = m.matmul_rows().unwrap_or(1);
+        let (order, mut uses, unmeasured) = self.uses_of(model, resident);
+        let streaming = self.streaming(device, room, depth);
+        let mut now = crate::costs::predict_step(&uses, streaming);
+        now.unmeasured = unmeasured;
+        let patches = model.patches();
+        let mut weights = 0;
+        for (u, &i) in uses.iter_mut().zip(&order) {
+            let slot = &m.slots()[i];
+            let Some(ggml) = slot.quantized() else {
+                continue;
+            };
+            if u.resident || !patches.get(slot.name()).is_empty() {
+                continue;
+            }
+            // Its measured compute is kept (the device's matmul is not known apart from the
+            // work around it); the host's matmul is added, except on a simulated GPU, whose
+            // device matmul is the host's: the gain predicted is the copy no longer waited for,
+            // less what the host's matmul costs beyond the device's.
+            let host = if device.is_sim() {
+                0.0
+            } else {
+                self.costs.host_matmul(ggml)? * rows as f64 * u.bytes as f64
+            };
+            *u = UseCost {
+                bytes: u.bytes,
+                resident: true,
+                compute_ns: u.compute_ns + host,
+            };
+            weights += 1;
+        }
+        if weights == 0 {
+            return None;
+        }
+        let mut with = crate::costs::predict_step(&uses, streaming);
+        with.unmeasured = unmeasured;
+        let r = Recommendation {
+            model: m.name().to_string(),
+            flag: "--cost-aware-misses".into(),
+            now,
+            with,
+            weights,
+            rows,
+        };
+        (r.gain() >= RECOMMEND_GAIN).then_some(r)
+    }
+
+    /// The room `model`'s copies in flight have on its device now, and its streamer's depth.
+    fn streaming_now(&self, model: &ModelPatcher) -> (u64, usize) {
         let device = model.load_device();
         // The device's free memory, this model's copies in flight counted as free: they are
         // the room its streaming works in.
@@ -123,7 +264,7 @@ impl MemoryManager {
         };
         let depth = crate::offload::streamer_of(model)
             .map_or(self.policy.config().prefetch_depth(), |s| s.depth());
-        self.predict_with(model, |i| model.resident_weight(i).is_some(), room, depth)
+        (room, depth)
     }
 
     /// The step `model` predicts with weights `resident(i)` resident, `room` bytes of device
@@ -135,6 +276,21 @@ impl MemoryManager {
         room: u64,
         depth: usize,
     ) -> StepPrediction {
+        let (_, uses, unmeasured) = self.uses_of(model, resident);
+        let streaming = self.streaming(model.load_device(), room, depth);
+        let mut p = crate::costs::predict_step(&uses, streaming);
+        p.unmeasured = unmeasured;
+        p
+    }
+
+    /// `model`'s weight uses in their recorded order (slot order before a forward completed)
+    /// with their measured compute, those `resident(i)` (or on the host) costing no copy: the
+    /// order, the uses, and how many were not measured yet.
+    fn uses_of(
+        &self,
+        model: &ModelPatcher,
+        resident: impl Fn(usize) -> bool,
+    ) -> (Vec<usize>, Vec<UseCost>, usize) {
         let m = model.model();
         let (order, complete) = m.forward_order();
         let order: Vec<usize> = if complete && !order.is_empty() {
@@ -165,19 +321,19 @@ impl MemoryManager {
                 }
             })
             .collect();
+        (order, uses, unmeasured)
+    }
+
+    /// How `device` streams: its link, this manager's lanes, `depth` and `room`.
+    fn streaming(&self, device: DeviceId, room: u64, depth: usize) -> Streaming {
         let (link, shared_link) = self.costs.link(device).unwrap_or((Link::default(), false));
-        let mut p = crate::costs::predict_step(
-            &uses,
-            Streaming {
-                link,
-                shared_link,
-                lanes: self.engine.lanes(),
-                depth,
-                room,
-            },
-        );
-        p.unmeasured = unmeasured;
-        p
+        Streaming {
+            link,
+            shared_link,
+            lanes: self.engine.lanes(),
+            depth,
+            room,
+        }
     }
 
     /// Runs `step` (one forward or sampling step of `model`) and holds it against the
@@ -188,6 +344,7 @@ impl MemoryManager {
     /// (the last one per model).
     pub fn audit<R>(&self, model: &ModelPatcher, step: impl FnOnce() -> R) -> (R, StepAudit) {
         let predicted = self.predict(model);
+        let recommended = self.recommend(model);
         let before = self.engine.stats().snapshot();
         let t0 = std::time::Instant::now();
         let out = step();
@@ -200,6 +357,7 @@ impl MemoryManager {
             measured_ns,
             measured_exposed_ns: waited(&after).saturating_sub(waited(&before)),
             measured_bytes: after.bytes_requested.saturating_sub(before.bytes_requested),
+            recommended,
         };
         let mut audits = self.audits.lock();
         audits.retain(|a| a.model != audit.model);

@@ -581,6 +581,9 @@ impl QRef {
         let model = patcher.model();
         if record {
             model.record_use(self.index);
+            if let Some(r) = rows {
+                model.note_matmul_rows(r);
+            }
         }
         let device = patcher.weight_device(self.index);
         let patches = patcher.patches();

@@ -326,6 +326,17 @@ impl Model {
         self.usage.returned(index);
     }
 
+    /// A quantized matmul of this model ran on `rows` input rows (a decode step's 1, a
+    /// prefill's prompt length): what a miss run on the host would cost is priced at it.
+    pub fn note_matmul_rows(&self, rows: usize) {
+        self.usage.note_rows(rows);
+    }
+
+    /// The input rows of this model's last quantized matmul (`None` before one ran).
+    pub fn matmul_rows(&self) -> Option<usize> {
+        self.usage.rows()
+    }
+
     /// Weight `index`'s compute per use as the host saw it — from the return of its fetch to
     /// the next weight's use, an exponential average (weight 1/4) — in nanoseconds; `None`
     /// before a forward measured it. What [`crate::costs::predict_step`] is given.

@@ -38,6 +38,8 @@ pub(crate) struct Usage {
     returned_at: AtomicU64,
     /// Per weight, its compute's exponential average in nanoseconds (0: not measured).
     compute: Box<[AtomicU64]>,
+    /// The input rows of the model's last quantized matmul (0: none ran).
+    rows: AtomicUsize,
 }
 
 /// What the eviction order reads of one weight.
@@ -71,7 +73,18 @@ impl Usage {
             returned: AtomicUsize::new(NONE),
             returned_at: AtomicU64::new(0),
             compute: atomics(n, || AtomicU64::new(0)),
+            rows: AtomicUsize::new(0),
         }
+    }
+
+    /// A quantized matmul of the model ran on `rows` input rows.
+    pub(crate) fn note_rows(&self, rows: usize) {
+        self.rows.store(rows, Ordering::Relaxed);
+    }
+
+    /// The input rows of the model's last quantized matmul (`None` before one ran).
+    pub(crate) fn rows(&self) -> Option<usize> {
+        Some(self.rows.load(Ordering::Relaxed)).filter(|&r| r > 0)
     }
 
     fn now_ns(&self) -> u64 {
