@@ -15,7 +15,9 @@
 //!
 //! For each: tokens/s, the bytes copied per token, the checksum of the logits (identical), and
 //! for residency by use its hits and misses beside Belady's offline optimum for the same uses and
-//! room, device-wide and layer by layer, and how the routing spread over the experts.
+//! room, device-wide and layer by layer, and how the routing spread over the experts. Each run's
+//! last step is audited: the cost model's predicted step beside the measured one, and a
+//! recommendation where an opt-in option is predicted faster (`--cost-aware-misses`).
 //!
 //! `cargo run --release --example moe -- --tokens 64 --budget-percent 30 [--layout stacked]`;
 //! `--vram-budget SIZE` gives the room in bytes instead (every run's but the resident one's); any
@@ -353,14 +355,20 @@ fn run(
     let mut logits = model.forward(&input, 0)?.flatten_all()?.to_vec1::<f32>()?;
     let copied_before = mm.transfer_stats().bytes_copied();
     let t0 = Instant::now();
+    let mut audit = None;
     for step in 0..n {
         let next = gguf::argmax(&logits);
         tokens.push(next);
         let input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
-        logits = model
-            .forward(&input, PROMPT.len() + step)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
+        // The last step is held against the cost model's prediction for it.
+        let out = if step + 1 == n {
+            let (out, a) = mm.audit(&p, || model.forward(&input, PROMPT.len() + step));
+            audit = Some(a);
+            out?
+        } else {
+            model.forward(&input, PROMPT.len() + step)?
+        };
+        logits = out.flatten_all()?.to_vec1::<f32>()?;
         checksum = logits
             .iter()
             .fold(checksum, |h, x| h.rotate_left(5) ^ u64::from(x.to_bits()));
@@ -378,13 +386,17 @@ fn run(
         tokens,
         device: mm.compute_device(),
         // The routing's spread once: every run routes the same tokens.
-        report: report(
-            kind,
-            &mm,
-            &p,
-            subject,
-            kind == Kind::ByUse || !args.runs.contains(&Kind::ByUse),
-        ),
+        report: audit
+            .map(|a| format!("last step {a}"))
+            .into_iter()
+            .chain(report(
+                kind,
+                &mm,
+                &p,
+                subject,
+                kind == Kind::ByUse || !args.runs.contains(&Kind::ByUse),
+            ))
+            .collect(),
     })
 }
 

@@ -207,32 +207,7 @@ impl MemoryManager {
         let streaming = self.streaming(device, room, depth);
         let mut now = crate::costs::predict_step(&uses, streaming);
         now.unmeasured = unmeasured;
-        let patches = model.patches();
-        let mut weights = 0;
-        for (u, &i) in uses.iter_mut().zip(&order) {
-            let slot = &m.slots()[i];
-            let Some(ggml) = slot.quantized() else {
-                continue;
-            };
-            if u.resident || !patches.get(slot.name()).is_empty() {
-                continue;
-            }
-            // Its measured compute is kept (the device's matmul is not known apart from the
-            // work around it); the host's matmul is added, except on a simulated GPU, whose
-            // device matmul is the host's: the gain predicted is the copy no longer waited for,
-            // less what the host's matmul costs beyond the device's.
-            let host = if device.is_sim() {
-                0.0
-            } else {
-                self.costs.host_matmul(ggml)? * rows as f64 * u.bytes as f64
-            };
-            *u = UseCost {
-                bytes: u.bytes,
-                resident: true,
-                compute_ns: u.compute_ns + host,
-            };
-            weights += 1;
-        }
+        let weights = self.run_on_host(model, &order, &mut uses, |_, _, _| true)?;
         if weights == 0 {
             return None;
         }
@@ -247,6 +222,49 @@ impl MemoryManager {
             rows,
         };
         (r.gain() >= RECOMMEND_GAIN).then_some(r)
+    }
+
+    /// Turns the uses of streamed, unpatched quantized weights that `on_host(format, rows,
+    /// bytes)` picks into runs on the host, as cost-aware misses run them: no copy, and their
+    /// measured compute kept (the device's matmul is not known apart from the work around it)
+    /// with the host's matmul added — except on a simulated GPU, whose device matmul is the
+    /// host's. How many were turned; `None` when the host's figure cannot be had.
+    fn run_on_host(
+        &self,
+        model: &ModelPatcher,
+        order: &[usize],
+        uses: &mut [UseCost],
+        on_host: impl Fn(candle_core::quantized::GgmlDType, usize, u64) -> bool,
+    ) -> Option<usize> {
+        let device = model.load_device();
+        if device.is_cpu() {
+            return Some(0);
+        }
+        let m = model.model();
+        let rows = m.matmul_rows().unwrap_or(1);
+        let patches = model.patches();
+        let mut turned = 0;
+        for (u, &i) in uses.iter_mut().zip(order) {
+            let slot = &m.slots()[i];
+            let Some(ggml) = slot.quantized() else {
+                continue;
+            };
+            if u.resident || !patches.get(slot.name()).is_empty() || !on_host(ggml, rows, u.bytes) {
+                continue;
+            }
+            let host = if device.is_sim() {
+                0.0
+            } else {
+                self.costs.host_matmul(ggml)? * rows as f64 * u.bytes as f64
+            };
+            *u = UseCost {
+                bytes: u.bytes,
+                resident: true,
+                compute_ns: u.compute_ns + host,
+            };
+            turned += 1;
+        }
+        Some(turned)
     }
 
     /// The room `model`'s copies in flight have on its device now, and its streamer's depth.
@@ -276,7 +294,11 @@ impl MemoryManager {
         room: u64,
         depth: usize,
     ) -> StepPrediction {
-        let (_, uses, unmeasured) = self.uses_of(model, resident);
+        let (order, mut uses, unmeasured) = self.uses_of(model, resident);
+        // With cost-aware misses, the misses the rule runs on the host copy nothing.
+        if let Some(c) = &self.misses {
+            let _ = self.run_on_host(model, &order, &mut uses, |g, r, b| c.prefers_host(g, r, b));
+        }
         let streaming = self.streaming(model.load_device(), room, depth);
         let mut p = crate::costs::predict_step(&uses, streaming);
         p.unmeasured = unmeasured;
@@ -292,12 +314,9 @@ impl MemoryManager {
         resident: impl Fn(usize) -> bool,
     ) -> (Vec<usize>, Vec<UseCost>, usize) {
         let m = model.model();
-        let (order, complete) = m.forward_order();
-        let order: Vec<usize> = if complete && !order.is_empty() {
-            order
-        } else {
-            (0..m.len()).collect()
-        };
+        let order = m
+            .last_forward_order()
+            .unwrap_or_else(|| (0..m.len()).collect());
         let device = model.load_device();
         // A weight not measured yet costs this model's average per byte on the device.
         let (ns, bytes) = measured_compute(m, device, Some(model));

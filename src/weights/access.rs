@@ -360,6 +360,38 @@ impl Model {
         (fo.order.clone(), fo.complete)
     }
 
+    /// The weights of the last forward in use order (`None` before a forward completed): the
+    /// successor chain walked from the forward's first weight — each weight's successor is the
+    /// one that followed it the last time it was used, so the walk follows the last forward —
+    /// until it comes back to a weight already walked (the next forward's start; a weight used
+    /// twice in a forward is walked once) or reaches one last used before the forward began. A mixture of experts' decode step walks the experts
+    /// it routed, not the prompt's that the first-use order holds.
+    pub fn last_forward_order(&self) -> Option<Vec<usize>> {
+        let start = {
+            let fo = self.forward_order.lock();
+            if !fo.complete {
+                return None;
+            }
+            *fo.order.first()?
+        };
+        let mut walked = vec![false; self.len()];
+        let mut order = vec![start];
+        walked[start] = true;
+        let mut at = start;
+        // The last forward began with the start's last use: a weight used before that (the
+        // last forward's last weight's successor is from an older one) is not of it.
+        let began = self.usage.of(start).age;
+        while let Some(next) = self.usage.successor(at) {
+            if walked.get(next).is_none_or(|&w| w) || self.usage.of(next).age > began {
+                break;
+            }
+            walked[next] = true;
+            order.push(next);
+            at = next;
+        }
+        Some(order)
+    }
+
     /// How many times a patched weight of this model was built (a patch chain applied to a clean
     /// weight), by any patcher: streamed LoRA'd weights count once per fetch, resident ones once
     /// per residency.

@@ -89,3 +89,25 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn the_last_forward_order_follows_the_last_forward_not_the_first_uses() {
+    let t = || Tensor::zeros(4, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    let m = Model::from_tensors("moe", (0..5).map(|i| (format!("w{i}"), t()))).unwrap();
+    assert_eq!(m.last_forward_order(), None, "no forward yet");
+    // A prompt routes to experts 1, 2 and 3; decode steps only to 3 (and 4 once).
+    let forward = |uses: &[usize]| {
+        for &i in uses {
+            m.record_use(i);
+        }
+        m.finish_forward();
+    };
+    forward(&[0, 1, 2, 3]);
+    assert_eq!(m.last_forward_order(), Some(vec![0, 1, 2, 3]));
+    forward(&[0, 3, 4]);
+    assert_eq!(m.last_forward_order(), Some(vec![0, 3, 4]));
+    forward(&[0, 3]);
+    // Walking 3's successor comes back to the start: the next forward.
+    assert_eq!(m.last_forward_order(), Some(vec![0, 3]));
+    assert_eq!(m.forward_order().0, vec![0, 1, 2, 3], "first uses kept");
+}
