@@ -278,6 +278,47 @@ fn the_planner_chooses_the_prefetch_depth_its_prediction_finds_fastest_and_the_r
 }
 
 #[test]
+fn a_reload_that_decides_nothing_new_keeps_the_depth_choice_and_a_changed_request_chooses_again() {
+    // An engine loads before every step: a reload of the same model into the same free memory
+    // keeps the depth chosen (its options as weighed then, not predicted again) though the
+    // steps since measured new compute figures; asking for activation memory changes the room,
+    // and the planner chooses again.
+    let compute = Duration::from_millis(1);
+    for mode in ["--disable-dynamic-vram", "--enable-dynamic-vram"] {
+        let mm = manager_with("480KiB", 2, None, mode);
+        let p = ModelPatcher::new(model(4), SIM0, DeviceId::Cpu);
+        let one = std::slice::from_ref(&p);
+        let plan = |options: LoadOptions| mm.plan(one, options).unwrap().models[0].clone();
+        mm.load_models_gpu(one, LoadOptions::default()).unwrap();
+        for _ in 0..3 {
+            forward(&p, compute);
+        }
+        let first = plan(LoadOptions::default());
+        assert_eq!(first.depths.len(), 3, "{mode}: chosen");
+        for _ in 0..2 {
+            mm.load_models_gpu(one, LoadOptions::default()).unwrap();
+            forward(&p, compute);
+            let again = plan(LoadOptions::default());
+            assert_eq!(
+                again.depths, first.depths,
+                "{mode}: kept, not predicted again"
+            );
+            assert_eq!(again.prefetch_depth, first.prefetch_depth, "{mode}");
+        }
+        let asking = LoadOptions {
+            memory_required: ByteSize::kib(64),
+            ..LoadOptions::default()
+        };
+        let other = plan(asking);
+        assert_eq!(other.depths.len(), 3, "{mode}: chosen again");
+        assert_ne!(
+            other.depths, first.depths,
+            "{mode}: with the figures measured since"
+        );
+    }
+}
+
+#[test]
 fn a_prefetch_depth_set_by_the_configuration_is_kept_and_the_first_load_uses_the_default() {
     let compute = Duration::from_millis(1);
     let (set, _) = chosen("480KiB", Some(4), "--disable-dynamic-vram", compute);

@@ -154,6 +154,9 @@ pub struct MemoryManager {
     costs: Arc<crate::costs::CostModel>,
     /// The last [`StepAudit`] of each model.
     audits: Mutex<Vec<StepAudit>>,
+    /// The planner's last prefetch-depth choice per model, kept while what it was made for
+    /// holds (`plan::group`): a reload that decides nothing new does not predict again.
+    depth_choices: Mutex<Vec<plan::DepthChoice>>,
 }
 
 /// A registry entry as reports see it: membership and order as of the last release of the
@@ -334,6 +337,7 @@ impl MemoryManager {
                 .then(|| Arc::new(crate::offload::MissCosts::with_prepared(prepared))),
             costs,
             audits: Mutex::new(Rank::Audits, Vec::new()),
+            depth_choices: Mutex::new(Rank::DepthChoices, Vec::new()),
         }
     }
 

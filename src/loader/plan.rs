@@ -41,6 +41,7 @@ use crate::size::ByteSize;
 use crate::vram::{DeviceId, VramState};
 use crate::weights::Model;
 
+pub(in crate::loader) use group::DepthChoice;
 use group::{from_disk, shrink_to_fit, GroupPlan};
 use planner::registered;
 pub(in crate::loader) use planner::Planner;

@@ -76,9 +76,10 @@ ranks! {
     MissCosts = 34, "offload::MissCosts figures", "the measured costs of cost-aware misses and their counts";
     Costs = 35, "costs::CostModel figures", "each device's link figure and its fit (a leaf: held to read or add a sample)";
     Audits = 36, "MemoryManager audits", "the last step audit of each model (a leaf)";
-    PreparedHost = 37, "offload::PreparedCopies entries", "a model's prepared host copies of quantized weights run on the host";
-    Trace = 38, "trace::Trace records", "a recording's records (an event may be emitted under any lock above)";
-    TrackNames = 39, "trace track names", "each thread's track number and name";
+    DepthChoices = 37, "MemoryManager depth choices", "the planner's last prefetch-depth choice per model and what it was made for (a leaf)";
+    PreparedHost = 38, "offload::PreparedCopies entries", "a model's prepared host copies of quantized weights run on the host";
+    Trace = 39, "trace::Trace records", "a recording's records (an event may be emitted under any lock above)";
+    TrackNames = 40, "trace track names", "each thread's track number and name";
 }
 
 #[cfg_attr(not(debug_assertions), allow(dead_code))]

@@ -36,6 +36,21 @@ const DEPTHS: [usize; 3] = [1, 2, 4];
 /// figures' noise would trade bytes that are sure for time that is not.
 const DEEPER_GAIN: f64 = 0.02;
 
+/// Models whose last depth choice is kept ([`DepthChoice`]); the oldest goes first.
+const DEPTH_CHOICES: usize = 64;
+
+/// A prefetch-depth choice and what it was made for: the model, its patches and dtype (the
+/// residency signature), the memory free to it, the activation memory asked for and the mode.
+/// While all of these hold, a load keeps the choice instead of predicting every depth again
+/// (a reload before each step decides nothing new); when one changes, the planner chooses
+/// again with the figures measured since.
+#[derive(Debug, Clone)]
+pub(in crate::loader) struct DepthChoice {
+    key: (u64, crate::patcher::ResidencySignature, u64, u64, bool),
+    depth: usize,
+    weighed: Vec<DepthOption>,
+}
+
 impl MemoryManager {
     /// Which of `views` (one model's weights on `device`; `already` of their bytes current
     /// there) will be resident, the weight budget of a partial load (`None`: full), the room
@@ -129,30 +144,58 @@ impl MemoryManager {
             }
         };
         let mut weighed = Vec::new();
-        let (classic, budget, room, depth) = if self.chooses_depth(m, views) {
-            type Selection = (Vec<bool>, ByteSize, ByteSize);
-            let mut best: Option<(Selection, usize, u64)> = None;
-            for d in DEPTHS {
-                let selection = select(p, d);
-                let room = streamer_room(&selection.0, selection.2);
-                let predicted = self.predict_with(m, |i| selection.0[i], room, d);
-                weighed.push(DepthOption {
-                    depth: d,
-                    predicted,
-                });
-                let faster = best.as_ref().is_none_or(|(_, _, ns)| {
-                    (predicted.step_ns as f64) < *ns as f64 * (1.0 - DEEPER_GAIN)
-                });
-                if faster {
-                    best = Some((selection, d, predicted.step_ns));
+        let key = (
+            m.model().id(),
+            m.residency_signature(),
+            free_here.bytes(),
+            options.memory_required.bytes(),
+            dynamic,
+        );
+        let kept = self
+            .depth_choices
+            .lock()
+            .iter()
+            .find(|c| c.key == key)
+            .map(|c| (c.depth, c.weighed.clone()));
+        let (classic, budget, room, depth) =
+            if let Some((d, w)) = kept.filter(|_| self.chooses_depth(m, views)) {
+                weighed = w;
+                let (want, budget, room) = select(p, d);
+                (want, budget, room, d)
+            } else if self.chooses_depth(m, views) {
+                type Selection = (Vec<bool>, ByteSize, ByteSize);
+                let mut best: Option<(Selection, usize, u64)> = None;
+                for d in DEPTHS {
+                    let selection = select(p, d);
+                    let room = streamer_room(&selection.0, selection.2);
+                    let predicted = self.predict_with(m, |i| selection.0[i], room, d);
+                    weighed.push(DepthOption {
+                        depth: d,
+                        predicted,
+                    });
+                    let faster = best.as_ref().is_none_or(|(_, _, ns)| {
+                        (predicted.step_ns as f64) < *ns as f64 * (1.0 - DEEPER_GAIN)
+                    });
+                    if faster {
+                        best = Some((selection, d, predicted.step_ns));
+                    }
                 }
-            }
-            let ((want, budget, room), d, _) = best.expect("DEPTHS is not empty");
-            (want, budget, room, d)
-        } else {
-            let (want, budget, room) = select(p, depth);
-            (want, budget, room, depth)
-        };
+                let ((want, budget, room), d, _) = best.expect("DEPTHS is not empty");
+                let mut choices = self.depth_choices.lock();
+                choices.retain(|c| c.key.0 != key.0);
+                if choices.len() >= DEPTH_CHOICES {
+                    choices.remove(0);
+                }
+                choices.push(DepthChoice {
+                    key,
+                    depth: d,
+                    weighed: weighed.clone(),
+                });
+                (want, budget, room, d)
+            } else {
+                let (want, budget, room) = select(p, depth);
+                (want, budget, room, depth)
+            };
         let streamer_room = streamer_room(&classic, room);
         if dynamic {
             // Residency by use: what is resident and current stays (pinned weights are loaded,
