@@ -1,6 +1,6 @@
-//! The pipeline's checkpoints, built once from deterministic weights: the three `ops` models and a
-//! LoRA for the denoiser's attention in kohya naming as safetensors, and the prompt model as a
-//! quantized GGUF file (written with candle's GGUF writer).
+//! The pipeline's checkpoints, built once from deterministic weights: the three `residency::nn`
+//! models and a LoRA for the denoiser's attention in kohya naming as safetensors, and the prompt
+//! model as a quantized GGUF file (written with candle's GGUF writer).
 
 use std::path::Path;
 

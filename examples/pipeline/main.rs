@@ -31,7 +31,9 @@
 //! The prompt model is candle-transformers' `quantized_llama.rs` with only its `use` lines
 //! changed (`tests/ported/quantized_llama.rs`), on a Q4_K/Q6_K/Q8_0 model read with
 //! `MemoryManager::read_gguf`: its block bytes are scheduled, streamed and counted like every
-//! other weight.
+//! other weight. The other three models are candle-nn code on `residency::nn` (`use
+//! residency::nn as candle_nn;`, docs/PORTING.md): their layers fetch each weight at use, and the
+//! denoiser's layers switch to the LoRA clone and back with `OpsSource::load`.
 //!
 //! This file is the job itself ([`run`]); `models.rs` holds the models, `checkpoints.rs` their
 //! deterministic weights and the LoRA file, `report.rs` what a run reports.
@@ -196,7 +198,6 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         };
         // 2. denoise
         let dn = if use_lora { &styled } else { &base };
-        denoiser.source.set_patcher(dn)?;
         let latent_shape = [1, LATENT_HW * LATENT_HW];
         let opts = LoadOptions {
             // Patched weights first: the LoRA's weights become resident rather than re-patched at
@@ -204,7 +205,8 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
             force_patch_weights: true,
             ..LoadOptions::default().with_input_shape(&latent_shape)
         };
-        let r = mm.load_models_gpu(std::slice::from_ref(dn), opts)?;
+        // The denoiser's layers switch to `dn` and `dn` is loaded, in one call.
+        let r = denoiser.source.load(&mm, dn, opts)?;
         evictions.extend(r.evicted.clone());
         let denoiser_moved = r.moved();
         add_moved(&mut moved_per_model, &r);

@@ -1,14 +1,14 @@
-//! The pipeline's three models, built from `residency::ops` layers: a text encoder (a small
-//! transformer), a denoiser (attention, cross-attention and MLP blocks) and a conv decoder. Their
-//! weights come from the checkpoints `checkpoints.rs` writes.
+//! The pipeline's three models, written as candle-nn code and ported with one line,
+//! `use residency::nn as candle_nn;` (docs/PORTING.md): a text encoder (a small transformer), a
+//! denoiser (attention, cross-attention and MLP blocks) and a conv decoder. Their layers hold the
+//! keys of their weights and fetch them at every forward, so the manager schedules them like any
+//! weight. Their weights come from the checkpoints `checkpoints.rs` writes.
 
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Module, Tensor};
 use residency::attention::{self, AttentionOptions, Backend};
 use residency::float::{self, Dtype};
-use residency::ops::{
-    Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig, GroupNorm, LayerNorm, Linear,
-    OpsBuilder, OpsMode, OpsSource,
-};
+use residency::nn as candle_nn;
+use residency::ops::{OpsMode, OpsSource};
 use residency::patcher::ModelPatcher;
 use residency::Result;
 
@@ -29,102 +29,115 @@ pub const PLM_NEW_TOKENS: usize = 6;
 /// The prompt model's KV cache per token: 2 blocks × (K and V) × 2 heads × 64 dimensions × f32.
 pub const PLM_KV_BYTES_PER_TOKEN: usize = 2 * 2 * (PLM_EMBD / 2) * 4;
 
-struct Block {
-    ln1: LayerNorm,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    ln2: LayerNorm,
-    cq: Option<Linear>,
-    ck: Option<Linear>,
-    cv: Option<Linear>,
-    co: Option<Linear>,
-    ln3: Option<LayerNorm>,
-    fc1: Linear,
-    fc2: Linear,
+/// Attention of `q` over `k`/`v` and its output projection.
+struct Attention {
+    q: candle_nn::Linear,
+    k: candle_nn::Linear,
+    v: candle_nn::Linear,
+    o: candle_nn::Linear,
 }
 
-fn attn(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> Result<Tensor> {
-    attention::attention(q, k, v, heads, None, &AttentionOptions::new(Backend::Naive))
-}
-
-impl Block {
-    fn new(vb: &OpsBuilder, cross: bool) -> Result<Block> {
-        let c = |n: &str| -> Result<Option<Linear>> {
-            if cross {
-                vb.pp("cross").linear(n, true).map(Some)
-            } else {
-                Ok(None)
-            }
-        };
-        Ok(Block {
-            ln1: vb.layer_norm("ln1", 1e-5, true)?,
-            q: vb.pp("attn").linear("q", true)?,
-            k: vb.pp("attn").linear("k", true)?,
-            v: vb.pp("attn").linear("v", true)?,
-            o: vb.pp("attn").linear("o", true)?,
-            ln2: vb.layer_norm("ln2", 1e-5, true)?,
-            cq: c("q")?,
-            ck: c("k")?,
-            cv: c("v")?,
-            co: c("o")?,
-            ln3: if cross {
-                Some(vb.layer_norm("ln3", 1e-5, true)?)
-            } else {
-                None
-            },
-            fc1: vb.pp("mlp").linear("fc1", true)?,
-            fc2: vb.pp("mlp").linear("fc2", true)?,
+impl Attention {
+    /// Queries from width `h`, keys and values from width `kv`, under `vb` (`q`, `k`, `v`, `o`).
+    fn new(h: usize, kv: usize, vb: candle_nn::VarBuilder<'_>) -> candle_core::Result<Self> {
+        Ok(Attention {
+            q: candle_nn::linear(h, h, vb.pp("q"))?,
+            k: candle_nn::linear(kv, h, vb.pp("k"))?,
+            v: candle_nn::linear(kv, h, vb.pp("v"))?,
+            o: candle_nn::linear(h, h, vb.pp("o"))?,
         })
     }
 
-    fn forward(&self, x: &Tensor, context: Option<&Tensor>, heads: usize) -> Result<Tensor> {
-        let h = self.ln1.try_forward(x)?;
-        let a = attn(
-            &self.q.try_forward(&h)?,
-            &self.k.try_forward(&h)?,
-            &self.v.try_forward(&h)?,
+    fn forward(&self, x: &Tensor, kv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+        let a = attention::attention(
+            &self.q.forward(x)?,
+            &self.k.forward(kv)?,
+            &self.v.forward(kv)?,
             heads,
+            None,
+            &AttentionOptions::new(Backend::Naive),
         )?;
-        let mut x = (x + self.o.try_forward(&a)?)?;
-        let mlp_norm = if let (Some(cq), Some(ck), Some(cv), Some(co), Some(ctx), Some(ln3)) =
-            (&self.cq, &self.ck, &self.cv, &self.co, context, &self.ln3)
-        {
-            let h = self.ln2.try_forward(&x)?;
-            let a = attn(
-                &cq.try_forward(&h)?,
-                &ck.try_forward(ctx)?,
-                &cv.try_forward(ctx)?,
-                heads,
-            )?;
-            x = (x + co.try_forward(&a)?)?;
-            ln3
-        } else {
-            &self.ln2
+        self.o.forward(&a)
+    }
+}
+
+/// A cross-attention over the text encoder's output and the norm of the MLP after it.
+struct Cross {
+    attn: Attention,
+    /// `ln3`: with cross-attention the MLP reads its own norm.
+    mlp_norm: candle_nn::LayerNorm,
+}
+
+/// A transformer block: self-attention, then (in the denoiser) cross-attention, then an MLP,
+/// each after a layer norm and added to the residual.
+struct Block {
+    ln1: candle_nn::LayerNorm,
+    attn: Attention,
+    ln2: candle_nn::LayerNorm,
+    cross: Option<Cross>,
+    fc1: candle_nn::Linear,
+    fc2: candle_nn::Linear,
+}
+
+impl Block {
+    /// A block of width `h`; with `context`, a cross-attention over a context of that width.
+    fn new(
+        h: usize,
+        context: Option<usize>,
+        vb: candle_nn::VarBuilder<'_>,
+    ) -> candle_core::Result<Block> {
+        Ok(Block {
+            ln1: candle_nn::layer_norm(h, 1e-5, vb.pp("ln1"))?,
+            attn: Attention::new(h, h, vb.pp("attn"))?,
+            ln2: candle_nn::layer_norm(h, 1e-5, vb.pp("ln2"))?,
+            cross: match context {
+                Some(c) => Some(Cross {
+                    attn: Attention::new(h, c, vb.pp("cross"))?,
+                    mlp_norm: candle_nn::layer_norm(h, 1e-5, vb.pp("ln3"))?,
+                }),
+                None => None,
+            },
+            fc1: candle_nn::linear(h, 4 * h, vb.pp("mlp").pp("fc1"))?,
+            fc2: candle_nn::linear(4 * h, h, vb.pp("mlp").pp("fc2"))?,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        context: Option<&Tensor>,
+        heads: usize,
+    ) -> candle_core::Result<Tensor> {
+        let h = self.ln1.forward(x)?;
+        let mut x = (x + self.attn.forward(&h, &h, heads)?)?;
+        let mlp_norm = match (&self.cross, context) {
+            (Some(cross), Some(ctx)) => {
+                let h = self.ln2.forward(&x)?;
+                x = (x + cross.attn.forward(&h, ctx, heads)?)?;
+                &cross.mlp_norm
+            }
+            _ => &self.ln2,
         };
-        let h = self.fc1.try_forward(&mlp_norm.try_forward(&x)?)?.gelu()?;
-        Ok((x + self.fc2.try_forward(&h)?)?)
+        let h = self.fc1.forward(&mlp_norm.forward(&x)?)?.gelu()?;
+        x + self.fc2.forward(&h)?
     }
 }
 
 pub struct TextEncoder {
-    source: OpsSource,
-    embed: residency::ops::Embedding,
+    embed: candle_nn::Embedding,
     blocks: Vec<Block>,
-    norm: LayerNorm,
+    norm: candle_nn::LayerNorm,
 }
 
 impl TextEncoder {
     pub fn new(p: &ModelPatcher) -> Result<Self> {
-        let vb = OpsBuilder::new(p, OpsMode::DisableWeightInit);
+        let vb = candle_nn::VarBuilder::from_patcher(p, OpsMode::DisableWeightInit)?;
         Ok(TextEncoder {
-            source: vb.source().clone(),
-            embed: vb.embedding("embed")?,
+            embed: candle_nn::embedding(VOCAB, TEXT_H, vb.pp("embed"))?,
             blocks: (0..TEXT_BLOCKS)
-                .map(|b| Block::new(&vb.pp("blocks").pp(b), false))
-                .collect::<Result<_>>()?,
-            norm: vb.layer_norm("final_ln", 1e-5, true)?,
+                .map(|b| Block::new(TEXT_H, None, vb.pp("blocks").pp(b)))
+                .collect::<candle_core::Result<_>>()?,
+            norm: candle_nn::layer_norm(TEXT_H, 1e-5, vb.pp("final_ln"))?,
         })
     }
     pub fn forward(&self, prompt: &str) -> Result<Tensor> {
@@ -138,100 +151,95 @@ impl TextEncoder {
             })
             .collect();
         let ids = Tensor::from_vec(ids, (1, TOKENS), &Device::Cpu)?;
-        let mut x = self.embed.try_forward(&ids)?;
+        let mut x = self.embed.forward(&ids)?;
         for b in &self.blocks {
             x = b.forward(&x, None, HEADS)?;
         }
-        let out = self.norm.try_forward(&x)?;
-        self.source.finish_forward();
-        Ok(out)
+        Ok(self.norm.forward(&x)?)
     }
 }
 
 pub struct Denoiser {
-    /// Switched between the base and the LoRA clone per prompt.
+    /// What every layer fetches through: switched between the base and the LoRA clone per
+    /// prompt by [`OpsSource::load`].
     pub source: OpsSource,
-    proj_in: Linear,
-    time: Linear,
+    proj_in: candle_nn::Linear,
+    time: candle_nn::Linear,
     blocks: Vec<Block>,
-    norm: LayerNorm,
-    proj_out: Linear,
+    norm: candle_nn::LayerNorm,
+    proj_out: candle_nn::Linear,
 }
 
 impl Denoiser {
     pub fn new(p: &ModelPatcher) -> Result<Self> {
-        let vb = OpsBuilder::new(
-            p,
+        // Stored in bf16, computed in f32: every layer casts its weights at use.
+        let source = OpsSource::new(p);
+        let vb = candle_nn::VarBuilder::from_source(
+            &source,
             OpsMode::ManualCast {
                 compute: Dtype::F32,
             },
-        );
+        )?;
         Ok(Denoiser {
-            source: vb.source().clone(),
-            proj_in: vb.linear("proj_in", true)?,
-            time: vb.linear("time", true)?,
+            proj_in: candle_nn::linear(LATENT_C, H, vb.pp("proj_in"))?,
+            time: candle_nn::linear(1, H, vb.pp("time"))?,
             blocks: (0..BLOCKS)
-                .map(|b| Block::new(&vb.pp("blocks").pp(b), true))
-                .collect::<Result<_>>()?,
-            norm: vb.layer_norm("final_ln", 1e-5, true)?,
-            proj_out: vb.linear("proj_out", true)?,
+                .map(|b| Block::new(H, Some(TEXT_H), vb.pp("blocks").pp(b)))
+                .collect::<candle_core::Result<_>>()?,
+            norm: candle_nn::layer_norm(H, 1e-5, vb.pp("final_ln"))?,
+            proj_out: candle_nn::linear(H, LATENT_C, vb.pp("proj_out"))?,
+            source,
         })
     }
     /// Predicts the noise of latent tokens `[1, 64, 16]` at time `t`.
     pub fn forward(&self, x: &Tensor, t: f32, context: &Tensor) -> Result<Tensor> {
-        let temb = self.time.try_forward(&Tensor::new(&[[t]], &Device::Cpu)?)?;
-        let mut h = self.proj_in.try_forward(x)?.broadcast_add(&temb)?;
+        let temb = self.time.forward(&Tensor::new(&[[t]], &Device::Cpu)?)?;
+        let mut h = self.proj_in.forward(x)?.broadcast_add(&temb)?;
         for b in &self.blocks {
             h = b.forward(&h, Some(context), HEADS)?;
         }
-        let out = self.proj_out.try_forward(&self.norm.try_forward(&h)?)?;
-        self.source.finish_forward();
-        Ok(out)
+        Ok(self.proj_out.forward(&self.norm.forward(&h)?)?)
     }
 }
 
 pub struct Decoder {
-    source: OpsSource,
-    conv_in: Conv2d,
-    norm1: GroupNorm,
-    up1: ConvTranspose2d,
-    norm2: GroupNorm,
-    up2: ConvTranspose2d,
-    conv_out: Conv2d,
+    conv_in: candle_nn::Conv2d,
+    norm1: candle_nn::GroupNorm,
+    up1: candle_nn::ConvTranspose2d,
+    norm2: candle_nn::GroupNorm,
+    up2: candle_nn::ConvTranspose2d,
+    conv_out: candle_nn::Conv2d,
 }
 
 impl Decoder {
     pub fn new(p: &ModelPatcher) -> Result<Self> {
-        let vb = OpsBuilder::new(p, OpsMode::DisableWeightInit);
-        let pad1 = ConvConfig {
+        let vb = candle_nn::VarBuilder::from_patcher(p, OpsMode::DisableWeightInit)?;
+        let pad1 = candle_nn::Conv2dConfig {
             padding: 1,
-            ..ConvConfig::default()
+            ..Default::default()
         };
-        let up = ConvTransposeConfig {
+        let up = candle_nn::ConvTranspose2dConfig {
             padding: 1,
             stride: 2,
-            ..ConvTransposeConfig::default()
+            ..Default::default()
         };
         Ok(Decoder {
-            source: vb.source().clone(),
-            conv_in: vb.conv2d("conv_in", pad1, true)?,
-            norm1: vb.group_norm("norm1", 8, 1e-5)?,
-            up1: vb.conv_transpose2d("up1", up, true)?,
-            norm2: vb.group_norm("norm2", 8, 1e-5)?,
-            up2: vb.conv_transpose2d("up2", up, true)?,
-            conv_out: vb.conv2d("conv_out", pad1, true)?,
+            conv_in: candle_nn::conv2d(LATENT_C, 64, 3, pad1, vb.pp("conv_in"))?,
+            norm1: candle_nn::group_norm(8, 64, 1e-5, vb.pp("norm1"))?,
+            up1: candle_nn::conv_transpose2d(64, 32, 4, up, vb.pp("up1"))?,
+            norm2: candle_nn::group_norm(8, 32, 1e-5, vb.pp("norm2"))?,
+            up2: candle_nn::conv_transpose2d(32, 16, 4, up, vb.pp("up2"))?,
+            conv_out: candle_nn::conv2d(16, 3, 3, pad1, vb.pp("conv_out"))?,
         })
     }
     pub fn forward(&self, latent: &Tensor) -> Result<Tensor> {
         let x = latent
             .transpose(1, 2)?
             .reshape((1, LATENT_C, LATENT_HW, LATENT_HW))?;
-        let x = self.conv_in.try_forward(&x)?;
-        let x = self.up1.try_forward(&self.norm1.try_forward(&x)?.silu()?)?;
-        let x = self.up2.try_forward(&self.norm2.try_forward(&x)?.silu()?)?;
-        let out = self.conv_out.try_forward(&x)?.tanh()?;
-        self.source.finish_forward();
-        Ok(out)
+        let x = self.conv_in.forward(&x)?;
+        let x = self.up1.forward(&self.norm1.forward(&x)?.silu()?)?;
+        let x = self.up2.forward(&self.norm2.forward(&x)?.silu()?)?;
+        Ok(self.conv_out.forward(&x)?.tanh()?)
     }
 }
 
