@@ -614,10 +614,22 @@ impl Keeper for Dynamic {
         // The booking's device and size, decided once: the commit checks them, never re-reads.
         let device = patcher.weight_device(index);
         let bytes = patcher.resident_size(index);
+        let me = model.usage().of(index);
+        let refuse = || {
+            if me.position != NO_POSITION {
+                model.usage().refuse_from(me.position);
+            }
+            None
+        };
+        if me.position != NO_POSITION && model.usage().refused_before(me.position) {
+            // A weight earlier in this forward was refused: this one, of lower priority, is
+            // not kept ahead of it (it comes back by use in a later forward).
+            return None;
+        }
         if !self.ledger.probe_allows(device, bytes, room) {
             // The driver's figure refuses the copy whatever is evicted (evicting frees memory
             // only once the frees run): evict nothing, stream.
-            return None;
+            return refuse();
         }
         // Declared before the lock: the last handle of a model can be among them, and dropping
         // a model unpins its weights, which waits on the device — after the lock.
@@ -637,7 +649,6 @@ impl Keeper for Dynamic {
         if short == ByteSize::ZERO {
             return Reservation::take(&self.faults, device, bytes, room);
         }
-        let me = model.usage().of(index);
         if me.position != NO_POSITION && me.position >= model.usage().watermark() {
             self.with_stats(device, |s| s.past_watermark += 1);
             return None;
@@ -664,7 +675,7 @@ impl Keeper for Dynamic {
         );
         // Not enough to give of lower priority: evict nothing, stream.
         if !self.evict_enough(model, &victims, short, device, window, me.count) {
-            return None;
+            return refuse();
         }
         Reservation::take(&self.faults, device, bytes, room)
     }
@@ -767,9 +778,13 @@ impl Keeper for Dynamic {
     ) -> Option<(DeviceHold, Reservation)> {
         let device = booking.device();
         let bytes = patcher.resident_size(index);
+        let usage = patcher.model().usage();
+        let position = usage.of(index).position;
         if device != patcher.weight_device(index)
             || booking.bytes() != bytes
             || patcher.streams_always(index)
+            // A weight earlier in this forward was refused: not kept ahead of it (`book`).
+            || (position != NO_POSITION && usage.refused_before(position))
         {
             return Some((hold, booking));
         }
@@ -789,11 +804,19 @@ impl Keeper for Dynamic {
             }
             // The in-flight booking becomes resident bytes in the ledger as the slot does.
             let ledger = &self.ledger;
+            let mut no_room = false;
             match install(patcher, index, (weight, device, bytes), hold, || {
-                ledger.keep_prefetched(device, bytes, room)
+                let kept = ledger.keep_prefetched(device, bytes, room);
+                no_room = !kept;
+                kept
             }) {
                 Ok(pins) => released = pins,
-                Err(hold) => return Some((hold, booking)),
+                Err(hold) => {
+                    if no_room && position != NO_POSITION {
+                        usage.refuse_from(position);
+                    }
+                    return Some((hold, booking));
+                }
             }
             booking.absorb();
             self.count_fault_in(device);

@@ -40,6 +40,9 @@ pub(crate) struct Usage {
     compute: Box<[AtomicU64]>,
     /// The input rows of the model's last quantized matmul (0: none ran).
     rows: AtomicUsize,
+    /// The first-use position of the earliest weight refused a fault-in in the current forward
+    /// ([`NONE`]: none): later weights are not kept in it either.
+    refused: AtomicUsize,
 }
 
 /// What the eviction order reads of one weight.
@@ -74,7 +77,22 @@ impl Usage {
             returned_at: AtomicU64::new(0),
             compute: atomics(n, || AtomicU64::new(0)),
             rows: AtomicUsize::new(0),
+            refused: AtomicUsize::new(NONE),
         }
+    }
+
+    /// A fault-in of the weight at first-use `position` was refused in this forward (no room
+    /// that its priority may take): weights after it in the order are not kept in this forward
+    /// either, so what stays is a prefix whatever the moment room comes back (a copy's
+    /// stream-ordered free landing a little later must not let a later weight in ahead of it).
+    pub(crate) fn refuse_from(&self, position: usize) {
+        self.refused.fetch_min(position, Ordering::Relaxed);
+    }
+
+    /// Whether a weight earlier than first-use `position` was refused a fault-in in this
+    /// forward ([`Usage::refuse_from`]).
+    pub(crate) fn refused_before(&self, position: usize) -> bool {
+        position > self.refused.load(Ordering::Relaxed)
     }
 
     /// A quantized matmul of the model ran on `rows` input rows.
@@ -138,6 +156,10 @@ impl Usage {
             // A racing first use keeps the earlier position.
             let _ =
                 self.first[index].compare_exchange(NONE, p, Ordering::Relaxed, Ordering::Relaxed);
+        }
+        if self.first[index].load(Ordering::Relaxed) == 0 {
+            // A forward begins: its fault-ins are decided afresh.
+            self.refused.store(NONE, Ordering::Relaxed);
         }
         self.end_span(index);
         let before = self.previous.swap(index, Ordering::Relaxed);
@@ -231,6 +253,25 @@ mod tests {
         assert_eq!(u.successor(1), Some(2));
         assert_eq!(u.successor(3), None);
         assert_eq!(u.distinct(), 3);
+    }
+
+    #[test]
+    fn a_refused_fault_in_holds_back_the_later_weights_of_its_forward_only() {
+        let u = Usage::new(4);
+        for i in 0..4 {
+            u.record(i);
+        }
+        assert!(!u.refused_before(3), "nothing refused");
+        u.refuse_from(2);
+        u.refuse_from(3);
+        assert!(u.refused_before(3));
+        assert!(
+            !u.refused_before(2) && !u.refused_before(1),
+            "it and the weights before it"
+        );
+        // The next forward begins with the weight at position 0: decided afresh.
+        u.record(0);
+        assert!(!u.refused_before(3));
     }
 
     #[test]
