@@ -16,6 +16,11 @@
 //!    default's two lanes — what the planner could have chosen — and over every lane count.
 //!    `RESIDENCY_BENCH_VERBOSE=1` prints every configuration's audit.
 //!
+//! 4. The cost of a reload that decides nothing new: a partial reload of a 500-weight model
+//!    after forwards, with the prefetch depth the planner chose kept, beside the same with a
+//!    depth the configuration sets (the limit: nothing to choose) and with the choice made
+//!    afresh at every reload (the request alternating, so what it was made for changes).
+//!
 //! `RESIDENCY_BENCH_QUICK=1` runs the tables on fewer configurations.
 
 use std::time::{Duration, Instant};
@@ -325,6 +330,70 @@ criterion_group!(benches, bench);
 
 fn main() {
     benches();
+    reloads();
     tables();
     criterion::Criterion::default().final_summary();
+}
+
+/// The time of one partial reload of a 500-weight model on a simulated GPU half its size,
+/// after three forwards (its compute measured): `depth` from the configuration (`None`: the
+/// planner's), and with `alternate` each reload asking for other activation memory than the
+/// last (the planner's choice is made again each time).
+fn reload_ns(depth: Option<usize>, alternate: bool) -> f64 {
+    let mut config = Config::from_args([
+        "--sim-gpu",
+        "4MiB@25GB/s",
+        "--reserve-vram",
+        "0",
+        "--async-offload",
+        "2",
+    ])
+    .expect("flags");
+    config.prefetch_depth = depth;
+    let mm = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(64))).expect("manager");
+    let tensors = (0..500).map(|i| {
+        let w = Tensor::zeros((64, 64), candle_core::DType::F32, &Device::Cpu).unwrap();
+        (format!("w{i}"), w)
+    });
+    let model = Model::from_tensors("reloaded", tensors).unwrap();
+    let p = ModelPatcher::new(std::sync::Arc::new(model), SIM0, DeviceId::Cpu);
+    let one = std::slice::from_ref(&p);
+    mm.load_models_gpu(one, LoadOptions::default()).unwrap();
+    for _ in 0..3 {
+        for i in 0..500 {
+            residency::offload::fetch_weight_at(&p, i).unwrap();
+        }
+    }
+    let options = |k: usize| LoadOptions {
+        memory_required: ByteSize::kib(if alternate { 16 * (k as u64 % 2) } else { 0 }),
+        ..LoadOptions::default()
+    };
+    mm.load_models_gpu(one, options(1)).unwrap();
+    let n = 200;
+    let t0 = Instant::now();
+    for k in 0..n {
+        mm.load_models_gpu(one, options(k)).unwrap();
+    }
+    t0.elapsed().as_nanos() as f64 / n as f64
+}
+
+fn reloads() {
+    let fixed = reload_ns(Some(2), false);
+    let kept = reload_ns(None, false);
+    let afresh = reload_ns(None, true);
+    println!("\npartial reload of a 500-weight model (half resident), after forwards:");
+    println!(
+        "  depth set by the configuration (limit): {:>9.1} µs",
+        fixed / 1e3
+    );
+    println!(
+        "  depth chosen by the planner, kept:       {:>9.1} µs ({:.2}× the limit)",
+        kept / 1e3,
+        kept / fixed
+    );
+    println!(
+        "  chosen afresh at every reload:           {:>9.1} µs ({:.2}× the limit)",
+        afresh / 1e3,
+        afresh / fixed
+    );
 }
