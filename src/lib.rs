@@ -88,6 +88,7 @@ pub mod size;
 pub mod tools;
 pub mod trace;
 pub mod vram;
+pub mod warnings;
 pub mod weights;
 pub mod with_tracing;
 

@@ -275,16 +275,18 @@ pub fn select_backend(input: &DispatchInput) -> Backend {
     let d = dispatch(input);
     if let Some(fb) = d.fallback {
         let key = format!("dispatch:{:?}->{:?}", fb.requested, d.backend);
-        if latch(key) {
+        if latch(key.clone()) {
+            let text = format!(
+                "{} requested but {}; using {} instead",
+                fb.requested, fb.reason, d.backend
+            );
             tracing::warn!(
                 requested = %fb.requested,
                 flag = fb.requested.flag().unwrap_or(""),
                 fallback = %d.backend,
-                "{} requested but {}; using {} instead",
-                fb.requested,
-                fb.reason,
-                d.backend
+                "{text}"
             );
+            crate::warnings::echo(&key, || text);
         }
     }
     tracing::debug!(backend = %d.backend, requested = ?input.requested, fell_back = d.fallback.is_some(),

@@ -159,13 +159,12 @@ pub fn attention_with_stats(
     let softmax_bytes = options.upcast.softmax_dtype(q.dtype()).size_in_bytes();
     let backend = runnable(options.backend, DeviceKind::from(device), softmax_bytes);
     if backend != options.backend && latch(format!("run:{:?}", options.backend)) {
-        tracing::warn!(
-            requested = %options.backend,
-            fallback = %backend,
+        let text = format!(
             "{} is not available in this build; using {} instead",
-            options.backend,
-            backend
+            options.backend, backend
         );
+        tracing::warn!(requested = %options.backend, fallback = %backend, "{text}");
+        crate::warnings::echo(&format!("attention-run:{:?}", options.backend), || text);
     }
 
     for (t, what) in [(q, "q"), (k, "k"), (v, "v")] {

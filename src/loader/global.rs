@@ -50,6 +50,9 @@ fn manager_for(config: Config) -> MemoryManager {
         Ok(policy) => MemoryManager::with_policy(policy),
         Err(e) => {
             tracing::warn!(error = %e, "falling back to the default configuration");
+            crate::warnings::echo("config-fallback", || {
+                format!("falling back to the default configuration: {e}")
+            });
             let policy = Policy::new(Config::default(), hardware.clone()).unwrap_or_else(|_| {
                 Policy::new(Config::default(), Hardware::cpu_only(hardware.host.total))
                     .unwrap_or_else(|_| unreachable!())

@@ -70,7 +70,7 @@ ranks! {
     SimEvent = 28, "sim event (and its condition variable)", "an event's latest recording and completions";
     SimGpu = 29, "device::SimGpu books (and its condition variable)", "a simulated GPU's allocations, page-locked ranges, faults and findings";
     NnHandedOut = 30, "nn tensors handed out", "tables handed out by managed accessors";
-    WarnLatch = 31, "attention warning latch", "warnings already printed";
+    WarnLatch = 31, "warning latches (attention's, `warnings`' stderr copies)", "warnings already printed";
     DynamicStats = 32, "loader::Dynamic statistics", "hits, misses, faults-in and the recorded uses, per device";
     ManagerView = 33, "MemoryManager::view", "the registry as reports read it (published when the manager lock is released)";
     MissCosts = 34, "offload::MissCosts figures", "the measured costs of cost-aware misses and their counts";

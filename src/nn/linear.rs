@@ -37,9 +37,11 @@ impl Linear {
         }
         let copies = super::held::handed_out(&weight);
         if let Some(what) = &copies {
-            tracing::warn!(
+            let text = format!(
                 "Linear::new on the fetched table of managed embedding {what} with a bias: the layer is an unmanaged copy (outside the ledger, and a LoRA on the embedding will not reach it)"
             );
+            tracing::warn!("{text}");
+            crate::warnings::echo(&format!("linear-table:{what}"), || text);
         }
         Linear {
             held: Held::Owned(candle_nn::Linear::new(weight, bias)),

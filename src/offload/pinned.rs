@@ -258,6 +258,9 @@ impl PinnedPool {
                     Err(e) => {
                         if !self.shared.pin_failed.swap(true, Ordering::Relaxed) {
                             tracing::warn!(error = %e, "pinning host memory failed; staging from pageable memory");
+                            crate::warnings::echo("pinned-staging", || {
+                                format!("pinning host memory failed ({e}); staging from pageable memory")
+                            });
                         }
                     }
                 }

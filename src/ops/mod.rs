@@ -273,6 +273,7 @@ impl OpsSource {
         if let Some(text) = not_loaded_text(patcher) {
             if !self.warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
                 tracing::warn!(model = patcher.model().name(), "{text}");
+                crate::warnings::echo(&format!("clone-trap:{}", patcher.model().name()), || text);
             }
         }
     }

@@ -161,10 +161,16 @@ fn probe_cuda() -> Vec<GpuInfo> {
         Ok(Ok(gpus)) => gpus,
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "CUDA driver present but not usable: no GPU");
+            crate::warnings::echo("cuda-driver", || {
+                format!("CUDA driver present but not usable ({e}): no GPU")
+            });
             Vec::new()
         }
         Err(_) => {
             tracing::warn!("CUDA driver present but incompatible with cudarc: no GPU");
+            crate::warnings::echo("cuda-driver", || {
+                "CUDA driver present but incompatible with cudarc: no GPU".to_string()
+            });
             Vec::new()
         }
     }

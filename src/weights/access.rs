@@ -68,12 +68,12 @@ impl Model {
         if device.is_cpu() || self.used_unloaded.swap(true, Ordering::Relaxed) {
             return;
         }
-        tracing::warn!(
-            model = self.name(),
-            %device,
+        let text = format!(
             "`{}` is used on {device} without `load_models_gpu`: every weight is copied from host memory at every use; load it before running",
             self.name()
         );
+        tracing::warn!(model = self.name(), %device, "{text}");
+        crate::warnings::echo(&format!("unloaded:{}", self.name()), || text);
     }
 
     /// Parameters the model's code holds as its own tensors, outside the ledger: handed out by
@@ -91,14 +91,14 @@ impl Model {
         }
         let keys: Vec<&str> = outside.iter().take(8).map(|(k, _)| k.as_str()).collect();
         let more = outside.len().saturating_sub(keys.len());
-        tracing::warn!(
-            model = self.name(),
-            %bytes,
+        let text = format!(
             "model `{}` keeps {bytes} of its weights as its own tensors, outside the ledger (never evicted, streamed or budgeted): {}{}; build its layers from them with Linear::new / RmsNorm::new / LayerNorm::new on the tensors VarBuilder::get returned, or read them with VarBuilder::get_managed",
             self.name(),
             keys.join(", "),
             if more > 0 { format!(" and {more} more") } else { String::new() }
         );
+        tracing::warn!(model = self.name(), %bytes, "{text}");
+        crate::warnings::echo(&format!("outside:{}", self.name()), || text);
     }
 
     /// Notes that a manager loaded the model for a patcher whose patch set has `version`.

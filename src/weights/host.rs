@@ -677,6 +677,9 @@ impl HostTier {
                 drop(b);
                 if !self.shared.pin_warned.swap(true, Ordering::Relaxed) {
                     tracing::warn!(error = %e, "page-locking a weight in place failed; it is staged instead");
+                    crate::warnings::echo("pin-in-place", || {
+                        format!("page-locking a weight in place failed ({e}); it is staged instead")
+                    });
                 }
                 return None;
             }

@@ -337,6 +337,9 @@ fn warn_unmatched(source: &str, load: &LoraLoad) {
             nearest = ?first.nearest_model_key,
             "no module of this LoRA matches a model key"
         );
+        crate::warnings::echo(&format!("lora-unmatched:{source}"), || {
+            format!("no module of the LoRA {source} matches a model key ({left} modules: {names})")
+        });
     } else {
         tracing::warn!(
             source,
@@ -348,6 +351,9 @@ fn warn_unmatched(source: &str, load: &LoraLoad) {
             nearest = ?first.nearest_model_key,
             "LoRA partly matched: these modules patch nothing"
         );
+        crate::warnings::echo(&format!("lora-partly:{source}"), || {
+            format!("the LoRA {source} matched in part: {left} modules patch nothing ({names})")
+        });
     }
 }
 
