@@ -72,7 +72,7 @@ fn bench(c: &mut Criterion) {
     mm.load_model_gpu(&p).expect("first load");
     let again = mm.load_model_gpu(&p).expect("second load");
     assert_eq!(
-        again.models[0].moved,
+        again.models[0].built,
         ByteSize::ZERO,
         "a reload moved bytes"
     );

@@ -235,7 +235,7 @@ fn a_model_three_times_a_device_runs_split_with_the_cpu_bits() {
         .unwrap();
     let weight_bytes = base.resident_size(index);
     assert_eq!(
-        report.models[0].moved, weight_bytes,
+        report.models[0].built, weight_bytes,
         "only the patched weight moves"
     );
     assert_eq!(
@@ -257,7 +257,7 @@ fn a_model_three_times_a_device_runs_split_with_the_cpu_bits() {
     let report = mm
         .load_models_gpu(std::slice::from_ref(&base), LoadOptions::default())
         .unwrap();
-    assert_eq!(report.models[0].moved, weight_bytes);
+    assert_eq!(report.models[0].built, weight_bytes);
     assert_eq!(Net::new(&base).forward(&ids()), expected);
     assert_clean(&mm);
 }
@@ -395,7 +395,7 @@ fn auto_placement_prefers_residency_then_room_then_the_cheapest_eviction() {
     let report = mm
         .load_models_gpu(std::slice::from_ref(&a), LoadOptions::default())
         .unwrap();
-    assert_eq!(report.models[0].moved, ByteSize::ZERO);
+    assert_eq!(report.models[0].built, ByteSize::ZERO);
     assert_eq!(report.models[0].device, DeviceId::Sim(0));
     assert_eq!(a.clone().load_device(), DeviceId::Sim(0));
 
@@ -562,7 +562,7 @@ fn memory_reports_never_wait_for_a_load_and_loads_on_two_devices_run_from_two_th
             std::thread::spawn(move || {
                 let r = mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default());
                 done.store(true, Ordering::SeqCst);
-                r.map(|r| r.models[0].moved)
+                r.map(|r| r.models[0].built)
             })
         })
         .collect();

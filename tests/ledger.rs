@@ -66,7 +66,7 @@ fn an_already_loaded_model_gets_the_extra_budget_comfyui_gives_it() {
     assert_eq!(p.resident, ByteSize::gib(3));
 
     let r = mm.load_models_gpu(std::slice::from_ref(&m), opts).unwrap();
-    assert_eq!(r.moved(), ByteSize::gib(1), "{r}");
+    assert_eq!(r.built(), ByteSize::gib(1), "{r}");
     assert!(r.evicted.is_empty(), "{r}");
     assert_eq!(m.loaded_size(), ByteSize::gib(3));
     assert_eq!(mm.ledger(CPU), ByteSize::gib(3));
@@ -199,7 +199,7 @@ fn the_plan_predicts_the_load_exactly() {
     assert_eq!(r.evicted, plan.evictions);
     assert_eq!(r.models[0].resident, plan.models[0].resident);
     assert_eq!(r.models[0].streaming, plan.models[0].streaming);
-    assert_eq!(r.moved(), plan.bytes_to_move());
+    assert_eq!(r.built(), plan.bytes_to_move());
     let after = plan.devices.iter().find(|d| d.device == CPU).unwrap();
     assert_eq!(after.ledger_after, mm.ledger(CPU));
     assert_eq!(after.ledger_before, ByteSize::kib(93));
@@ -352,13 +352,13 @@ fn reloading_a_fully_loaded_model_moves_nothing_until_something_changes() {
     mm.load_model_gpu(&other).unwrap();
     // Unchanged: nothing moves, and the model becomes the most recently used.
     let r = mm.load_model_gpu(&m).unwrap();
-    assert_eq!((r.moved(), r.models[0].full), (ByteSize::ZERO, true));
+    assert_eq!((r.built(), r.models[0].full), (ByteSize::ZERO, true));
     assert_eq!(r.models[0].resident, ByteSize::kib(32));
     assert_eq!(registered(&mm)[0].0, "M");
     // A weight dropped behind the manager's back is rebuilt by the next load.
     m.partially_unload(CPU, ByteSize::ZERO);
     let r = mm.load_model_gpu(&m).unwrap();
-    assert_eq!(r.moved(), ByteSize::kib(8), "{r}");
+    assert_eq!(r.built(), ByteSize::kib(8), "{r}");
     // A clone with a patch rebuilds exactly the patched weight, then reloads for free.
     let mut lora = m.clone();
     lora.add_patches(
@@ -373,10 +373,10 @@ fn reloading_a_fully_loaded_model_moves_nothing_until_something_changes() {
         1.0,
     )
     .unwrap();
-    assert_eq!(mm.load_model_gpu(&lora).unwrap().moved(), ByteSize::kib(8));
-    assert_eq!(mm.load_model_gpu(&lora).unwrap().moved(), ByteSize::ZERO);
+    assert_eq!(mm.load_model_gpu(&lora).unwrap().built(), ByteSize::kib(8));
+    assert_eq!(mm.load_model_gpu(&lora).unwrap().built(), ByteSize::ZERO);
     // Back to the base: the patched weight is rebuilt again.
-    assert_eq!(mm.load_model_gpu(&m).unwrap().moved(), ByteSize::kib(8));
+    assert_eq!(mm.load_model_gpu(&m).unwrap().built(), ByteSize::kib(8));
     // A load asking for more activation memory than is free still evicts, as the plan says.
     let big = LoadOptions::default().with_memory_required(ByteSize::kib(100));
     let plan = mm.plan(std::slice::from_ref(&m), big).unwrap();

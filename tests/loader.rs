@@ -82,7 +82,7 @@ fn registry_is_most_recently_used_first_without_duplicates() {
     let r = mm.load_model_gpu(&a).unwrap();
     assert_eq!(names(&mm), ["A", "B"]);
     assert_eq!(
-        r.moved(),
+        r.built(),
         ByteSize::ZERO,
         "re-loading a fully loaded model moves nothing"
     );
@@ -100,7 +100,7 @@ fn a_model_whose_handles_are_all_dropped_is_freed_by_the_next_load_even_a_no_op(
     // Reloading A changes nothing (a no-op reload), but it drops B's entry: B's memory must go
     // with it, not wait for the next load that moves something.
     let r = mm.load_model_gpu(&a).unwrap();
-    assert_eq!(r.moved(), ByteSize::ZERO);
+    assert_eq!(r.built(), ByteSize::ZERO);
     assert_eq!(mm.loaded_models().len(), 1);
     assert!(gone.upgrade().is_none(), "B is still alive");
 }

@@ -161,7 +161,7 @@ fn a_repeat_load_keeps_the_casts_and_free_memory_drops_them_first() {
     forward(&p);
     let before = cast_cache_stats(&p).unwrap();
     let r = load(&mm, &p);
-    assert_eq!(r.moved(), ByteSize::ZERO, "a no-op reload");
+    assert_eq!(r.built(), ByteSize::ZERO, "a no-op reload");
     forward(&p);
     let after = cast_cache_stats(&p).unwrap();
     assert_eq!(after.kept, before.kept, "nothing cast again");

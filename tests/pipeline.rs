@@ -227,12 +227,12 @@ fn switching_between_base_and_lora_clone_moves_only_the_lora_weights() {
     // Prompt 2 rebuilds exactly the 6 LoRA-touched weights (256×256 f32) of the resident
     // denoiser, and prompt 3 rebuilds them again for the base: fingerprints keep the rest.
     assert_eq!(
-        r.prompts[1].denoiser_moved, lora_bytes,
+        r.prompts[1].denoiser_built, lora_bytes,
         "{:?}",
         r.prompts[1]
     );
     assert_eq!(
-        r.prompts[2].denoiser_moved, lora_bytes,
+        r.prompts[2].denoiser_built, lora_bytes,
         "{:?}",
         r.prompts[2]
     );

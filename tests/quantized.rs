@@ -340,7 +340,7 @@ fn a_lora_on_quantized_weights_matches_dequantize_merge_dense_and_switches_back(
         .load_models_gpu(std::slice::from_ref(&base), LoadOptions::default())
         .unwrap();
     assert_eq!(
-        back.models[0].moved,
+        back.models[0].built,
         ByteSize::ZERO,
         "base after clone moved bytes"
     );
@@ -354,7 +354,7 @@ fn a_lora_on_quantized_weights_matches_dequantize_merge_dense_and_switches_back(
     let again = mm
         .load_models_gpu(std::slice::from_ref(&styled), LoadOptions::default())
         .unwrap();
-    assert_eq!(again.models[0].moved, ByteSize::ZERO);
+    assert_eq!(again.models[0].built, ByteSize::ZERO);
     assert_eq!(bits(&ported_logits(&styled, &tokens)), bits(&lora));
     let stats = residency::ops::cast_cache_stats(&styled).expect("a cast cache");
     assert!(
@@ -546,7 +546,7 @@ fn requantized_patches_stay_blocks_stream_bit_identically_and_their_loss_is_meas
                 .iter()
                 .map(|k| model.slot(k).unwrap().bytes().bytes())
                 .sum();
-            assert_eq!(r.models[0].moved.bytes(), patched);
+            assert_eq!(r.models[0].built.bytes(), patched);
             assert_eq!(
                 model.resident_bytes(mm.compute_device()),
                 model.model_size()

@@ -175,7 +175,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
     ];
     let mut results = Vec::new();
     let mut evictions = Vec::new();
-    let mut moved_per_model: std::collections::BTreeMap<String, ByteSize> = Default::default();
+    let mut built_per_model: std::collections::BTreeMap<String, ByteSize> = Default::default();
     let mut kv_peak = ByteSize::ZERO;
     for i in 0..args.prompts {
         let prompt = prompts[i % prompts.len()].to_string();
@@ -183,7 +183,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         // 1. text: the prompt model adds a word, the text encoder encodes the result
         let r = mm.load_models_gpu(std::slice::from_ref(&pm), LoadOptions::default())?;
         evictions.extend(r.evicted.clone());
-        add_moved(&mut moved_per_model, &r);
+        add_built(&mut built_per_model, &r);
         let (expanded, kv) = {
             let _compute = tracing::info_span!("compute", model = "prompt_lm").entered();
             prompt_model.expand(&prompt, &mm, device)?
@@ -191,7 +191,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         kv_peak = kv_peak.max(kv);
         let r = mm.load_models_gpu(std::slice::from_ref(&te), LoadOptions::default())?;
         evictions.extend(r.evicted.clone());
-        add_moved(&mut moved_per_model, &r);
+        add_built(&mut built_per_model, &r);
         let context = {
             let _compute = tracing::info_span!("compute", model = "text_encoder").entered();
             text_encoder.forward(&expanded)?
@@ -208,8 +208,8 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         // The denoiser's layers switch to `dn` and `dn` is loaded, in one call.
         let r = denoiser.source.load(&mm, dn, opts)?;
         evictions.extend(r.evicted.clone());
-        let denoiser_moved = r.moved();
-        add_moved(&mut moved_per_model, &r);
+        let denoiser_built = r.built();
+        add_built(&mut built_per_model, &r);
         let mut x = weight(
             &[1, LATENT_HW * LATENT_HW, LATENT_C],
             args.seed + i as u64,
@@ -231,7 +231,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
         // 3. decode
         let r = mm.load_models_gpu(std::slice::from_ref(&de), LoadOptions::default())?;
         evictions.extend(r.evicted.clone());
-        add_moved(&mut moved_per_model, &r);
+        add_built(&mut built_per_model, &r);
         let image = {
             let _compute = tracing::info_span!("compute", model = "decoder").entered();
             decoder.forward(&x)?
@@ -243,7 +243,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
             lora: use_lora,
             checksum,
             step_ms,
-            denoiser_moved,
+            denoiser_built,
         });
     }
     let budget = mm.get_total_memory(device);
@@ -262,7 +262,7 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
                 format: report::format_of(p.model()),
                 resident,
                 streaming: size.saturating_sub(resident),
-                moved: moved_per_model.get(&name).copied().unwrap_or_default(),
+                built: built_per_model.get(&name).copied().unwrap_or_default(),
                 name,
             }
         })
@@ -343,11 +343,11 @@ impl Progress {
     }
 }
 
-/// Adds each loaded model's moved bytes to its running total.
-fn add_moved(totals: &mut std::collections::BTreeMap<String, ByteSize>, r: &residency::LoadReport) {
+/// Adds each loaded model's built bytes (resident copies the load made) to its running total.
+fn add_built(totals: &mut std::collections::BTreeMap<String, ByteSize>, r: &residency::LoadReport) {
     for m in &r.models {
         let t = totals.entry(m.name.clone()).or_default();
-        *t = t.saturating_add(m.moved);
+        *t = t.saturating_add(m.built);
     }
 }
 

@@ -1,5 +1,5 @@
 //! What a pipeline run reports: per prompt its checksum and timing, per model its resident,
-//! streaming and moved bytes, the evictions and the transfer counters; as a table for people and
+//! streaming and built bytes, the evictions and the transfer counters; as a table for people and
 //! as JSON for programs.
 
 use residency::loader::Eviction;
@@ -12,7 +12,7 @@ pub struct PromptResult {
     pub lora: bool,
     pub checksum: u32,
     pub step_ms: f64,
-    pub denoiser_moved: ByteSize,
+    pub denoiser_built: ByteSize,
 }
 
 /// One model of the run.
@@ -22,7 +22,7 @@ pub struct ModelRow {
     pub format: String,
     pub resident: ByteSize,
     pub streaming: ByteSize,
-    pub moved: ByteSize,
+    pub built: ByteSize,
 }
 
 /// What a model is stored as: `GGUF Q4_K+Q6_K` (its quantized types; `+f32` when some weights
@@ -53,7 +53,7 @@ pub struct PipelineReport {
     pub budget: ByteSize,
     pub peak: ByteSize,
     /// Per model: name, format (GGUF and its quantized types, or the safetensors dtypes),
-    /// resident, streaming and moved bytes.
+    /// resident, streaming and built bytes (resident copies loads made).
     pub models: Vec<ModelRow>,
     pub evictions: Vec<Eviction>,
     pub transfers: residency::offload::TransferSnapshot,
@@ -130,7 +130,7 @@ struct JsonPrompt<'a> {
     lora: bool,
     checksum: String,
     step_ms: f64,
-    denoiser_moved_bytes: u64,
+    denoiser_built_bytes: u64,
 }
 
 #[derive(serde::Serialize)]
@@ -139,7 +139,7 @@ struct JsonModel<'a> {
     format: &'a str,
     resident_bytes: u64,
     streaming_bytes: u64,
-    moved_bytes: u64,
+    built_bytes: u64,
 }
 
 /// The report as JSON.
@@ -156,7 +156,7 @@ pub fn to_json(r: &PipelineReport) -> String {
                 lora: p.lora,
                 checksum: format!("{:08x}", p.checksum),
                 step_ms: p.step_ms,
-                denoiser_moved_bytes: p.denoiser_moved.bytes(),
+                denoiser_built_bytes: p.denoiser_built.bytes(),
             })
             .collect(),
         models: r
@@ -167,7 +167,7 @@ pub fn to_json(r: &PipelineReport) -> String {
                 format: &m.format,
                 resident_bytes: m.resident.bytes(),
                 streaming_bytes: m.streaming.bytes(),
-                moved_bytes: m.moved.bytes(),
+                built_bytes: m.built.bytes(),
             })
             .collect(),
         evictions: &r.evictions,
@@ -216,7 +216,7 @@ pub fn to_table(r: &PipelineReport) -> String {
     let mut s = String::new();
     s.push_str(&format!(
         "{:<14} {:<22} {:>12} {:>12} {:>12}\n",
-        "model", "format", "resident", "streaming", "moved"
+        "model", "format", "resident", "streaming", "built"
     ));
     for m in &r.models {
         s.push_str(&format!(
@@ -225,7 +225,7 @@ pub fn to_table(r: &PipelineReport) -> String {
             m.format,
             m.resident.to_string(),
             m.streaming.to_string(),
-            m.moved.to_string()
+            m.built.to_string()
         ));
     }
     s.push_str(&format!("peak ledger {} of budget {}\n", r.peak, r.budget));
@@ -249,12 +249,12 @@ pub fn to_table(r: &PipelineReport) -> String {
     }
     for p in &r.prompts {
         s.push_str(&format!(
-            "prompt {:<38} lora {:<5} checksum {:08x}  {:.1} ms/step  denoiser moved {}\n",
+            "prompt {:<38} lora {:<5} checksum {:08x}  {:.1} ms/step  denoiser built {}\n",
             format!("\"{}\"", p.prompt),
             p.lora,
             p.checksum,
             p.step_ms,
-            p.denoiser_moved
+            p.denoiser_built
         ));
     }
     s.push_str(&format!("{} evictions", r.evictions.len()));

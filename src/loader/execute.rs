@@ -222,9 +222,11 @@ impl MemoryManager {
         // The ledger as it stands after the evictions (a step its trace shows).
         self.refresh_ledger(inner);
         // 3. Loads.
+        let copied_before = self.engine.stats().snapshot().bytes_copied();
         let mut report = LoadReport {
             models: Vec::new(),
             evicted: plan.evictions.clone(),
+            copied: ByteSize::ZERO,
         };
         for step in &plan.steps {
             let Step::Load { k, want } = step else {
@@ -241,6 +243,12 @@ impl MemoryManager {
                 Err(e) => return Err(self.rollback(inner, undo, all, e)),
             }
         }
+        report.copied = self
+            .engine
+            .stats()
+            .snapshot()
+            .bytes_copied()
+            .saturating_sub(copied_before);
         // Never report success over a budget (the plan checked it; a patcher changed behind the
         // manager's back is the only way here).
         for d in &plan.devices {
@@ -315,7 +323,7 @@ impl MemoryManager {
                 .filter(|&i| want[i] && !keep(&st.slots()[i], i))
                 .collect()
         };
-        let mut moved = ByteSize::ZERO;
+        let mut built = ByteSize::ZERO;
         for i in to_build {
             // The transfer path of a streamed weight: on a GPU through page-locked memory.
             let device = devices[i];
@@ -337,7 +345,7 @@ impl MemoryManager {
                 fingerprint: fingerprints[i],
                 device,
             });
-            moved = moved.saturating_add(bytes);
+            built = built.saturating_add(bytes);
         }
         let outcome = m.load_outcome();
         Ok(ModelLoad {
@@ -345,7 +353,7 @@ impl MemoryManager {
             device: m.load_device(),
             resident: outcome.resident,
             streaming: outcome.streaming,
-            moved,
+            built,
             lazy_patched: outcome.lazy_patched,
             full: outcome.full,
             held_outside: ByteSize::ZERO,
@@ -479,8 +487,8 @@ fn log_load(load: &ModelLoad) {
     let name = &load.name;
     let device = load.device;
     if load.full {
-        tracing::info!(model = %name, %device, resident = load.resident.bytes(), moved = load.moved.bytes(),
-            "loaded completely {name}: {} resident, {} moved", load.resident, load.moved);
+        tracing::info!(model = %name, %device, resident = load.resident.bytes(), built = load.built.bytes(),
+            "loaded completely {name}: {} resident, {} built", load.resident, load.built);
     } else {
         tracing::info!(model = %name, %device, resident = load.resident.bytes(), streaming = load.streaming.bytes(),
             lowvram_patches = load.lazy_patched,

@@ -214,7 +214,7 @@ impl MemoryManager {
                     .map(|&d| m.model().resident_bytes(d))
                     .sum(),
                 streaming: ByteSize::ZERO,
-                moved: ByteSize::ZERO,
+                built: ByteSize::ZERO,
                 lazy_patched: 0,
                 full: true,
                 held_outside: ByteSize::ZERO,

@@ -17,8 +17,10 @@ pub struct ModelLoad {
     pub resident: ByteSize,
     /// Bytes that stream at use.
     pub streaming: ByteSize,
-    /// Bytes materialized by this load.
-    pub moved: ByteSize,
+    /// Bytes of resident copies this load built, in their resident form (an f32 copy of a bf16
+    /// weight counts 4 bytes a value). Not the bytes copied over the bus
+    /// ([`LoadReport::copied`]); 0 for weights residency by use builds at their first use.
+    pub built: ByteSize,
     /// Streamed weights carrying patches (applied lazily at use).
     pub lazy_patched: usize,
     /// Whether every weight is resident.
@@ -86,12 +88,17 @@ pub struct LoadReport {
     pub models: Vec<ModelLoad>,
     /// Models evicted, in order.
     pub evicted: Vec<Eviction>,
+    /// Bytes the manager's transfer engine copied to devices while the load built its copies
+    /// ([`crate::offload::TransferSnapshot::bytes_copied`] diffed across it): the load's bus
+    /// traffic, exact when no forward copies on another thread meanwhile. Casts and patches
+    /// applied on the device make it differ from [`LoadReport::built`].
+    pub copied: ByteSize,
 }
 
 impl LoadReport {
-    /// Total bytes materialized.
-    pub fn moved(&self) -> ByteSize {
-        self.models.iter().map(|m| m.moved).sum()
+    /// Bytes of resident copies the load built, every model's ([`ModelLoad::built`]).
+    pub fn built(&self) -> ByteSize {
+        self.models.iter().map(|m| m.built).sum()
     }
 }
 
@@ -101,21 +108,21 @@ impl fmt::Display for LoadReport {
             if m.full {
                 writeln!(
                     f,
-                    "loaded completely {} on {}: {} resident, {} moved",
+                    "loaded completely {} on {}: {} resident, {} built",
                     m.name,
                     m.placed(),
                     m.resident,
-                    m.moved
+                    m.built
                 )?;
             } else {
                 writeln!(
                     f,
-                    "loaded partially {} on {}: {} resident, {} streaming, {} moved, {} lowvram patches",
+                    "loaded partially {} on {}: {} resident, {} streaming, {} built, {} lowvram patches",
                     m.name,
                     m.placed(),
                     m.resident,
                     m.streaming,
-                    m.moved,
+                    m.built,
                     m.lazy_patched
                 )?;
             }
@@ -144,6 +151,9 @@ impl fmt::Display for LoadReport {
                 if e.fully { ", unloaded" } else { ", partially" },
                 e.reason()
             )?;
+        }
+        if self.copied > ByteSize::ZERO {
+            writeln!(f, "{} copied to devices", self.copied)?;
         }
         Ok(())
     }
