@@ -74,6 +74,18 @@ fn a_reservation_takes_unused_prefetches_before_any_model() {
     forward(&p); // prefetches along it, the next step's first weights at the end
     let booked = in_flight(&mm, &p, DeviceId::Cpu);
     assert!(booked > ByteSize::ZERO, "prefetches are booked");
+    // The report shows what holds the room: the prefetches in flight.
+    let report = mm.memory_report();
+    let cpu = &report.devices[0];
+    assert_eq!(
+        (cpu.device, cpu.in_flight),
+        (DeviceId::Cpu, booked),
+        "{report}"
+    );
+    assert!(
+        report.to_string().contains(&format!("{booked} in flight")),
+        "{report}"
+    );
     let resident = p.model().resident_bytes(DeviceId::Cpu);
     let free = mm.get_free_memory(DeviceId::Cpu);
     let kv = mm

@@ -740,6 +740,10 @@ impl MemoryManager {
                 ledger: self.ledger.booked(d),
                 cached_casts: self.cached_in(d),
                 reserved: self.ledger.reserved(d),
+                in_flight: self
+                    .ledger
+                    .in_flight(d)
+                    .saturating_add(self.ledger.faulting(d)),
                 peak: self.ledger.peak(d),
                 free: self.free_with(self.ledger.booked(d), d),
             })

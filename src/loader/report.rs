@@ -222,6 +222,10 @@ pub struct DeviceMemory {
     pub cached_casts: ByteSize,
     /// The part of the ledger held by reservations (memory that is not weights).
     pub reserved: ByteSize,
+    /// The part of the ledger booked for copies in flight: streamed weights being copied or in
+    /// use, prefetches, fault-ins. It comes back as the copies' buffers are freed; an
+    /// out-of-memory while it is large is often only waiting for it.
+    pub in_flight: ByteSize,
     /// Highest ledger seen.
     pub peak: ByteSize,
     /// Free memory now.
@@ -270,6 +274,9 @@ impl fmt::Display for MemoryReport {
             }
             if d.reserved > ByteSize::ZERO {
                 parts.push(format!("{} reserved", d.reserved));
+            }
+            if d.in_flight > ByteSize::ZERO {
+                parts.push(format!("{} in flight", d.in_flight));
             }
             let casts = if parts.is_empty() {
                 String::new()
