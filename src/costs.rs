@@ -225,7 +225,17 @@ pub struct CostModel {
     /// The host's quantized matmul per GGML format, in nanoseconds per (input row × weight
     /// byte), probed once each ([`CostModel::host_matmul`]).
     host: Mutex<HashMap<candle_core::quantized::GgmlDType, f64>>,
+    /// Compute per weight use, by (device label, model name), then weight name: what
+    /// [`CostModel::remember_compute`] was told, saved with the links and read back
+    /// ([`CostModel::compute_of`] seeds a model that has measured nothing yet).
+    compute: Mutex<ComputeFigures>,
 }
+
+/// Compute per weight use in nanoseconds, by (device label, model name), then weight name.
+type ComputeFigures = HashMap<(String, String), HashMap<String, u64>>;
+
+/// The first field of a saved compute line.
+const COMPUTE: &str = "compute";
 
 impl Default for CostModel {
     fn default() -> Self {
@@ -239,7 +249,37 @@ impl CostModel {
         CostModel {
             figures: Mutex::new(Rank::Costs, HashMap::new()),
             host: Mutex::new(Rank::Costs, HashMap::new()),
+            compute: Mutex::new(Rank::Costs, HashMap::new()),
         }
+    }
+
+    /// What `device` is saved under: its label, or `cpu` for a device with no copy figure.
+    pub fn label(&self, device: DeviceId) -> String {
+        self.figures
+            .lock()
+            .get(&device)
+            .map_or_else(|| "cpu".to_string(), |f| f.label.clone())
+    }
+
+    /// Keeps `model`'s compute per weight use on `device` (weight name, nanoseconds) to save
+    /// ([`CostModel::save`]), replacing what was kept for it.
+    pub fn remember_compute(
+        &self,
+        device: DeviceId,
+        model: &str,
+        weights: impl IntoIterator<Item = (String, u64)>,
+    ) {
+        let key = (self.label(device), model.to_string());
+        let figures: HashMap<String, u64> = weights.into_iter().collect();
+        if !figures.is_empty() {
+            self.compute.lock().insert(key, figures);
+        }
+    }
+
+    /// The compute per weight use kept or read for `model` on `device`, by weight name.
+    pub fn compute_of(&self, device: DeviceId, model: &str) -> Option<HashMap<String, u64>> {
+        let key = (self.label(device), model.to_string());
+        self.compute.lock().get(&key).cloned()
     }
 
     /// The host's matmul of a weight in GGML format `ggml` (candle's quantized matmul on the
@@ -310,7 +350,9 @@ impl CostModel {
     }
 
     /// Writes every device's current figure to `path` (a small text file, one line per
-    /// device: label, latency in ns, picoseconds per byte), creating its directory.
+    /// device: label, latency in ns, picoseconds per byte), then the compute kept per weight
+    /// ([`CostModel::remember_compute`]: `compute`, label, model, weight, nanoseconds), creating
+    /// its directory.
     ///
     /// # Errors
     /// [`Error::File`] when the file cannot be written.
@@ -331,6 +373,23 @@ impl CostModel {
                 d.link.ps_per_byte
             ));
         }
+        let clean = |s: &str| s.replace(['\t', '\n'], " ");
+        let compute = self.compute.lock();
+        let mut keys: Vec<&(String, String)> = compute.keys().collect();
+        keys.sort();
+        for key in keys {
+            let mut weights: Vec<(&String, &u64)> = compute[key].iter().collect();
+            weights.sort();
+            for (weight, ns) in weights {
+                text.push_str(&format!(
+                    "{COMPUTE}\t{}\t{}\t{}\t{ns}\n",
+                    clean(&key.0),
+                    clean(&key.1),
+                    clean(weight)
+                ));
+            }
+        }
+        drop(compute);
         std::fs::write(path, text).map_err(bad)
     }
 
@@ -338,9 +397,12 @@ impl CostModel {
     /// starts from the saved figure (until this run measures its own). Returns how many
     /// devices matched; a missing file matches none.
     ///
+    /// Compute lines are kept for [`CostModel::compute_of`].
+    ///
     /// # Errors
-    /// [`Error::File`] naming the line when the file exists but a line is not three fields
-    /// (label, two whole numbers).
+    /// [`Error::File`] naming the line when the file exists but a line is neither three fields
+    /// (label, two whole numbers) nor a compute line (`compute`, label, model, weight, a whole
+    /// number).
     pub fn load(&self, path: &Path) -> Result<usize> {
         let text = match std::fs::read_to_string(path) {
             Ok(t) => t,
@@ -353,11 +415,26 @@ impl CostModel {
             }
         };
         let mut saved = Vec::new();
+        let mut compute: ComputeFigures = HashMap::new();
         for (n, line) in text.lines().enumerate() {
             if line.starts_with('#') || line.trim().is_empty() {
                 continue;
             }
             let fields: Vec<&str> = line.split('\t').collect();
+            if let [COMPUTE, label, model, weight, ns] = fields.as_slice() {
+                let ns = ns.trim().parse::<u64>().map_err(|_| Error::File {
+                    path: path.to_path_buf(),
+                    reason: format!(
+                        "line {}: expected `compute<TAB>label<TAB>model<TAB>weight<TAB>ns`, found `{line}`",
+                        n + 1
+                    ),
+                })?;
+                compute
+                    .entry((label.to_string(), model.to_string()))
+                    .or_default()
+                    .insert(weight.to_string(), ns);
+                continue;
+            }
             let parsed = match fields.as_slice() {
                 [label, lat, ps] => lat
                     .trim()
@@ -391,6 +468,7 @@ impl CostModel {
                 matched += 1;
             }
         }
+        self.compute.lock().extend(compute);
         Ok(matched)
     }
 }
@@ -847,5 +925,37 @@ mod tests {
         assert_eq!(c.host_matmul(GgmlDType::Q8_0), Some(q8));
         let f32 = c.host_matmul(GgmlDType::F32).expect("f32 runs on the host");
         assert!(f32 > 0.0 && f32 != q8);
+    }
+
+    #[test]
+    fn compute_per_weight_is_saved_and_read_back_and_a_bad_compute_line_takes_nothing() {
+        let dir = std::env::temp_dir().join(format!("residency-compute-{}", std::process::id()));
+        let path = dir.join("costs.tsv");
+        let d = DeviceId::Sim(0);
+        let a = CostModel::new();
+        a.seed(d, "sim:0 8MiB@25GB/s", Link::MODELLED_PCIE, false);
+        a.remember_compute(
+            d,
+            "net",
+            [("w0".to_string(), 1200), ("w1".to_string(), 800)],
+        );
+        a.save(&path).unwrap();
+        let b = CostModel::new();
+        b.seed(d, "sim:0 8MiB@25GB/s", Link::MODELLED_PCIE, false);
+        assert_eq!(b.compute_of(d, "net"), None);
+        assert_eq!(b.load(&path).unwrap(), 1);
+        let got = b.compute_of(d, "net").expect("read back");
+        assert_eq!((got["w0"], got["w1"], got.len()), (1200, 800, 2));
+        assert_eq!(b.compute_of(d, "other"), None, "by model name");
+        // A compute line with a bad figure: named, and nothing of the file is taken.
+        let text =
+            std::fs::read_to_string(&path).unwrap() + "compute\tsim:0 8MiB@25GB/s\tnew\tw0\tlots\n";
+        std::fs::write(&path, text).unwrap();
+        let c = CostModel::new();
+        c.seed(d, "sim:0 8MiB@25GB/s", Link::MODELLED_PCIE, false);
+        let err = c.load(&path).unwrap_err().to_string();
+        assert!(err.contains("line 5"), "{err}");
+        assert_eq!(c.compute_of(d, "net"), None);
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

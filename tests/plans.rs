@@ -319,6 +319,53 @@ fn a_reload_that_decides_nothing_new_keeps_the_depth_choice_and_a_changed_reques
 }
 
 #[test]
+fn compute_saved_by_one_run_lets_the_next_choose_the_prefetch_depth_at_its_first_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("costs.tsv");
+    let compute = Duration::from_millis(1);
+    let mode = "--disable-dynamic-vram";
+    // The first run measures its model's compute, chooses from its second load on, and saves.
+    let first = {
+        let mm = manager_with("480KiB", 2, None, mode);
+        let p = ModelPatcher::new(model(4), SIM0, DeviceId::Cpu);
+        let one = std::slice::from_ref(&p);
+        mm.load_models_gpu(one, LoadOptions::default()).unwrap();
+        for _ in 0..3 {
+            forward(&p, compute);
+        }
+        let plan = mm.plan(one, LoadOptions::default()).unwrap().models[0].clone();
+        mm.save_costs(&path).unwrap();
+        plan
+    };
+    assert_eq!(first.depths.len(), 3);
+    // The next run, the same model read anew: nothing measured, the default depth...
+    let mm = manager_with("480KiB", 2, None, mode);
+    let cold = ModelPatcher::new(model(4), SIM0, DeviceId::Cpu);
+    let plan = mm.plan(std::slice::from_ref(&cold), LoadOptions::default());
+    assert!(plan.unwrap().models[0].depths.is_empty());
+    // ...unless it reads what the first run saved: its first load chooses, as the first run's
+    // second load did, from the same compute.
+    assert_eq!(mm.load_costs(&path).unwrap(), 1, "the simulated GPU's link");
+    let p = ModelPatcher::new(model(4), SIM0, DeviceId::Cpu);
+    let warm = mm
+        .plan(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap()
+        .models[0]
+        .clone();
+    assert_eq!(warm.depths.len(), 3, "chosen at the first load");
+    assert_eq!(warm.prefetch_depth, first.prefetch_depth);
+    assert_eq!(
+        warm.predicted.unwrap().compute_ns,
+        first.predicted.unwrap().compute_ns,
+        "the first run's compute"
+    );
+    let loaded = mm
+        .load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .unwrap();
+    assert!(!loaded.models[0].full);
+}
+
+#[test]
 fn a_prefetch_depth_set_by_the_configuration_is_kept_and_the_first_load_uses_the_default() {
     let compute = Duration::from_millis(1);
     let (set, _) = chosen("480KiB", Some(4), "--disable-dynamic-vram", compute);

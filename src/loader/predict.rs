@@ -133,6 +133,54 @@ impl MemoryManager {
         &self.costs
     }
 
+    /// Saves the cost model to `path` ([`crate::costs::CostModel::save`]): every device's copy
+    /// figure and the compute per weight use of every model loaded now (by model and weight
+    /// name), so the next run — [`MemoryManager::load_costs`] at its start — plans its first
+    /// loads with them (the prefetch depth is chosen from a model's first load on).
+    ///
+    /// # Errors
+    /// [`crate::Error::File`] when the file cannot be written.
+    pub fn save_costs(&self, path: &std::path::Path) -> crate::Result<()> {
+        let models: Vec<(Arc<crate::weights::Model>, DeviceId)> = self
+            .view
+            .lock()
+            .iter()
+            .filter_map(|e| Some((e.model.upgrade()?, e.device)))
+            .collect();
+        for (m, device) in &models {
+            let weights = m
+                .slots()
+                .iter()
+                .enumerate()
+                .filter_map(|(i, s)| Some((s.name().to_string(), m.compute_ns(i)?)));
+            self.costs.remember_compute(*device, m.name(), weights);
+        }
+        self.costs.save(path)
+    }
+
+    /// Reads what [`MemoryManager::save_costs`] saved: the devices' copy figures, and compute
+    /// per weight use that a model of the same name, on a device of the same label, starts
+    /// from when it has measured nothing yet. Returns how many devices matched; a missing file
+    /// matches none.
+    ///
+    /// # Errors
+    /// [`crate::Error::File`] naming the line when a line does not parse (nothing is taken).
+    pub fn load_costs(&self, path: &std::path::Path) -> crate::Result<usize> {
+        self.costs.load(path)
+    }
+
+    /// Offers `model` the compute an earlier run saved for it on its device (once per model,
+    /// while it has measured nothing).
+    pub(super) fn seed_compute(&self, model: &ModelPatcher) {
+        let m = model.model();
+        if !m.usage().first_seed() {
+            return;
+        }
+        if let Some(figures) = self.costs.compute_of(model.load_device(), m.name()) {
+            m.seed_compute(&figures);
+        }
+    }
+
     /// Every device's costs: its copy figure and the compute per weight byte measured on the
     /// weights of the models loaded there.
     pub fn costs(&self) -> Vec<DeviceCosts> {

@@ -344,6 +344,23 @@ impl Model {
         self.usage.compute_ns(index)
     }
 
+    /// Starts the compute per use of the weights named in `figures` (nanoseconds, as an earlier
+    /// run measured them: [`crate::costs::CostModel::compute_of`]), only while this model has
+    /// measured nothing at all. How many were set.
+    pub fn seed_compute(&self, figures: &std::collections::HashMap<String, u64>) -> usize {
+        if (0..self.len()).any(|i| self.compute_ns(i).is_some()) {
+            return 0;
+        }
+        let mut set = 0;
+        for (i, slot) in self.slots().iter().enumerate() {
+            if let Some(&ns) = figures.get(slot.name()) {
+                self.usage.seed_compute(i, ns);
+                set += 1;
+            }
+        }
+        set
+    }
+
     /// Marks the recorded forward order complete (called at the end of a forward).
     pub fn finish_forward(&self) {
         let mut fo = self.forward_order.lock();

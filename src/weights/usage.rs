@@ -43,6 +43,8 @@ pub(crate) struct Usage {
     /// The first-use position of the earliest weight refused a fault-in in the current forward
     /// ([`NONE`]: none): later weights are not kept in it either.
     refused: AtomicUsize,
+    /// Whether compute saved by an earlier run was offered to this model (once).
+    seeded: std::sync::atomic::AtomicBool,
 }
 
 /// What the eviction order reads of one weight.
@@ -78,6 +80,20 @@ impl Usage {
             compute: atomics(n, || AtomicU64::new(0)),
             rows: AtomicUsize::new(0),
             refused: AtomicUsize::new(NONE),
+            seeded: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// True the first time it is asked: saved compute is offered to a model once.
+    pub(crate) fn first_seed(&self) -> bool {
+        !self.seeded.swap(true, Ordering::Relaxed)
+    }
+
+    /// Weight `index`'s compute per use starts from `ns` (saved by an earlier run) unless one
+    /// was measured already.
+    pub(crate) fn seed_compute(&self, index: usize, ns: u64) {
+        if let Some(c) = self.compute.get(index) {
+            let _ = c.compare_exchange(0, ns.max(1), Ordering::Relaxed, Ordering::Relaxed);
         }
     }
 

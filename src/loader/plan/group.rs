@@ -144,6 +144,7 @@ impl MemoryManager {
             }
         };
         let mut weighed = Vec::new();
+        self.seed_compute(m);
         let key = (
             m.model().id(),
             m.residency_signature(),
