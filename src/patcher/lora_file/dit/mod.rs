@@ -227,7 +227,9 @@ impl Dit {
                     .module
                     .strip_suffix(".qkv")
                     .map(|m| self.key(&format!("{m}.out"), ".weight"));
-                let q = out.and_then(|k| shapes.get(&k)).and_then(|s| s.get(1).copied());
+                let q = out
+                    .and_then(|k| shapes.get(&k))
+                    .and_then(|s| s.get(1).copied());
                 let (Some(q), Some(r)) = (q, rows) else {
                     return Err("q, k and v of a grouped-head qkv need the model's shapes: load with lora_file::load_for".into());
                 };
@@ -242,9 +244,10 @@ impl Dit {
             Part::SingleQkv => {
                 // q, k and v of the hidden size each; without the model's shapes, the LoRA's
                 // own output rows.
-                let n = hidden.map(|h| 3 * h).or(own_rows).ok_or(
-                    "the fused weight's size is unknown: load with lora_file::load_for",
-                )?;
+                let n = hidden
+                    .map(|h| 3 * h)
+                    .or(own_rows)
+                    .ok_or("the fused weight's size is unknown: load with lora_file::load_for")?;
                 Ok((region(0, n)?, patch))
             }
             Part::SingleMlp => {
@@ -261,32 +264,7 @@ impl Dit {
                 Ok((region(3 * h, len)?, patch))
             }
             Part::SwapHalvesIfPair => unreachable!("resolved above"),
-            Part::SwapHalves => match patch {
-                Patch::Lora(l) if l.dora_scale.is_some() => {
-                    Err("a DoRA on the modulation would need its magnitude's halves swapped too; not supported".into())
-                }
-                Patch::Lora(mut l) => {
-                    let n = l.up.dim(0).map_err(|e| e.to_string())?;
-                    if n % 2 != 0 {
-                        return Err(format!("{n} output rows cannot be split in halves"));
-                    }
-                    let half = n / 2;
-                    let swapped = candle_core::Tensor::cat(
-                        &[
-                            l.up.narrow(0, half, half).map_err(|e| e.to_string())?,
-                            l.up.narrow(0, 0, half).map_err(|e| e.to_string())?,
-                        ],
-                        0,
-                    )
-                    .map_err(|e| e.to_string())?;
-                    l.up = swapped;
-                    Ok((key.into(), Patch::Lora(l)))
-                }
-                other => Err(format!(
-                    "a {} on the modulation needs its halves swapped, which only LoRA supports",
-                    other.kind()
-                )),
-            },
+            Part::SwapHalves => Ok((key.into(), swap_halves(patch)?)),
         }
     }
 
@@ -295,6 +273,38 @@ impl Dit {
         shapes
             .get(&self.key(self.family.hidden, ".weight"))
             .and_then(|s| s.first().copied())
+    }
+}
+
+/// `patch` with its output halves swapped (`(scale, shift)` → `(shift, scale)`: the rows of a
+/// LoRA's up matrix); a DoRA or another kind is refused, saying why.
+fn swap_halves(patch: Patch) -> Result<Patch, String> {
+    match patch {
+        Patch::Lora(l) if l.dora_scale.is_some() => Err(
+            "a DoRA on the modulation would need its magnitude's halves swapped too; not supported"
+                .into(),
+        ),
+        Patch::Lora(mut l) => {
+            let n = l.up.dim(0).map_err(|e| e.to_string())?;
+            if n % 2 != 0 {
+                return Err(format!("{n} output rows cannot be split in halves"));
+            }
+            let half = n / 2;
+            let swapped = candle_core::Tensor::cat(
+                &[
+                    l.up.narrow(0, half, half).map_err(|e| e.to_string())?,
+                    l.up.narrow(0, 0, half).map_err(|e| e.to_string())?,
+                ],
+                0,
+            )
+            .map_err(|e| e.to_string())?;
+            l.up = swapped;
+            Ok(Patch::Lora(l))
+        }
+        other => Err(format!(
+            "a {} on the modulation needs its halves swapped, which only LoRA supports",
+            other.kind()
+        )),
     }
 }
 
