@@ -4,6 +4,10 @@
 //! Weight shapes are candle-nn's: `[out, in / groups, k]` (1-d), `[out, in / groups, k, k]`
 //! (2-d), `[in, out / groups, k]` (transposed 1-d), `[in, out, k, k]` (transposed 2-d; candle has
 //! no groups there); the bias is `[out]`. Zero groups is refused where candle-nn divides by it.
+//!
+//! Every public constructor is one layer's `build` (written once, in `conv_layer!`) with or
+//! without the bias; the one thing the kinds differ in, the weight shape and its groups check,
+//! is each configuration's `WeightShape`.
 
 use candle_core::{Module, Tensor};
 
@@ -42,11 +46,22 @@ macro_rules! conv_layer {
                 }
             }
 
-            fn fetched(weights: LayerWeights, config: $config) -> Self {
-                $name {
+            /// The managed layer of `weight` under `vb`, of the shape `config` implies, and `bias`
+            /// `[out_channels]` when `with_bias`: what every constructor of the kind shares.
+            fn build(
+                in_channels: usize,
+                out_channels: usize,
+                kernel_size: usize,
+                config: $config,
+                vb: VarBuilder<'_>,
+                with_bias: bool,
+            ) -> candle_core::Result<Self> {
+                let shape = config.weight_shape(&vb, in_channels, out_channels, kernel_size)?;
+                let weights = vb.weights("weight", &shape, bias(with_bias, out_channels))?;
+                Ok($name {
                     held: Held::Fetched(weights),
                     config,
-                }
+                })
             }
 
             /// The configuration.
@@ -129,18 +144,75 @@ fn bias(bias: bool, out: usize) -> Option<(&'static str, usize)> {
     bias.then_some(("bias", out))
 }
 
-fn conv1d_b(
-    in_channels: usize,
-    out_channels: usize,
-    kernel_size: usize,
-    cfg: Conv1dConfig,
-    vb: VarBuilder<'_>,
-    with_bias: bool,
-) -> candle_core::Result<Conv1d> {
-    let groups = nonzero_groups(&vb, cfg.groups)?;
-    let shape = [out_channels, in_channels / groups, kernel_size];
-    let w = vb.weights("weight", &shape, bias(with_bias, out_channels))?;
-    Ok(Conv1d::fetched(w, cfg))
+/// The weight shape a convolution's configuration implies for its channels and kernel size:
+/// the one thing the kinds' constructors do not share.
+trait WeightShape {
+    /// The shape, or zero groups refused (naming the weight under `vb`) where candle-nn divides
+    /// by them.
+    fn weight_shape(
+        &self,
+        vb: &VarBuilder<'_>,
+        in_channels: usize,
+        out_channels: usize,
+        kernel_size: usize,
+    ) -> candle_core::Result<Vec<usize>>;
+}
+
+impl WeightShape for Conv1dConfig {
+    fn weight_shape(
+        &self,
+        vb: &VarBuilder<'_>,
+        in_channels: usize,
+        out_channels: usize,
+        kernel_size: usize,
+    ) -> candle_core::Result<Vec<usize>> {
+        let groups = nonzero_groups(vb, self.groups)?;
+        Ok(vec![out_channels, in_channels / groups, kernel_size])
+    }
+}
+
+impl WeightShape for Conv2dConfig {
+    fn weight_shape(
+        &self,
+        vb: &VarBuilder<'_>,
+        in_channels: usize,
+        out_channels: usize,
+        kernel_size: usize,
+    ) -> candle_core::Result<Vec<usize>> {
+        let groups = nonzero_groups(vb, self.groups)?;
+        Ok(vec![
+            out_channels,
+            in_channels / groups,
+            kernel_size,
+            kernel_size,
+        ])
+    }
+}
+
+impl WeightShape for ConvTranspose1dConfig {
+    fn weight_shape(
+        &self,
+        vb: &VarBuilder<'_>,
+        in_channels: usize,
+        out_channels: usize,
+        kernel_size: usize,
+    ) -> candle_core::Result<Vec<usize>> {
+        let groups = nonzero_groups(vb, self.groups)?;
+        Ok(vec![in_channels, out_channels / groups, kernel_size])
+    }
+}
+
+impl WeightShape for ConvTranspose2dConfig {
+    fn weight_shape(
+        &self,
+        _vb: &VarBuilder<'_>,
+        in_channels: usize,
+        out_channels: usize,
+        kernel_size: usize,
+    ) -> candle_core::Result<Vec<usize>> {
+        // candle has no groups here: nothing to refuse.
+        Ok(vec![in_channels, out_channels, kernel_size, kernel_size])
+    }
 }
 
 /// A [`Conv1d`] from `weight` `[out_channels, in_channels / groups, kernel_size]` and `bias`
@@ -156,7 +228,7 @@ pub fn conv1d(
     cfg: Conv1dConfig,
     vb: VarBuilder<'_>,
 ) -> candle_core::Result<Conv1d> {
-    conv1d_b(in_channels, out_channels, kernel_size, cfg, vb, true)
+    Conv1d::build(in_channels, out_channels, kernel_size, cfg, vb, true)
 }
 
 /// [`conv1d`] without bias.
@@ -170,21 +242,7 @@ pub fn conv1d_no_bias(
     cfg: Conv1dConfig,
     vb: VarBuilder<'_>,
 ) -> candle_core::Result<Conv1d> {
-    conv1d_b(in_channels, out_channels, kernel_size, cfg, vb, false)
-}
-
-fn conv2d_b(
-    in_channels: usize,
-    out_channels: usize,
-    kernel_size: usize,
-    cfg: Conv2dConfig,
-    vb: VarBuilder<'_>,
-    with_bias: bool,
-) -> candle_core::Result<Conv2d> {
-    let groups = nonzero_groups(&vb, cfg.groups)?;
-    let shape = [out_channels, in_channels / groups, kernel_size, kernel_size];
-    let w = vb.weights("weight", &shape, bias(with_bias, out_channels))?;
-    Ok(Conv2d::fetched(w, cfg))
+    Conv1d::build(in_channels, out_channels, kernel_size, cfg, vb, false)
 }
 
 /// A [`Conv2d`] from `weight` `[out_channels, in_channels / groups, kernel_size, kernel_size]`
@@ -199,7 +257,7 @@ pub fn conv2d(
     cfg: Conv2dConfig,
     vb: VarBuilder<'_>,
 ) -> candle_core::Result<Conv2d> {
-    conv2d_b(in_channels, out_channels, kernel_size, cfg, vb, true)
+    Conv2d::build(in_channels, out_channels, kernel_size, cfg, vb, true)
 }
 
 /// [`conv2d`] without bias.
@@ -213,21 +271,7 @@ pub fn conv2d_no_bias(
     cfg: Conv2dConfig,
     vb: VarBuilder<'_>,
 ) -> candle_core::Result<Conv2d> {
-    conv2d_b(in_channels, out_channels, kernel_size, cfg, vb, false)
-}
-
-fn conv_transpose1d_b(
-    in_channels: usize,
-    out_channels: usize,
-    kernel_size: usize,
-    cfg: ConvTranspose1dConfig,
-    vb: VarBuilder<'_>,
-    with_bias: bool,
-) -> candle_core::Result<ConvTranspose1d> {
-    let groups = nonzero_groups(&vb, cfg.groups)?;
-    let shape = [in_channels, out_channels / groups, kernel_size];
-    let w = vb.weights("weight", &shape, bias(with_bias, out_channels))?;
-    Ok(ConvTranspose1d::fetched(w, cfg))
+    Conv2d::build(in_channels, out_channels, kernel_size, cfg, vb, false)
 }
 
 /// A [`ConvTranspose1d`] from `weight` `[in_channels, out_channels / groups, kernel_size]` and
@@ -242,7 +286,7 @@ pub fn conv_transpose1d(
     cfg: ConvTranspose1dConfig,
     vb: VarBuilder<'_>,
 ) -> candle_core::Result<ConvTranspose1d> {
-    conv_transpose1d_b(in_channels, out_channels, kernel_size, cfg, vb, true)
+    ConvTranspose1d::build(in_channels, out_channels, kernel_size, cfg, vb, true)
 }
 
 /// [`conv_transpose1d`] without bias.
@@ -256,20 +300,7 @@ pub fn conv_transpose1d_no_bias(
     cfg: ConvTranspose1dConfig,
     vb: VarBuilder<'_>,
 ) -> candle_core::Result<ConvTranspose1d> {
-    conv_transpose1d_b(in_channels, out_channels, kernel_size, cfg, vb, false)
-}
-
-fn conv_transpose2d_b(
-    in_channels: usize,
-    out_channels: usize,
-    kernel_size: usize,
-    cfg: ConvTranspose2dConfig,
-    vb: VarBuilder<'_>,
-    with_bias: bool,
-) -> candle_core::Result<ConvTranspose2d> {
-    let shape = [in_channels, out_channels, kernel_size, kernel_size];
-    let w = vb.weights("weight", &shape, bias(with_bias, out_channels))?;
-    Ok(ConvTranspose2d::fetched(w, cfg))
+    ConvTranspose1d::build(in_channels, out_channels, kernel_size, cfg, vb, false)
 }
 
 /// A [`ConvTranspose2d`] from `weight` `[in_channels, out_channels, kernel_size, kernel_size]`
@@ -285,7 +316,7 @@ pub fn conv_transpose2d(
     cfg: ConvTranspose2dConfig,
     vb: VarBuilder<'_>,
 ) -> candle_core::Result<ConvTranspose2d> {
-    conv_transpose2d_b(in_channels, out_channels, kernel_size, cfg, vb, true)
+    ConvTranspose2d::build(in_channels, out_channels, kernel_size, cfg, vb, true)
 }
 
 /// [`conv_transpose2d`] without bias.
@@ -299,5 +330,5 @@ pub fn conv_transpose2d_no_bias(
     cfg: ConvTranspose2dConfig,
     vb: VarBuilder<'_>,
 ) -> candle_core::Result<ConvTranspose2d> {
-    conv_transpose2d_b(in_channels, out_channels, kernel_size, cfg, vb, false)
+    ConvTranspose2d::build(in_channels, out_channels, kernel_size, cfg, vb, false)
 }

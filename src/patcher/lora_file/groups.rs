@@ -83,7 +83,7 @@ const SUFFIXES: &[(&str, PartKind, bool)] = &[
 ];
 
 /// XLabs' Flux LoRA modules (`double_blocks.N.processor.qkv_lora1.up.weight`): their `up` /
-/// `down` parts keep the whole `processor.…` base name, which the Flux table (`dit.rs`) maps
+/// `down` parts keep the whole `processor.…` base name, which the Flux table (`dit/flux.rs`) maps
 /// onto the fused native weights. Checked before [`SUFFIXES`], whose old-diffusers processor
 /// form would otherwise take a single block's `qkv_lora.up.weight` apart.
 const XLABS_MODULES: &[&str] = &[

@@ -83,7 +83,7 @@
 //!
 //! Before these rules, a DiT family detected from the model's keys (Flux, SD3, AuraFlow, Lumina 2,
 //! PixArt, Wan) maps its diffusers / PEFT / OneTrainer names onto its native, fused weights
-//! (`dit.rs`), q, k, v and a single block's MLP as offset patches on their rows.
+//! (`dit/`, a file per family), q, k, v and a single block's MLP as offset patches on their rows.
 //!
 //! Not attempted: renaming between other model layouts (UNets whose transformer depth differs
 //! between the blocks of one level); such names are reported unmatched. Callers that know the
@@ -107,9 +107,9 @@
 //!
 //! `mod.rs` reads the tensors and assembles the result; `groups.rs` groups file tensors by base
 //! name into patches (the suffix table above); `keys.rs` maps base names onto model keys (rules 1
-//! and 2); [`unet`] holds the UNet layouts and their two namings (rule 3); `dit.rs` the DiT
-//! families' name tables and `module_shape.rs` the module size a patch gives, which places a
-//! fused part when the model's shapes are not known.
+//! and 2); [`unet`] holds the UNet layouts and their two namings (rule 3); `dit/` the DiT
+//! families' name tables (a file per family) and `module_shape.rs` the module size a patch
+//! gives, which places a fused part when the model's shapes are not known.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};

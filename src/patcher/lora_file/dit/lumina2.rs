@@ -1,0 +1,184 @@
+//! Lumina 2 and Z-Image (NextDiT): a fused `attention.qkv` with grouped key/value heads.
+
+use super::{Family, Part};
+
+/// Lumina 2 / Z-Image, known by its first layer's fused `attention.qkv`; the hidden size is
+/// `x_embedder`'s rows.
+pub(super) const FAMILY: Family = Family {
+    name: "lumina2",
+    detect: "layers.0.attention.qkv.weight",
+    table: TABLE,
+    hidden: "x_embedder",
+};
+
+/// diffusers (`attn.to_q`, `feed_forward.linear_1`) and ComfyUI's own (`attention.to_q`) names
+/// → native modules, for Lumina 2 and Z-Image (Alpha-VLLM's / Tongyi's NextDiT: a fused
+/// `attention.qkv` with grouped key/value heads, `attention.out`, `feed_forward.w1/w2/w3`, in the
+/// main `layers` and the `noise_refiner` / `context_refiner` blocks).
+const TABLE: &[(&str, &str, Part)] = &[
+    (
+        "layers.{N}.attention.to_q",
+        "layers.{N}.attention.qkv",
+        Part::GqaQkv(0),
+    ),
+    (
+        "layers.{N}.attention.to_k",
+        "layers.{N}.attention.qkv",
+        Part::GqaQkv(1),
+    ),
+    (
+        "layers.{N}.attention.to_v",
+        "layers.{N}.attention.qkv",
+        Part::GqaQkv(2),
+    ),
+    (
+        "layers.{N}.attention.to_out.0",
+        "layers.{N}.attention.out",
+        Part::Whole,
+    ),
+    (
+        "layers.{N}.attn.to_q",
+        "layers.{N}.attention.qkv",
+        Part::GqaQkv(0),
+    ),
+    (
+        "layers.{N}.attn.to_k",
+        "layers.{N}.attention.qkv",
+        Part::GqaQkv(1),
+    ),
+    (
+        "layers.{N}.attn.to_v",
+        "layers.{N}.attention.qkv",
+        Part::GqaQkv(2),
+    ),
+    (
+        "layers.{N}.attn.to_out.0",
+        "layers.{N}.attention.out",
+        Part::Whole,
+    ),
+    (
+        "layers.{N}.feed_forward.linear_1",
+        "layers.{N}.feed_forward.w1",
+        Part::Whole,
+    ),
+    (
+        "layers.{N}.feed_forward.linear_2",
+        "layers.{N}.feed_forward.w2",
+        Part::Whole,
+    ),
+    (
+        "layers.{N}.feed_forward.linear_3",
+        "layers.{N}.feed_forward.w3",
+        Part::Whole,
+    ),
+    (
+        "noise_refiner.{N}.attention.to_q",
+        "noise_refiner.{N}.attention.qkv",
+        Part::GqaQkv(0),
+    ),
+    (
+        "noise_refiner.{N}.attention.to_k",
+        "noise_refiner.{N}.attention.qkv",
+        Part::GqaQkv(1),
+    ),
+    (
+        "noise_refiner.{N}.attention.to_v",
+        "noise_refiner.{N}.attention.qkv",
+        Part::GqaQkv(2),
+    ),
+    (
+        "noise_refiner.{N}.attention.to_out.0",
+        "noise_refiner.{N}.attention.out",
+        Part::Whole,
+    ),
+    (
+        "noise_refiner.{N}.attn.to_q",
+        "noise_refiner.{N}.attention.qkv",
+        Part::GqaQkv(0),
+    ),
+    (
+        "noise_refiner.{N}.attn.to_k",
+        "noise_refiner.{N}.attention.qkv",
+        Part::GqaQkv(1),
+    ),
+    (
+        "noise_refiner.{N}.attn.to_v",
+        "noise_refiner.{N}.attention.qkv",
+        Part::GqaQkv(2),
+    ),
+    (
+        "noise_refiner.{N}.attn.to_out.0",
+        "noise_refiner.{N}.attention.out",
+        Part::Whole,
+    ),
+    (
+        "noise_refiner.{N}.feed_forward.linear_1",
+        "noise_refiner.{N}.feed_forward.w1",
+        Part::Whole,
+    ),
+    (
+        "noise_refiner.{N}.feed_forward.linear_2",
+        "noise_refiner.{N}.feed_forward.w2",
+        Part::Whole,
+    ),
+    (
+        "noise_refiner.{N}.feed_forward.linear_3",
+        "noise_refiner.{N}.feed_forward.w3",
+        Part::Whole,
+    ),
+    (
+        "context_refiner.{N}.attention.to_q",
+        "context_refiner.{N}.attention.qkv",
+        Part::GqaQkv(0),
+    ),
+    (
+        "context_refiner.{N}.attention.to_k",
+        "context_refiner.{N}.attention.qkv",
+        Part::GqaQkv(1),
+    ),
+    (
+        "context_refiner.{N}.attention.to_v",
+        "context_refiner.{N}.attention.qkv",
+        Part::GqaQkv(2),
+    ),
+    (
+        "context_refiner.{N}.attention.to_out.0",
+        "context_refiner.{N}.attention.out",
+        Part::Whole,
+    ),
+    (
+        "context_refiner.{N}.attn.to_q",
+        "context_refiner.{N}.attention.qkv",
+        Part::GqaQkv(0),
+    ),
+    (
+        "context_refiner.{N}.attn.to_k",
+        "context_refiner.{N}.attention.qkv",
+        Part::GqaQkv(1),
+    ),
+    (
+        "context_refiner.{N}.attn.to_v",
+        "context_refiner.{N}.attention.qkv",
+        Part::GqaQkv(2),
+    ),
+    (
+        "context_refiner.{N}.attn.to_out.0",
+        "context_refiner.{N}.attention.out",
+        Part::Whole,
+    ),
+    (
+        "context_refiner.{N}.feed_forward.linear_1",
+        "context_refiner.{N}.feed_forward.w1",
+        Part::Whole,
+    ),
+    (
+        "context_refiner.{N}.feed_forward.linear_2",
+        "context_refiner.{N}.feed_forward.w2",
+        Part::Whole,
+    ),
+    (
+        "context_refiner.{N}.feed_forward.linear_3",
+        "context_refiner.{N}.feed_forward.w3",
+        Part::Whole,
+    ),
+];
