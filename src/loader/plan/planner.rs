@@ -346,7 +346,7 @@ impl<'a> Planner<'a> {
     }
 
     /// Dynamic mode's eviction: weight by weight in the one priority order of residency by use
-    /// (`loader/dynamic.rs`: the least recently loaded model first; in a model stale weights,
+    /// (`loader/dynamic/`: the least recently loaded model first; in a model stale weights,
     /// then the ones used later in a forward) until more than `required` bytes are free. Models
     /// in `last` go after all others; models in `keep` (being loaded) and `KeepGuard`s' never.
     pub(in crate::loader) fn evict_by_priority(
