@@ -437,77 +437,92 @@ impl Streamer {
                 }
                 t
             }
-            None => {
-                tracing::debug!(model = patcher.model().name(), weight = index, "miss");
-                stats.miss();
-                let costs = host.and_then(|h| self.misses.get().map(|c| (c, h)));
-                // With cost-aware misses a copy is kept only where keeping it pays back: where
-                // the host computes it about as fast as the device, it never does.
-                let worth_keeping =
-                    costs.is_none_or(|(c, (ggml, rows))| c.worth_keeping(ggml, rows));
-                // The fault-in's booking: returned when dropped, on every path out of here
-                // (an error, a panic in a kernel the engine catches) unless committed.
-                let booking = keeper
-                    .as_ref()
-                    .filter(|_| worth_keeping)
-                    .and_then(|(k, room)| k.book(patcher, index, *room));
-                let booked = booking.is_some();
-                let bytes = patcher.model().slots()[index].bytes().bytes();
-                if let Some((c, (ggml, rows))) = costs.filter(|_| !booked) {
-                    // A weight the device map puts on the host runs there (llama.cpp's
-                    // `-ot exps=CPU`, `-ncmoe`); any other miss where the rule says.
-                    if patcher.streams_always(index)
-                        || c.choose(ggml, rows, bytes) == super::MissRun::Host
-                    {
-                        let prepared = self.prepared.get().and_then(|p| p.get(index));
-                        let fetch = match prepared {
-                            Some(q) => Fetch::Prepared(q),
-                            None => Fetch::Host(patcher.model().slots()[index].clean()?),
-                        };
-                        if let Some((k, _)) = &keeper {
-                            k.note_use(patcher, index, false);
-                        }
-                        self.prefetch_after(patcher, index);
-                        return Ok(fetch);
-                    }
-                }
-                // A weight not kept is booked in flight while it is copied, like a prefetch
-                // (`book_miss` makes the room when there is none).
-                let transit = if booked {
-                    None
-                } else {
-                    self.book_miss(patcher, index, keeper.as_ref().map(|(k, _)| k))
-                };
-                let t0 = std::time::Instant::now();
-                let fetched = self.fetch_through_pressure(patcher, index);
-                #[cfg(test)]
-                crate::fault::fetched();
-                let waited = t0.elapsed().as_nanos() as u64;
-                stats.waited(waited);
-                if let Some((c, _)) = costs.filter(|_| fetched.is_ok()) {
-                    c.note_fetch(bytes, waited);
-                }
-                if let Some(model) = self.costs.get().filter(|_| fetched.is_ok()) {
-                    model.note_copy(patcher.weight_device(index), bytes, waited);
-                }
-                match (fetched, &keeper, booking) {
-                    (Ok((t, hold)), Some((k, _)), Some(booking)) => {
-                        k.commit(patcher, index, &t, hold, booking);
-                        t
-                    }
-                    (Ok((t, hold)), _, _) => {
-                        hold.release_then(Box::new(move || drop(transit)));
-                        t
-                    }
-                    (Err(e), _, _) => return Err(e),
-                }
-            }
+            None => match self.fetch_miss(patcher, index, host, keeper.as_ref())? {
+                Fetch::Device(t) => t,
+                // Run on the host: its use and the prefetch after it are noted already.
+                other => return Ok(other),
+            },
         };
         if let Some((k, _)) = &keeper {
             k.note_use(patcher, index, false);
         }
         self.prefetch_after(patcher, index);
         Ok(Fetch::Device(weight))
+    }
+
+    /// A miss of weight `index`: fetched now and kept by use where the keeper books room for
+    /// it, else copied in flight and dropped after use; with cost-aware misses, run on the host
+    /// where the rule says (its use and the prefetch after it noted here, as the caller does
+    /// for a fetch to the device).
+    fn fetch_miss(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+        host: Option<(candle_core::quantized::GgmlDType, usize)>,
+        keeper: Option<&(Arc<dyn Keeper>, ByteSize)>,
+    ) -> Result<Fetch> {
+        tracing::debug!(model = patcher.model().name(), weight = index, "miss");
+        let stats = self.engine.stats();
+        stats.miss();
+        let costs = host.and_then(|h| self.misses.get().map(|c| (c, h)));
+        // With cost-aware misses a copy is kept only where keeping it pays back: where
+        // the host computes it about as fast as the device, it never does.
+        let worth_keeping = costs.is_none_or(|(c, (ggml, rows))| c.worth_keeping(ggml, rows));
+        // The fault-in's booking: returned when dropped, on every path out of here
+        // (an error, a panic in a kernel the engine catches) unless committed.
+        let booking = keeper
+            .as_ref()
+            .filter(|_| worth_keeping)
+            .and_then(|(k, room)| k.book(patcher, index, *room));
+        let booked = booking.is_some();
+        let bytes = patcher.model().slots()[index].bytes().bytes();
+        if let Some((c, (ggml, rows))) = costs.filter(|_| !booked) {
+            // A weight the device map puts on the host runs there (llama.cpp's
+            // `-ot exps=CPU`, `-ncmoe`); any other miss where the rule says.
+            if patcher.streams_always(index) || c.choose(ggml, rows, bytes) == super::MissRun::Host
+            {
+                let prepared = self.prepared.get().and_then(|p| p.get(index));
+                let fetch = match prepared {
+                    Some(q) => Fetch::Prepared(q),
+                    None => Fetch::Host(patcher.model().slots()[index].clean()?),
+                };
+                if let Some((k, _)) = keeper {
+                    k.note_use(patcher, index, false);
+                }
+                self.prefetch_after(patcher, index);
+                return Ok(fetch);
+            }
+        }
+        // A weight not kept is booked in flight while it is copied, like a prefetch
+        // (`book_miss` makes the room when there is none).
+        let transit = if booked {
+            None
+        } else {
+            self.book_miss(patcher, index, keeper.map(|(k, _)| k))
+        };
+        let t0 = std::time::Instant::now();
+        let fetched = self.fetch_through_pressure(patcher, index);
+        #[cfg(test)]
+        crate::fault::fetched();
+        let waited = t0.elapsed().as_nanos() as u64;
+        stats.waited(waited);
+        if let Some((c, _)) = costs.filter(|_| fetched.is_ok()) {
+            c.note_fetch(bytes, waited);
+        }
+        if let Some(model) = self.costs.get().filter(|_| fetched.is_ok()) {
+            model.note_copy(patcher.weight_device(index), bytes, waited);
+        }
+        match (fetched, keeper, booking) {
+            (Ok((t, hold)), Some((k, _)), Some(booking)) => {
+                k.commit(patcher, index, &t, hold, booking);
+                Ok(Fetch::Device(t))
+            }
+            (Ok((t, hold)), _, _) => {
+                hold.release_then(Box::new(move || drop(transit)));
+                Ok(Fetch::Device(t))
+            }
+            (Err(e), _, _) => Err(e),
+        }
     }
 
     /// Fetches weight `index` now; a device out of memory for its copy (copies in flight on

@@ -39,6 +39,10 @@ const DEEPER_GAIN: f64 = 0.02;
 /// Models whose last depth choice is kept ([`DepthChoice`]); the oldest goes first.
 const DEPTH_CHOICES: usize = 64;
 
+/// What a depth choice is made for: model id, residency signature, the memory free to it,
+/// the activation memory asked for, residency by use.
+type DepthKey = (u64, crate::patcher::ResidencySignature, u64, u64, bool);
+
 /// A prefetch-depth choice and what it was made for: the model, its patches and dtype (the
 /// residency signature), the memory free to it, the activation memory asked for and the mode.
 /// While all of these hold, a load keeps the choice instead of predicting every depth again
@@ -46,7 +50,7 @@ const DEPTH_CHOICES: usize = 64;
 /// again with the figures measured since.
 #[derive(Debug, Clone)]
 pub(in crate::loader) struct DepthChoice {
-    key: (u64, crate::patcher::ResidencySignature, u64, u64, bool),
+    key: DepthKey,
     depth: usize,
     weighed: Vec<DepthOption>,
 }
@@ -143,7 +147,6 @@ impl MemoryManager {
                     .bytes()
             }
         };
-        let mut weighed = Vec::new();
         self.seed_compute(m);
         let key = (
             m.model().id(),
@@ -152,80 +155,35 @@ impl MemoryManager {
             options.memory_required.bytes(),
             dynamic,
         );
-        let kept = self
-            .depth_choices
-            .lock()
-            .iter()
-            .find(|c| c.key == key)
-            .map(|c| (c.depth, c.weighed.clone()));
-        let (classic, budget, room, depth) =
-            if let Some((d, w)) = kept.filter(|_| self.chooses_depth(m, views)) {
-                weighed = w;
-                let (want, budget, room) = select(p, d);
-                (want, budget, room, d)
-            } else if self.chooses_depth(m, views) {
-                type Selection = (Vec<bool>, ByteSize, ByteSize);
-                let mut best: Option<(Selection, usize, u64)> = None;
-                for d in DEPTHS {
-                    let selection = select(p, d);
-                    let room = streamer_room(&selection.0, selection.2);
-                    let predicted = self.predict_with(m, |i| selection.0[i], room, d);
-                    weighed.push(DepthOption {
-                        depth: d,
-                        predicted,
-                    });
-                    let faster = best.as_ref().is_none_or(|(_, _, ns)| {
-                        (predicted.step_ns as f64) < *ns as f64 * (1.0 - DEEPER_GAIN)
-                    });
-                    if faster {
-                        best = Some((selection, d, predicted.step_ns));
-                    }
-                }
-                let ((want, budget, room), d, _) = best.expect("DEPTHS is not empty");
-                let mut choices = self.depth_choices.lock();
-                choices.retain(|c| c.key.0 != key.0);
-                if choices.len() >= DEPTH_CHOICES {
-                    choices.remove(0);
-                }
-                choices.push(DepthChoice {
-                    key,
-                    depth: d,
-                    weighed: weighed.clone(),
-                });
-                (want, budget, room, d)
-            } else {
-                let (want, budget, room) = select(p, depth);
-                (want, budget, room, depth)
-            };
-        let streamer_room = streamer_room(&classic, room);
-        if dynamic {
-            // Residency by use: what is resident and current stays (pinned weights are loaded,
-            // as asked); everything else becomes resident when a forward uses it, beside the
-            // room the classic selection leaves for what it would stream.
-            let _ = budget;
-            let want: Vec<bool> = views
+        let (depth, weighed) = self.depth_for(m, views, key, depth, |d| {
+            let selection = select(p, d);
+            let room = streamer_room(&selection.0, selection.2);
+            self.predict_with(m, |i| selection.0[i], room, d)
+        });
+        let (classic, budget, room) = select(p, depth);
+        // Residency by use: what is resident and current stays (pinned weights are loaded, as
+        // asked); everything else becomes resident when a forward uses it, beside the room the
+        // classic selection leaves for what it would stream.
+        let want: Vec<bool> = if dynamic {
+            views
                 .iter()
                 .map(|w| w.pinned || (w.current && w.on_device.is_some()))
-                .collect();
-            let kept = selection::wanted_bytes(views, &want);
-            return GroupPlan {
-                want,
-                budget: Some(kept),
-                room,
-                steady: classic,
-                depth,
-                weighed,
-                prefetch_room: streamer_room,
-            };
-        }
+                .collect()
+        } else {
+            classic.clone()
+        };
         GroupPlan {
-            want: classic.clone(),
-            budget: Some(budget),
+            budget: Some(if dynamic {
+                selection::wanted_bytes(views, &want)
+            } else {
+                budget
+            }),
+            want,
             room,
+            prefetch_room: streamer_room(&classic, room),
             steady: classic,
             depth,
             weighed,
-            prefetch_room: streamer_room,
         }
     }
 
@@ -233,6 +191,59 @@ impl MemoryManager {
     /// configuration leaves it open, the engine has lanes to prefetch on, the views are the
     /// whole model (a model split by a device map keeps the configured depth) and some of its
     /// compute is measured (before a forward ran, every depth predicts the copies alone).
+    /// The prefetch depth a partial load of `m` runs with and the depths weighed for it (empty
+    /// when not chosen): `default` unless the planner chooses ([`MemoryManager::chooses_depth`]);
+    /// the choice kept for `key` if there is one; else every depth of [`DEPTHS`] predicted by
+    /// `predict` (its own room and resident set), the fastest taken — a deeper one only by
+    /// [`DEEPER_GAIN`] — and kept for `key`.
+    fn depth_for(
+        &self,
+        m: &ModelPatcher,
+        views: &[WeightView],
+        key: DepthKey,
+        default: usize,
+        mut predict: impl FnMut(usize) -> crate::costs::StepPrediction,
+    ) -> (usize, Vec<DepthOption>) {
+        if !self.chooses_depth(m, views) {
+            return (default, Vec::new());
+        }
+        let kept = self
+            .depth_choices
+            .lock()
+            .iter()
+            .find(|c| c.key == key)
+            .map(|c| (c.depth, c.weighed.clone()));
+        if let Some(kept) = kept {
+            return kept;
+        }
+        let mut weighed = Vec::new();
+        let mut best: Option<(usize, u64)> = None;
+        for d in DEPTHS {
+            let predicted = predict(d);
+            weighed.push(DepthOption {
+                depth: d,
+                predicted,
+            });
+            let faster = best
+                .is_none_or(|(_, ns)| (predicted.step_ns as f64) < ns as f64 * (1.0 - DEEPER_GAIN));
+            if faster {
+                best = Some((d, predicted.step_ns));
+            }
+        }
+        let depth = best.map_or(default, |(d, _)| d);
+        let mut choices = self.depth_choices.lock();
+        choices.retain(|c| c.key.0 != key.0);
+        if choices.len() >= DEPTH_CHOICES {
+            choices.remove(0);
+        }
+        choices.push(DepthChoice {
+            key,
+            depth,
+            weighed: weighed.clone(),
+        });
+        (depth, weighed)
+    }
+
     fn chooses_depth(&self, m: &ModelPatcher, views: &[WeightView]) -> bool {
         let model = m.model();
         self.policy.config().prefetch_depth.is_none()
