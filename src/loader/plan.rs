@@ -345,6 +345,96 @@ impl MemoryManager {
         Ok(plan)
     }
 
+    /// Fits `sub_want` (model `m`'s weights on `device`, `sub`) to the device's budget beside
+    /// `base` (the projected ledger less the `here` bytes the model holds there now): a full
+    /// load that does not fit is a problem, a partial one shrinks; on a GPU what stays resident
+    /// must leave room to stream the largest weight that streams. The problem, if any.
+    #[allow(clippy::too_many_arguments)]
+    fn fit_budget(
+        &self,
+        p: &mut Planner<'_>,
+        m: &ModelPatcher,
+        device: DeviceId,
+        sub: &[WeightView],
+        sub_want: &mut [bool],
+        budget: Option<ByteSize>,
+        base: ByteSize,
+        here: ByteSize,
+    ) -> Option<PlanProblem> {
+        let full = sub_want.iter().all(|&w| w);
+        let budgeted = self.policy.is_budgeted(device);
+        let total = self.policy.total_memory(device);
+        let mut problem = None;
+        if budgeted {
+            let after = base.saturating_add(selection::wanted_bytes(sub, sub_want));
+            if after > total {
+                if budget.is_none() && full {
+                    // The model's own tensors there stay with it: part of what it needs.
+                    let size: ByteSize = sub
+                        .iter()
+                        .map(|w| w.size)
+                        .sum::<ByteSize>()
+                        .saturating_add(crate::nn::held::outside_on(m.model().id(), device));
+                    problem = Some(if size > total {
+                        PlanProblem::BudgetExceeded {
+                            model: m.model().name().to_string(),
+                            device,
+                            required: size,
+                            budget: total,
+                        }
+                    } else {
+                        PlanProblem::OutOfMemory {
+                            model: p.naming_holders(m.model().name(), device),
+                            device,
+                            required: selection::wanted_bytes(sub, sub_want).saturating_sub(here),
+                            available: p.free(device),
+                        }
+                    });
+                } else if !shrink_to_fit(sub, sub_want, total.saturating_sub(base)) {
+                    problem = Some(PlanProblem::OutOfMemory {
+                        model: p.naming_holders(m.model().name(), device),
+                        device,
+                        required: selection::wanted_bytes(sub, sub_want).saturating_sub(here),
+                        available: p.free(device),
+                    });
+                }
+            }
+        }
+        // On a GPU a weight that streams needs device room while it is copied and used:
+        // what stays resident (pinned weights included) must leave the largest of them.
+        if budgeted && problem.is_none() && !device.is_cpu() {
+            for _ in 0..sub.len().max(1) {
+                let streamed = sub
+                    .iter()
+                    .zip(sub_want.iter())
+                    .filter(|(_, &w)| !w)
+                    .map(|(v, _)| v.size)
+                    .max()
+                    .unwrap_or(ByteSize::ZERO);
+                let kept = base.saturating_add(selection::wanted_bytes(sub, sub_want));
+                if kept.saturating_add(streamed) <= total {
+                    break;
+                }
+                let room = total.saturating_sub(base).saturating_sub(streamed);
+                if !shrink_to_fit(sub, sub_want, room) {
+                    problem = Some(PlanProblem::OutOfMemory {
+                        model: format!(
+                            "{} (its pinned weights leave no room to stream a {streamed} weight)",
+                            p.naming_holders(m.model().name(), device)
+                        ),
+                        device,
+                        required: selection::wanted_bytes(sub, sub_want)
+                            .saturating_add(streamed)
+                            .saturating_sub(here),
+                        available: p.free(device),
+                    });
+                    break;
+                }
+            }
+        }
+        problem
+    }
+
     pub(super) fn plan_locked(
         &self,
         inner: &Inner,
@@ -503,77 +593,10 @@ impl MemoryManager {
                     ByteSize::ZERO
                 };
                 let mut sub_want = sub_want;
-                let full = sub_want.iter().all(|&w| w);
-                let budgeted = self.policy.is_budgeted(device);
-                let total = self.policy.total_memory(device);
                 let base = p.device(device).ledger.saturating_sub(here);
-                if budgeted && problem.is_none() {
-                    let after = base.saturating_add(selection::wanted_bytes(&sub, &sub_want));
-                    if after > total {
-                        if budget.is_none() && full {
-                            // The model's own tensors there stay with it: part of what it needs.
-                            let size: ByteSize =
-                                sub.iter().map(|w| w.size).sum::<ByteSize>().saturating_add(
-                                    crate::nn::held::outside_on(m.model().id(), device),
-                                );
-                            problem = Some(if size > total {
-                                PlanProblem::BudgetExceeded {
-                                    model: m.model().name().to_string(),
-                                    device,
-                                    required: size,
-                                    budget: total,
-                                }
-                            } else {
-                                PlanProblem::OutOfMemory {
-                                    model: p.naming_holders(m.model().name(), device),
-                                    device,
-                                    required: selection::wanted_bytes(&sub, &sub_want)
-                                        .saturating_sub(here),
-                                    available: p.free(device),
-                                }
-                            });
-                        } else if !shrink_to_fit(&sub, &mut sub_want, total.saturating_sub(base)) {
-                            problem = Some(PlanProblem::OutOfMemory {
-                                model: p.naming_holders(m.model().name(), device),
-                                device,
-                                required: selection::wanted_bytes(&sub, &sub_want)
-                                    .saturating_sub(here),
-                                available: p.free(device),
-                            });
-                        }
-                    }
-                }
-                // On a GPU a weight that streams needs device room while it is copied and used:
-                // what stays resident (pinned weights included) must leave the largest of them.
-                if budgeted && problem.is_none() && !device.is_cpu() {
-                    for _ in 0..sub.len().max(1) {
-                        let streamed = sub
-                            .iter()
-                            .zip(&sub_want)
-                            .filter(|(_, &w)| !w)
-                            .map(|(v, _)| v.size)
-                            .max()
-                            .unwrap_or(ByteSize::ZERO);
-                        let kept = base.saturating_add(selection::wanted_bytes(&sub, &sub_want));
-                        if kept.saturating_add(streamed) <= total {
-                            break;
-                        }
-                        let room = total.saturating_sub(base).saturating_sub(streamed);
-                        if !shrink_to_fit(&sub, &mut sub_want, room) {
-                            problem = Some(PlanProblem::OutOfMemory {
-                                model: format!(
-                                    "{} (its pinned weights leave no room to stream a {streamed} weight)",
-                                    p.naming_holders(m.model().name(), device)
-                                ),
-                                device,
-                                required: selection::wanted_bytes(&sub, &sub_want)
-                                    .saturating_add(streamed)
-                                    .saturating_sub(here),
-                                available: p.free(device),
-                            });
-                            break;
-                        }
-                    }
+                if problem.is_none() {
+                    problem =
+                        self.fit_budget(&mut p, m, device, &sub, &mut sub_want, budget, base, here);
                 }
                 let resident = selection::wanted_bytes(&sub, &sub_want);
                 p.sub(device, here);
