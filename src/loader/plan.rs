@@ -112,6 +112,56 @@ pub struct PlannedLoad {
     pub depths: Vec<DepthOption>,
 }
 
+impl PlannedLoad {
+    /// `m`'s plan before anything is decided: nothing resident, moved or streamed.
+    fn empty(m: &ModelPatcher, prefetch_depth: usize) -> PlannedLoad {
+        PlannedLoad {
+            name: m.model().name().to_string(),
+            model_id: m.model().id(),
+            device: m.load_device(),
+            full: false,
+            weight_budget: None,
+            already_loaded: ByteSize::ZERO,
+            resident: ByteSize::ZERO,
+            streaming: ByteSize::ZERO,
+            to_move: ByteSize::ZERO,
+            to_drop: ByteSize::ZERO,
+            lazy_patched: 0,
+            held_outside: m.model().held_outside().iter().map(|(_, b)| *b).sum(),
+            quantized: m.model().quantized_size().0,
+            placed: Vec::new(),
+            streaming_room: ByteSize::ZERO,
+            predicted: None,
+            recommended: None,
+            prefetch_depth,
+            depths: Vec::new(),
+        }
+    }
+
+    /// Counts what the load of `views` with `want` resident moves, drops and streams, and
+    /// whether it is full.
+    fn count_moves(&mut self, views: &[WeightView], want: &[bool]) {
+        for (w, &wanted) in views.iter().zip(want) {
+            let old = w.on_device.unwrap_or(ByteSize::ZERO);
+            match (wanted, w.current) {
+                (true, true) => {}
+                (true, false) => {
+                    self.to_move = self.to_move.saturating_add(w.size);
+                    self.to_drop = self.to_drop.saturating_add(old);
+                }
+                (false, _) => {
+                    self.streaming = self.streaming.saturating_add(w.size);
+                    self.to_drop = self.to_drop.saturating_add(old);
+                    if w.patched {
+                        self.lazy_patched += 1;
+                    }
+                }
+            }
+        }
+        self.full = want.iter().all(|&w| w);
+    }
+}
+
 /// A prefetch depth the planner weighed ([`PlannedLoad::depths`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
@@ -533,27 +583,7 @@ impl MemoryManager {
         let mut rooms = vec![u64::MAX; all.len()];
         for (k, m) in all.iter().enumerate() {
             let mut want = vec![false; views[k].len()];
-            let mut planned = PlannedLoad {
-                name: m.model().name().to_string(),
-                model_id: m.model().id(),
-                device: m.load_device(),
-                full: false,
-                weight_budget: None,
-                already_loaded: ByteSize::ZERO,
-                resident: ByteSize::ZERO,
-                streaming: ByteSize::ZERO,
-                to_move: ByteSize::ZERO,
-                to_drop: ByteSize::ZERO,
-                lazy_patched: 0,
-                held_outside: m.model().held_outside().iter().map(|(_, b)| *b).sum(),
-                quantized: m.model().quantized_size().0,
-                placed: Vec::new(),
-                streaming_room: ByteSize::ZERO,
-                predicted: None,
-                recommended: None,
-                prefetch_depth: self.policy.config().prefetch_depth(),
-                depths: Vec::new(),
-            };
+            let mut planned = PlannedLoad::empty(m, self.policy.config().prefetch_depth());
             let mut steady = vec![false; views[k].len()];
             let model_devices = m.devices();
             let counted = registered(&inner.registry, m.model());
@@ -654,27 +684,7 @@ impl MemoryManager {
                     p.sub(other, bytes);
                 }
             }
-            for (w, &wanted) in views[k].iter().zip(&want) {
-                match (wanted, w.on_device, w.current) {
-                    (true, _, true) => {}
-                    (true, old, false) => {
-                        planned.to_move = planned.to_move.saturating_add(w.size);
-                        planned.to_drop = planned
-                            .to_drop
-                            .saturating_add(old.unwrap_or(ByteSize::ZERO));
-                    }
-                    (false, old, _) => {
-                        planned.streaming = planned.streaming.saturating_add(w.size);
-                        planned.to_drop = planned
-                            .to_drop
-                            .saturating_add(old.unwrap_or(ByteSize::ZERO));
-                        if w.patched {
-                            planned.lazy_patched += 1;
-                        }
-                    }
-                }
-            }
-            planned.full = want.iter().all(|&w| w);
+            planned.count_moves(&views[k], &want);
             host.from_disk = host
                 .from_disk
                 .saturating_add(from_disk(m, &views[k], &want));
