@@ -400,19 +400,30 @@ fn qwen3_fixture(dir: &tempfile::TempDir) -> (std::path::PathBuf, Vec<Vec<u32>>,
     (path, want, tokens, size)
 }
 
-/// The managed port's logits, and each call's routed experts per layer (the experts of
-/// `ffn_gate_exps` whose own weight was used during the call).
-fn qwen3_managed(patcher: &ModelPatcher, tokens: &[u32]) -> (Vec<Vec<u32>>, Vec<Vec<Vec<usize>>>) {
+/// The managed Qwen3-MoE port built on `patcher`, and the device it computes on.
+fn qwen3_port(
+    patcher: &ModelPatcher,
+) -> (
+    candle_core::Device,
+    managed::quantized_qwen3_moe::GGUFQWenMoE,
+) {
     let device = patcher.load_device().to_candle().unwrap();
     let ct = gguf_file::Content::from_patcher(patcher);
     let mut reader = std::io::Cursor::new(Vec::<u8>::new());
-    let mut model = managed::quantized_qwen3_moe::GGUFQWenMoE::from_gguf(
+    let model = managed::quantized_qwen3_moe::GGUFQWenMoE::from_gguf(
         ct,
         &mut reader,
         &device,
         candle_core::DType::F32,
     )
     .unwrap();
+    (device, model)
+}
+
+/// The managed port's logits, and each call's routed experts per layer (the experts of
+/// `ffn_gate_exps` whose own weight was used during the call).
+fn qwen3_managed(patcher: &ModelPatcher, tokens: &[u32]) -> (Vec<Vec<u32>>, Vec<Vec<Vec<usize>>>) {
+    let (_, mut model) = qwen3_port(patcher);
     let layers: Vec<usize> = (0..BLOCKS).collect();
     routed_decode(
         patcher,
@@ -1197,16 +1208,7 @@ fn cost_aware_misses_are_recommended_with_their_predicted_gain_where_a_slow_link
 /// The time of `tokens.len()` (at most `STEPS`) decode steps of the managed Qwen3-MoE after its
 /// prompt (not timed).
 fn timed_decode(patcher: &ModelPatcher, tokens: &[u32]) -> std::time::Duration {
-    let device = patcher.load_device().to_candle().unwrap();
-    let ct = gguf_file::Content::from_patcher(patcher);
-    let mut reader = std::io::Cursor::new(Vec::<u8>::new());
-    let mut model = managed::quantized_qwen3_moe::GGUFQWenMoE::from_gguf(
-        ct,
-        &mut reader,
-        &device,
-        candle_core::DType::F32,
-    )
-    .unwrap();
+    let (device, mut model) = qwen3_port(patcher);
     let input = |t: &[u32]| Tensor::new(t, &device).unwrap().unsqueeze(0).unwrap();
     model.forward(&input(&PROMPT), 0).unwrap();
     let t0 = std::time::Instant::now();
