@@ -54,6 +54,7 @@ pub mod plan;
 mod predict;
 mod report;
 mod reserve;
+mod source;
 
 use free::cleanup;
 use load::expand;

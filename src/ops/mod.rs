@@ -234,27 +234,11 @@ impl OpsSource {
         Ok(())
     }
 
-    /// Switches every layer to `patcher` and loads it with `manager`, in one call: what is loaded
-    /// is what computes (the LoRA clone a node made, say). On error the layers keep the patcher
-    /// they had and nothing loaded is changed.
-    ///
-    /// # Errors
-    /// [`Error::WrongModel`] as [`OpsSource::set_patcher`]; whatever
-    /// [`MemoryManager::load_models_gpu`](crate::loader::MemoryManager::load_models_gpu)
-    /// refuses.
-    pub fn load(
-        &self,
-        manager: &crate::loader::MemoryManager,
-        patcher: &ModelPatcher,
-        options: crate::loader::LoadOptions,
-    ) -> Result<crate::loader::LoadReport> {
-        let before = self.patcher();
-        self.set_patcher(patcher)?;
-        manager
-            .load_models_gpu(&[patcher], options)
-            .inspect_err(|_| {
-                *self.patcher.write() = before;
-            })
+    /// Makes the layers fetch through `patcher` again: the very handle [`OpsSource::patcher`]
+    /// returned before a switch (no check, no clone). How a failed [`OpsSource::load`] (in the
+    /// loader, which owns loading) undoes its switch.
+    pub(crate) fn put_back(&self, patcher: Arc<ModelPatcher>) {
+        *self.patcher.write() = patcher;
     }
 
     /// When the layers fetch through a patch set other than the one a manager last loaded for
