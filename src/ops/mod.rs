@@ -61,6 +61,7 @@
 mod cast_cache;
 mod conv;
 mod embedding;
+mod hand_out;
 mod linear;
 mod norm;
 pub mod quant;
@@ -83,6 +84,7 @@ pub(crate) use cast_cache::{attach_cast_cache, cast_cache_of};
 pub use cast_cache::{cast_cache_stats, CastCache, CastCacheStats};
 pub use conv::{Conv1d, Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig};
 pub use embedding::Embedding;
+pub(crate) use hand_out::Via;
 pub use linear::Linear;
 pub use norm::{GroupNorm, LayerNorm, RmsNorm};
 pub(crate) use split::{on_device_of, on_weight_device};
@@ -181,11 +183,6 @@ impl WeakSource {
             patcher: self.patcher.upgrade()?,
             warned: self.warned.upgrade()?,
         })
-    }
-
-    /// Whether any handle on the source still lives (a layer built from it, a builder).
-    pub(crate) fn alive(&self) -> bool {
-        self.patcher.strong_count() > 0
     }
 
     /// Whether both are handles on one source.
