@@ -259,30 +259,23 @@ fn attribute_at(tokens: &[Token], i: usize) -> Option<(usize, usize)> {
 /// Whether an attribute's tokens (between its brackets) compile what follows in test builds only:
 /// `cfg(test)`, or `cfg(all(…))` with `test` among its terms.
 fn is_test_cfg(attr: &[Token]) -> bool {
-    let words: Vec<&Token> = attr.iter().collect();
-    if !(words.first().is_some_and(|t| t.is_ident("cfg"))
-        && words.get(1).is_some_and(|t| t.is_punct('(')))
-    {
-        return false;
-    }
-    if words.get(2).is_some_and(|t| t.is_ident("test"))
-        && words.get(3).is_some_and(|t| t.is_punct(')'))
-    {
-        return true;
-    }
-    if words.get(2).is_some_and(|t| t.is_ident("all")) {
-        // Terms of all(…) at its own depth.
-        let mut depth = 0;
-        for t in &words[3..] {
-            match t.tok {
-                Tok::Punct('(') => depth += 1,
-                Tok::Punct(')') => depth -= 1,
-                Tok::Ident(ref s) if depth == 1 && s == "test" => return true,
-                _ => {}
-            }
+    match attr {
+        [cfg, open, test, close] if cfg.is_ident("cfg") && open.is_punct('(') => {
+            test.is_ident("test") && close.is_punct(')')
         }
+        [cfg, open, all, terms @ ..] if cfg.is_ident("cfg") && open.is_punct('(') => {
+            // `test` among the terms of all(…), at its own depth.
+            all.is_ident("all")
+                && terms
+                    .iter()
+                    .scan(0, |depth, t| {
+                        *depth += i32::from(t.is_punct('(')) - i32::from(t.is_punct(')'));
+                        Some((*depth, t))
+                    })
+                    .any(|(depth, t)| depth == 1 && t.is_ident("test"))
+        }
+        _ => false,
     }
-    false
 }
 
 /// One source file of the crate, tokenized, with its test-only tokens marked.
