@@ -360,6 +360,24 @@ impl std::fmt::Debug for Error {
 /// The context a residency error carries inside candle's error.
 const IN_CANDLE: &str = "raised by residency (residency::Error::from gives the typed error back)";
 
+impl std::str::FromStr for ByteSize {
+    type Err = Error;
+
+    /// Parses `1073741824`, `512MiB`, `4GiB`, `1.5GB`, `100 KB`, `2G`. Binary suffixes (`KiB`,
+    /// `MiB`, `GiB`, `TiB`, and the bare `K`, `M`, `G`, `T` as ComfyUI and most tools read them)
+    /// are powers of 1024; decimal ones (`KB`, `MB`, `GB`, `TB`) powers of 1000. Case-insensitive.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSize`], naming the input and why. (Here rather than in `size.rs`, which
+    /// parses, so that `size` names nothing of the crate and `error` may name `size`.)
+    fn from_str(s: &str) -> Result<Self> {
+        ByteSize::parse(s).map_err(|reason| Error::InvalidSize {
+            input: s.to_string(),
+            reason: reason.to_string(),
+        })
+    }
+}
+
 impl From<Error> for candle_core::Error {
     /// candle's error holding `e` itself (`WrappedContext`, downcastable), so that
     /// `residency::Error::from` on the way out gives `e` back with its type.

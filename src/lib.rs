@@ -38,19 +38,24 @@
 //!
 //! ## Module map, in dependency order (no cycles)
 //!
-//! `error`, `size` (leaves) → [`float`] (dtypes, casts, fp8, stochastic rounding) → [`vram`]
-//! (config, hardware probe, VRAM state, device helpers, dtype policy) → [`device`] (everything
-//! asked of a GPU, behind one interface: CUDA, and a simulated GPU with a checker) → [`costs`] (the cost
-//! model: copy and compute figures per device, predicted step time) → [`weights`] (models as
-//! named slots, residency; the disk and host tiers) → [`patcher`] (ModelPatcher; patch kinds in [`patcher::adapters`], one
-//! file per kind; LoRA files in [`patcher::lora_file`]) → [`offload`] (staging pool, transfer
-//! lanes, prefetch) → [`ops`] (layers) → [`nn`] (candle-nn's constructors on `ops`),
-//! [`quantized`] (candle's quantized API on managed GGUF weights; [`quantized_nn`],
-//! [`quantized_var_builder`]), [`attention`] (backends, memory plans, dispatcher) →
-//! [`loader`] (the memory manager, the global API) → [`models`] (BERT), [`tools`] (LoRA merging).
+//! A module names only modules of earlier groups (`docs/ARCHITECTURE.md` §2 gives the same order,
+//! and `tests/module_map.rs` checks the code against it): `lock` (the ranked locks every module
+//! uses), [`size`] (leaves) → [`error`] → [`float`] (dtypes, casts, fp8, stochastic rounding),
 //! [`trace`] (recording residency's spans and ledger counters as a Chrome trace and a timeline
-//! picture) depends on nothing else in the crate but `lock` (the ranked locks every module uses,
-//! a leaf beside `error` and `size`).
+//! picture), [`warnings`] (the stderr copies of the warnings an engine must see), `fault` (test
+//! builds only: the fault-injection seam) → [`vram`] (config, hardware
+//! probe, VRAM state, device helpers, dtype policy) → [`device`] (everything asked of a GPU, behind
+//! one interface: CUDA, and a simulated GPU with a checker) → [`costs`] (the cost model: copy and
+//! compute figures per device, predicted step time) → [`weights`] (models as named slots,
+//! residency; the disk and host tiers; the tensors a model's code holds outside the ledger) →
+//! [`patcher`] (ModelPatcher; patch kinds in [`patcher::adapters`], one file per kind; LoRA files
+//! in [`patcher::lora_file`]) → [`offload`] (staging pool, transfer lanes, prefetch) → [`ops`]
+//! (layers) → [`quantized`] (candle's quantized API on managed GGUF weights) → [`nn`] (candle-nn's
+//! constructors on `ops`), [`quantized_var_builder`], [`attention`] (backends, memory plans,
+//! dispatcher) → [`quantized_nn`], [`with_tracing`] (candle-transformers' traced layers on `nn`),
+//! [`loader`] (the memory manager, the global API, [`OpsSource::load`](ops::OpsSource::load)) →
+//! [`managed`] (any candle model under the manager, whole), [`models`] (BERT), [`tools`] (LoRA
+//! merging). A layer never calls the manager.
 //!
 //! The design — memory tiers, the invariants and their tests, the load algorithm, the transfer
 //! path, the lock table, and where each lives — is in `docs/ARCHITECTURE.md`.

@@ -3,12 +3,10 @@
 //! Every public signature that carries a number of bytes uses [`ByteSize`]; arithmetic on it is
 //! either checked (returns `None` on overflow) or saturating, never wrapping. Sizes parse from the
 //! forms users type on a command line (`4GiB`, `512MiB`, `1.5GB`, `1073741824`) and display in
-//! binary units.
+//! binary units. This module names nothing else of the crate: the parse is here, and the
+//! `FromStr` impl that types its refusal as the crate's error is in `error.rs`.
 
 use std::fmt;
-use std::str::FromStr;
-
-use crate::error::Error;
 
 /// A number of bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -134,27 +132,21 @@ impl fmt::Display for ByteSize {
     }
 }
 
-impl FromStr for ByteSize {
-    type Err = Error;
-
-    /// Parses `1073741824`, `512MiB`, `4GiB`, `1.5GB`, `100 KB`, `2G`. Binary suffixes (`KiB`,
-    /// `MiB`, `GiB`, `TiB`, and the bare `K`, `M`, `G`, `T` as ComfyUI and most tools read them)
-    /// are powers of 1024; decimal ones (`KB`, `MB`, `GB`, `TB`) powers of 1000. Case-insensitive.
-    fn from_str(s: &str) -> Result<Self, Error> {
-        let bad = |why: &str| Error::InvalidSize {
-            input: s.to_string(),
-            reason: why.to_string(),
-        };
+impl ByteSize {
+    /// The size `s` spells, in the forms `ByteSize`'s `FromStr` lists, or why it spells none,
+    /// in words. `FromStr` is in `error.rs`, so that this module names nothing of the crate: it
+    /// turns a refusal into [`crate::Error::InvalidSize`] naming the input.
+    pub(crate) fn parse(s: &str) -> Result<ByteSize, &'static str> {
         let t = s.trim();
         if t.is_empty() {
-            return Err(bad("empty"));
+            return Err("empty");
         }
         let split = t
             .find(|c: char| !(c.is_ascii_digit() || c == '.'))
             .unwrap_or(t.len());
         let (num, unit) = t.split_at(split);
         if num.is_empty() {
-            return Err(bad("no number before the unit"));
+            return Err("no number before the unit");
         }
         let unit = unit.trim().to_ascii_lowercase();
         let mult: f64 = match unit.as_str() {
@@ -167,21 +159,17 @@ impl FromStr for ByteSize {
             "mb" => 1e6,
             "gb" => 1e9,
             "tb" => 1e12,
-            _ => {
-                return Err(bad(
-                    "unknown unit (use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)",
-                ))
-            }
+            _ => return Err("unknown unit (use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)"),
         };
         if unit.is_empty() || unit == "b" {
             if let Ok(n) = num.parse::<u64>() {
                 return Ok(ByteSize(n));
             }
         }
-        let value: f64 = num.parse().map_err(|_| bad("not a number"))?;
+        let value: f64 = num.parse().map_err(|_| "not a number")?;
         let bytes = value * mult;
         if !bytes.is_finite() || bytes > u64::MAX as f64 {
-            return Err(bad("too large"));
+            return Err("too large");
         }
         Ok(ByteSize(bytes.round() as u64))
     }

@@ -54,6 +54,7 @@ pub mod plan;
 mod predict;
 mod report;
 mod reserve;
+mod source;
 
 use free::cleanup;
 use load::expand;
@@ -455,7 +456,7 @@ impl MemoryManager {
             .map(|e| {
                 e.model()
                     .resident_bytes(device)
-                    .saturating_add(crate::nn::held::outside_on(e.model().id(), device))
+                    .saturating_add(crate::weights::outside::outside_on(e.model().id(), device))
             })
             .sum()
     }

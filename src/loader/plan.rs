@@ -420,11 +420,10 @@ impl MemoryManager {
             if after > total {
                 if budget.is_none() && full {
                     // The model's own tensors there stay with it: part of what it needs.
-                    let size: ByteSize = sub
-                        .iter()
-                        .map(|w| w.size)
-                        .sum::<ByteSize>()
-                        .saturating_add(crate::nn::held::outside_on(m.model().id(), device));
+                    let size: ByteSize =
+                        sub.iter().map(|w| w.size).sum::<ByteSize>().saturating_add(
+                            crate::weights::outside::outside_on(m.model().id(), device),
+                        );
                     problem = Some(if size > total {
                         PlanProblem::BudgetExceeded {
                             model: m.model().name().to_string(),
@@ -533,7 +532,7 @@ impl MemoryManager {
             if registered(&inner.registry, m.model()) {
                 continue;
             }
-            for (device, bytes) in crate::nn::held::outside_by_device(m.model().id()) {
+            for (device, bytes) in crate::weights::outside::outside_by_device(m.model().id()) {
                 p.add(device, bytes);
             }
         }
@@ -703,7 +702,8 @@ impl MemoryManager {
                 let model = all
                     .iter()
                     .find(|m| {
-                        crate::nn::held::outside_on(m.model().id(), d.device) > ByteSize::ZERO
+                        crate::weights::outside::outside_on(m.model().id(), d.device)
+                            > ByteSize::ZERO
                     })
                     .map(|m| m.model().name().to_string())
                     .unwrap_or_default();

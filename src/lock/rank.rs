@@ -69,17 +69,18 @@ ranks! {
     SimBufferStorage = 27, "sim device buffer storage", "a simulated device buffer's bytes";
     SimEvent = 28, "sim event (and its condition variable)", "an event's latest recording and completions";
     SimGpu = 29, "device::SimGpu books (and its condition variable)", "a simulated GPU's allocations, page-locked ranges, faults and findings";
-    NnHandedOut = 30, "nn tensors handed out", "tables handed out by managed accessors";
-    WarnLatch = 31, "warning latches (attention's, `warnings`' stderr copies)", "warnings already printed";
-    DynamicStats = 32, "loader::Dynamic statistics", "hits, misses, faults-in and the recorded uses, per device";
-    ManagerView = 33, "MemoryManager::view", "the registry as reports read it (published when the manager lock is released)";
-    MissCosts = 34, "offload::MissCosts figures", "the measured costs of cost-aware misses and their counts";
-    Costs = 35, "costs::CostModel figures", "each device's link figure and its fit (a leaf: held to read or add a sample)";
-    Audits = 36, "MemoryManager audits", "the last step audit of each model (a leaf)";
-    DepthChoices = 37, "MemoryManager depth choices", "the planner's last prefetch-depth choice per model and what it was made for (a leaf)";
-    PreparedHost = 38, "offload::PreparedCopies entries", "a model's prepared host copies of quantized weights run on the host";
-    Trace = 39, "trace::Trace records", "a recording's records (an event may be emitted under any lock above)";
-    TrackNames = 40, "trace track names", "each thread's track number and name";
+    NnHandedOut = 30, "nn tensors handed out", "tensors handed out by managed accessors, and by `VarBuilder::get` until a layer adopts them";
+    HeldOutside = 31, "weights held-outside table", "the tensors each model's code holds as its own, outside the ledger, and the copies kept of them";
+    WarnLatch = 32, "warning latches (attention's, `warnings`' stderr copies)", "warnings already printed";
+    DynamicStats = 33, "loader::Dynamic statistics", "hits, misses, faults-in and the recorded uses, per device";
+    ManagerView = 34, "MemoryManager::view", "the registry as reports read it (published when the manager lock is released)";
+    MissCosts = 35, "offload::MissCosts figures", "the measured costs of cost-aware misses and their counts";
+    Costs = 36, "costs::CostModel figures", "each device's link figure and its fit (a leaf: held to read or add a sample)";
+    Audits = 37, "MemoryManager audits", "the last step audit of each model (a leaf)";
+    DepthChoices = 38, "MemoryManager depth choices", "the planner's last prefetch-depth choice per model and what it was made for (a leaf)";
+    PreparedHost = 39, "offload::PreparedCopies entries", "a model's prepared host copies of quantized weights run on the host";
+    Trace = 40, "trace::Trace records", "a recording's records (an event may be emitted under any lock above)";
+    TrackNames = 41, "trace track names", "each thread's track number and name";
 }
 
 #[cfg_attr(not(debug_assertions), allow(dead_code))]

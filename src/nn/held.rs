@@ -1,21 +1,16 @@
 //! What a layer of [`crate::nn`] holds — the keys of weights it fetches, or tensors it owns — and
-//! the fetch every fetched layer's forward and accessors go through; and the tensors a model's
-//! code holds as its own, outside the ledger (`Model::held_outside`, docs/ARCHITECTURE.md §11).
+//! the fetch every fetched layer's forward and accessors go through; and the adoption of tensors
+//! handed to a model's code: a constructor given a tensor `VarBuilder::get` (or a managed
+//! accessor) just returned builds the managed layer on its key instead.
 //!
-//! The held-outside table counts each tensor `VarBuilder::get` (or a quantized `dequantize` of a
-//! managed weight) handed to a model's code, per model, key and tensor, until a layer constructor adopts it, the
-//! source it was read through is dropped, or the model is: a tensor's own drop cannot be seen.
-//! It stays bounded by what the model's code can hold, not by how often it reads: a second copy
-//! of one weight read in one form (patcher, dtype, device, call) from one source is kept and
-//! handed out in place of every later read, so a weight read in a loop counts two copies. The
-//! list a constructor adopts from keeps the last 4 096 hand-outs. Lookups are O(copies of the
-//! key); the ledger's figures O(entries of the model).
+//! What a model's code holds as its own, outside the ledger, is counted in the held-outside table
+//! (`weights/outside.rs`, docs/ARCHITECTURE.md §11): [`get`] hands a parameter out through it and
+//! [`adopt`] takes it back off. The list a constructor adopts from keeps the last 4 096
+//! hand-outs; lookups in it are O(its length).
 
 use candle_core::{DType, Device, Tensor, TensorId};
 
-use crate::ops::{cast_bias_weight, to_candle, LayerWeights, OpsSource, WeakSource};
-use crate::size::ByteSize;
-use crate::vram::DeviceId;
+use crate::ops::{cast_bias_weight, to_candle, LayerWeights, Via, WeakSource};
 
 /// A layer's tensors: fetched through the patcher at every use, or owned as candle-nn owns them
 /// (a layer made with `new`, which the memory manager cannot evict).
@@ -168,190 +163,6 @@ static RAW: crate::lock::Mutex<std::collections::VecDeque<RawGet>> = crate::lock
 /// one.
 const RAW_KEPT: usize = 4096;
 
-/// What makes two hand-outs of one weight the same bits in the same place: the patcher the
-/// source fetched through (its patches and wrappers), the dtype and device asked for, and the
-/// path (a `VarBuilder::get` in its mode, or a dequantize).
-#[derive(Clone)]
-struct Form {
-    /// Compared by allocation; the weak handle keeps the address from being reused.
-    patcher: std::sync::Weak<crate::patcher::ModelPatcher>,
-    dtype: DType,
-    location: candle_core::DeviceLocation,
-    via: Via,
-}
-
-/// The call that handed a tensor out.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Via {
-    Get(crate::ops::OpsMode),
-    Dequantize,
-}
-
-impl Form {
-    fn new(source: &OpsSource, dtype: DType, device: &Device, via: Via) -> Form {
-        Form {
-            patcher: std::sync::Arc::downgrade(&source.patcher()),
-            dtype,
-            location: device.location(),
-            via,
-        }
-    }
-
-    fn same(&self, other: &Form) -> bool {
-        self.patcher.ptr_eq(&other.patcher)
-            && self.dtype == other.dtype
-            && self.location == other.location
-            && self.via == other.via
-    }
-}
-
-/// One tensor handed to a model's code (a clean weight read twice may be handed out twice as one
-/// tensor). A tensor's drop cannot be seen (candle gives no weak handle on one), so it counts
-/// until a layer adopts every hand-out of it, its source is dropped (the builder and every layer
-/// built from it), or its model is.
-struct OutsideTensor {
-    id: TensorId,
-    bytes: ByteSize,
-    /// The ledger's device for it.
-    device: DeviceId,
-    source: WeakSource,
-    form: Form,
-    /// Hand-outs not adopted by a layer: counted while any is left.
-    handouts: u32,
-    /// The second copy made of one weight in one form from one source: kept, and handed out in
-    /// place of every later read, so reading a weight again and again counts two copies, not one
-    /// per read. (The first is not kept: model code that reads each weight once and transforms
-    /// it — experts stacked at build — must not pay for the copies it dropped.)
-    kept: Option<Tensor>,
-}
-
-/// The tensors one model's code holds as its own, by key.
-#[derive(Default)]
-struct Outside {
-    by_key: std::collections::HashMap<String, Vec<OutsideTensor>>,
-    /// Entries keeping a copy: their tensors are released as soon as any call sees their source
-    /// gone, whichever model it asks about.
-    keeping: usize,
-}
-
-/// Drops the entries of `copies` whose source is gone, moving the copies they kept to `released`
-/// (to be dropped once the table's lock is released).
-fn prune_copies(copies: &mut Vec<OutsideTensor>, keeping: &mut usize, released: &mut Vec<Tensor>) {
-    copies.retain_mut(|o| {
-        let alive = o.source.alive();
-        if !alive {
-            if let Some(t) = o.kept.take() {
-                *keeping = keeping.saturating_sub(1);
-                released.push(t);
-            }
-        }
-        alive
-    });
-}
-
-impl Outside {
-    /// Drops the entries whose source is gone ([`prune_copies`]).
-    fn prune(&mut self, released: &mut Vec<Tensor>) {
-        let keeping = &mut self.keeping;
-        self.by_key.retain(|_, copies| {
-            prune_copies(copies, keeping, released);
-            !copies.is_empty()
-        });
-    }
-
-    /// Counts one more hand-out of `t` (weight `key`, in `form`, from `source`).
-    fn note(
-        &mut self,
-        key: &str,
-        t: &Tensor,
-        device: DeviceId,
-        source: WeakSource,
-        form: Form,
-        released: &mut Vec<Tensor>,
-    ) {
-        let copies = self.by_key.entry(key.to_string()).or_default();
-        // A count whose source is gone is over: a clean tensor handed out again by the builder
-        // of a model built again starts a new one.
-        prune_copies(copies, &mut self.keeping, released);
-        if let Some(o) = copies.iter_mut().find(|o| o.id == t.id()) {
-            // The same tensor again: a resident or clean copy is handed out as itself.
-            o.handouts = o.handouts.saturating_add(1);
-            return;
-        }
-        let earlier = copies
-            .iter()
-            .filter(|o| o.source.same_as(&source) && o.form.same(&form));
-        let keep = earlier.clone().next().is_some() && !earlier.clone().any(|o| o.kept.is_some());
-        if keep {
-            self.keeping += 1;
-        }
-        copies.push(OutsideTensor {
-            id: t.id(),
-            bytes: ByteSize((t.elem_count() * t.dtype().size_in_bytes()) as u64),
-            device,
-            source,
-            form,
-            handouts: 1,
-            kept: keep.then(|| t.clone()),
-        });
-    }
-
-    /// The copy kept for weight `key` in `form` from `source`, counted as handed out once more.
-    fn hand_out_kept(&mut self, key: &str, source: &WeakSource, form: &Form) -> Option<Tensor> {
-        let o = self.by_key.get_mut(key)?.iter_mut().find(|o| {
-            o.kept.is_some() && o.source.alive() && o.source.same_as(source) && o.form.same(form)
-        })?;
-        o.handouts = o.handouts.saturating_add(1);
-        o.kept.clone()
-    }
-
-    /// One hand-out of tensor `id` (weight `key`) adopted by a layer: gone from the count once
-    /// every hand-out of it is.
-    fn adopted(&mut self, key: &str, id: TensorId, released: &mut Vec<Tensor>) {
-        let Some(copies) = self.by_key.get_mut(key) else {
-            return;
-        };
-        let Some(at) = copies.iter().position(|o| o.id == id) else {
-            return;
-        };
-        copies[at].handouts = copies[at].handouts.saturating_sub(1);
-        if copies[at].handouts == 0 {
-            if let Some(t) = copies.remove(at).kept {
-                self.keeping = self.keeping.saturating_sub(1);
-                released.push(t);
-            }
-            if copies.is_empty() {
-                self.by_key.remove(key);
-            }
-        }
-    }
-}
-
-/// Set by the first hand-out: until then (most processes: no model keeps raw tensors) the
-/// ledger's per-model lookup is one atomic load, not a lock.
-static ANY_OUTSIDE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Per model (by id): the parameters its code holds as its own tensors.
-static OUTSIDE: crate::lock::Mutex<Option<std::collections::HashMap<u64, Outside>>> =
-    crate::lock::Mutex::new(crate::lock::Rank::NnHandedOut, None);
-
-/// Prunes every model that keeps copies (their tensors must not outlive their source, whoever
-/// asks next), then `f` on the table.
-fn with_outside<R>(f: impl FnOnce(&mut std::collections::HashMap<u64, Outside>) -> R) -> R {
-    let mut released = Vec::new();
-    let r = {
-        let mut outside = OUTSIDE.lock();
-        let models = outside.get_or_insert_with(Default::default);
-        for table in models.values_mut().filter(|t| t.keeping > 0) {
-            table.prune(&mut released);
-        }
-        f(models)
-    };
-    // Tensors are freed outside the lock.
-    drop(released);
-    r
-}
-
 /// The parameter `weights` names, handed to model code by `VarBuilder::get` in `dtype` on
 /// `device`: the copy kept for it when this weight was read twice before in this form from this
 /// source, else `read()`'s tensor; counted outside the ledger until a layer constructor adopts
@@ -362,8 +173,13 @@ pub(crate) fn get(
     device: &Device,
     read: impl FnOnce() -> candle_core::Result<Tensor>,
 ) -> candle_core::Result<Tensor> {
-    let form = Form::new(weights.source(), dtype, device, Via::Get(weights.mode()));
-    let t = hand_out(weights.source(), weights.weight_key(), form, read)?;
+    let t = weights.source().hand_out(
+        weights.weight_key(),
+        dtype,
+        device,
+        Via::Get(weights.mode()),
+        read,
+    )?;
     let entry = RawGet {
         id: t.id(),
         source: weights.source().downgrade(),
@@ -377,65 +193,6 @@ pub(crate) fn get(
         raw.pop_front();
     }
     raw.push_back(entry);
-    Ok(t)
-}
-
-/// Managed weight `key` of `source`'s model dequantized for the caller (`quantized::QTensor`'s
-/// `dequantize`) in `dtype` on `device`: counted outside the ledger as a `VarBuilder::get`
-/// tensor is (the same table, the same rules), never adopted.
-pub(crate) fn dequantized(
-    source: &OpsSource,
-    key: &str,
-    dtype: DType,
-    device: &Device,
-    read: impl FnOnce() -> candle_core::Result<Tensor>,
-) -> candle_core::Result<Tensor> {
-    let form = Form::new(source, dtype, device, Via::Dequantize);
-    hand_out(source, key, form, read)
-}
-
-/// The ledger's device for a tensor on `device` handed out by a model loaded on `load`: the load
-/// device when `device` is its candle device, else the device it names (the host, a GPU).
-fn ledger_device(load: DeviceId, device: &Device) -> DeviceId {
-    if load.to_candle().is_ok_and(|d| d.same_device(device)) {
-        return load;
-    }
-    match device.location() {
-        candle_core::DeviceLocation::Cuda { gpu_id } => DeviceId::Cuda(gpu_id),
-        _ => DeviceId::Cpu,
-    }
-}
-
-/// Hands out weight `key` of `source`'s model in `form`: the copy kept for it, or `read()`'s
-/// tensor, counted.
-fn hand_out(
-    source: &OpsSource,
-    key: &str,
-    form: Form,
-    read: impl FnOnce() -> candle_core::Result<Tensor>,
-) -> candle_core::Result<Tensor> {
-    let patcher = source.patcher();
-    let model_id = patcher.model().id();
-    let weak = source.downgrade();
-    ANY_OUTSIDE.store(true, std::sync::atomic::Ordering::Relaxed);
-    let kept = with_outside(|models| {
-        models
-            .get_mut(&model_id)
-            .and_then(|t| t.hand_out_kept(key, &weak, &form))
-    });
-    if let Some(t) = kept {
-        return Ok(t);
-    }
-    let t = read()?;
-    let counted_on = ledger_device(patcher.load_device(), t.device());
-    let mut released = Vec::new();
-    with_outside(|models| {
-        models
-            .entry(model_id)
-            .or_default()
-            .note(key, &t, counted_on, weak, form, &mut released)
-    });
-    drop(released);
     Ok(t)
 }
 
@@ -480,80 +237,10 @@ pub(crate) fn adopt(weight: &Tensor, bias: Option<&Tensor>) -> Option<LayerWeigh
     let layer = crate::ops::OpsBuilder::from_source(&source, w.mode)
         .weights_at(w.key.clone(), &w.shape, bias.clone())
         .ok()?;
-    let mut released = Vec::new();
-    with_outside(|models| {
-        if let Some(table) = models.get_mut(&w.model_id) {
-            table.adopted(&w.key, w.id, &mut released);
-            if let (Some((key, _)), Some(b)) = (&bias, bias_id) {
-                table.adopted(key, b, &mut released);
-            }
-        }
-    });
-    drop(released);
+    let mut hand_outs = vec![(w.key.as_str(), w.id)];
+    if let (Some((key, _)), Some(b)) = (&bias, bias_id) {
+        hand_outs.push((key.as_str(), b));
+    }
+    crate::weights::outside::adopted(w.model_id, &hand_outs);
     Some(layer)
-}
-
-/// The parameters model `model_id` holds outside the ledger (handed out by `VarBuilder::get` or
-/// dequantized by `quantized::QTensor`, and kept by the model as its own tensors), by key, with
-/// their bytes.
-pub(crate) fn outside_of(model_id: u64) -> Vec<(String, ByteSize)> {
-    let mut by_key: Vec<(String, ByteSize)> = Vec::new();
-    // Live entries come sorted by key: one row per key, its tensors summed.
-    for (k, b, _) in live_outside(model_id) {
-        match by_key.last_mut() {
-            Some((last, sum)) if *last == k => *sum = sum.saturating_add(b),
-            _ => by_key.push((k, b)),
-        }
-    }
-    by_key
-}
-
-/// Bytes of the parameters model `model_id`'s code holds on `device` (see [`outside_of`]).
-pub(crate) fn outside_on(model_id: u64, device: DeviceId) -> ByteSize {
-    live_outside(model_id)
-        .into_iter()
-        .filter(|(_, _, d)| *d == device)
-        .map(|(_, b, _)| b)
-        .sum()
-}
-
-/// Bytes of the parameters model `model_id`'s code holds, per device they are on (see
-/// [`outside_of`]).
-pub(crate) fn outside_by_device(model_id: u64) -> Vec<(DeviceId, ByteSize)> {
-    let mut by_device: Vec<(DeviceId, ByteSize)> = Vec::new();
-    for (_, b, d) in live_outside(model_id) {
-        match by_device.iter_mut().find(|(x, _)| *x == d) {
-            Some((_, sum)) => *sum = sum.saturating_add(b),
-            None => by_device.push((d, b)),
-        }
-    }
-    by_device
-}
-
-/// The entries of `model_id` whose source still lives (dead ones are dropped), sorted by key.
-fn live_outside(model_id: u64) -> Vec<(String, ByteSize, DeviceId)> {
-    if !ANY_OUTSIDE.load(std::sync::atomic::Ordering::Relaxed) {
-        return Vec::new();
-    }
-    let mut released = Vec::new();
-    let mut live: Vec<_> = with_outside(|models| {
-        let Some(table) = models.get_mut(&model_id) else {
-            return Vec::new();
-        };
-        table.prune(&mut released);
-        table
-            .by_key
-            .iter()
-            .flat_map(|(k, copies)| copies.iter().map(|o| (k.clone(), o.bytes, o.device)))
-            .collect()
-    });
-    drop(released);
-    live.sort_by(|a, b| a.0.cmp(&b.0));
-    live
-}
-
-/// Forgets model `model_id` (it was dropped), with the copies kept for it.
-pub(crate) fn forget_model(model_id: u64) {
-    let table = OUTSIDE.lock().as_mut().and_then(|m| m.remove(&model_id));
-    drop(table);
 }

@@ -61,6 +61,7 @@
 mod cast_cache;
 mod conv;
 mod embedding;
+mod hand_out;
 mod linear;
 mod norm;
 pub mod quant;
@@ -83,6 +84,7 @@ pub(crate) use cast_cache::{attach_cast_cache, cast_cache_of};
 pub use cast_cache::{cast_cache_stats, CastCache, CastCacheStats};
 pub use conv::{Conv1d, Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig};
 pub use embedding::Embedding;
+pub(crate) use hand_out::Via;
 pub use linear::Linear;
 pub use norm::{GroupNorm, LayerNorm, RmsNorm};
 pub(crate) use split::{on_device_of, on_weight_device};
@@ -183,11 +185,6 @@ impl WeakSource {
         })
     }
 
-    /// Whether any handle on the source still lives (a layer built from it, a builder).
-    pub(crate) fn alive(&self) -> bool {
-        self.patcher.strong_count() > 0
-    }
-
     /// Whether both are handles on one source.
     pub(crate) fn same_as(&self, other: &WeakSource) -> bool {
         self.patcher.ptr_eq(&other.patcher)
@@ -234,27 +231,11 @@ impl OpsSource {
         Ok(())
     }
 
-    /// Switches every layer to `patcher` and loads it with `manager`, in one call: what is loaded
-    /// is what computes (the LoRA clone a node made, say). On error the layers keep the patcher
-    /// they had and nothing loaded is changed.
-    ///
-    /// # Errors
-    /// [`Error::WrongModel`] as [`OpsSource::set_patcher`]; whatever
-    /// [`MemoryManager::load_models_gpu`](crate::loader::MemoryManager::load_models_gpu)
-    /// refuses.
-    pub fn load(
-        &self,
-        manager: &crate::loader::MemoryManager,
-        patcher: &ModelPatcher,
-        options: crate::loader::LoadOptions,
-    ) -> Result<crate::loader::LoadReport> {
-        let before = self.patcher();
-        self.set_patcher(patcher)?;
-        manager
-            .load_models_gpu(&[patcher], options)
-            .inspect_err(|_| {
-                *self.patcher.write() = before;
-            })
+    /// Makes the layers fetch through `patcher` again: the very handle [`OpsSource::patcher`]
+    /// returned before a switch (no check, no clone). How a failed [`OpsSource::load`] (in the
+    /// loader, which owns loading) undoes its switch.
+    pub(crate) fn put_back(&self, patcher: Arc<ModelPatcher>) {
+        *self.patcher.write() = patcher;
     }
 
     /// When the layers fetch through a patch set other than the one a manager last loaded for

@@ -42,7 +42,7 @@ use crate::error::{Error, Result};
 use crate::float::Dtype;
 use crate::ops::{
     cast_bias_weight, cast_cache_of, to_candle, weight_outside_forward, CastKey, LayerWeights,
-    OpsBuilder, OpsMode, OpsSource,
+    OpsBuilder, OpsMode, OpsSource, Via,
 };
 use crate::patcher::ModelPatcher;
 use crate::weights::ResidentWeight;
@@ -422,7 +422,7 @@ impl QTensor {
     /// weight: fetched now (resident or streamed) with its patches applied; the tensor is the
     /// caller's (not evicted, not switched by a later patch set), so it counts in
     /// [`Model::held_outside`](crate::weights::Model::held_outside) and the ledger as a
-    /// `VarBuilder::get` tensor does (`nn/held.rs`): until the handles fetched through its
+    /// `VarBuilder::get` tensor does (`weights/outside.rs`): until the handles fetched through its
     /// source (the `gguf_file::Content` and every layer built from it) are dropped. A second
     /// dequantize of one weight to one device is kept and returned by every later call.
     ///
@@ -449,7 +449,7 @@ impl QTensor {
     }
 
     /// `read()`'s dense copy of this weight in `dtype` on `device`, handed to the caller: counted
-    /// outside the ledger for a managed weight (`nn/held.rs`), as candle's for an owned one.
+    /// outside the ledger for a managed weight (`weights/outside.rs`), as candle's for an owned one.
     fn handed_out(
         &self,
         dtype: candle_core::DType,
@@ -457,7 +457,7 @@ impl QTensor {
         read: impl FnOnce() -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Tensor> {
         match self.managed_source() {
-            Some((source, key)) => crate::nn::held::dequantized(source, key, dtype, device, read),
+            Some((source, key)) => source.hand_out(key, dtype, device, Via::Dequantize, read),
             None => read(),
         }
     }

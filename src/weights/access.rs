@@ -81,7 +81,7 @@ impl Model {
     /// bytes (they are never evicted, streamed or counted; [`crate::nn::VarBuilder::get_managed`]
     /// keeps such a parameter managed).
     pub fn held_outside(&self) -> Vec<(String, ByteSize)> {
-        crate::nn::held::outside_of(self.id)
+        super::outside::outside_of(self.id)
     }
 
     /// Warns, once per model, that its code holds `outside` (`bytes` in all) outside the ledger.

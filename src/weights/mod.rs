@@ -14,6 +14,10 @@
 //! byte size. Every [`crate::patcher::ModelPatcher`] cloned from the same model shares this
 //! residency; fingerprints tell a clone which resident copies are its own.
 //!
+//! What a model's own code holds as tensors of its own, outside the ledger, is counted per model
+//! in the held-outside table (`outside.rs`; [`Model::held_outside`] reads it, a dropped model is
+//! forgotten there).
+//!
 //! Locks: `Model::state` (`Rank::ModelState` in the crate's lock table, `src/lock/rank.rs`)
 //! guards residency and pins; the forward-order recorder ranks after it. Neither is held across a
 //! call into user code, and no thread reads `Model::state` twice (the checker refuses it). A
@@ -26,6 +30,7 @@ mod access;
 mod gguf;
 mod host;
 mod lazy;
+pub(crate) mod outside;
 mod page;
 mod pin;
 mod quant;
@@ -471,7 +476,7 @@ pub struct Model {
 
 impl Drop for Model {
     fn drop(&mut self) {
-        crate::nn::held::forget_model(self.id);
+        outside::forget_model(self.id);
         if let Some(tier) = self.host.get() {
             tier.forget_model(self.id);
         }
