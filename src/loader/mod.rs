@@ -485,21 +485,12 @@ impl MemoryManager {
 
     /// Drops the cached manual casts of every registered model on `device`.
     fn drop_casts(&self, inner: &Inner, device: DeviceId) -> ByteSize {
-        let mut caches: Vec<Arc<crate::ops::CastCache>> = inner
+        let registered = inner
             .registry
             .iter()
             .filter_map(|e| crate::ops::cast_cache_of(e.model()))
             .collect();
-        {
-            let mut all = self.casts.lock();
-            all.retain(|w| w.strong_count() > 0);
-            caches.extend(all.iter().filter_map(std::sync::Weak::upgrade));
-        }
-        caches
-            .iter()
-            .filter(|c| c.device() == device)
-            .map(|c| c.clear())
-            .sum()
+        clear_casts(&self.casts, registered, device)
     }
 
     /// Gives a loaded model on a scheduled device a manual-cast cache booked in the ledger, which
@@ -765,6 +756,26 @@ impl MemoryManager {
             audits: self.audits(),
         }
     }
+}
+
+/// Clears the cached manual casts on `device` of `caches` and of every live cache the manager
+/// attached (`attached`; each cache returns its bookings): their bytes. The one way casts are
+/// given up, by a load's plan and by a fault-in alike.
+fn clear_casts(
+    attached: &Mutex<Vec<std::sync::Weak<crate::ops::CastCache>>>,
+    mut caches: Vec<Arc<crate::ops::CastCache>>,
+    device: DeviceId,
+) -> ByteSize {
+    {
+        let mut all = attached.lock();
+        all.retain(|w| w.strong_count() > 0);
+        caches.extend(all.iter().filter_map(std::sync::Weak::upgrade));
+    }
+    caches
+        .iter()
+        .filter(|c| c.device() == device)
+        .map(|c| c.clear())
+        .sum()
 }
 
 /// The manager's host tier: `--ram-budget` bounds its ledger; when models compute on a GPU (CUDA,

@@ -286,16 +286,7 @@ impl Dynamic {
 
     /// Drops the cached manual casts on `device` (each cache returns its bookings); their bytes.
     fn drop_casts(&self, device: DeviceId) -> ByteSize {
-        let caches: Vec<Arc<crate::ops::CastCache>> = {
-            let mut all = self.casts.lock();
-            all.retain(|w| w.strong_count() > 0);
-            all.iter().filter_map(std::sync::Weak::upgrade).collect()
-        };
-        caches
-            .iter()
-            .filter(|c| c.device() == device)
-            .map(|c| c.clear())
-            .sum()
+        super::clear_casts(&self.casts, Vec::new(), device)
     }
 
     /// Evicts the first of `victims` (in order) until `short` bytes are freed; nothing when they
