@@ -590,9 +590,20 @@ impl Streamer {
         if let Some(r) = Reservation::take(&gate, device, bytes, keep_free) {
             return Some(r);
         }
-        if gate.is_closed(device) {
-            // A load is deciding on the device: its plan left the room this copy goes in.
-            return None;
+        // A load is deciding on the device: its plan leaves room for one streamed weight, but
+        // threads missing together would each copy unbooked into memory the load is
+        // allocating (a load on another thread then failed with "0 B available" on a tiny
+        // simulated GPU). Wait a little for the room or for the load to end, then go on as
+        // below; past the bound the plan's room is this copy's, unbooked.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(100);
+        while gate.is_closed(device) {
+            let wait = std::time::Duration::from_millis(2);
+            if let Some(r) = Reservation::take_waiting(&gate, device, bytes, keep_free, wait) {
+                return Some(r);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
         }
         // Prefetches predicted from use are the lowest priority memory there is; routed ones
         // name weights about to run (`prefetch_routed`: a later call never trims what it names).
