@@ -139,9 +139,13 @@ fn a_dropped_prefetch_keeps_its_booking_until_the_device_has_the_memory_back() {
         sim.used(),
         mm.ledger(SIM0)
     );
-    // Once the copies and frees ran, both come back down together.
+    // Once the copies and frees ran, both come back down together (the bookings return from
+    // the frees' completions: waited for, not slept on).
     sim.synchronize().unwrap();
-    std::thread::sleep(Duration::from_millis(20));
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while in_flight(&mm, &p, SIM0) > ByteSize::ZERO && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     assert_eq!(in_flight(&mm, &p, SIM0), ByteSize::ZERO);
     assert!(sim.used() <= mm.ledger(SIM0));
     assert!(sim.check().is_ok(), "{:?}", sim.check());
