@@ -245,3 +245,69 @@ fn retry_on_oom_makes_room_on_the_device_the_error_names() {
         "room was made on sim:1, where the step ran out, not on the `device` argument"
     );
 }
+
+#[test]
+fn a_miss_takes_another_model_s_unused_prefetches() {
+    // A forward of one model prefetches the next forward's first weights at its end; they
+    // held the room a forward of another model on the same small device needed, and its miss
+    // failed out of memory (only its own model's prefetches were cancelled for it). The
+    // model-based test's races found it on a 12 KiB simulated GPU.
+    let config = Config::from_args([
+        "--sim-gpu",
+        "40KiB",
+        "--reserve-vram",
+        "0",
+        "--inference-memory",
+        "1KiB",
+        "--async-offload",
+        "2",
+        "--disable-dynamic-vram",
+    ])
+    .unwrap()
+    .with_prefetch_depth(6);
+    let mm = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(64))).unwrap();
+    let small = (0..16).map(|i| {
+        (
+            format!("layers.{i}.weight"),
+            common::rand_tensor(&[32, 32], i as u64 + 1),
+        )
+    });
+    let a = ModelPatcher::new(
+        Arc::new(Model::from_tensors("a", small).unwrap()),
+        SIM0,
+        DeviceId::Cpu,
+    );
+    let big = [(
+        "layers.0.weight".to_string(),
+        common::rand_tensor(&[96, 64], 9),
+    )];
+    let b = ModelPatcher::new(
+        Arc::new(Model::from_tensors("b", big).unwrap()),
+        SIM0,
+        DeviceId::Cpu,
+    );
+    mm.load_models_gpu(&[a.clone(), b.clone()], LoadOptions::default())
+        .unwrap();
+    let fetch = |p: &ModelPatcher| {
+        for i in 0..p.model().len() {
+            let key = format!("layers.{i}.weight");
+            residency::offload::fetch_weight(p, &key)?;
+        }
+        Ok::<(), Error>(())
+    };
+    fetch(&a).unwrap();
+    fetch(&a).unwrap();
+    let sim = Arc::clone(&mm.transfer_engine().devices().sims()[0]);
+    sim.synchronize().unwrap();
+    let held = in_flight(&mm, &a, SIM0);
+    // b's 24 KiB weight fits beside what a holds only without a's prefetches.
+    let weight = ByteSize::kib(24);
+    assert!(
+        sim.used().saturating_add(weight) > ByteSize::kib(40)
+            && sim.used().saturating_sub(held).saturating_add(weight) <= ByteSize::kib(40),
+        "a's prefetches ({held} of {} used) hold the room b's weight needs",
+        sim.used()
+    );
+    fetch(&b).expect("b's miss takes a's unused prefetches");
+    assert!(sim.check().is_ok(), "{:?}", sim.check());
+}

@@ -308,6 +308,7 @@ impl MemoryManager {
                 ByteSize::MAX,
             )),
         };
+        self.engine.adopt(&streamer);
         if let Some(depth) = depth {
             streamer.set_depth(depth);
         }

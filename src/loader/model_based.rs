@@ -38,8 +38,7 @@
 //! in and evict by the priority order; the same checks hold after every step, and a forward that
 //! failed leaves no fault-in booked (the weights it kept before the failure stay).
 //!
-//! **Races, run deterministically** (with `RESIDENCY_MODEL_RACES=1`; off by default until the
-//! failure they found is fixed, see `races`): a forward runs on a second thread and is paused at one of
+//! **Races, run deterministically** (`RESIDENCY_MODEL_RACES=0` turns them off): a forward runs on a second thread and is paused at one of
 //! its fetches between the copy (and its booking) and the commit, while this thread unloads
 //! everything, cleans up, frees memory, partially unloads, drops every handle (the forward's own
 //! becomes the model's last), loads (with automatic placement, possibly moving the model) or
@@ -895,13 +894,12 @@ impl World {
     }
 }
 
-/// Whether `ForwardBeside` is generated (else a plain forward in its place): only with
-/// `RESIDENCY_MODEL_RACES=1`. Off by default until the failure it found is fixed: a forward refused "8.00 KiB required,
-/// 5.88 KiB available" on a 12 KiB simulated GPU after a forward paused at a fetch beside an
-/// unload of everything and one paused beside a reservation (seed `cc 60e32fd1…` in the
-/// issue's note).
+/// Whether `ForwardBeside` is generated (else a plain forward in its place): unless
+/// `RESIDENCY_MODEL_RACES=0`. The first failure they found (a forward refused "8.00 KiB
+/// required, 5.88 KiB available" on a 12 KiB simulated GPU: another model's prefetches for its
+/// next forward held the room) is seed `cc 60e32fd1…` in the regressions file.
 fn races() -> bool {
-    std::env::var("RESIDENCY_MODEL_RACES").is_ok_and(|v| v == "1")
+    std::env::var("RESIDENCY_MODEL_RACES").map_or(true, |v| v != "0")
 }
 
 fn cases() -> u32 {

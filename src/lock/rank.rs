@@ -81,6 +81,7 @@ ranks! {
     PreparedHost = 39, "offload::PreparedCopies entries", "a model's prepared host copies of quantized weights run on the host";
     Trace = 40, "trace::Trace records", "a recording's records (an event may be emitted under any lock above)";
     TrackNames = 41, "trace track names", "each thread's track number and name";
+    EngineStreamers = 42, "offload::TransferEngine streamers", "the streamers prefetching through one engine (a leaf: held to clone their handles)";
 }
 
 #[cfg_attr(not(debug_assertions), allow(dead_code))]

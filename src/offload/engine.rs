@@ -210,6 +210,9 @@ pub struct TransferEngine {
     host: Option<HostTier>,
     devices: Devices,
     stats: Arc<TransferStats>,
+    /// The streamers prefetching through this engine (one per model), so a miss with no room
+    /// can cancel another model's unused prefetches ([`TransferEngine::drop_predicted_on`]).
+    streamers: Mutex<Vec<std::sync::Weak<super::Streamer>>>,
 }
 
 impl std::fmt::Debug for TransferEngine {
@@ -259,7 +262,38 @@ impl TransferEngine {
             host: None,
             devices: Devices::default(),
             stats,
+            streamers: Mutex::new(Rank::EngineStreamers, Vec::new()),
         }
+    }
+
+    /// Notes a streamer prefetching through this engine (dead ones are forgotten here).
+    pub(crate) fn adopt(&self, streamer: &Arc<super::Streamer>) {
+        let mut all = self.streamers.lock();
+        all.retain(|w| w.strong_count() > 0);
+        if !all
+            .iter()
+            .any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(streamer)))
+        {
+            all.push(Arc::downgrade(streamer));
+        }
+    }
+
+    /// Drops every streamer's unused prefetches predicted from use bound for `device` (routed
+    /// ones stay: they name weights about to run); the bytes they had booked, which come back
+    /// as their buffers are freed. For a miss that found no room: another model's prefetches
+    /// for its next forward are the lowest priority memory there is (they held a forward of
+    /// another model out of a 12 KiB device: the model-based test's races found it).
+    pub(crate) fn drop_predicted_on(&self, device: DeviceId) -> ByteSize {
+        let streamers: Vec<Arc<super::Streamer>> = self
+            .streamers
+            .lock()
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect();
+        streamers
+            .iter()
+            .map(|s| s.drop_predicted_on(Some(device)))
+            .sum()
     }
 
     /// Copies to the GPUs in `devices` (CUDA devices are always reachable; simulated ones only

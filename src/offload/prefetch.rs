@@ -342,16 +342,19 @@ impl Streamer {
         dropped.iter().map(|f| f.booked).sum()
     }
 
-    /// Drops the prefetched weights predicted from use, keeping those a routing asked for (a
-    /// layer's routed experts are about to run: a miss in that layer must not trim them).
-    fn drop_predicted(&self) {
+    /// Drops the prefetched weights predicted from use (bound for `device`, or for any), keeping
+    /// those a routing asked for (a layer's routed experts are about to run: a miss in that
+    /// layer must not trim them); the bytes they had booked on the gate.
+    pub(crate) fn drop_predicted_on(&self, device: Option<DeviceId>) -> ByteSize {
         let dropped: Vec<InFlight> = {
             let mut q = self.inflight.lock();
-            let (gone, kept): (Vec<InFlight>, Vec<InFlight>) = q.drain(..).partition(|f| !f.routed);
+            let (gone, kept): (Vec<InFlight>, Vec<InFlight>) = q
+                .drain(..)
+                .partition(|f| !f.routed && device.is_none_or(|d| f.key.device == d));
             q.extend(kept);
             gone
         };
-        drop(dropped);
+        dropped.iter().map(|f| f.booked).sum()
     }
 
     fn key(patcher: &ModelPatcher, index: usize) -> FetchKey {
@@ -607,7 +610,7 @@ impl Streamer {
         }
         // Prefetches predicted from use are the lowest priority memory there is; routed ones
         // name weights about to run (`prefetch_routed`: a later call never trims what it names).
-        self.drop_predicted();
+        self.drop_predicted_on(None);
         // The weight in use comes before the activation memory the load asked to keep free:
         // room for both when evictions give it, else for the weight alone.
         let (made, keep_free) = match keeper {
@@ -617,6 +620,12 @@ impl Streamer {
             Some(k) => (k.make_room(patcher, index, bytes), ByteSize::ZERO),
             None => (false, keep_free),
         };
+        if let Some(r) = Reservation::take(&gate, device, bytes, keep_free) {
+            return Some(r);
+        }
+        // Then other models' (their next forward's first weights, prefetched at the end of
+        // their last): this forward runs now.
+        self.engine.drop_predicted_on(device);
         if let Some(r) = Reservation::take(&gate, device, bytes, keep_free) {
             return Some(r);
         }
