@@ -535,7 +535,32 @@ impl OpsBuilder {
     }
 
     /// A builder whose layers share `source`.
+    ///
+    /// Two dtypes meet here, each set in one place: the patcher's
+    /// ([`ModelPatcher::with_compute_dtype`]) is the dtype **resident copies are kept in** (their
+    /// memory; `None`: as stored), the mode's is the dtype **layers compute in** (a resident copy
+    /// of another dtype is cast at every use). Resident copies narrower than the computation
+    /// are ComfyUI's fp16 storage with an f32 manual cast; wider ones (an f32 patcher under a
+    /// bf16 mode) take twice the memory for casts that narrow them again, and warn once per
+    /// model.
     pub fn from_source(source: &OpsSource, mode: OpsMode) -> Self {
+        if let (OpsMode::ManualCast { compute }, Some(resident)) =
+            (mode, source.patcher().options().compute_dtype)
+        {
+            if resident.size_in_bytes() > compute.size_in_bytes() {
+                let model = source.patcher().model().name().to_string();
+                let text = format!(
+                    "model `{model}`: its resident copies are kept in {resident:?} \
+                     (ModelPatcher::with_compute_dtype) but its layers compute in {compute:?} \
+                     (OpsMode::ManualCast): each weight takes {}× the memory and is narrowed \
+                     again at every use; give the patcher {compute:?} (or None) to keep it in \
+                     the dtype it computes in",
+                    resident.size_in_bytes() / compute.size_in_bytes()
+                );
+                tracing::warn!(model = %model, "{text}");
+                crate::warnings::echo(&format!("wide-resident:{model}"), || text);
+            }
+        }
         OpsBuilder {
             source: source.clone(),
             mode,

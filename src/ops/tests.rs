@@ -561,3 +561,42 @@ fn fused_norm_kernels_and_ours_agree_on_contiguous_and_strided_inputs() {
         assert!(d <= 1e-5 && d.is_finite(), "{name}: {d}");
     }
 }
+
+#[test]
+fn resident_copies_wider_than_the_layers_compute_warn_once_narrower_ones_do_not() {
+    use crate::trace::Trace;
+    use tracing_subscriber::layer::SubscriberExt;
+
+    // What warns, counted by the events naming the patcher's setter.
+    let warned = |resident: Option<Dtype>, mode: OpsMode| {
+        let trace = Trace::new();
+        let subscriber = tracing_subscriber::registry().with(trace.layer());
+        tracing::subscriber::with_default(subscriber, || {
+            let _ = OpsBuilder::new(&patcher(Dtype::BF16).with_compute_dtype(resident), mode);
+        });
+        trace
+            .records()
+            .iter()
+            .filter(|r| r.name.contains("ModelPatcher::with_compute_dtype"))
+            .map(|r| r.name.to_string())
+            .collect::<Vec<_>>()
+    };
+    let bf16 = OpsMode::ManualCast {
+        compute: Dtype::BF16,
+    };
+    let f32 = OpsMode::ManualCast {
+        compute: Dtype::F32,
+    };
+    let wide = warned(Some(Dtype::F32), bf16);
+    assert_eq!(wide.len(), 1, "{wide:?}");
+    assert!(
+        wide[0].contains("2× the memory") && wide[0].contains("BF16"),
+        "{wide:?}"
+    );
+    // The same dtype, narrower resident copies (fp16 storage, an f32 cast), none given, or the
+    // weights used as stored: nothing to say.
+    assert!(warned(Some(Dtype::F32), f32).is_empty());
+    assert!(warned(Some(Dtype::F16), f32).is_empty());
+    assert!(warned(None, bf16).is_empty());
+    assert!(warned(Some(Dtype::F32), OpsMode::DisableWeightInit).is_empty());
+}
