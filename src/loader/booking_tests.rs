@@ -135,3 +135,34 @@ fn a_load_onto_a_device_that_cannot_hold_tensors_is_refused_at_load_in_both_mode
         assert!(mm.loaded_models().is_empty(), "{mode}: nothing registered");
     }
 }
+
+#[test]
+fn a_load_refused_for_room_names_the_copies_in_flight_that_hold_it() {
+    // A newcomer read "X required, Y available" with no word of the copies in flight that
+    // held the difference (issue 47).
+    let mm = manager(&[
+        "--sim-gpu",
+        "16KiB",
+        "--reserve-vram",
+        "0",
+        "--inference-memory",
+        "1KiB",
+    ]);
+    let dev = DeviceId::Sim(0);
+    let gate: Arc<dyn PrefetchGate> = mm.ledger.clone();
+    let copy =
+        Reservation::take(&gate, dev, ByteSize::kib(8), ByteSize::ZERO).expect("room for the copy");
+    let p = ModelPatcher::new(model("m", 3), dev, DeviceId::Cpu);
+    let options = LoadOptions {
+        force_full_load: true,
+        ..LoadOptions::default()
+    };
+    let e = mm
+        .load_models_gpu(std::slice::from_ref(&p), options.clone())
+        .unwrap_err();
+    assert!(e.to_string().contains("copies in flight (8.00 KiB)"), "{e}");
+    // Once the copy is done, the same load fits.
+    drop(copy);
+    mm.load_models_gpu(std::slice::from_ref(&p), options)
+        .unwrap();
+}

@@ -53,7 +53,7 @@ pub(in crate::loader) struct Planner<'a> {
 
 impl<'a> Planner<'a> {
     /// `model`'s name, followed by what holds room on `device` that no plan can take (kept
-    /// models, reservations), so an out-of-memory names them.
+    /// models, reservations, copies in flight), so an out-of-memory names them.
     pub(in crate::loader) fn naming_holders(&self, model: &str, device: DeviceId) -> String {
         let mut held: Vec<String> = self
             .registry
@@ -72,6 +72,22 @@ impl<'a> Planner<'a> {
                 .filter(|r| r.device == device && r.bytes > ByteSize::ZERO)
                 .map(|r| format!("reservation `{}` ({})", r.name, r.bytes)),
         );
+        // Copies in flight (prefetches of other models, misses, fault-ins) hold room until their
+        // buffers are freed; the planned models' own prefetches are counted free.
+        let own: ByteSize = self
+            .planned_streamers
+            .iter()
+            .map(|s| s.booked_on(device))
+            .sum();
+        let in_flight = self
+            .mm
+            .ledger
+            .in_flight(device)
+            .saturating_add(self.mm.ledger.faulting(device))
+            .saturating_sub(own);
+        if in_flight > ByteSize::ZERO {
+            held.push(format!("copies in flight ({in_flight})"));
+        }
         if held.is_empty() {
             model.to_string()
         } else {
