@@ -158,7 +158,7 @@ fn a_load_refused_for_room_names_the_copies_in_flight_that_hold_it() {
         ..LoadOptions::default()
     };
     let e = mm
-        .load_models_gpu(std::slice::from_ref(&p), options.clone())
+        .load_models_gpu(std::slice::from_ref(&p), options)
         .unwrap_err();
     assert!(e.to_string().contains("copies in flight (8.00 KiB)"), "{e}");
     // Once the copy is done, the same load fits.
