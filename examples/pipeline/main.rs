@@ -25,8 +25,10 @@
 //! The models are built once from deterministic weights and saved as safetensors in the cache
 //! folder. Without `--vram-budget` the budget is a third of the three models' resident size, so
 //! eviction, partial loading and streaming all happen. Because these models are tiny, the example
-//! defaults `--reserve-vram 0 --inference-memory 4MiB` (ComfyUI's 0.8 GiB minimum would dwarf
-//! them); pass either flag to override.
+//! defaults `--reserve-vram 0 --inference-memory 4MiB`: ComfyUI's defaults, made for gigabyte
+//! cards, ask 0.8 GiB for activations — more than the whole simulated device — and a partial
+//! load's 128 MiB floor (`loader::MIN_WEIGHT_BUDGET`) then lets weights take all of it but the
+//! streaming room (14 of 16 MiB), leaving activations nothing. Pass either flag to override.
 //!
 //! The prompt model is candle-transformers' `quantized_llama.rs` with only its `use` lines
 //! changed (`tests/ported/quantized_llama.rs`), on a Q4_K/Q6_K/Q8_0 model read with
