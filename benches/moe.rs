@@ -22,10 +22,13 @@
 //!
 //! Rounds are interleaved (every configuration once per round, `ROUNDS` rounds) and the median
 //! is printed, with hit rates beside Belady's optimum for the same uses and room, bytes copied
-//! per token, where misses ran and the copy time router prefetch hid.
+//! per token, where misses ran and the copy time router prefetch hid; then five more decode
+//! steps are audited (the cost model's predicted step beside the measured one,
+//! `MemoryManager::audit`; the median by their ratio is printed).
 //!
-//! `cargo bench --bench moe`. `MOE_FLAGS` adds ComfyUI memory flags to every configuration
-//! (`MOE_FLAGS=--disable-async-offload`: no lanes, so no prefetch). `MOE_EXPERT_FFN=4096` makes every expert matrix 16 times larger
+//! `cargo bench --bench moe`. `MOE_GBPS` sets the simulated link (default 25). `MOE_FLAGS` adds
+//! ComfyUI memory flags to every configuration (`MOE_FLAGS=--disable-async-offload`: no lanes,
+//! so no prefetch). `MOE_EXPERT_FFN=4096` makes every expert matrix 16 times larger
 //! (1 Mi values, near a Qwen3-30B-A3B expert matrix's 1.5 Mi): there an expert's arithmetic,
 //! not the calls around it, is the cost — the setting that shows what a GPU's faster arithmetic
 //! buys over static placement. With `MOE_DEVICE=probe` the same five run on this machine's own
@@ -75,7 +78,21 @@ struct Measured {
     checksum: u64,
     /// Each decode step's logits.
     logits: Vec<Vec<f32>>,
+    /// `AUDITED` more decode steps after the timed ones, each audited (predicted beside
+    /// measured, `MemoryManager::audit`), by measured / predicted.
+    audits: Vec<residency::loader::StepAudit>,
     mm: MemoryManager,
+}
+
+/// Decode steps audited after the timed ones.
+const AUDITED: usize = 5;
+
+/// The simulated link's speed in GB/s (`MOE_GBPS`, default 25).
+fn gbps() -> f64 {
+    std::env::var("MOE_GBPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(25.0)
 }
 
 /// The experts' width: `MOE_EXPERT_FFN` (a multiple of 256), else the tiny model's 256.
@@ -146,6 +163,16 @@ fn decode(setup: &Setup, path: &std::path::Path) -> Measured {
         .transfer_stats()
         .bytes_copied()
         .saturating_sub(copied_before);
+    // Then a few steps more, each audited: the cost model's prediction beside the run.
+    let mut audits = Vec::with_capacity(AUDITED);
+    for step in TOKENS..TOKENS + AUDITED {
+        let next = gguf::argmax(&last);
+        let input = Tensor::new(&[next], &device).unwrap().unsqueeze(0).unwrap();
+        let (out, audit) = mm.audit(&p, || model.forward(&input, PROMPT.len() + step));
+        last = logits(out.unwrap());
+        audits.push(audit);
+    }
+    audits.sort_by_key(|a| a.measured_ns.saturating_mul(1000) / a.predicted.step_ns.max(1));
     if std::env::var("MOE_DEBUG").is_ok() {
         let m = p.model();
         let mut res = Vec::new();
@@ -165,6 +192,7 @@ fn decode(setup: &Setup, path: &std::path::Path) -> Measured {
         copied,
         checksum,
         logits: logits_seen,
+        audits,
         mm,
     }
 }
@@ -224,7 +252,10 @@ fn main() {
     let probed = on_probed_device();
     let sim = |spec: ByteSize, rest: &[&str]| -> Vec<String> {
         let mut v = if !probed {
-            vec!["--sim-gpu".to_string(), format!("{}@25GB/s", spec.bytes())]
+            vec![
+                "--sim-gpu".to_string(),
+                format!("{}@{}GB/s", spec.bytes(), gbps()),
+            ]
         } else if spec > budget {
             Vec::new()
         } else {
@@ -299,7 +330,7 @@ fn main() {
             device.unwrap_or_default()
         )
     } else {
-        "on a simulated GPU at 25 GB/s".to_string()
+        format!("on a simulated GPU at {} GB/s", gbps())
     };
     println!(
         "moe: tiny Qwen3-MoE ({} of blocks, {} blocks x {} stacked experts {expert_ffn} wide, top-{}), batch-1 decode of {TOKENS} tokens {on}, budget {budget} = {BUDGET_PERCENT} % of the model; -ncmoe N = {n} (llama.cpp's fit); median of {ROUNDS} interleaved rounds",
@@ -332,6 +363,17 @@ fn main() {
             }
         }
         println!("{line}");
+        // The median audited step (by measured / predicted).
+        if let Some(a) = m.audits.get(m.audits.len() / 2) {
+            println!(
+                "      audited decode step (median of {AUDITED}): predicted {:.3} ms, measured {:.3} ms, measured / predicted {:.2}; bytes predicted {}, requested {}",
+                a.predicted.step_ns as f64 / 1e6,
+                a.measured_ns as f64 / 1e6,
+                a.measured_ns as f64 / a.predicted.step_ns.max(1) as f64,
+                a.predicted.bytes,
+                a.measured_bytes
+            );
+        }
         if let Some(r) = m.mm.miss_report() {
             println!("      {r}");
         }

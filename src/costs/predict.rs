@@ -1,0 +1,342 @@
+//! The step predicted from the cost model's figures ([`predict_step`], module docs of
+//! [`crate::costs`]): an event simulation of one steady forward over the recorded use order.
+
+use std::fmt;
+
+use super::Link;
+use crate::size::ByteSize;
+
+/// One weight use of a step, in use order, for [`predict_step`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct UseCost {
+    /// The bytes copied when it streams.
+    pub bytes: u64,
+    /// Whether it is resident (no copy).
+    pub resident: bool,
+    /// Its compute, in nanoseconds.
+    pub compute_ns: f64,
+}
+
+/// How streamed weights are copied, for [`predict_step`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Streaming {
+    /// The link's figure.
+    pub link: Link,
+    /// Whether concurrent copies share the link ([`super::DeviceCosts::shared_link`]).
+    pub shared_link: bool,
+    /// Transfer lanes (0: every streamed weight is copied when used, on the compute thread).
+    pub lanes: usize,
+    /// Prefetch depth: streamed weights requested ahead at each fetch.
+    pub depth: usize,
+    /// Device memory for copies in flight beside the weight in use
+    /// ([`crate::loader::PlannedLoad::streaming_room`]): a prefetch that would pass it waits
+    /// for the next fetch.
+    pub room: u64,
+}
+
+/// A predicted (or, in a [`crate::loader::StepAudit`], measured) step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct StepPrediction {
+    /// The step's time, in nanoseconds.
+    pub step_ns: u64,
+    /// Of it, compute.
+    pub compute_ns: u64,
+    /// Copy time of the step's copies (on their lanes; may overlap compute and each other).
+    pub copy_ns: u64,
+    /// The time compute waited for copies (the part of `copy_ns` not hidden).
+    pub exposed_ns: u64,
+    /// Bytes copied to the device in the step.
+    pub bytes: ByteSize,
+    /// Weight uses in the step, and of them streamed.
+    pub uses: usize,
+    /// Of `uses`, weights copied (not resident).
+    pub streamed: usize,
+    /// Uses whose compute was not measured yet (costed at the device's average per byte, or
+    /// nothing).
+    pub unmeasured: usize,
+}
+
+impl fmt::Display for StepPrediction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        write!(
+            f,
+            "{:.3} ms a step ({:.3} ms compute, {:.3} ms copying of which {:.3} ms exposed; {} in {} of {} weights)",
+            ms(self.step_ns),
+            ms(self.compute_ns),
+            ms(self.copy_ns),
+            ms(self.exposed_ns),
+            self.bytes,
+            self.streamed,
+            self.uses
+        )?;
+        if self.unmeasured > 0 {
+            write!(f, " [{} uses unmeasured]", self.unmeasured)?;
+        }
+        Ok(())
+    }
+}
+
+/// Steps simulated before the one reported: the prefetches the last weights of a step request
+/// for the next one have reached their steady state by then.
+const WARM_STEPS: usize = 2;
+
+/// Predicts a steady step over `uses` (module docs): the event simulation of the compute thread,
+/// the lanes and the link.
+pub fn predict_step(uses: &[UseCost], s: Streaming) -> StepPrediction {
+    let n = uses.len();
+    let mut out = StepPrediction {
+        uses: n,
+        streamed: uses.iter().filter(|u| !u.resident).count(),
+        ..StepPrediction::default()
+    };
+    if n == 0 {
+        return out;
+    }
+    let prefetching = s.lanes > 0 && s.depth > 0;
+    // In flight: (position, done at, bytes).
+    let mut inflight: Vec<(usize, f64, u64)> = Vec::new();
+    let mut lanes = vec![0.0f64; s.lanes];
+    let mut link_free = 0.0f64;
+    let mut t = 0.0f64;
+    // The streamed weight used before the one in use: its memory is still held (its free is
+    // ordered behind the copies on its stream), so prefetches fit beside both.
+    let mut before = 0u64;
+    for step in 0..=WARM_STEPS {
+        let counted = step == WARM_STEPS;
+        let start = t;
+        let (mut compute, mut copy, mut exposed, mut bytes) = (0.0, 0.0, 0.0, 0u64);
+        for (j, u) in uses.iter().enumerate() {
+            if !u.resident {
+                if let Some(p) = inflight.iter().position(|f| f.0 == j) {
+                    let (_, done, _) = inflight.swap_remove(p);
+                    exposed += (done - t).max(0.0);
+                    t = t.max(done);
+                } else {
+                    // Fetched now, on this thread.
+                    let begin = if s.shared_link { t.max(link_free) } else { t };
+                    let took = s.link.copy_ns(u.bytes);
+                    let end = begin + took;
+                    if s.shared_link {
+                        link_free = end;
+                    }
+                    exposed += end - t;
+                    copy += took;
+                    bytes += u.bytes;
+                    t = end;
+                }
+                if prefetching {
+                    let held = before + u.bytes;
+                    let (c, b) = prefetch_after(
+                        uses,
+                        j,
+                        s,
+                        (t, held),
+                        &mut inflight,
+                        &mut lanes,
+                        &mut link_free,
+                    );
+                    copy += c;
+                    bytes += b;
+                }
+                before = u.bytes;
+            }
+            compute += u.compute_ns;
+            t += u.compute_ns;
+        }
+        if counted {
+            let ns = |v: f64| v.max(0.0).round() as u64;
+            out.step_ns = ns(t - start);
+            out.compute_ns = ns(compute);
+            out.copy_ns = ns(copy);
+            out.exposed_ns = ns(exposed);
+            out.bytes = ByteSize(bytes);
+        }
+    }
+    out
+}
+
+/// The streamer's prefetch after fetching position `j` at time `t`, with `in_use` bytes held
+/// by the weights in use: the next `depth` streamed weights in use order (wrapping into the
+/// next step, up to the weight just fetched), each not in flight queued on the lane free first, while the bytes in flight
+/// beside `in_use` fit the room. The copy time and bytes queued.
+fn prefetch_after(
+    uses: &[UseCost],
+    j: usize,
+    s: Streaming,
+    (t, in_use): (f64, u64),
+    inflight: &mut Vec<(usize, f64, u64)>,
+    lanes: &mut [f64],
+    link_free: &mut f64,
+) -> (f64, u64) {
+    let n = uses.len();
+    let (mut copy, mut bytes, mut requested) = (0.0, 0u64, 0);
+    // Up to the weight just fetched itself, for its use in the next step.
+    for k in 1..=n {
+        if requested >= s.depth {
+            break;
+        }
+        let q = (j + k) % n;
+        let u = uses[q];
+        if u.resident {
+            continue;
+        }
+        requested += 1;
+        if inflight.iter().any(|f| f.0 == q) {
+            continue;
+        }
+        let held: u64 = inflight.iter().map(|f| f.2).sum::<u64>() + in_use;
+        if held + u.bytes > s.room {
+            break;
+        }
+        let lane = (0..lanes.len())
+            .min_by(|&a, &b| lanes[a].total_cmp(&lanes[b]))
+            .unwrap_or(0);
+        let mut begin = t.max(lanes[lane]);
+        if s.shared_link {
+            begin = begin.max(*link_free);
+        }
+        let took = s.link.copy_ns(u.bytes);
+        let end = begin + took;
+        lanes[lane] = end;
+        if s.shared_link {
+            *link_free = end;
+        }
+        inflight.push((q, end, u.bytes));
+        copy += took;
+        bytes += u.bytes;
+    }
+    (copy, bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LINK: Link = Link {
+        latency_ns: 1_000,
+        ps_per_byte: 1_000,
+    };
+
+    fn uses(
+        n: usize,
+        bytes: u64,
+        compute_ns: f64,
+        resident: impl Fn(usize) -> bool,
+    ) -> Vec<UseCost> {
+        (0..n)
+            .map(|i| UseCost {
+                bytes,
+                resident: resident(i),
+                compute_ns,
+            })
+            .collect()
+    }
+
+    fn streaming(lanes: usize, depth: usize) -> Streaming {
+        Streaming {
+            link: LINK,
+            shared_link: true,
+            lanes,
+            depth,
+            room: u64::MAX,
+        }
+    }
+
+    #[test]
+    fn all_resident_is_the_sum_of_compute_and_copies_nothing() {
+        let u = uses(8, 1_000_000, 500.0, |_| true);
+        let p = predict_step(&u, streaming(2, 2));
+        assert_eq!(
+            (p.step_ns, p.compute_ns, p.copy_ns, p.exposed_ns),
+            (4000, 4000, 0, 0)
+        );
+        assert_eq!((p.bytes, p.streamed), (ByteSize::ZERO, 0));
+    }
+
+    #[test]
+    fn without_lanes_every_streamed_copy_is_exposed() {
+        // 4 of 8 stream: each 1 µs + 10 000 B × 1 ns = 11 µs, on the compute thread.
+        let u = uses(8, 10_000, 2_000.0, |i| i % 2 == 0);
+        let p = predict_step(&u, streaming(0, 2));
+        assert_eq!(p.compute_ns, 16_000);
+        assert_eq!(p.copy_ns, 44_000);
+        assert_eq!(p.exposed_ns, 44_000);
+        assert_eq!(p.step_ns, 60_000);
+        assert_eq!(p.bytes, ByteSize(40_000));
+    }
+
+    #[test]
+    fn lanes_hide_copies_behind_compute_and_never_change_the_bytes() {
+        // Compute per weight (20 µs) longer than a copy (11 µs): prefetched a weight ahead,
+        // every copy is hidden in the steady step.
+        let u = uses(8, 10_000, 20_000.0, |i| i % 2 == 0);
+        let sync = predict_step(&u, streaming(0, 1));
+        let one = predict_step(&u, streaming(1, 1));
+        assert_eq!(one.exposed_ns, 0, "{one}");
+        assert_eq!(one.step_ns, one.compute_ns);
+        assert!(one.step_ns < sync.step_ns);
+        assert_eq!(one.bytes, sync.bytes);
+        // Compute shorter than a copy: the link is the bound, one link or two lanes alike.
+        let fast = uses(8, 10_000, 1_000.0, |_| false);
+        let one = predict_step(&fast, streaming(1, 2));
+        let two = predict_step(&fast, streaming(2, 2));
+        assert!(one.step_ns >= 8 * 11_000, "{one}");
+        assert!(two.step_ns >= 8 * 11_000, "one shared link: {two}");
+        // Without a shared link (the simulated GPU) two lanes copy side by side.
+        let apart = predict_step(
+            &fast,
+            Streaming {
+                shared_link: false,
+                ..streaming(2, 2)
+            },
+        );
+        assert!(apart.step_ns < two.step_ns, "{apart} vs {two}");
+    }
+
+    #[test]
+    fn a_larger_resident_set_never_predicts_a_slower_step() {
+        // Weights of unequal sizes; resident sets nested by a density order.
+        let base: Vec<UseCost> = (0..24)
+            .map(|i| UseCost {
+                bytes: 4_000 + (i as u64 * 7_919) % 30_000,
+                resident: false,
+                compute_ns: 3_000.0 + (i as f64 * 1_237.0) % 9_000.0,
+            })
+            .collect();
+        for (lanes, depth) in [(0, 0), (1, 1), (2, 2), (2, 4)] {
+            let mut last = u64::MAX;
+            for k in 0..=base.len() {
+                let mut u = base.clone();
+                for w in u.iter_mut().take(k) {
+                    w.resident = true;
+                }
+                let p = predict_step(&u, streaming(lanes, depth));
+                assert!(
+                    p.step_ns <= last,
+                    "lanes {lanes} depth {depth}: {k} resident {p}"
+                );
+                last = p.step_ns;
+            }
+        }
+    }
+
+    #[test]
+    fn the_room_bounds_what_is_prefetched() {
+        let u = uses(6, 10_000, 30_000.0, |_| false);
+        let free = predict_step(&u, streaming(2, 2));
+        // Room for the weights in use only (the one computing and the one before it, whose
+        // free is still queued): every fetch is synchronous.
+        let none = predict_step(
+            &u,
+            Streaming {
+                room: 20_000,
+                ..streaming(2, 2)
+            },
+        );
+        assert_eq!(free.exposed_ns, 0, "{free}");
+        assert_eq!(none.exposed_ns, 6 * 11_000, "{none}");
+        assert_eq!(free.bytes, none.bytes);
+    }
+}
