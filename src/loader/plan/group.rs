@@ -187,10 +187,6 @@ impl MemoryManager {
         }
     }
 
-    /// Whether the planner chooses the prefetch depth of `m`'s partial load over `views`: the
-    /// configuration leaves it open, the engine has lanes to prefetch on, the views are the
-    /// whole model (a model split by a device map keeps the configured depth) and some of its
-    /// compute is measured (before a forward ran, every depth predicts the copies alone).
     /// The prefetch depth a partial load of `m` runs with and the depths weighed for it (empty
     /// when not chosen): `default` unless the planner chooses ([`MemoryManager::chooses_depth`]);
     /// the choice kept for `key` if there is one; else every depth of [`DEPTHS`] predicted by
@@ -244,6 +240,10 @@ impl MemoryManager {
         (depth, weighed)
     }
 
+    /// Whether the planner chooses the prefetch depth of `m`'s partial load over `views`: the
+    /// configuration leaves it open, the engine has lanes to prefetch on, the views are the
+    /// whole model (a model split by a device map keeps the configured depth) and some of its
+    /// compute is measured (before a forward ran, every depth predicts the copies alone).
     fn chooses_depth(&self, m: &ModelPatcher, views: &[WeightView]) -> bool {
         let model = m.model();
         self.policy.config().prefetch_depth.is_none()
