@@ -95,24 +95,28 @@ pub fn predict_step(uses: &[UseCost], s: Streaming) -> StepPrediction {
         return out;
     }
     let prefetching = s.lanes > 0 && s.depth > 0;
-    // In flight: (position, done at, bytes).
-    let mut inflight: Vec<(usize, f64, u64)> = Vec::new();
+    // In flight: (position, done at, bytes, lane).
+    let mut inflight: Vec<(usize, f64, u64, usize)> = Vec::new();
     let mut lanes = vec![0.0f64; s.lanes];
     let mut link_free = 0.0f64;
     let mut t = 0.0f64;
-    // The streamed weight used before the one in use: its memory is still held (its free is
-    // ordered behind the copies on its stream), so prefetches fit beside both.
-    let mut before = 0u64;
+    // The streamed weight used before the one in use: its bytes and when its memory comes
+    // back. Its free is ordered on the stream that copied it, behind what that stream had
+    // queued when the weight was let go: at once for a weight fetched on this thread, after
+    // its lane's queued prefetches for one a lane copied. Until then prefetches fit beside it.
+    let mut before = (0u64, 0.0f64);
     for step in 0..=WARM_STEPS {
         let counted = step == WARM_STEPS;
         let start = t;
         let (mut compute, mut copy, mut exposed, mut bytes) = (0.0, 0.0, 0.0, 0u64);
         for (j, u) in uses.iter().enumerate() {
+            let mut lane = None;
             if !u.resident {
                 if let Some(p) = inflight.iter().position(|f| f.0 == j) {
-                    let (_, done, _) = inflight.swap_remove(p);
+                    let (_, done, _, l) = inflight.swap_remove(p);
                     exposed += (done - t).max(0.0);
                     t = t.max(done);
+                    lane = Some(l);
                 } else {
                     // Fetched now, on this thread.
                     let begin = if s.shared_link { t.max(link_free) } else { t };
@@ -127,7 +131,7 @@ pub fn predict_step(uses: &[UseCost], s: Streaming) -> StepPrediction {
                     t = end;
                 }
                 if prefetching {
-                    let held = before + u.bytes;
+                    let held = u.bytes + if before.1 > t { before.0 } else { 0 };
                     let (c, b) = prefetch_after(
                         uses,
                         j,
@@ -140,10 +144,13 @@ pub fn predict_step(uses: &[UseCost], s: Streaming) -> StepPrediction {
                     copy += c;
                     bytes += b;
                 }
-                before = u.bytes;
             }
             compute += u.compute_ns;
             t += u.compute_ns;
+            if !u.resident {
+                let freed = lane.map_or(t, |l| t.max(lanes[l]));
+                before = (u.bytes, freed);
+            }
         }
         if counted {
             let ns = |v: f64| v.max(0.0).round() as u64;
@@ -166,7 +173,7 @@ fn prefetch_after(
     j: usize,
     s: Streaming,
     (t, in_use): (f64, u64),
-    inflight: &mut Vec<(usize, f64, u64)>,
+    inflight: &mut Vec<(usize, f64, u64, usize)>,
     lanes: &mut [f64],
     link_free: &mut f64,
 ) -> (f64, u64) {
@@ -203,7 +210,7 @@ fn prefetch_after(
         if s.shared_link {
             *link_free = end;
         }
-        inflight.push((q, end, u.bytes));
+        inflight.push((q, end, u.bytes, lane));
         copy += took;
         bytes += u.bytes;
     }
@@ -326,17 +333,44 @@ mod tests {
     fn the_room_bounds_what_is_prefetched() {
         let u = uses(6, 10_000, 30_000.0, |_| false);
         let free = predict_step(&u, streaming(2, 2));
-        // Room for the weights in use only (the one computing and the one before it, whose
-        // free is still queued): every fetch is synchronous.
+        // Room for the weight in use only: every fetch is synchronous.
         let none = predict_step(
             &u,
             Streaming {
-                room: 20_000,
+                room: 10_000,
                 ..streaming(2, 2)
             },
         );
         assert_eq!(free.exposed_ns, 0, "{free}");
         assert_eq!(none.exposed_ns, 6 * 11_000, "{none}");
         assert_eq!(free.bytes, none.bytes);
+    }
+
+    #[test]
+    fn the_weight_used_before_holds_its_memory_until_its_stream_frees_it() {
+        // Room for two weights: the one in use and one more. The weight used before comes back
+        // when its stream-ordered free runs: at the end of its use when this thread fetched it,
+        // after its lane's queued copies when a lane did. Copies (11 µs) are shorter than
+        // compute (30 µs), so each lane is idle by the next fetch and the one prefetch fits.
+        let u = uses(6, 10_000, 30_000.0, |_| false);
+        let two = Streaming {
+            room: 20_000,
+            ..streaming(1, 1)
+        };
+        let p = predict_step(&u, two);
+        assert_eq!(p.exposed_ns, 0, "{p}");
+        // Copies longer than compute: the lane is still copying the next weight when the one
+        // before is let go, so its free waits behind that copy and no second copy fits beside
+        // it: the steady step waits for every copy in turn.
+        let slow = Streaming {
+            link: Link {
+                latency_ns: 1_000,
+                ps_per_byte: 10_000,
+            },
+            ..two
+        };
+        let p = predict_step(&u, slow);
+        assert!(p.exposed_ns > 0, "{p}");
+        assert_eq!(p.bytes, ByteSize(60_000));
     }
 }

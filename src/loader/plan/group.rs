@@ -135,11 +135,9 @@ impl MemoryManager {
         // the room the keeper keeps free.
         let dynamic = self.dynamic_load(device, options);
         let free_here = p.free(device).saturating_add(already);
-        let streamer_room = |want: &[bool], room: ByteSize| {
+        let streamer_room = |want: &[bool], _room: ByteSize| {
             if device.is_cpu() {
                 u64::MAX
-            } else if dynamic {
-                room.bytes()
             } else {
                 free_here
                     .saturating_sub(selection::wanted_bytes(views, want))
