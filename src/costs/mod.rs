@@ -33,7 +33,7 @@ use crate::vram::DeviceId;
 
 mod predict;
 
-pub use predict::{predict_step, StepPrediction, Streaming, UseCost};
+pub use predict::{predict_cold_step, predict_step, StepPrediction, Streaming, UseCost};
 
 /// An exponential average's new value: `old` moved a quarter of the way to `new`, a `new` above
 /// 4× `old` counted as 4× (one rule for every measured figure: a weight's compute, cost-aware

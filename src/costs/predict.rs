@@ -85,6 +85,18 @@ const WARM_STEPS: usize = 2;
 /// Predicts a steady step over `uses` (module docs): the event simulation of the compute thread,
 /// the lanes and the link.
 pub fn predict_step(uses: &[UseCost], s: Streaming) -> StepPrediction {
+    simulate(uses, s, WARM_STEPS)
+}
+
+/// Predicts a step that starts with nothing in flight: the first step, or the next one after a
+/// load or a reservation cancelled the model's prefetches (a steady step finds its first
+/// weights prefetched by the end of the last one; this one fetches them on the compute thread).
+pub fn predict_cold_step(uses: &[UseCost], s: Streaming) -> StepPrediction {
+    simulate(uses, s, 0)
+}
+
+/// The event simulation: `warm` steps run before the one reported.
+fn simulate(uses: &[UseCost], s: Streaming, warm: usize) -> StepPrediction {
     let n = uses.len();
     let mut out = StepPrediction {
         uses: n,
@@ -105,8 +117,8 @@ pub fn predict_step(uses: &[UseCost], s: Streaming) -> StepPrediction {
     // queued when the weight was let go: at once for a weight fetched on this thread, after
     // its lane's queued prefetches for one a lane copied. Until then prefetches fit beside it.
     let mut before = (0u64, 0.0f64);
-    for step in 0..=WARM_STEPS {
-        let counted = step == WARM_STEPS;
+    for step in 0..=warm {
+        let counted = step == warm;
         let start = t;
         let (mut compute, mut copy, mut exposed, mut bytes) = (0.0, 0.0, 0.0, 0u64);
         for (j, u) in uses.iter().enumerate() {
@@ -372,5 +384,22 @@ mod tests {
         let p = predict_step(&u, slow);
         assert!(p.exposed_ns > 0, "{p}");
         assert_eq!(p.bytes, ByteSize(60_000));
+    }
+
+    #[test]
+    fn a_cold_step_fetches_its_first_weights_on_the_compute_thread() {
+        // A steady step finds its first weights prefetched at the end of the last one; a step
+        // after the prefetches were cancelled waits for the first copy, then runs as steady.
+        let u = uses(6, 10_000, 30_000.0, |_| false);
+        let s = streaming(2, 2);
+        let steady = predict_step(&u, s);
+        let cold = predict_cold_step(&u, s);
+        assert_eq!(steady.exposed_ns, 0, "{steady}");
+        assert_eq!(cold.exposed_ns, 11_000, "{cold}");
+        assert_eq!(cold.step_ns, steady.step_ns + 11_000);
+        // It copies its own six weights and, like every step, requests the next step's first
+        // two (depth 2) at its end: two more than a steady step, whose own first two the last
+        // step requested.
+        assert_eq!(cold.bytes, steady.bytes.saturating_add(ByteSize(20_000)));
     }
 }

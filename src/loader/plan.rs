@@ -389,7 +389,7 @@ impl MemoryManager {
             let steady = &plan.steady[k];
             let depth = planned.prefetch_depth;
             planned.predicted =
-                Some(self.predict_with(&all[k], |i| steady[i], plan.rooms[k], depth));
+                Some(self.predict_with(&all[k], |i| steady[i], plan.rooms[k], depth, false));
             planned.recommended = self.recommend_with(&all[k], |i| steady[i], plan.rooms[k], depth);
         }
         Ok(plan)

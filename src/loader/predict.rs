@@ -217,10 +217,21 @@ impl MemoryManager {
     /// The next step of `model` as its residency now predicts it: its weights in their recorded
     /// use order (slot order before a forward completed), those resident now costing compute
     /// only, the rest copied as the streamer would with this manager's lanes and its streamer's
-    /// prefetch depth into the device's free memory.
+    /// prefetch depth into the device's free memory. A model that streams with nothing
+    /// prefetched now (a load or a reservation cancelled its prefetches, or it never ran) is
+    /// predicted from a cold start ([`crate::costs::predict_cold_step`]): its first weights are
+    /// fetched on the compute thread.
     pub fn predict(&self, model: &ModelPatcher) -> StepPrediction {
         let (room, depth) = self.streaming_now(model);
-        self.predict_with(model, |i| model.resident_weight(i).is_some(), room, depth)
+        let cold = crate::offload::streamer_of(model)
+            .is_some_and(|s| s.in_flight_bytes() == ByteSize::ZERO);
+        self.predict_with(
+            model,
+            |i| model.resident_weight(i).is_some(),
+            room,
+            depth,
+            cold,
+        )
     }
 
     /// What the options that may change output bits would gain `model`'s next step, as its
@@ -334,13 +345,15 @@ impl MemoryManager {
     }
 
     /// The step `model` predicts with weights `resident(i)` resident, `room` bytes of device
-    /// memory for its copies in flight and `depth` weights prefetched ahead.
+    /// memory for its copies in flight and `depth` weights prefetched ahead: a steady step, or
+    /// with `cold` one that starts with nothing in flight.
     pub(super) fn predict_with(
         &self,
         model: &ModelPatcher,
         resident: impl Fn(usize) -> bool,
         room: u64,
         depth: usize,
+        cold: bool,
     ) -> StepPrediction {
         let (order, mut uses, unmeasured) = self.uses_of(model, resident);
         // With cost-aware misses, the misses the rule runs on the host copy nothing.
@@ -348,7 +361,11 @@ impl MemoryManager {
             let _ = self.run_on_host(model, &order, &mut uses, |g, r, b| c.prefers_host(g, r, b));
         }
         let streaming = self.streaming(model.load_device(), room, depth);
-        let mut p = crate::costs::predict_step(&uses, streaming);
+        let mut p = if cold {
+            crate::costs::predict_cold_step(&uses, streaming)
+        } else {
+            crate::costs::predict_step(&uses, streaming)
+        };
         p.unmeasured = unmeasured;
         p
     }

@@ -156,7 +156,7 @@ impl MemoryManager {
         let (depth, weighed) = self.depth_for(m, views, key, depth, |d| {
             let selection = select(p, d);
             let room = streamer_room(&selection.0, selection.2);
-            self.predict_with(m, |i| selection.0[i], room, d)
+            self.predict_with(m, |i| selection.0[i], room, d, false)
         });
         let (classic, budget, room) = select(p, depth);
         // Residency by use: what is resident and current stays (pinned weights are loaded, as
