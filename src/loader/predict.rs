@@ -266,7 +266,7 @@ impl MemoryManager {
         let streaming = self.streaming(device, room, depth);
         let mut now = crate::costs::predict_step(&uses, streaming);
         now.unmeasured = unmeasured;
-        let weights = self.run_on_host(model, &order, &mut uses, |_, _, _| true)?;
+        let weights = self.run_on_host(model, &order, &mut uses, |_, _, _, _| true)?;
         if weights == 0 {
             return None;
         }
@@ -293,7 +293,7 @@ impl MemoryManager {
         model: &ModelPatcher,
         order: &[usize],
         uses: &mut [UseCost],
-        on_host: impl Fn(candle_core::quantized::GgmlDType, usize, u64) -> bool,
+        on_host: impl Fn(usize, candle_core::quantized::GgmlDType, usize, u64) -> bool,
     ) -> Option<usize> {
         let device = model.load_device();
         if device.is_cpu() {
@@ -308,7 +308,10 @@ impl MemoryManager {
             let Some(ggml) = slot.quantized() else {
                 continue;
             };
-            if u.resident || !patches.get(slot.name()).is_empty() || !on_host(ggml, rows, u.bytes) {
+            if u.resident
+                || !patches.get(slot.name()).is_empty()
+                || !on_host(i, ggml, rows, u.bytes)
+            {
                 continue;
             }
             let host = if device.is_sim() {
@@ -358,7 +361,10 @@ impl MemoryManager {
         let (order, mut uses, unmeasured) = self.uses_of(model, resident);
         // With cost-aware misses, the misses the rule runs on the host copy nothing.
         if let Some(c) = &self.misses {
-            let _ = self.run_on_host(model, &order, &mut uses, |g, r, b| c.prefers_host(g, r, b));
+            let _ = self.run_on_host(model, &order, &mut uses, |i, g, r, b| {
+                // A weight the device map puts on the host runs there, as the streamer does.
+                model.streams_always(i) || c.prefers_host(g, r, b)
+            });
         }
         let streaming = self.streaming(model.load_device(), room, depth);
         let mut p = if cold {
