@@ -1,6 +1,7 @@
 //! What a load did and where memory is: plain structs for programs, `Display` for people.
 
 use std::fmt;
+use std::sync::Arc;
 
 use crate::size::ByteSize;
 use crate::vram::DeviceId;
@@ -370,5 +371,101 @@ impl fmt::Display for MemoryReport {
             self.pinned,
             if self.pinned_is_page_locked { "page-locked" } else { "pageable" }
         )
+    }
+}
+
+impl super::MemoryManager {
+    /// The registered models, most recently used first, as of the last manager call (each one's
+    /// resident bytes live). Never waits for a load in progress.
+    pub fn loaded_models(&self) -> Vec<LoadedModelInfo> {
+        let view = Arc::clone(&self.view.lock());
+        view.iter()
+            .filter_map(|e| {
+                let model = e.model.upgrade()?;
+                // One read of the model's residency: a second read while holding the first
+                // waits behind a queued writer (a load evicting this model), which waits for
+                // the first read — the deadlock the lock checker refuses.
+                let placed: Vec<(DeviceId, ByteSize)> = {
+                    let state = model.state();
+                    state
+                        .devices()
+                        .into_iter()
+                        .map(|d| (d, state.bytes_on(d)))
+                        .collect()
+                };
+                Some(LoadedModelInfo {
+                    name: model.name().to_string(),
+                    model_id: model.id(),
+                    device: e.device,
+                    resident: placed.iter().map(|p| p.1).sum(),
+                    size: e.size,
+                    // The registry's reference and the one upgraded here are not outside.
+                    outside_handles: Arc::strong_count(&model).saturating_sub(2),
+                    quantized: model.quantized_size().0,
+                    placed,
+                })
+            })
+            .collect()
+    }
+
+    /// A report of every device's memory and every loaded model, for people (`Display`) and
+    /// programs (its fields). It never waits for a load in progress: each device's ledger and free
+    /// memory are the ledger's book as of the manager's last step (one consistent figure per
+    /// device, within its budget), the models the registry as of the last manager call with
+    /// their resident bytes read live.
+    ///
+    /// With no call in flight (the manager lock free now) the books are brought up to date first,
+    /// so the report agrees with [`MemoryManager::ledger`]: a patcher's own
+    /// `partially_unload` changes residency without a manager call.
+    pub fn memory_report(&self) -> MemoryReport {
+        if let Some(guard) = self.inner.try_lock() {
+            let inner = super::InnerGuard {
+                guard,
+                view: &self.view,
+                closed: Vec::new(),
+            };
+            self.refresh_ledger(&inner);
+        }
+        let models = self.loaded_models();
+        let mut devices: Vec<DeviceId> = models
+            .iter()
+            .flat_map(|m| std::iter::once(m.device).chain(m.placed.iter().map(|p| p.0)))
+            .collect();
+        devices.push(self.policy.compute_device());
+        devices.extend(self.placement_devices());
+        devices.sort();
+        devices.dedup();
+        let devices = devices
+            .into_iter()
+            .map(|d| DeviceMemory {
+                device: d,
+                total: self.policy.total_memory(d),
+                budgeted: self.policy.is_budgeted(d),
+                ledger: self.ledger.booked(d),
+                cached_casts: self.cached_in(d),
+                reserved: self.ledger.reserved(d),
+                in_flight: self
+                    .ledger
+                    .in_flight(d)
+                    .saturating_add(self.ledger.faulting(d)),
+                peak: self.ledger.peak(d),
+                free: self.free_with(self.ledger.booked(d), d),
+            })
+            .collect();
+        let pool = self.engine.pool().map(|p| p.stats()).unwrap_or_default();
+        MemoryReport {
+            devices,
+            host: self.host.stats(),
+            models,
+            pinned: pool.allocated,
+            pinned_is_page_locked: pool.pinned,
+            transfers: self.engine.stats().snapshot(),
+            reservations: self.reservations(),
+            dynamic: self.policy.dynamic_vram(),
+            dynamic_devices: self.dynamic.report(false),
+            misses: self.miss_report(),
+            costs: self.costs(),
+            audits: self.audits(),
+        }
     }
 }
