@@ -52,6 +52,7 @@ fn uses(n: usize) -> Vec<UseCost> {
             bytes: 1 << 20,
             resident: i % 2 == 0,
             compute_ns: 50_000.0 + (i % 7) as f64 * 1_000.0,
+            routed: false,
         })
         .collect()
 }

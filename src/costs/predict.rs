@@ -15,6 +15,10 @@ pub struct UseCost {
     pub resident: bool,
     /// Its compute, in nanoseconds.
     pub compute_ns: f64,
+    /// Named by a router (a mixture of experts' expert): its copy is requested when its
+    /// layer's routing ran — at the first use of its run of routed uses — never predicted
+    /// ahead from use (the next token's experts are not the last one's).
+    pub routed: bool,
 }
 
 /// How streamed weights are copied, for [`predict_step`].
@@ -123,6 +127,28 @@ fn simulate(uses: &[UseCost], s: Streaming, warm: usize) -> StepPrediction {
         let (mut compute, mut copy, mut exposed, mut bytes) = (0.0, 0.0, 0.0, 0u64);
         for (j, u) in uses.iter().enumerate() {
             let mut lane = None;
+            // A routing: the run of routed uses starting here is requested on the lanes now.
+            if prefetching && u.routed && (j == 0 || !uses[j - 1].routed) {
+                let held = if before.1 > t { before.0 } else { 0 };
+                for q in (j..n).take_while(|&q| uses[q].routed) {
+                    if uses[q].resident || inflight.iter().any(|f| f.0 == q) {
+                        continue;
+                    }
+                    let Some(took) = queue(
+                        uses,
+                        q,
+                        s,
+                        (t, held),
+                        &mut inflight,
+                        &mut lanes,
+                        &mut link_free,
+                    ) else {
+                        break;
+                    };
+                    copy += took;
+                    bytes += uses[q].bytes;
+                }
+            }
             if !u.resident {
                 if let Some(p) = inflight.iter().position(|f| f.0 == j) {
                     let (_, done, _, l) = inflight.swap_remove(p);
@@ -178,8 +204,8 @@ fn simulate(uses: &[UseCost], s: Streaming, warm: usize) -> StepPrediction {
 
 /// The streamer's prefetch after fetching position `j` at time `t`, with `in_use` bytes held
 /// by the weights in use: the next `depth` streamed weights in use order (wrapping into the
-/// next step, up to the weight just fetched), each not in flight queued on the lane free first, while the bytes in flight
-/// beside `in_use` fit the room. The copy time and bytes queued.
+/// next step, up to the weight just fetched; routed ones are left to their routing), each not
+/// in flight queued ([`queue`]) while it fits. The copy time and bytes queued.
 fn prefetch_after(
     uses: &[UseCost],
     j: usize,
@@ -198,35 +224,54 @@ fn prefetch_after(
         }
         let q = (j + k) % n;
         let u = uses[q];
-        if u.resident {
+        if u.resident || u.routed {
             continue;
         }
         requested += 1;
         if inflight.iter().any(|f| f.0 == q) {
             continue;
         }
-        let held: u64 = inflight.iter().map(|f| f.2).sum::<u64>() + in_use;
-        if held + u.bytes > s.room {
+        let Some(took) = queue(uses, q, s, (t, in_use), inflight, lanes, link_free) else {
             break;
-        }
-        let lane = (0..lanes.len())
-            .min_by(|&a, &b| lanes[a].total_cmp(&lanes[b]))
-            .unwrap_or(0);
-        let mut begin = t.max(lanes[lane]);
-        if s.shared_link {
-            begin = begin.max(*link_free);
-        }
-        let took = s.link.copy_ns(u.bytes);
-        let end = begin + took;
-        lanes[lane] = end;
-        if s.shared_link {
-            *link_free = end;
-        }
-        inflight.push((q, end, u.bytes, lane));
+        };
         copy += took;
         bytes += u.bytes;
     }
     (copy, bytes)
+}
+
+/// Queues use `q`'s copy at time `t` on the lane free first (behind the link's last copy when
+/// copies share it), if the bytes in flight beside `in_use` leave room for it: its copy time,
+/// or `None` when it does not fit.
+fn queue(
+    uses: &[UseCost],
+    q: usize,
+    s: Streaming,
+    (t, in_use): (f64, u64),
+    inflight: &mut Vec<(usize, f64, u64, usize)>,
+    lanes: &mut [f64],
+    link_free: &mut f64,
+) -> Option<f64> {
+    let u = uses[q];
+    let held: u64 = inflight.iter().map(|f| f.2).sum::<u64>() + in_use;
+    if held + u.bytes > s.room {
+        return None;
+    }
+    let lane = (0..lanes.len())
+        .min_by(|&a, &b| lanes[a].total_cmp(&lanes[b]))
+        .unwrap_or(0);
+    let mut begin = t.max(lanes[lane]);
+    if s.shared_link {
+        begin = begin.max(*link_free);
+    }
+    let took = s.link.copy_ns(u.bytes);
+    let end = begin + took;
+    lanes[lane] = end;
+    if s.shared_link {
+        *link_free = end;
+    }
+    inflight.push((q, end, u.bytes, lane));
+    Some(took)
 }
 
 #[cfg(test)]
@@ -249,6 +294,7 @@ mod tests {
                 bytes,
                 resident: resident(i),
                 compute_ns,
+                routed: false,
             })
             .collect()
     }
@@ -322,6 +368,7 @@ mod tests {
                 bytes: 4_000 + (i as u64 * 7_919) % 30_000,
                 resident: false,
                 compute_ns: 3_000.0 + (i as f64 * 1_237.0) % 9_000.0,
+                routed: false,
             })
             .collect();
         for (lanes, depth) in [(0, 0), (1, 1), (2, 2), (2, 4)] {
@@ -401,5 +448,41 @@ mod tests {
         // two (depth 2) at its end: two more than a steady step, whose own first two the last
         // step requested.
         assert_eq!(cold.bytes, steady.bytes.saturating_add(ByteSize(20_000)));
+    }
+
+    #[test]
+    fn a_routed_weight_is_copied_from_its_routing_not_prefetched_ahead() {
+        // A resident router (30 µs) then two experts of 10 000 B (11 µs a copy, 5 µs compute).
+        // Predicted ahead from use, both are copied behind the router's compute; named by the
+        // router, both are requested when it ran, and the first is waited for.
+        let expert = |routed| UseCost {
+            bytes: 10_000,
+            resident: false,
+            compute_ns: 5_000.0,
+            routed,
+        };
+        let router = UseCost {
+            bytes: 10_000,
+            resident: true,
+            compute_ns: 30_000.0,
+            routed: false,
+        };
+        let ahead = [router, expert(false), expert(false)];
+        let named = [router, expert(true), expert(true)];
+        // Two lanes on links of their own (the simulated GPU's streams).
+        let two = Streaming {
+            shared_link: false,
+            ..streaming(2, 2)
+        };
+        assert_eq!(predict_step(&ahead, two).exposed_ns, 0);
+        let p = predict_step(&named, two);
+        // Both copied at once: only the first copy is waited for.
+        assert_eq!(p.exposed_ns, 11_000, "{p}");
+        assert_eq!(p.bytes, predict_step(&ahead, two).bytes);
+        // One link (or one lane): the second copy ends 6 µs after the first expert's compute.
+        for s in [streaming(2, 2), streaming(1, 2)] {
+            let p = predict_step(&named, s);
+            assert_eq!(p.exposed_ns, 17_000, "{p}");
+        }
     }
 }

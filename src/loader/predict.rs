@@ -320,9 +320,9 @@ impl MemoryManager {
                 self.costs.host_matmul(ggml)? * rows as f64 * u.bytes as f64
             };
             *u = UseCost {
-                bytes: u.bytes,
                 resident: true,
                 compute_ns: u.compute_ns + host,
+                ..*u
             };
             turned += 1;
         }
@@ -408,6 +408,7 @@ impl MemoryManager {
                     bytes: size,
                     resident: resident(i) || model.weight_device(i).is_cpu(),
                     compute_ns,
+                    routed: m.usage().is_routed(i),
                 }
             })
             .collect();

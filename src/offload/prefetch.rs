@@ -611,6 +611,11 @@ impl Streamer {
     /// cost-aware misses, those the rule would run on the host, until one cannot be booked.
     /// With lanes only (without, a prefetch would be a synchronous copy).
     pub(crate) fn prefetch_routed(&self, patcher: &ModelPatcher, weights: &[(usize, usize)]) {
+        // The prediction learns which weights a router names (their copies cannot start
+        // earlier than this call).
+        for &(w, _) in weights {
+            patcher.model().usage().note_routed(w);
+        }
         if self.engine.lanes() == 0 || weights.is_empty() {
             return;
         }

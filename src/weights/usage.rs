@@ -45,6 +45,9 @@ pub(crate) struct Usage {
     refused: AtomicUsize,
     /// Whether compute saved by an earlier run was offered to this model (once).
     seeded: std::sync::atomic::AtomicBool,
+    /// Per weight, whether a routing named it (a mixture of experts' expert): its copy can
+    /// start only once its layer's router ran.
+    routed: Box<[std::sync::atomic::AtomicBool]>,
 }
 
 /// What the eviction order reads of one weight.
@@ -81,7 +84,22 @@ impl Usage {
             rows: AtomicUsize::new(0),
             refused: AtomicUsize::new(NONE),
             seeded: std::sync::atomic::AtomicBool::new(false),
+            routed: atomics(n, || std::sync::atomic::AtomicBool::new(false)),
         }
+    }
+
+    /// A routing named weight `index` (`Streamer::prefetch_routed`).
+    pub(crate) fn note_routed(&self, index: usize) {
+        if let Some(r) = self.routed.get(index) {
+            r.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a routing ever named weight `index`.
+    pub(crate) fn is_routed(&self, index: usize) -> bool {
+        self.routed
+            .get(index)
+            .is_some_and(|r| r.load(Ordering::Relaxed))
     }
 
     /// True the first time it is asked: saved compute is offered to a model once.
