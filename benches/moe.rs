@@ -377,6 +377,9 @@ fn main() {
         if let Some(r) = m.mm.miss_report() {
             println!("      {r}");
         }
+        if let Some(c) = m.mm.costs().iter().find(|c| !c.device.is_cpu()) {
+            println!("      cost model: {c}");
+        }
         let t = m.mm.transfer_stats();
         if t.routed_prefetches > 0 {
             let per = |ns: u64, k: u64| ns as f64 / k.max(1) as f64 / 1000.0;
