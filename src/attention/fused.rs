@@ -140,6 +140,21 @@ pub(super) fn run(
     };
 
     let mut out = vec![0f32; b * h * nq * dv];
+    let peak = run_tiles(&kernel, &mut out, &plan);
+    scratch.peak = scratch.peak.max(peak);
+    drop((q_held, k_held, v_held, mask_held));
+
+    let out = Tensor::from_vec(out, (b, h, nq, dv), ctx.qs.device())
+        .ctx(|| "attention: the fused kernel's output".into())?
+        .to_dtype(ctx.out_dtype)?;
+    Ok((out, tiles.0, tiles.1))
+}
+
+/// Runs `kernel` over every query tile of `out` (`[batch·heads, nq, dv]`, tiles of
+/// `plan.tile_q` rows) on rayon's threads — at most `plan.workers` tiles alive at once — and
+/// returns the peak scratch the workers held.
+fn run_tiles(kernel: &Kernel<'_>, out: &mut [f32], plan: &super::plan::FusedPlan) -> u64 {
+    let (nq, dv) = (kernel.nq, kernel.dv);
     let tasks: Vec<Task<'_>> = out
         .chunks_mut(nq * dv)
         .enumerate()
@@ -172,13 +187,7 @@ pub(super) fn run(
             }
         });
     }
-    scratch.peak = scratch.peak.max(meter.peak.load(Ordering::Relaxed));
-    drop((q_held, k_held, v_held, mask_held));
-
-    let out = Tensor::from_vec(out, (b, h, nq, dv), ctx.qs.device())
-        .ctx(|| "attention: the fused kernel's output".into())?
-        .to_dtype(ctx.out_dtype)?;
-    Ok((out, tiles.0, tiles.1))
+    meter.peak.load(Ordering::Relaxed)
 }
 
 /// One unit of parallel work: the query tile starting at row `q0` of batch·head `bh`, and its

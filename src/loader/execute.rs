@@ -196,19 +196,7 @@ impl MemoryManager {
         }
         // 2. Cached casts give up the room the plan needs (it planned them as free), then
         // evictions.
-        for d in &plan.devices {
-            let (extra_mem, min_required, _) = self.memory_to_keep_free(options, d.device);
-            let keep_free = ByteSize::from_f64(extra_mem.max(min_required).ceil());
-            let cached = self.cached_in(d.device);
-            if cached > ByteSize::ZERO
-                && d.ledger_after
-                    .saturating_add(cached)
-                    .saturating_add(keep_free)
-                    > d.total
-            {
-                self.drop_casts(inner, d.device);
-            }
-        }
+        self.drop_casts_for(inner, plan, options);
         let cause = if tracing::enabled!(tracing::Level::DEBUG) {
             all.iter()
                 .map(|m| m.model().name())
@@ -251,23 +239,8 @@ impl MemoryManager {
             .saturating_sub(copied_before);
         // Never report success over a budget (the plan checked it; a patcher changed behind the
         // manager's back is the only way here).
-        for d in &plan.devices {
-            if self.policy.is_budgeted(d.device) {
-                let ledger = self.ledger_in(&inner.registry, d.device);
-                if ledger > d.total {
-                    let e = Error::OutOfMemory {
-                        model: all
-                            .iter()
-                            .find(|m| m.devices().contains(&d.device))
-                            .map(|m| m.model().name().to_string())
-                            .unwrap_or_default(),
-                        device: d.device.to_string(),
-                        required: ledger,
-                        available: d.total,
-                    };
-                    return Err(self.rollback(inner, undo, all, e));
-                }
-            }
+        if let Some(e) = self.over_budget(inner, plan, all) {
+            return Err(self.rollback(inner, undo, all, e));
         }
         for (m, load) in all.iter().zip(&report.models) {
             let planned = plan.models.iter().find(|p| p.model_id == m.model().id());
@@ -290,6 +263,45 @@ impl MemoryManager {
             }
         }
         Ok(report)
+    }
+
+    /// Drops the cached casts of each planned device whose room the plan needs: where the
+    /// ledger after the plan, the casts and the memory to keep free pass the device's total.
+    fn drop_casts_for(&self, inner: &Inner, plan: &LoadPlan, options: &LoadOptions) {
+        for d in &plan.devices {
+            let (extra_mem, min_required, _) = self.memory_to_keep_free(options, d.device);
+            let keep_free = ByteSize::from_f64(extra_mem.max(min_required).ceil());
+            let cached = self.cached_in(d.device);
+            if cached > ByteSize::ZERO
+                && d.ledger_after
+                    .saturating_add(cached)
+                    .saturating_add(keep_free)
+                    > d.total
+            {
+                self.drop_casts(inner, d.device);
+            }
+        }
+    }
+
+    /// The out-of-memory of a budgeted planned device whose ledger passed its total after the
+    /// loads, naming the first of `all` on it.
+    fn over_budget(&self, inner: &Inner, plan: &LoadPlan, all: &[ModelPatcher]) -> Option<Error> {
+        plan.devices
+            .iter()
+            .filter(|d| self.policy.is_budgeted(d.device))
+            .find_map(|d| {
+                let ledger = self.ledger_in(&inner.registry, d.device);
+                (ledger > d.total).then(|| Error::OutOfMemory {
+                    model: all
+                        .iter()
+                        .find(|m| m.devices().contains(&d.device))
+                        .map(|m| m.model().name().to_string())
+                        .unwrap_or_default(),
+                    device: d.device.to_string(),
+                    required: ledger,
+                    available: d.total,
+                })
+            })
     }
 
     /// Makes exactly `want` resident for `m`: drops what the plan does not keep, then builds and
