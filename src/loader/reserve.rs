@@ -212,6 +212,66 @@ impl MemoryManager {
         self.kept.lock().get(&id).is_some_and(|&n| n > 0)
     }
 
+    /// Whether `device` can hold a reservation here: a device error naming reservation `name`
+    /// when this machine has no such device.
+    fn reservable(&self, name: &str, device: DeviceId) -> Result<()> {
+        let exists = match device {
+            DeviceId::Cuda(n) => self.policy.hardware().gpu(n).is_some(),
+            DeviceId::Sim(_) => self.engine.devices().gpu(device).is_some(),
+            DeviceId::Cpu => true,
+        };
+        if exists {
+            return Ok(());
+        }
+        Err(Error::Device {
+            device: device.to_string(),
+            reason: format!(
+                "reservation `{name}`: this machine has no {device} (the compute device is {})",
+                self.policy.compute_device()
+            ),
+        })
+    }
+
+    /// The out-of-memory of reservation `name` refused `bytes` on `device` with `free` bytes
+    /// free, `room` of them kept for a streamed weight: it says what holds the rest.
+    fn refused(
+        &self,
+        inner: &super::Inner,
+        name: &str,
+        device: DeviceId,
+        bytes: ByteSize,
+        free: ByteSize,
+        room: ByteSize,
+    ) -> Error {
+        let beside = if room > ByteSize::ZERO {
+            format!(" (beside {room} kept free for a streamed weight)")
+        } else {
+            String::new()
+        };
+        // Residency by use gives up every weight it can first: say what holds the rest.
+        let in_flight = self
+            .ledger
+            .in_flight(device)
+            .saturating_add(self.ledger.faulting(device));
+        let held = if self.policy.dynamic_vram() {
+            format!(
+                "; residency by use gave up every weight it could: what is left is {} reserved, {} of kept or pinned weights and {in_flight} of copies in flight",
+                self.ledger.reserved(device),
+                Self::resident_in(&inner.registry, device)
+            )
+        } else if in_flight > ByteSize::ZERO {
+            format!("; {in_flight} of copies in flight did not come back in time")
+        } else {
+            String::new()
+        };
+        Error::OutOfMemory {
+            model: format!("reservation `{name}`{beside}{held}"),
+            device: device.to_string(),
+            required: bytes,
+            available: free.saturating_sub(room),
+        }
+    }
+
     /// Books `bytes` more for reservation `id` on `device`, evicting (cached casts, then models
     /// not kept) to make room. On error nothing is booked.
     fn book_reservation(
@@ -221,20 +281,7 @@ impl MemoryManager {
         device: DeviceId,
         bytes: ByteSize,
     ) -> Result<()> {
-        let exists = match device {
-            DeviceId::Cuda(n) => self.policy.hardware().gpu(n).is_some(),
-            DeviceId::Sim(_) => self.engine.devices().gpu(device).is_some(),
-            DeviceId::Cpu => true,
-        };
-        if !exists {
-            return Err(Error::Device {
-                device: device.to_string(),
-                reason: format!(
-                    "reservation `{name}`: this machine has no {device} (the compute device is {})",
-                    self.policy.compute_device()
-                ),
-            });
-        }
+        self.reservable(name, device)?;
         let mut inner = self.lock_inner();
         // As during a load, no prefetch, fault-in or cached cast books room on the device while
         // the reservation is decided: the free figure checked below stays true until it is
@@ -296,37 +343,11 @@ impl MemoryManager {
         }
         let free = self.free_in(&inner.registry, device);
         if free < needed {
-            let beside = if room > ByteSize::ZERO {
-                format!(" (beside {room} kept free for a streamed weight)")
-            } else {
-                String::new()
-            };
-            // Residency by use gives up every weight it can first: say what holds the rest.
-            let in_flight = self
-                .ledger
-                .in_flight(device)
-                .saturating_add(self.ledger.faulting(device));
-            let held = if self.policy.dynamic_vram() {
-                format!(
-                    "; residency by use gave up every weight it could: what is left is {} reserved, {} of kept or pinned weights and {in_flight} of copies in flight",
-                    self.ledger.reserved(device),
-                    Self::resident_in(&inner.registry, device)
-                )
-            } else if in_flight > ByteSize::ZERO {
-                format!("; {in_flight} of copies in flight did not come back in time")
-            } else {
-                String::new()
-            };
-            let name = name.to_string();
+            let e = self.refused(&inner, name, device, bytes, free, room);
             let stale = Self::take_stale(&mut inner);
             drop(inner);
             drop(stale);
-            return Err(Error::OutOfMemory {
-                model: format!("reservation `{name}`{beside}{held}"),
-                device: device.to_string(),
-                required: bytes,
-                available: free.saturating_sub(room),
-            });
+            return Err(e);
         }
         if evicted {
             // Evicted copies left the ledger at once, but their device memory is freed in
