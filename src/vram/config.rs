@@ -137,6 +137,53 @@ pub struct Config {
     pub prepared_host: Option<ByteSize>,
 }
 
+/// A second flag of a mutually exclusive group (`--lowvram` and `--highvram`, two unet
+/// dtypes, …) is a conflict with the first one `seen`.
+fn conflicts(name: &'static str, action: Action, seen: &[&'static str]) -> Result<()> {
+    let group = |a: Action| -> Option<u8> {
+        Some(match a {
+            Action::Mode(_) => 0,
+            Action::ForceFp32 | Action::ForceFp16 => 1,
+            Action::Unet(_) | Action::UnetF64 | Action::UnetE8M0 => 2,
+            Action::Vae(_) => 3,
+            Action::TextEnc(_) => 4,
+            Action::Attention(_) => 5,
+            Action::Upcast(_) => 6,
+            Action::AsyncOffload | Action::DisableAsyncOffload => 7,
+            Action::DisablePinned | Action::PinnedLimit => 8,
+            Action::EnableDynamicVram | Action::DisableDynamicVram => 9,
+            _ => return None,
+        })
+    };
+    let Some(g) = group(action) else {
+        return Ok(());
+    };
+    match seen
+        .iter()
+        .find(|p| lookup(p).and_then(|(_, a)| group(a)) == Some(g) && **p != name)
+    {
+        Some(prev) => Err(Error::ConflictingFlags {
+            first: prev.to_string(),
+            second: name.to_string(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// `--sim-gpus COUNTxSPEC`: how many simulated GPUs (1 to 16) of which spec.
+fn sim_gpus(value: &str) -> std::result::Result<(usize, super::SimSpec), String> {
+    let (n, spec) = value
+        .split_once(['x', 'X'])
+        .ok_or_else(|| format!("`{value}` is not COUNTxSPEC, e.g. `2x8GiB`"))?;
+    let n: usize = n
+        .trim()
+        .parse()
+        .ok()
+        .filter(|n| (1..=16).contains(n))
+        .ok_or_else(|| format!("`{n}` GPUs: use 1 to 16"))?;
+    Ok((n, spec.parse()?))
+}
+
 /// The `GPU=VALUE` parts of a per-GPU flag value (`0=8GiB,1=12GiB`), each GPU number parsed;
 /// `what` names the value in the error for a part without `=`.
 fn per_gpu<'v>(
@@ -554,33 +601,7 @@ impl Config {
             reason,
         };
         let value_str = value.unwrap_or("");
-        // Each group of mutually exclusive flags; a second member of a group is a conflict.
-        let group = |a: Action| -> Option<u8> {
-            Some(match a {
-                Action::Mode(_) => 0,
-                Action::ForceFp32 | Action::ForceFp16 => 1,
-                Action::Unet(_) | Action::UnetF64 | Action::UnetE8M0 => 2,
-                Action::Vae(_) => 3,
-                Action::TextEnc(_) => 4,
-                Action::Attention(_) => 5,
-                Action::Upcast(_) => 6,
-                Action::AsyncOffload | Action::DisableAsyncOffload => 7,
-                Action::DisablePinned | Action::PinnedLimit => 8,
-                Action::EnableDynamicVram | Action::DisableDynamicVram => 9,
-                _ => return None,
-            })
-        };
-        if let Some(g) = group(action) {
-            if let Some(prev) = seen
-                .iter()
-                .find(|p| lookup(p).and_then(|(_, a)| group(a)) == Some(g) && **p != name)
-            {
-                return Err(Error::ConflictingFlags {
-                    first: prev.to_string(),
-                    second: name.to_string(),
-                });
-            }
-        }
+        conflicts(name, action, seen)?;
         seen.push(name);
         match action {
             Action::Mode(m) => self.vram_mode = Some(m),
@@ -638,20 +659,17 @@ impl Config {
             Action::EnableDynamicVram => self.dynamic_vram = Some(true),
             Action::DisableDynamicVram => self.dynamic_vram = Some(false),
             Action::AsyncOffload => {
-                let n = match value {
-                    None => None,
-                    Some(v) => {
-                        let n: usize = v
-                            .trim()
-                            .parse()
-                            .map_err(|_| invalid(format!("`{v}` is not a lane count")))?;
-                        if n == 0 || n > 64 {
-                            return Err(invalid(format!("{n} lanes: use 1 to 64")));
-                        }
-                        Some(n)
+                let lanes = |v: &str| {
+                    let n: usize = v
+                        .trim()
+                        .parse()
+                        .map_err(|_| invalid(format!("`{v}` is not a lane count")))?;
+                    if n == 0 || n > 64 {
+                        return Err(invalid(format!("{n} lanes: use 1 to 64")));
                     }
+                    Ok(n)
                 };
-                self.async_offload = Some(n);
+                self.async_offload = Some(value.map(lanes).transpose()?);
             }
             Action::DisableAsyncOffload => self.disable_async_offload = true,
             Action::DisablePinned => self.disable_pinned_memory = true,
@@ -689,16 +707,7 @@ impl Config {
             Action::InferenceMemory => self.inference_memory = Some(value_str.parse()?),
             Action::SimGpu => self.sim_gpus.push(value_str.parse().map_err(invalid)?),
             Action::SimGpus => {
-                let (n, spec) = value_str.split_once(['x', 'X']).ok_or_else(|| {
-                    invalid(format!("`{value_str}` is not COUNTxSPEC, e.g. `2x8GiB`"))
-                })?;
-                let n: usize = n
-                    .trim()
-                    .parse()
-                    .ok()
-                    .filter(|n| (1..=16).contains(n))
-                    .ok_or_else(|| invalid(format!("`{n}` GPUs: use 1 to 16")))?;
-                let spec: super::SimSpec = spec.parse().map_err(invalid)?;
+                let (n, spec) = sim_gpus(value_str).map_err(invalid)?;
                 self.sim_gpus.extend(std::iter::repeat_n(spec, n));
             }
         }
