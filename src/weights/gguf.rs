@@ -539,32 +539,10 @@ fn tensor_info(c: &mut Cursor<'_>, i: u64, alignment: u64) -> Result<Info> {
     })
 }
 
-/// The whole header, validated.
-fn parse(c: &mut Cursor<'_>) -> Result<GgufHeader> {
+/// The tensor and metadata counts against the bytes left in the file: each entry takes at least
+/// a few bytes, so counts the file cannot hold are refused before anything is sized by them.
+fn check_counts(c: &Cursor<'_>, tensor_count: u64, kv_count: u64) -> Result<()> {
     let path = c.path;
-    let magic = c.u32("the magic")?;
-    if magic != MAGIC {
-        let why = if magic == MAGIC_SWAPPED {
-            "a big-endian GGUF file, which is not supported".to_string()
-        } else {
-            format!("magic 0x{magic:08x} at byte 0 is not `GGUF` (0x{MAGIC:08x})")
-        };
-        return Err(file_err(path, format!("not a GGUF file: {why}")));
-    }
-    let version = c.u32("the version")?;
-    c.wide = match version {
-        1 => false,
-        2 | 3 => true,
-        v => {
-            return Err(file_err(
-                path,
-                format!("unsupported GGUF version {v} (versions 1, 2 and 3 are read)"),
-            ))
-        }
-    };
-    let tensor_count = c.len("the tensor count")?;
-    let kv_count = c.len("the metadata count")?;
-
     // Each entry's least encoded size: a metadata entry is a key (its length), a value type and
     // a value of at least one byte; a tensor info is a name (its length), a dimension count, one
     // dimension, a GGML type and an offset.
@@ -602,38 +580,17 @@ fn parse(c: &mut Cursor<'_>) -> Result<GgufHeader> {
         ));
     }
 
-    let reserve = usize::try_from(kv_count).unwrap_or(0).min(MAX_RESERVE);
-    let mut metadata: HashMap<String, Value> = HashMap::with_capacity(reserve);
-    for i in 0..kv_count {
-        c.ctx = format!("metadata key {i}");
-        let key_at = c.pos;
-        let key = c.string("the key")?;
-        c.ctx = format!("metadata key {i} (`{key}`)");
-        if metadata.contains_key(&key) {
-            return Err(c.err("the key", format!("the key at byte {key_at} appears twice")));
-        }
-        let ty = c.u32("the value type")?;
-        let value = c.value(ty, 0)?;
-        metadata.insert(key, value);
-    }
-    let alignment = alignment_of(path, &metadata)?;
+    Ok(())
+}
 
-    let reserve = usize::try_from(tensor_count).unwrap_or(0);
-    let mut infos = Vec::with_capacity(reserve);
-    for i in 0..tensor_count {
-        infos.push(tensor_info(c, i, alignment)?);
-    }
-    let end_of_header = c.pos;
-    let data_offset = end_of_header.checked_next_multiple_of(alignment).ok_or_else(|| {
-        file_err(
-            path,
-            format!(
-                "GGUF header: the header's end at byte {end_of_header} rounded up to the alignment {alignment} overflows"
-            ),
-        )
-    })?;
-
-    let file_len = c.file_len;
+/// The tensors' byte ranges in the file (data section at `data_offset`), sorted by start:
+/// each inside the file, no name twice, no two non-empty ranges overlapping.
+fn place_tensors(
+    path: &Path,
+    infos: Vec<Info>,
+    data_offset: u64,
+    file_len: u64,
+) -> Result<Vec<GgufEntry>> {
     let mut tensors = Vec::with_capacity(infos.len());
     for info in infos {
         let range = data_offset
@@ -693,6 +650,70 @@ fn parse(c: &mut Cursor<'_>) -> Result<GgufHeader> {
         }
         last = Some(t);
     }
+
+    Ok(tensors)
+}
+
+/// The whole header, validated.
+fn parse(c: &mut Cursor<'_>) -> Result<GgufHeader> {
+    let path = c.path;
+    let magic = c.u32("the magic")?;
+    if magic != MAGIC {
+        let why = if magic == MAGIC_SWAPPED {
+            "a big-endian GGUF file, which is not supported".to_string()
+        } else {
+            format!("magic 0x{magic:08x} at byte 0 is not `GGUF` (0x{MAGIC:08x})")
+        };
+        return Err(file_err(path, format!("not a GGUF file: {why}")));
+    }
+    let version = c.u32("the version")?;
+    c.wide = match version {
+        1 => false,
+        2 | 3 => true,
+        v => {
+            return Err(file_err(
+                path,
+                format!("unsupported GGUF version {v} (versions 1, 2 and 3 are read)"),
+            ))
+        }
+    };
+    let tensor_count = c.len("the tensor count")?;
+    let kv_count = c.len("the metadata count")?;
+
+    check_counts(c, tensor_count, kv_count)?;
+
+    let reserve = usize::try_from(kv_count).unwrap_or(0).min(MAX_RESERVE);
+    let mut metadata: HashMap<String, Value> = HashMap::with_capacity(reserve);
+    for i in 0..kv_count {
+        c.ctx = format!("metadata key {i}");
+        let key_at = c.pos;
+        let key = c.string("the key")?;
+        c.ctx = format!("metadata key {i} (`{key}`)");
+        if metadata.contains_key(&key) {
+            return Err(c.err("the key", format!("the key at byte {key_at} appears twice")));
+        }
+        let ty = c.u32("the value type")?;
+        let value = c.value(ty, 0)?;
+        metadata.insert(key, value);
+    }
+    let alignment = alignment_of(path, &metadata)?;
+
+    let reserve = usize::try_from(tensor_count).unwrap_or(0);
+    let mut infos = Vec::with_capacity(reserve);
+    for i in 0..tensor_count {
+        infos.push(tensor_info(c, i, alignment)?);
+    }
+    let end_of_header = c.pos;
+    let data_offset = end_of_header.checked_next_multiple_of(alignment).ok_or_else(|| {
+        file_err(
+            path,
+            format!(
+                "GGUF header: the header's end at byte {end_of_header} rounded up to the alignment {alignment} overflows"
+            ),
+        )
+    })?;
+
+    let tensors = place_tensors(path, infos, data_offset, c.file_len)?;
 
     Ok(GgufHeader {
         version,
