@@ -227,39 +227,7 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
         r##"<rect x="{LEFT}" y="{top:.1}" width="{:.1}" height="{CHART_H}" fill="#f7f7f7" stroke="#ccc"/>"##,
         WIDTH - LEFT - RIGHT
     );
-    // Per pixel column: (first, max, min, last) of the total, and the last sample's columns.
-    struct Bucket {
-        px: i64,
-        first: f64,
-        max: f64,
-        min: f64,
-        last: f64,
-        columns: Vec<f64>,
-        budget: f64,
-    }
-    let mut buckets: Vec<Bucket> = Vec::new();
-    for (ts, values, budget) in &s.samples {
-        let px = c.x(*ts as f64).round() as i64;
-        let total: f64 = values.iter().sum();
-        match buckets.last_mut() {
-            Some(b) if b.px == px => {
-                b.max = b.max.max(total);
-                b.min = b.min.min(total);
-                b.last = total;
-                b.columns = values.clone();
-                b.budget = *budget;
-            }
-            _ => buckets.push(Bucket {
-                px,
-                first: total,
-                max: total,
-                min: total,
-                last: total,
-                columns: values.clone(),
-                budget: *budget,
-            }),
-        }
-    }
+    let buckets = buckets(c, s);
     let x_end = c.x(c.t_end);
     // Stacked columns: cumulative sums as step polygons, the largest first.
     for k in (0..s.columns.len()).rev() {
@@ -324,9 +292,56 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
             r##"<polyline class="budget" data-series="{series}" points="{pts}" fill="none" stroke="#c0392b" stroke-width="1.2" stroke-dasharray="6 3"/>"##
         );
     }
+    legend(c, &s.columns, top);
+    marks(c, &s.name, records, top, bottom);
+    bottom
+}
+
+/// One pixel column of a chart: (first, max, min, last) of the total, and the last sample's
+/// columns and budget.
+struct Bucket {
+    px: i64,
+    first: f64,
+    max: f64,
+    min: f64,
+    last: f64,
+    columns: Vec<f64>,
+    budget: f64,
+}
+
+/// The samples of `s` by pixel column.
+fn buckets(c: &Canvas, s: &Series) -> Vec<Bucket> {
+    let mut buckets: Vec<Bucket> = Vec::new();
+    for (ts, values, budget) in &s.samples {
+        let px = c.x(*ts as f64).round() as i64;
+        let total: f64 = values.iter().sum();
+        match buckets.last_mut() {
+            Some(b) if b.px == px => {
+                b.max = b.max.max(total);
+                b.min = b.min.min(total);
+                b.last = total;
+                b.columns = values.clone();
+                b.budget = *budget;
+            }
+            _ => buckets.push(Bucket {
+                px,
+                first: total,
+                max: total,
+                min: total,
+                last: total,
+                columns: values.clone(),
+                budget: *budget,
+            }),
+        }
+    }
+    buckets
+}
+
+/// The legend of a chart's columns, at its top.
+fn legend(c: &mut Canvas, columns: &[&str], top: f64) {
     // Legend.
     let mut lx = LEFT + 6.0;
-    for (k, col) in s.columns.iter().enumerate() {
+    for (k, col) in columns.iter().enumerate() {
         let _ = writeln!(
             c.svg,
             r#"<rect x="{lx:.1}" y="{:.1}" width="9" height="9" fill="{}"/><text x="{:.1}" y="{:.1}" font-size="10">{col}</text>"#,
@@ -337,8 +352,13 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
         );
         lx += 14.0 + 6.5 * col.len() as f64 + 10.0;
     }
+}
+
+/// The loads (and, on a device's chart, its evictions) of `records` as marks on the chart
+/// `name` between `top` and `bottom`.
+fn marks(c: &mut Canvas, name: &str, records: &[Record], top: f64, bottom: f64) {
     // Loads and evictions.
-    let device = s.name.strip_prefix("ledger ");
+    let device = name.strip_prefix("ledger ");
     // Marks less than a label's width apart share a column of labels.
     let mut group_x = f64::NEG_INFINITY;
     let mut n = 0usize;
@@ -395,7 +415,6 @@ fn chart(c: &mut Canvas, s: &Series, records: &[Record], top: f64) -> f64 {
             }
         );
     }
-    bottom
 }
 
 fn mib(bytes: f64) -> String {
