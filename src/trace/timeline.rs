@@ -429,73 +429,82 @@ struct Bar {
     tip: String,
 }
 
-/// The lanes, their top at `top`; returns their bottom.
-fn lanes(c: &mut Canvas, spans: &[Interval<'_>], top: f64) -> f64 {
-    let mut rows: BTreeMap<(u8, String), Vec<Bar>> = BTreeMap::new();
+/// The row and bar a span is drawn as in the lanes (`None`: not drawn there): compute and its
+/// waits on the compute row, copies on their stream's row, lane work on its lane's.
+fn bar_of(i: &Interval<'_>) -> Option<((u8, String), Bar)> {
     let text = |i: &Interval<'_>, f: &str| i.text(f);
-    for i in spans {
-        let (key, colour, tip) = match i.name {
-            "compute" => (
-                (0u8, "compute".to_string()),
-                "#76b7b2",
-                format!(
-                    "compute {}",
-                    text(i, "model")
-                        .or_else(|| text(i, "what"))
-                        .unwrap_or_default()
+    let (key, colour, tip) = match i.name {
+        "compute" => (
+            (0u8, "compute".to_string()),
+            "#76b7b2",
+            format!(
+                "compute {}",
+                text(i, "model")
+                    .or_else(|| text(i, "what"))
+                    .unwrap_or_default()
+            ),
+        ),
+        "copy_wait" | "lane_wait" => (
+            (0u8, "compute".to_string()),
+            "#e15759",
+            format!("compute waited ({})", i.name),
+        ),
+        "copy" => {
+            let source = text(i, "source").unwrap_or_default();
+            let colour = match source.as_str() {
+                "pinned_in_place" => "#59a14f",
+                "staged" => "#4e79a7",
+                _ => "#f28e2b",
+            };
+            (
+                (
+                    1u8,
+                    format!(
+                        "{} stream {}",
+                        text(i, "device").unwrap_or_default(),
+                        text(i, "stream").unwrap_or_default()
+                    ),
                 ),
-            ),
-            "copy_wait" | "lane_wait" => (
-                (0u8, "compute".to_string()),
-                "#e15759",
-                format!("compute waited ({})", i.name),
-            ),
-            "copy" => {
-                let source = text(i, "source").unwrap_or_default();
-                let colour = match source.as_str() {
-                    "pinned_in_place" => "#59a14f",
-                    "staged" => "#4e79a7",
-                    _ => "#f28e2b",
-                };
-                (
-                    (
-                        1u8,
-                        format!(
-                            "{} stream {}",
-                            text(i, "device").unwrap_or_default(),
-                            text(i, "stream").unwrap_or_default()
-                        ),
-                    ),
-                    colour,
-                    format!(
-                        "copy {} bytes, {source}",
-                        text(i, "bytes").unwrap_or_default()
-                    ),
-                )
-            }
-            "transfer" => {
-                let name = Trace::track_name(i.track);
-                let Some(lane) = name.strip_prefix("residency-lane-") else {
-                    continue;
-                };
-                (
-                    (2u8, format!("lane {lane} (host)")),
-                    "#b07aa1",
-                    format!(
-                        "{} {}",
-                        text(i, "model").unwrap_or_default(),
-                        text(i, "weight").unwrap_or_default()
-                    ),
-                )
-            }
-            _ => continue,
-        };
-        rows.entry(key).or_default().push(Bar {
+                colour,
+                format!(
+                    "copy {} bytes, {source}",
+                    text(i, "bytes").unwrap_or_default()
+                ),
+            )
+        }
+        "transfer" => {
+            let name = Trace::track_name(i.track);
+            let Some(lane) = name.strip_prefix("residency-lane-") else {
+                return None;
+            };
+            (
+                (2u8, format!("lane {lane} (host)")),
+                "#b07aa1",
+                format!(
+                    "{} {}",
+                    text(i, "model").unwrap_or_default(),
+                    text(i, "weight").unwrap_or_default()
+                ),
+            )
+        }
+        _ => return None,
+    };
+    Some((
+        key,
+        Bar {
             start: i.start,
             end: i.end,
             colour,
             tip,
-        });
+        },
+    ))
+}
+
+/// The lanes, their top at `top`; returns their bottom.
+fn lanes(c: &mut Canvas, spans: &[Interval<'_>], top: f64) -> f64 {
+    let mut rows: BTreeMap<(u8, String), Vec<Bar>> = BTreeMap::new();
+    for (key, bar) in spans.iter().filter_map(bar_of) {
+        rows.entry(key).or_default().push(bar);
     }
     if rows.is_empty() {
         return top;
