@@ -474,9 +474,7 @@ fn bar_of(i: &Interval<'_>) -> Option<((u8, String), Bar)> {
         }
         "transfer" => {
             let name = Trace::track_name(i.track);
-            let Some(lane) = name.strip_prefix("residency-lane-") else {
-                return None;
-            };
+            let lane = name.strip_prefix("residency-lane-")?;
             (
                 (2u8, format!("lane {lane} (host)")),
                 "#b07aa1",
