@@ -496,31 +496,7 @@ impl MemoryManager {
         let mut problem = self.host_problem(all);
         let mut p = Planner::new(self, inner);
         p.planning(all);
-        // What to keep free, per device (its own reserve).
-        let keep_free = |device: DeviceId| self.memory_to_keep_free(options, device);
-        let views: Vec<Vec<WeightView>> = all
-            .iter()
-            .map(|m| m.weight_views(m.load_device()))
-            .collect();
-        // Each weight's device (a split model's weights differ) and whether it only ever
-        // streams (mapped to the host).
-        let placed: Vec<Vec<(DeviceId, bool)>> = all
-            .iter()
-            .map(|m| {
-                (0..m.model().len())
-                    .map(|i| (m.weight_device(i), m.streams_always(i)))
-                    .collect()
-            })
-            .collect();
-        // Bytes current on their device, per model and device.
-        let already_on = |k: usize, device: DeviceId| -> ByteSize {
-            views[k]
-                .iter()
-                .zip(&placed[k])
-                .filter(|(w, &(d, host))| w.current && d == device && !host)
-                .map(|(w, _)| w.on_device.unwrap_or(ByteSize::ZERO))
-                .sum()
-        };
+        let req = Requested::new(all);
 
         let mut devices: Vec<DeviceId> = all.iter().flat_map(|m| m.devices()).collect();
         devices.sort();
@@ -538,38 +514,7 @@ impl MemoryManager {
         }
 
         // Evictions, per device.
-        let keep: Vec<u64> = all.iter().map(|m| m.model().id()).collect();
-        for &device in &devices {
-            p.device(device);
-            if !self.policy.is_scheduled(device) {
-                continue;
-            }
-            let to_load: ByteSize = (0..all.len())
-                .map(|k| {
-                    let size: ByteSize = views[k]
-                        .iter()
-                        .zip(&placed[k])
-                        .filter(|(_, &(d, host))| d == device && !host)
-                        .map(|(w, _)| w.size)
-                        .sum();
-                    size.saturating_sub(already_on(k, device))
-                })
-                .sum();
-            if self.dynamic_load(device, options) {
-                // Residency by use: the load moves nothing, so it needs no room, unless the engine
-                // asked for activation memory (then by the one priority order).
-                if options.memory_required > ByteSize::ZERO {
-                    p.evict(options.memory_required, device, &keep);
-                }
-                continue;
-            }
-            let (extra_mem, min_required, _) = keep_free(device);
-            let want = to_load.as_f64() * 1.1 + extra_mem;
-            p.evict(ByteSize::from_f64(want), device, &keep);
-            if p.free(device).as_f64() < min_required {
-                p.evict(ByteSize::from_f64(min_required), device, &keep);
-            }
-        }
+        self.plan_evictions(&mut p, &req, &devices, options);
 
         // Budgets and residency, per model in load order and, for a split model, per device.
         let mut models = Vec::with_capacity(all.len());
@@ -581,112 +526,42 @@ impl MemoryManager {
         let mut steadies = Vec::with_capacity(all.len());
         let mut rooms = vec![u64::MAX; all.len()];
         for (k, m) in all.iter().enumerate() {
-            let mut want = vec![false; views[k].len()];
+            let mut want = vec![false; req.views[k].len()];
             let mut planned = PlannedLoad::empty(m, self.policy.config().prefetch_depth());
-            let mut steady = vec![false; views[k].len()];
+            let mut steady = vec![false; req.views[k].len()];
             let model_devices = m.devices();
             let counted = registered(&inner.registry, m.model());
             for &device in &model_devices {
-                // This device's weights, as the selection rules see them: all of an unsplit
-                // model's (no copy), a split model's mapped here.
-                let indices: Option<Vec<usize>> = m.device_map().map(|_| {
-                    (0..views[k].len())
-                        .filter(|&i| placed[k][i] == (device, false))
-                        .collect()
-                });
-                let sub: std::borrow::Cow<[WeightView]> = match &indices {
-                    None => std::borrow::Cow::Borrowed(&views[k]),
-                    Some(ix) => ix.iter().map(|&i| views[k][i]).collect(),
-                };
-                let already = already_on(k, device);
-                let GroupPlan {
-                    want: sub_want,
-                    budget,
-                    room,
-                    steady: sub_steady,
-                    depth,
-                    weighed,
-                    prefetch_room,
-                } = self.plan_group(&mut p, m, device, &sub, already, options);
+                let part = self.plan_on_device(
+                    &mut p,
+                    &req,
+                    (k, device, counted),
+                    options,
+                    &mut problem,
+                    &mut planned,
+                );
                 if device == m.load_device() {
-                    planned.prefetch_depth = depth;
-                    planned.depths = weighed;
-                    rooms[k] = prefetch_room;
+                    rooms[k] = part.prefetch_room;
                 }
-                let dynamic_here = self.dynamic_load(device, options);
-                planned.streaming_room = planned.streaming_room.max(room);
-                // What the ledger counts of this model on the device now.
-                let here: ByteSize = if counted {
-                    m.model().resident_bytes(device)
-                } else {
-                    ByteSize::ZERO
-                };
-                let mut sub_want = sub_want;
-                let base = p.device(device).ledger.saturating_sub(here);
-                if problem.is_none() {
-                    problem =
-                        self.fit_budget(&mut p, m, device, &sub, &mut sub_want, budget, base, here);
-                }
-                let resident = selection::wanted_bytes(&sub, &sub_want);
-                p.sub(device, here);
-                p.add(device, resident);
-                // The steady step's resident set: what a classic load keeps (after any
-                // shrinking above), what a dynamic load's use will keep.
-                let sub_steady = if dynamic_here {
-                    sub_steady
-                } else {
-                    sub_want.clone()
-                };
-                match &indices {
+                match &part.indices {
                     None => {
-                        want.copy_from_slice(&sub_want);
-                        steady.copy_from_slice(&sub_steady);
+                        want.copy_from_slice(&part.want);
+                        steady.copy_from_slice(&part.steady);
                     }
                     Some(ix) => {
                         for (j, &i) in ix.iter().enumerate() {
-                            want[i] = sub_want[j];
-                            steady[i] = sub_steady[j];
+                            want[i] = part.want[j];
+                            steady[i] = part.steady[j];
                         }
                     }
                 }
-                let streaming: ByteSize = sub
-                    .iter()
-                    .zip(&sub_want)
-                    .filter(|(_, &w)| !w)
-                    .map(|(v, _)| v.size)
-                    .sum();
-                if device == m.load_device() {
-                    planned.weight_budget = budget;
-                }
-                planned.already_loaded = planned.already_loaded.saturating_add(already);
-                planned.resident = planned.resident.saturating_add(resident);
-                planned.placed.push(PlacedOn {
-                    device,
-                    resident,
-                    streaming,
-                });
             }
             // Copies on devices the model no longer uses are dropped.
-            // Read once, then released: `sub` may read every model's residency (a device the
-            // projection has not seen yet), this one's included.
-            let elsewhere: Vec<(DeviceId, ByteSize)> = {
-                let st = m.model().state();
-                st.devices()
-                    .into_iter()
-                    .filter(|d| !model_devices.contains(d))
-                    .map(|d| (d, st.bytes_on(d)))
-                    .collect()
-            };
-            for (other, bytes) in elsewhere {
-                planned.to_drop = planned.to_drop.saturating_add(bytes);
-                if counted {
-                    p.sub(other, bytes);
-                }
-            }
-            planned.count_moves(&views[k], &want);
+            Self::drop_elsewhere(&mut p, m, &model_devices, counted, &mut planned);
+            planned.count_moves(&req.views[k], &want);
             host.from_disk = host
                 .from_disk
-                .saturating_add(from_disk(m, &views[k], &want));
+                .saturating_add(from_disk(m, &req.views[k], &want));
             models.push(planned);
             steadies.push(steady);
             p.steps.push(Step::Load { k, want });
@@ -694,26 +569,7 @@ impl MemoryManager {
         // A device no requested model loads weights on, where one's code holds tensors (a table
         // dequantized to the host): no budget above saw them.
         if problem.is_none() {
-            if let Some(d) = p
-                .devices
-                .iter()
-                .find(|d| d.budgeted && d.ledger > d.total && !devices.contains(&d.device))
-            {
-                let model = all
-                    .iter()
-                    .find(|m| {
-                        crate::weights::outside::outside_on(m.model().id(), d.device)
-                            > ByteSize::ZERO
-                    })
-                    .map(|m| m.model().name().to_string())
-                    .unwrap_or_default();
-                problem = Some(PlanProblem::OutOfMemory {
-                    model,
-                    device: d.device,
-                    required: d.ledger.saturating_sub(d.start),
-                    available: d.free_at_start,
-                });
-            }
+            problem = outside_problem(&p, all, &devices);
         }
         let devices = p
             .devices
@@ -743,4 +599,234 @@ impl MemoryManager {
             rooms,
         })
     }
+
+    /// The evictions of a load of `req` on each of `devices`: room for what it loads (1.1× its
+    /// bytes plus what to keep free) on a classic load, only the activation memory asked for
+    /// under residency by use (which moves nothing at load).
+    fn plan_evictions(
+        &self,
+        p: &mut Planner<'_>,
+        req: &Requested<'_>,
+        devices: &[DeviceId],
+        options: &LoadOptions,
+    ) {
+        let keep: Vec<u64> = req.all.iter().map(|m| m.model().id()).collect();
+        for &device in devices {
+            p.device(device);
+            if !self.policy.is_scheduled(device) {
+                continue;
+            }
+            if self.dynamic_load(device, options) {
+                // Residency by use: the load moves nothing, so it needs no room, unless the engine
+                // asked for activation memory (then by the one priority order).
+                if options.memory_required > ByteSize::ZERO {
+                    p.evict(options.memory_required, device, &keep);
+                }
+                continue;
+            }
+            let to_load: ByteSize = (0..req.all.len()).map(|k| req.to_load(k, device)).sum();
+            let (extra_mem, min_required, _) = self.memory_to_keep_free(options, device);
+            let want = to_load.as_f64() * 1.1 + extra_mem;
+            p.evict(ByteSize::from_f64(want), device, &keep);
+            if p.free(device).as_f64() < min_required {
+                p.evict(ByteSize::from_f64(min_required), device, &keep);
+            }
+        }
+    }
+
+    /// Drops `m`'s copies on devices it no longer uses (`model_devices` are those it does) from
+    /// the projection (`counted`: the ledger counts them) and counts them in `planned`.
+    fn drop_elsewhere(
+        p: &mut Planner<'_>,
+        m: &ModelPatcher,
+        model_devices: &[DeviceId],
+        counted: bool,
+        planned: &mut PlannedLoad,
+    ) {
+        // Read once, then released: the projection may read every model's residency (a device
+        // it has not seen yet), this one's included.
+        let elsewhere: Vec<(DeviceId, ByteSize)> = {
+            let st = m.model().state();
+            st.devices()
+                .into_iter()
+                .filter(|d| !model_devices.contains(d))
+                .map(|d| (d, st.bytes_on(d)))
+                .collect()
+        };
+        for (other, bytes) in elsewhere {
+            planned.to_drop = planned.to_drop.saturating_add(bytes);
+            if counted {
+                p.sub(other, bytes);
+            }
+        }
+    }
+
+    /// Plans model `k` of `req` on `device` (`counted`: the ledger counts its copies): which of
+    /// its weights there are resident, what its steady step keeps, the prefetch room, and the
+    /// plan's figures for it (`planned`). The first problem met is kept in `problem`.
+    fn plan_on_device(
+        &self,
+        p: &mut Planner<'_>,
+        req: &Requested<'_>,
+        (k, device, counted): (usize, DeviceId, bool),
+        options: &LoadOptions,
+        problem: &mut Option<PlanProblem>,
+        planned: &mut PlannedLoad,
+    ) -> DevicePart {
+        let m = &req.all[k];
+        // This device's weights, as the selection rules see them: all of an unsplit
+        // model's (no copy), a split model's mapped here.
+        let indices: Option<Vec<usize>> = m.device_map().map(|_| {
+            (0..req.views[k].len())
+                .filter(|&i| req.placed[k][i] == (device, false))
+                .collect()
+        });
+        let sub: std::borrow::Cow<[WeightView]> = match &indices {
+            None => std::borrow::Cow::Borrowed(&req.views[k]),
+            Some(ix) => ix.iter().map(|&i| req.views[k][i]).collect(),
+        };
+        let already = req.already_on(k, device);
+        let GroupPlan {
+            want: sub_want,
+            budget,
+            room,
+            steady: sub_steady,
+            depth,
+            weighed,
+            prefetch_room,
+        } = self.plan_group(p, m, device, &sub, already, options);
+        if device == m.load_device() {
+            planned.prefetch_depth = depth;
+            planned.depths = weighed;
+        }
+        let dynamic_here = self.dynamic_load(device, options);
+        planned.streaming_room = planned.streaming_room.max(room);
+        // What the ledger counts of this model on the device now.
+        let here: ByteSize = if counted {
+            m.model().resident_bytes(device)
+        } else {
+            ByteSize::ZERO
+        };
+        let mut sub_want = sub_want;
+        let base = p.device(device).ledger.saturating_sub(here);
+        if problem.is_none() {
+            *problem = self.fit_budget(p, m, device, &sub, &mut sub_want, budget, base, here);
+        }
+        let resident = selection::wanted_bytes(&sub, &sub_want);
+        p.sub(device, here);
+        p.add(device, resident);
+        // The steady step's resident set: what a classic load keeps (after any
+        // shrinking above), what a dynamic load's use will keep.
+        let sub_steady = if dynamic_here {
+            sub_steady
+        } else {
+            sub_want.clone()
+        };
+        let streaming: ByteSize = sub
+            .iter()
+            .zip(&sub_want)
+            .filter(|(_, &w)| !w)
+            .map(|(v, _)| v.size)
+            .sum();
+        if device == m.load_device() {
+            planned.weight_budget = budget;
+        }
+        planned.already_loaded = planned.already_loaded.saturating_add(already);
+        planned.resident = planned.resident.saturating_add(resident);
+        planned.placed.push(PlacedOn {
+            device,
+            resident,
+            streaming,
+        });
+        DevicePart {
+            indices,
+            want: sub_want,
+            steady: sub_steady,
+            prefetch_room,
+        }
+    }
+}
+
+/// The models a plan is for, as the planner reads them: each one's weight views on its load
+/// device, and each weight's device and whether it only streams (mapped to the host).
+struct Requested<'a> {
+    all: &'a [ModelPatcher],
+    views: Vec<Vec<WeightView>>,
+    placed: Vec<Vec<(DeviceId, bool)>>,
+}
+
+impl<'a> Requested<'a> {
+    fn new(all: &'a [ModelPatcher]) -> Requested<'a> {
+        Requested {
+            all,
+            views: all
+                .iter()
+                .map(|m| m.weight_views(m.load_device()))
+                .collect(),
+            placed: all
+                .iter()
+                .map(|m| {
+                    (0..m.model().len())
+                        .map(|i| (m.weight_device(i), m.streams_always(i)))
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+
+    /// Bytes of model `k` current on `device`.
+    fn already_on(&self, k: usize, device: DeviceId) -> ByteSize {
+        self.views[k]
+            .iter()
+            .zip(&self.placed[k])
+            .filter(|(w, &(d, host))| w.current && d == device && !host)
+            .map(|(w, _)| w.on_device.unwrap_or(ByteSize::ZERO))
+            .sum()
+    }
+
+    /// Bytes of model `k` that a full load would still copy onto `device`.
+    fn to_load(&self, k: usize, device: DeviceId) -> ByteSize {
+        let size: ByteSize = self.views[k]
+            .iter()
+            .zip(&self.placed[k])
+            .filter(|(_, &(d, host))| d == device && !host)
+            .map(|(w, _)| w.size)
+            .sum();
+        size.saturating_sub(self.already_on(k, device))
+    }
+}
+
+/// One model's plan on one device ([`MemoryManager::plan_on_device`]): the weights it covers
+/// (`None`: all of an unsplit model's), which of them are resident at load and in the steady
+/// step, and the room its prefetches have.
+struct DevicePart {
+    indices: Option<Vec<usize>>,
+    want: Vec<bool>,
+    steady: Vec<bool>,
+    prefetch_room: u64,
+}
+
+/// A budgeted device none of `devices` (those the requested models load weights on) where the
+/// projection passes the total: tensors a model's code holds there (a table dequantized to the
+/// host) that no budget above saw.
+fn outside_problem(
+    p: &Planner<'_>,
+    all: &[ModelPatcher],
+    devices: &[DeviceId],
+) -> Option<PlanProblem> {
+    let d = p
+        .devices
+        .iter()
+        .find(|d| d.budgeted && d.ledger > d.total && !devices.contains(&d.device))?;
+    let model = all
+        .iter()
+        .find(|m| crate::weights::outside::outside_on(m.model().id(), d.device) > ByteSize::ZERO)
+        .map(|m| m.model().name().to_string())
+        .unwrap_or_default();
+    Some(PlanProblem::OutOfMemory {
+        model,
+        device: d.device,
+        required: d.ledger.saturating_sub(d.start),
+        available: d.free_at_start,
+    })
 }
