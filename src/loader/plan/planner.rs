@@ -74,11 +74,7 @@ impl<'a> Planner<'a> {
         );
         // Copies in flight (prefetches of other models, misses, fault-ins) hold room until their
         // buffers are freed; the planned models' own prefetches are counted free.
-        let own: ByteSize = self
-            .planned_streamers
-            .iter()
-            .map(|s| s.booked_on(device))
-            .sum();
+        let own = self.own_prefetches(device);
         let in_flight = self
             .mm
             .ledger
@@ -127,6 +123,15 @@ impl<'a> Planner<'a> {
         }
     }
 
+    /// Bytes the planned models' own unused prefetches have booked on `device`: free to the
+    /// plan (a load cancels them before it plans).
+    fn own_prefetches(&self, device: DeviceId) -> ByteSize {
+        self.planned_streamers
+            .iter()
+            .map(|s| s.booked_on(device))
+            .sum()
+    }
+
     pub(in crate::loader) fn held(e: &Entry) -> bool {
         e.outside_handles() > 0
     }
@@ -153,11 +158,7 @@ impl<'a> Planner<'a> {
         // without them.
         let cached = self.mm.cached_in(device);
         // The planned models' own prefetches (an unheld entry's are counted above).
-        let own: ByteSize = self
-            .planned_streamers
-            .iter()
-            .map(|s| s.booked_on(device))
-            .sum();
+        let own = self.own_prefetches(device);
         let start = before
             .saturating_sub(unheld)
             .saturating_sub(cached)
