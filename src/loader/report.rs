@@ -415,7 +415,7 @@ impl super::MemoryManager {
     /// their resident bytes read live.
     ///
     /// With no call in flight (the manager lock free now) the books are brought up to date first,
-    /// so the report agrees with [`MemoryManager::ledger`]: a patcher's own
+    /// so the report agrees with [`super::MemoryManager::ledger`]: a patcher's own
     /// `partially_unload` changes residency without a manager call.
     pub fn memory_report(&self) -> MemoryReport {
         if let Some(guard) = self.inner.try_lock() {
