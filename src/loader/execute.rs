@@ -64,7 +64,7 @@ impl Undo {
 
 /// Drops resident copy `index` of `model`, recording it.
 fn drop_copy(model: &Arc<Model>, index: usize, undo: &mut Undo) -> ByteSize {
-    let old = model.state_mut().set(index, SlotResidency::Offloaded);
+    let old = model.state_mut().evict(index, None);
     match old {
         SlotResidency::Resident {
             fingerprint,

@@ -249,6 +249,19 @@ impl Residency {
         old
     }
 
+    /// Drops weight `index`'s resident copy — only one on `on` when given — and returns it
+    /// (`Offloaded` when there was none to drop). The one eviction step a load's plan
+    /// (`loader/execute.rs`, which records it for its undo log) and a fault-in's room
+    /// (`loader/dynamic`, which returns its bytes to the ledger at once) share.
+    pub(crate) fn evict(&mut self, index: usize, on: Option<DeviceId>) -> SlotResidency {
+        match self.slots.get(index) {
+            Some(SlotResidency::Resident { device, .. }) if on.is_none_or(|d| d == *device) => {
+                self.set(index, SlotResidency::Offloaded)
+            }
+            _ => SlotResidency::Offloaded,
+        }
+    }
+
     /// Sets weight `index`'s residency and returns the previous one (the previous copy's device
     /// hold is dropped with it).
     pub(crate) fn set(&mut self, index: usize, new: SlotResidency) -> SlotResidency {

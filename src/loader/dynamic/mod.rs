@@ -263,15 +263,7 @@ impl Dynamic {
     /// Drops resident copy `index` of `model` on `device` for a fault-in (when it is still
     /// there): the residency and the ledger change together (the caller holds the lock).
     fn evict(&self, model: &Model, index: usize, device: DeviceId) -> ByteSize {
-        let old = {
-            let mut st = model.state_mut();
-            match st.slots().get(index) {
-                Some(SlotResidency::Resident { device: d, .. }) if *d == device => {
-                    st.set(index, SlotResidency::Offloaded)
-                }
-                _ => return ByteSize::ZERO,
-            }
-        };
+        let old = model.state_mut().evict(index, Some(device));
         let SlotResidency::Resident { bytes, .. } = old else {
             return ByteSize::ZERO;
         };
