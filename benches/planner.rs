@@ -26,6 +26,9 @@
 //! 5. Predicted beside measured under a growing KV cache (a decode step audited after each grow,
 //!    both modes): the prediction follows the residency the cache leaves.
 //!
+//! 6. Fits => free: on a device that holds the model, the default beside `--highvram` (the
+//!    steady step's limit) and the classic load (the first step's), interleaved.
+//!
 //! `RESIDENCY_BENCH_QUICK=1` runs the tables on fewer configurations.
 
 use std::time::{Duration, Instant};
@@ -132,6 +135,8 @@ struct Setup {
     lanes: Option<usize>,
     depth: Option<usize>,
     dynamic: Option<bool>,
+    /// `--highvram`: everything resident at load (the limit a load that fits is held to).
+    highvram: bool,
 }
 
 fn manager(s: Setup) -> MemoryManager {
@@ -153,6 +158,9 @@ fn manager(s: Setup) -> MemoryManager {
         Some(true) => flags.push("--enable-dynamic-vram".into()),
         Some(false) => flags.push("--disable-dynamic-vram".into()),
         None => {}
+    }
+    if s.highvram {
+        flags.push("--highvram".into());
     }
     let mut config = Config::from_args(flags).expect("flags");
     if s.depth.is_some() {
@@ -238,6 +246,7 @@ fn tables() {
                         lanes: Some(lanes),
                         depth: Some(2),
                         dynamic: Some(dynamic),
+                        highvram: false,
                     };
                     let Some((audits, median, _)) = run(s, 5) else {
                         println!("{gbps:>6} {share:>6.2} {lanes:>5}: load refused");
@@ -300,6 +309,7 @@ fn tables() {
                             lanes: Some(lanes),
                             depth: Some(depth),
                             dynamic: Some(dynamic),
+                            highvram: false,
                         };
                         let Some((audits, t, _)) = run(s, SWEEP_STEPS) else {
                             continue;
@@ -335,6 +345,7 @@ fn tables() {
                 lanes: None,
                 depth: None,
                 dynamic: None,
+                highvram: false,
             };
             let (Some((_, bname, bsetup)), Some((_, b2name, b2setup))) = (best, best_default_lanes)
             else {
@@ -375,6 +386,7 @@ fn main() {
     reloads();
     tables();
     kv_growth();
+    fits_free();
     criterion::Criterion::default().final_summary();
 }
 
@@ -464,6 +476,7 @@ predicted beside measured under a growing KV cache (dense 16 × 1 MiB f32, matmu
                 lanes: Some(2),
                 depth: Some(2),
                 dynamic: Some(dynamic),
+                highvram: false,
             };
             let mm = manager(s);
             let p = ModelPatcher::new(std::sync::Arc::new(model()), SIM0, DeviceId::Cpu);
@@ -508,4 +521,89 @@ predicted beside measured under a growing KV cache (dense 16 × 1 MiB f32, matmu
         "{within} of {} steps within ±10 % (limit: 1.000, the prediction exact)",
         ratios.len()
     );
+}
+
+/// The first step (load + forward) and the median of `n` steady steps of the dense model under
+/// `s` (matmuls on `s.rows` rows).
+fn first_and_steady(s: Setup, n: usize) -> Option<(Duration, Duration)> {
+    let mm = manager(s);
+    let p = ModelPatcher::new(std::sync::Arc::new(model()), SIM0, DeviceId::Cpu);
+    let x = Tensor::randn(0f32, 1.0, (s.rows, DIM), &Device::Cpu).unwrap();
+    let t0 = Instant::now();
+    mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
+        .ok()?;
+    step(&p, &x);
+    let first = t0.elapsed();
+    for _ in 0..3 {
+        step(&p, &x);
+    }
+    let mut times: Vec<Duration> = (0..n)
+        .map(|_| {
+            let t0 = Instant::now();
+            step(&p, &x);
+            t0.elapsed()
+        })
+        .collect();
+    times.sort();
+    Some((first, times[n / 2]))
+}
+
+/// Fits ⇒ free: on a device that holds the whole model (1.25×), the default (no flag: by use)
+/// beside `--highvram` (everything resident at load: the limit for a steady step) and the
+/// classic partial load (the limit for the first step, load + forward), interleaved over five
+/// rounds, at 2 and 25 GB/s; matmuls on 32 rows (a decode step's 1.5 ms moves ±10 % between
+/// runs here, too much to see 1 %).
+fn fits_free() {
+    println!("\nfits => free (dense 16 x 1 MiB f32 on a device 1.25x the model, matmul on {ROWS} rows; medians of 5 interleaved rounds, 9 steady steps each):");
+    println!(
+        "{:>6} {:>16} {:>16} {:>16} {:>12} {:>12}",
+        "GB/s", "default", "--highvram", "classic", "steady/high", "first/classic"
+    );
+    for gbps in [2.0, 25.0] {
+        let base = Setup {
+            gbps,
+            rows: ROWS,
+            share: 1.25,
+            ..Setup::default()
+        };
+        let setups = [
+            base,
+            Setup {
+                highvram: true,
+                ..base
+            },
+            Setup {
+                dynamic: Some(false),
+                ..base
+            },
+        ];
+        let mut rounds: [Vec<(Duration, Duration)>; 3] = Default::default();
+        for _ in 0..5 {
+            for (k, s) in setups.iter().enumerate() {
+                if let Some(t) = first_and_steady(*s, 9) {
+                    rounds[k].push(t);
+                }
+            }
+        }
+        let medians = rounds.map(|v| {
+            let mut first: Vec<Duration> = v.iter().map(|t| t.0).collect();
+            let mut steady: Vec<Duration> = v.iter().map(|t| t.1).collect();
+            first.sort();
+            steady.sort();
+            let mid = |w: &[Duration]| w.get(w.len() / 2).copied().unwrap_or_default();
+            (mid(&first), mid(&steady))
+        });
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let cell = |(f, st): (Duration, Duration)| format!("{:.2} / {:.3} ms", ms(f), ms(st));
+        let [d, h, c] = medians;
+        println!(
+            "{gbps:>6} {:>16} {:>16} {:>16} {:>12.3} {:>12.3}",
+            cell(d),
+            cell(h),
+            cell(c),
+            ms(d.1) / ms(h.1),
+            ms(d.0) / ms(c.0)
+        );
+    }
+    println!("  cells: first step (load + forward) / steady step");
 }
