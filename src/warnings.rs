@@ -23,6 +23,15 @@ static STDERR: AtomicU8 = AtomicU8::new(0);
 static PRINTED: Lazy<Mutex<HashSet<String>>> =
     Lazy::new(|| Mutex::new(Rank::WarnLatch, HashSet::new()));
 
+static LATCHED: Lazy<Mutex<HashSet<String>>> =
+    Lazy::new(|| Mutex::new(Rank::WarnLatch, HashSet::new()));
+
+/// True the first time `key` is seen in this process: a repeated warning is emitted once per
+/// condition (its stderr copy is latched by [`echo`] on its own).
+pub(crate) fn latch(key: String) -> bool {
+    LATCHED.lock().insert(key)
+}
+
 /// Turns the stderr copies of residency's warnings on or off for the process (on by default,
 /// off when `RESIDENCY_QUIET` is set to anything but `0` or an empty value).
 pub fn set_stderr(on: bool) {

@@ -2,12 +2,9 @@
 //! that picks one: [`dispatch`] is a pure function of a [`DispatchInput`], table-tested;
 //! [`select_backend`] adds the fallback warning, latched once per process.
 
-use std::collections::HashSet;
 use std::fmt;
 
-use crate::lock::{Mutex, Rank};
 use candle_core::Device;
-use once_cell::sync::Lazy;
 
 use super::plan::{block_bytes, AttentionShape};
 use crate::size::ByteSize;
@@ -294,10 +291,4 @@ pub fn select_backend(input: &DispatchInput) -> Backend {
     d.backend
 }
 
-static WARNED: Lazy<Mutex<HashSet<String>>> =
-    Lazy::new(|| Mutex::new(Rank::WarnLatch, HashSet::new()));
-
-/// True the first time `key` is seen in this process.
-pub(super) fn latch(key: String) -> bool {
-    WARNED.lock().insert(key)
-}
+pub(super) use crate::warnings::latch;

@@ -141,12 +141,7 @@ impl MemoryManager {
     /// # Errors
     /// [`crate::Error::File`] when the file cannot be written.
     pub fn save_costs(&self, path: &std::path::Path) -> crate::Result<()> {
-        let models: Vec<(Arc<crate::weights::Model>, DeviceId)> = self
-            .view
-            .lock()
-            .iter()
-            .filter_map(|e| Some((e.model.upgrade()?, e.device)))
-            .collect();
+        let models = self.viewed_models();
         for (m, device) in &models {
             let weights = m
                 .slots()
@@ -156,6 +151,16 @@ impl MemoryManager {
             self.costs.remember_compute(*device, m.name(), weights);
         }
         self.costs.save(path)
+    }
+
+    /// The registered models as the published view has them, with the device each is loaded
+    /// on (the view's lock held only to upgrade the handles).
+    fn viewed_models(&self) -> Vec<(Arc<crate::weights::Model>, DeviceId)> {
+        self.view
+            .lock()
+            .iter()
+            .filter_map(|e| Some((e.model.upgrade()?, e.device)))
+            .collect()
     }
 
     /// Reads what [`MemoryManager::save_costs`] saved: the devices' copy figures, and compute
@@ -185,12 +190,7 @@ impl MemoryManager {
     /// weights of the models loaded there.
     pub fn costs(&self) -> Vec<DeviceCosts> {
         let mut devices = self.costs.devices();
-        let models: Vec<(Arc<crate::weights::Model>, DeviceId)> = self
-            .view
-            .lock()
-            .iter()
-            .filter_map(|e| Some((e.model.upgrade()?, e.device)))
-            .collect();
+        let models = self.viewed_models();
         let mut cpu = DeviceCosts {
             device: DeviceId::Cpu,
             label: "cpu".into(),

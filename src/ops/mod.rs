@@ -544,11 +544,14 @@ impl OpsBuilder {
     /// bf16 mode) take twice the memory for casts that narrow them again, and warn once per
     /// model.
     pub fn from_source(source: &OpsSource, mode: OpsMode) -> Self {
+        let patcher = source.patcher();
         if let (OpsMode::ManualCast { compute }, Some(resident)) =
-            (mode, source.patcher().options().compute_dtype)
+            (mode, patcher.options().compute_dtype)
         {
-            if resident.size_in_bytes() > compute.size_in_bytes() {
-                let model = source.patcher().model().name().to_string();
+            let wide = resident.size_in_bytes() > compute.size_in_bytes();
+            // Once per model: every builder of its layers (`pp`, `root`, `to_dtype`) meets it.
+            if wide && crate::warnings::latch(format!("wide-resident:{}", patcher.model().id())) {
+                let model = patcher.model().name().to_string();
                 let text = format!(
                     "model `{model}`: its resident copies are kept in {resident:?} \
                      (ModelPatcher::with_compute_dtype) but its layers compute in {compute:?} \

@@ -567,12 +567,15 @@ fn resident_copies_wider_than_the_layers_compute_warn_once_narrower_ones_do_not(
     use crate::trace::Trace;
     use tracing_subscriber::layer::SubscriberExt;
 
-    // What warns, counted by the events naming the patcher's setter.
+    // What warns, counted by the events naming the patcher's setter; every model's layers are
+    // built by several builders (here two).
     let warned = |resident: Option<Dtype>, mode: OpsMode| {
         let trace = Trace::new();
         let subscriber = tracing_subscriber::registry().with(trace.layer());
+        let p = patcher(Dtype::BF16).with_compute_dtype(resident);
         tracing::subscriber::with_default(subscriber, || {
-            let _ = OpsBuilder::new(&patcher(Dtype::BF16).with_compute_dtype(resident), mode);
+            let b = OpsBuilder::new(&p, mode);
+            let _ = OpsBuilder::from_source(b.source(), mode);
         });
         trace
             .records()

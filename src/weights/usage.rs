@@ -90,7 +90,13 @@ impl Usage {
 
     /// A routing named weight `index` (`Streamer::prefetch_routed`).
     pub(crate) fn note_routed(&self, index: usize) {
-        if let Some(r) = self.routed.get(index) {
+        // Read first: every routing names its experts again, and a store each time would
+        // bounce the line between the threads running the model.
+        if let Some(r) = self
+            .routed
+            .get(index)
+            .filter(|r| !r.load(Ordering::Relaxed))
+        {
             r.store(true, Ordering::Relaxed);
         }
     }

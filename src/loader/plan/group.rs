@@ -130,12 +130,12 @@ impl MemoryManager {
                 depth,
             )
         };
-        // The room the streamer will prefetch in: in a classic load every byte the load leaves
-        // free beside the activation memory (the ledger is its gate); under residency by use
-        // the room the keeper keeps free.
+        // The room the streamer will prefetch in, in both modes: every byte the load leaves free
+        // beside the activation memory (the ledger is its gate; under residency by use the
+        // keeper keeps this selection, and its prefetches book whatever is free beside it).
         let dynamic = self.dynamic_load(device, options);
         let free_here = p.free(device).saturating_add(already);
-        let streamer_room = |want: &[bool], _room: ByteSize| {
+        let streamer_room = |want: &[bool]| {
             if device.is_cpu() {
                 u64::MAX
             } else {
@@ -155,7 +155,7 @@ impl MemoryManager {
         );
         let (depth, weighed) = self.depth_for(m, views, key, depth, |d| {
             let selection = select(p, d);
-            let room = streamer_room(&selection.0, selection.2);
+            let room = streamer_room(&selection.0);
             self.predict_with(m, |i| selection.0[i], room, d, false)
         });
         let (classic, budget, room) = select(p, depth);
@@ -178,7 +178,7 @@ impl MemoryManager {
             }),
             want,
             room,
-            prefetch_room: streamer_room(&classic, room),
+            prefetch_room: streamer_room(&classic),
             steady: classic,
             depth,
             weighed,
