@@ -71,7 +71,7 @@ ranks! {
     SimGpu = 29, "device::SimGpu books (and its condition variable)", "a simulated GPU's allocations, page-locked ranges, faults and findings";
     NnHandedOut = 30, "nn tensors handed out", "tensors handed out by managed accessors, and by `VarBuilder::get` until a layer adopts them";
     HeldOutside = 31, "weights held-outside table", "the tensors each model's code holds as its own, outside the ledger, and the copies kept of them";
-    WarnLatch = 32, "warning latches (`warnings::latch`, `warnings`' stderr copies)", "warnings already emitted or printed";
+    WarnLatch = 32, "warning latches (warnings::latch and the stderr copies' latch)", "warnings already emitted or printed";
     DynamicStats = 33, "loader::Dynamic statistics", "hits, misses, faults-in and the recorded uses, per device";
     ManagerView = 34, "MemoryManager::view", "the registry as reports read it (published when the manager lock is released)";
     MissCosts = 35, "offload::MissCosts figures", "the measured costs of cost-aware misses and their counts";
