@@ -203,6 +203,7 @@ impl MemoryManager {
                 .iter()
                 .position(|e| Arc::ptr_eq(e.model(), m.model()))?;
             let mut e = inner.registry.remove(pos);
+            m.adopt_fingerprints(&e.patcher);
             e.patcher = m.same_handle();
             entries.push(e);
             report.models.push(ModelLoad {

@@ -305,6 +305,21 @@ impl ModelPatcher {
     /// Another handle that *is* this patcher: same id and parent, same patches, devices and
     /// options (a [`Clone::clone`] is a new patcher whose parent is this one). The memory manager
     /// keeps such handles in its registry and undo log.
+    /// Takes `other`'s computed fingerprints when this handle has none and both want the same
+    /// resident copies (same model, equal residency signatures): a no-op reload then publishes
+    /// the registry's view without hashing every weight again.
+    pub(crate) fn adopt_fingerprints(&self, other: &ModelPatcher) {
+        if !Arc::ptr_eq(&self.model, &other.model)
+            || self.residency_signature() != other.residency_signature()
+        {
+            return;
+        }
+        if let Some(all) = other.fingerprints.get() {
+            // Already set (a race with another reader) is the same value.
+            let _ = self.fingerprints.set(Arc::clone(all));
+        }
+    }
+
     pub(crate) fn same_handle(&self) -> ModelPatcher {
         ModelPatcher {
             id: self.id,
