@@ -134,7 +134,7 @@ impl MemoryManager {
         // beside the activation memory (the ledger is its gate; under residency by use the
         // keeper keeps this selection, and its prefetches book whatever is free beside it).
         let dynamic = self.dynamic_load(device, options);
-        let free_here = p.free(device).saturating_add(already);
+        let free_here = p.free_to_keep(device).saturating_add(already);
         let streamer_room = |want: &[bool]| {
             if device.is_cpu() {
                 u64::MAX
@@ -266,7 +266,7 @@ impl MemoryManager {
         (min_required, min_inf): (f64, f64),
         depth: usize,
     ) -> (Vec<bool>, ByteSize, ByteSize) {
-        let free = p.free(device);
+        let free = p.free_to_keep(device);
         let budget = weight_budget(
             free,
             already,

@@ -16,6 +16,10 @@ pub(in crate::loader) struct DeviceProjection {
     /// Free memory at the start, as the manager measures it.
     pub(in crate::loader) free_at_start: ByteSize,
     pub(in crate::loader) ledger: ByteSize,
+    /// Under residency by use: the other models' bytes a classic load would evict here, which
+    /// the load leaves resident and its fault-ins take by the one priority order. Room for the
+    /// resident set its use keeps ([`Planner::free_to_keep`]), never for anything booked now.
+    pub(in crate::loader) by_use_credit: ByteSize,
 }
 
 impl DeviceProjection {
@@ -177,6 +181,7 @@ impl<'a> Planner<'a> {
             start,
             free_at_start,
             ledger: start,
+            by_use_credit: ByteSize::ZERO,
         });
         self.devices.last_mut().unwrap_or_else(|| unreachable!())
     }
@@ -184,6 +189,40 @@ impl<'a> Planner<'a> {
     /// Free memory on `device` after the steps planned so far.
     pub(in crate::loader) fn free(&mut self, device: DeviceId) -> ByteSize {
         self.device(device).free()
+    }
+
+    /// Free memory on `device` for the resident set a load's use keeps: [`Planner::free`] plus
+    /// the other models' copies a classic load would have evicted, which residency by use's
+    /// fault-ins evict instead (the same resident set in both modes: one rule).
+    pub(in crate::loader) fn free_to_keep(&mut self, device: DeviceId) -> ByteSize {
+        let d = self.device(device);
+        d.free().saturating_add(d.by_use_credit)
+    }
+
+    /// Bytes on `device` a fault-in of the models in `keep` may evict: every other held,
+    /// unkept model's copies there that are not pinned, of a model that is not whole.
+    pub(in crate::loader) fn evictable_by_use(&self, device: DeviceId, keep: &[u64]) -> ByteSize {
+        self.registry
+            .iter()
+            .filter(|e| {
+                let id = e.model().id();
+                Self::held(e)
+                    && !keep.contains(&id)
+                    && !self.mm.is_kept(id)
+                    && !e.model().is_whole()
+            })
+            .map(|e| {
+                let pinned: ByteSize = e
+                    .model()
+                    .state()
+                    .resident_on(device)
+                    .into_iter()
+                    .filter(|r| r.2)
+                    .map(|r| r.1)
+                    .sum();
+                self.resident_of(e, device).saturating_sub(pinned)
+            })
+            .sum()
     }
 
     pub(in crate::loader) fn add(&mut self, device: DeviceId, bytes: ByteSize) {
