@@ -226,6 +226,20 @@ pub fn run(args: &PipelineArgs) -> Result<PipelineReport> {
                 denoiser.forward(&x, t, &context)?
             };
             x = (x - (eps * (1.0 / args.steps as f64))?)?;
+            if std::env::var("DBG").is_ok() {
+                let c = mm.transfer_stats().bytes_copied();
+                let r: Vec<String> = [&pm, &te, &base, &de]
+                    .iter()
+                    .map(|p| format!("{}", p.model().resident_bytes(device)))
+                    .collect();
+                eprintln!(
+                    "DBG step {s} copied {c} resident {r:?} {:?}",
+                    mm.dynamic_report()
+                        .iter()
+                        .map(|r| (r.faults_in, r.evictions, r.misses))
+                        .collect::<Vec<_>>()
+                );
+            }
             let elapsed = t0.elapsed().as_secs_f64();
             progress.step(i + 1, s + 1, args.steps, (s + 1) as f64 / elapsed.max(1e-9));
         }

@@ -159,7 +159,7 @@ impl MemoryManager {
                     let keep_free = ByteSize::from_f64(extra.max(min_required).ceil())
                         .saturating_add(largest.saturating_mul(2));
                     // A classic model (a dynamic one has its streamer): no keeper, no room.
-                    self.give_streamer(&patcher, keep_free, ByteSize::ZERO, None);
+                    self.give_streamer(&patcher, keep_free, keep_free, None);
                 }
             }
         }
@@ -244,9 +244,9 @@ impl MemoryManager {
         }
         for (m, load) in all.iter().zip(&report.models) {
             let planned = plan.models.iter().find(|p| p.model_id == m.model().id());
-            let room = planned.map_or(ByteSize::ZERO, |p| p.streaming_room);
+            let keeper_room = planned.map_or(options.memory_required, |p| p.keeper_room);
             let depth = planned.map(|p| p.prefetch_depth);
-            self.attach_streamer(m, load, options, room, depth);
+            self.attach_streamer(m, load, options, keeper_room, depth);
             self.attach_cast_cache(m, options);
             log_load(load);
             if load.full {

@@ -273,7 +273,7 @@ impl MemoryManager {
         m: &ModelPatcher,
         load: &ModelLoad,
         options: &LoadOptions,
-        room: ByteSize,
+        keeper_room: ByteSize,
         depth: Option<usize>,
     ) {
         let dynamic = self.dynamic_load(m.load_device(), options);
@@ -285,20 +285,20 @@ impl MemoryManager {
             // Loaded again: prioritized (the registry's front) and its watermark reset.
             m.model().usage().reset_watermark();
         }
-        self.give_streamer(m, options.memory_required, room, depth);
+        self.give_streamer(m, options.memory_required, keeper_room, depth);
     }
 
     /// Attaches a prefetching streamer to `m`'s model (reusing its own when it has one of this
     /// manager's), its bytes in flight booked in the ledger keeping `keep_free` free. In
-    /// dynamic mode its keeper keeps copies leaving `keep_free` and `room` free: the plan's
-    /// [`super::PlannedLoad::streaming_room`], the room a classic partial load would leave.
+    /// dynamic mode its keeper keeps copies leaving `keeper_room` free: the plan's
+    /// [`super::PlannedLoad::keeper_room`], the room the classic partial load leaves.
     /// `depth`: the prefetch depth the plan chose (`None` keeps a reused streamer's, and gives a
     /// new one the configuration's).
     pub(super) fn give_streamer(
         &self,
         m: &ModelPatcher,
         keep_free: ByteSize,
-        room: ByteSize,
+        keeper_room: ByteSize,
         depth: Option<usize>,
     ) {
         let streamer = match crate::offload::streamer_of(m) {
@@ -320,10 +320,10 @@ impl MemoryManager {
         }
         streamer.set_costs(Arc::clone(&self.costs));
         if self.policy.dynamic_vram() {
-            // Residency by use: what is kept leaves `keep_free` free and the room the plan
-            // gives streaming (one rule with the classic partial load's: `plan_group`).
+            // Residency by use: what is kept leaves the room the plan gives it free (one rule
+            // with the classic partial load's selection: `plan_group`).
             let keeper: Arc<dyn crate::offload::Keeper> = self.dynamic.clone();
-            streamer.set_keeper(Some((keeper, keep_free.saturating_add(room))));
+            streamer.set_keeper(Some((keeper, keeper_room)));
             m.model().set_dynamic(true);
         }
         crate::offload::attach_streamer(m, Some(streamer));

@@ -91,6 +91,9 @@ pub struct PlannedLoad {
     /// of what is free). Under residency by use the same figure is the room kept free beside
     /// the copies kept by use, so both modes stream the same weights. Zero for a full load.
     pub streaming_room: ByteSize,
+    /// Under residency by use: what its keeper leaves free beside the copies it keeps (the
+    /// activation memory and the streaming room, at most what the classic selection leaves).
+    pub(crate) keeper_room: ByteSize,
     /// The steady step this load predicts ([`crate::costs`]): compute, copies and the part of
     /// them exposed, with the planned resident set (for a dynamic load, the one its use keeps:
     /// the classic selection), the manager's lanes and prefetch depth, and the cost model's
@@ -131,6 +134,7 @@ impl PlannedLoad {
             quantized: m.model().quantized_size().0,
             placed: Vec::new(),
             streaming_room: ByteSize::ZERO,
+            keeper_room: ByteSize::ZERO,
             predicted: None,
             recommended: None,
             prefetch_depth,
@@ -703,6 +707,7 @@ impl MemoryManager {
             depth,
             weighed,
             prefetch_room,
+            keeper_room,
         } = self.plan_group(p, m, device, &sub, already, options);
         if device == m.load_device() {
             planned.prefetch_depth = depth;
@@ -710,6 +715,7 @@ impl MemoryManager {
         }
         let dynamic_here = self.dynamic_load(device, options);
         planned.streaming_room = planned.streaming_room.max(room);
+        planned.keeper_room = planned.keeper_room.max(keeper_room);
         // What the ledger counts of this model on the device now.
         let here: ByteSize = if counted {
             m.model().resident_bytes(device)

@@ -22,6 +22,10 @@ pub(in crate::loader) struct GroupPlan {
     /// The bytes its streamer's copies in flight may take, as the prediction models them
     /// (`u64::MAX`: no limit).
     pub(in crate::loader) prefetch_room: u64,
+    /// Under residency by use, the memory its keeper leaves free beside what it keeps: the
+    /// activation memory asked for and the streaming room, but never more than the classic
+    /// selection leaves free, so by use keeps that selection whole.
+    pub(in crate::loader) keeper_room: ByteSize,
 }
 
 /// The prefetch depths the planner weighs for a streaming load, fewest bytes first. Not 0: with
@@ -96,6 +100,7 @@ impl MemoryManager {
                 depth,
                 weighed: Vec::new(),
                 prefetch_room: u64::MAX,
+                keeper_room: options.memory_required,
             };
         }
         if novram {
@@ -117,6 +122,7 @@ impl MemoryManager {
                 } else {
                     room.bytes()
                 },
+                keeper_room: options.memory_required.saturating_add(room),
             };
         }
         let select = |p: &mut Planner<'_>, depth: usize| {
@@ -179,6 +185,14 @@ impl MemoryManager {
             want,
             room,
             prefetch_room: streamer_room(&classic),
+            // The classic selection may leave less than the activation memory asked for (under
+            // ComfyUI's 128 MiB floor on a small device, every free byte): a keeper leaving the
+            // activation memory free beside it kept ~2 MiB less of a 22.65 MiB model on a
+            // 24 MiB device and swapped two weights in and out at every step.
+            keeper_room: options
+                .memory_required
+                .saturating_add(room)
+                .min(free_here.saturating_sub(selection::wanted_bytes(views, &classic))),
             steady: classic,
             depth,
             weighed,
