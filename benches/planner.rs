@@ -182,7 +182,8 @@ fn step(p: &ModelPatcher, x: &Tensor) -> f32 {
 
 /// Loads the model, warms up three steps (its order and compute are learned), loads it again
 /// (the planner chooses with them, as an engine's next prompt would), warms up one more and
-/// audits `n`: the audits, the median measured time and the prefetch depth the second load ran.
+/// audits `n`: the audits, the median measured time and the prefetch depth the second load ran
+/// (its streamer's).
 fn run(s: Setup, n: usize) -> Option<(Vec<StepAudit>, Duration, usize)> {
     let mm = manager(s);
     let p = ModelPatcher::new(std::sync::Arc::new(model()), SIM0, DeviceId::Cpu);
@@ -210,6 +211,9 @@ fn run(s: Setup, n: usize) -> Option<(Vec<StepAudit>, Duration, usize)> {
         println!("    the planner weighed: {}", weighed.join(", "));
     }
     mm.load_models_gpu(one, LoadOptions::default()).ok()?;
+    // The depth the load ran (it plans again: the dry plan above may have seen another moment's
+    // free memory, with the last step's stream-ordered frees still queued).
+    let depth = residency::offload::streamer_of(&p).map_or(depth, |s| s.depth());
     step(&p, &x);
     let audits: Vec<StepAudit> = (0..n).map(|_| mm.audit(&p, || step(&p, &x)).1).collect();
     let mut times: Vec<u64> = audits.iter().map(|a| a.measured_ns).collect();

@@ -702,7 +702,7 @@ fn steady_bytes_with_activations(mode: &str) -> (u64, u64) {
         memory_required: ByteSize::kib(64),
         ..LoadOptions::default()
     };
-    let plan = mm.plan(std::slice::from_ref(&p), options.clone()).unwrap();
+    let plan = mm.plan(std::slice::from_ref(&p), options).unwrap();
     let predicted = plan.models[0].predicted.as_ref().map(|s| s.bytes);
     mm.load_models_gpu(std::slice::from_ref(&p), options)
         .unwrap();

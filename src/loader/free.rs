@@ -6,6 +6,11 @@ use std::sync::Arc;
 use super::*;
 use crate::offload::PrefetchGate;
 
+/// How long a load waits for the copies its models' last forward used to return their
+/// bookings ([`MemoryManager::cancel_own_prefetches`]): a queued free runs within a copy's time;
+/// a forward of the same model running meanwhile would hold them for its whole step.
+const OWN_BOOKINGS_WAIT_MS: u64 = 200;
+
 impl MemoryManager {
     /// Evicts models on `device` (not in `keep_loaded`, by model id) until more than `required`
     /// bytes are free. Returns what was evicted.
@@ -119,7 +124,11 @@ impl MemoryManager {
     /// Cancels the unused prefetches of the models a load is about to plan, on the devices
     /// they load on: a reload's plan then sees the room a first load saw (it counted the
     /// model's own prefetches as taken, and gave it a smaller streaming window and resident
-    /// set than its first load); the next forward fetches them again.
+    /// set than its first load); the next forward fetches them again. Then waits, briefly, for
+    /// the rest of what the models' streamers booked there: the copies their last forward used,
+    /// whose stream-ordered frees may still be queued behind copies (counted taken, they left a
+    /// plan made right after a step less room than one made a moment later, and the planner
+    /// weighed every prefetch depth alike in one load of three).
     pub(super) fn cancel_own_prefetches(&self, all: &[ModelPatcher]) {
         for m in all {
             let Some(s) = crate::offload::streamer_of(m) else {
@@ -131,6 +140,18 @@ impl MemoryManager {
             for device in m.devices() {
                 if s.booked_on(device) > ByteSize::ZERO {
                     self.cancel_prefetches_of(std::iter::once(Arc::clone(&s)), device);
+                }
+                let own = s.outstanding_on(device);
+                if own > ByteSize::ZERO {
+                    // No new booking meanwhile: in flight can only fall. A forward of the same
+                    // model running now (another thread) keeps its copies: bounded.
+                    let _closed = self.ledger.loading(&[device]);
+                    let target = self.ledger.in_flight(device).saturating_sub(own);
+                    self.ledger.wait_in_flight(
+                        device,
+                        target,
+                        std::time::Duration::from_millis(OWN_BOOKINGS_WAIT_MS),
+                    );
                 }
             }
         }

@@ -82,6 +82,7 @@ ranks! {
     Trace = 40, "trace::Trace records", "a recording's records (an event may be emitted under any lock above)";
     TrackNames = 41, "trace track names", "each thread's track number and name";
     EngineStreamers = 42, "offload::TransferEngine streamers", "the streamers prefetching through one engine (a leaf: held to clone their handles)";
+    StreamerBookings = 43, "offload::Streamer bookings outstanding", "bytes a streamer booked on the ledger and has not returned, by device (a leaf)";
 }
 
 #[cfg_attr(not(debug_assertions), allow(dead_code))]

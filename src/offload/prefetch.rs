@@ -24,6 +24,7 @@ use std::sync::Arc;
 use crate::lock::{Mutex, Rank};
 use candle_core::Tensor;
 
+mod bookings;
 mod miss;
 
 use super::engine::{Pending, TransferEngine};
@@ -73,6 +74,11 @@ pub trait PrefetchGate: Send + Sync {
     fn try_reserve(&self, device: DeviceId, bytes: ByteSize, keep_free: ByteSize) -> bool;
     /// Returns bytes booked by [`PrefetchGate::try_reserve`].
     fn release(&self, device: DeviceId, bytes: ByteSize);
+    /// A booking spent without being returned: its bytes now count as what the gate made of
+    /// them (a prefetched weight kept resident). The default does nothing.
+    fn absorbed(&self, device: DeviceId, bytes: ByteSize) {
+        let _ = (device, bytes);
+    }
     /// Whether bookings on `device` are closed now (a load is planned or executed there).
     fn is_closed(&self, device: DeviceId) -> bool {
         let _ = device;
@@ -160,6 +166,7 @@ impl Reservation {
     /// Gives the booking up without returning it: its bytes now belong to what the gate counts
     /// them as (a prefetched weight kept resident).
     pub(crate) fn absorb(mut self) {
+        self.gate.absorbed(self.device, self.bytes);
         self.bytes = ByteSize::ZERO;
     }
 }
@@ -193,6 +200,8 @@ pub struct Streamer {
     /// The input rows of the latest matmul a weight was fetched for (what a prefetch predicted
     /// from use will most likely run on).
     last_rows: AtomicUsize,
+    /// What its gates booked and was not returned yet ([`Streamer::outstanding_on`]).
+    outstanding: Arc<bookings::Outstanding>,
 }
 
 /// A streamed fetch's result: the weight on its device, or — a cost-aware miss run on the host —
@@ -225,6 +234,7 @@ impl Streamer {
             costs: once_cell::sync::OnceCell::new(),
             prepared: once_cell::sync::OnceCell::new(),
             last_rows: AtomicUsize::new(1),
+            outstanding: Arc::new(bookings::Outstanding::new()),
         }
     }
 
@@ -282,7 +292,10 @@ impl Streamer {
     /// (the activation memory of the coming forward); `None` removes the gate.
     pub fn set_gate(&self, gate: Option<(Arc<dyn PrefetchGate>, ByteSize)>) {
         *self.gate.lock() = gate.map(|(gate, keep_free)| Gate {
-            gate,
+            gate: Arc::new(bookings::Counted {
+                inner: gate,
+                outstanding: Arc::clone(&self.outstanding),
+            }),
             keep_free,
             keeper: None,
         });
@@ -322,6 +335,13 @@ impl Streamer {
             .filter(|f| f.key.device == device)
             .map(|f| f.booked)
             .sum()
+    }
+
+    /// Bytes booked through this streamer's gate for `device` and not returned yet: its unused
+    /// prefetches ([`Streamer::booked_on`]) and the copies its forwards used whose buffers are
+    /// not freed yet (a stream-ordered free runs after the copies queued before it).
+    pub(crate) fn outstanding_on(&self, device: DeviceId) -> ByteSize {
+        self.outstanding.on(device)
     }
 
     /// Drops every prefetched weight.
