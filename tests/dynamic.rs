@@ -394,19 +394,7 @@ fn steady_step_bytes(mode: &str, depth: usize) -> (u64, u64) {
 
 /// [`steady_step_bytes`] on a simulated GPU of `budget`.
 fn steady_step_bytes_at(budget: &str, mode: &str, depth: usize) -> (u64, u64) {
-    let sim = format!("{budget}@25GB/s");
-    let mut config = Config::from_args([
-        "--sim-gpu",
-        sim.as_str(),
-        "--reserve-vram",
-        "0",
-        "--async-offload",
-        "2",
-        mode,
-    ])
-    .unwrap();
-    config.prefetch_depth = Some(depth);
-    let mm = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(64))).unwrap();
+    let mm = sim_manager(budget, mode, depth);
     let mut tensors = vec![(
         "embed.weight".to_string(),
         common::rand_tensor(&[256, 64], 77),
@@ -606,10 +594,9 @@ fn bytes_per_step_never_grow_with_the_budget_in_either_mode() {
     }
 }
 
-/// The fewest bytes copied by a steady forward of a model of a 64 KiB table and twelve 16 KiB
-/// layers (256 KiB) on a simulated GPU of `budget` under `mode`, loaded after a model of
-/// `idle` 16 KiB layers that ran a forward and is no longer used; two lanes, depth 2.
-fn steady_bytes_after_an_idle_model(budget: &str, idle: usize, mode: &str) -> (u64, u64) {
+/// A manager for a simulated GPU of `budget` at 25 GB/s under `mode`: two lanes, prefetch
+/// `depth`.
+fn sim_manager(budget: &str, mode: &str, depth: usize) -> MemoryManager {
     let sim = format!("{budget}@25GB/s");
     let mut config = Config::from_args([
         "--sim-gpu",
@@ -621,8 +608,30 @@ fn steady_bytes_after_an_idle_model(budget: &str, idle: usize, mode: &str) -> (u
         mode,
     ])
     .unwrap();
-    config.prefetch_depth = Some(2);
-    let mm = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(64))).unwrap();
+    config.prefetch_depth = Some(depth);
+    MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(64))).unwrap()
+}
+
+/// The fewest bytes copied by a steady forward of loaded `p` (after two forwards), over eight
+/// forwards, and the forwards' checksum (checked equal every time).
+fn fewest_steady_bytes(mm: &MemoryManager, p: &ModelPatcher, what: &str) -> (u64, u64) {
+    let sum = forward(p);
+    forward(p);
+    let mut fewest = u64::MAX;
+    for _ in 0..8 {
+        let before = copied(mm);
+        assert_eq!(forward(p), sum, "{what}: the bits never change");
+        fewest = fewest.min(copied(mm) - before);
+    }
+    eprintln!("{what}:\n{}", mm.memory_report());
+    (fewest, sum)
+}
+
+/// The fewest bytes copied by a steady forward of a model of a 64 KiB table and twelve 16 KiB
+/// layers (256 KiB) on a simulated GPU of `budget` under `mode`, loaded after a model of
+/// `idle` 16 KiB layers that ran a forward and is no longer used.
+fn steady_bytes_after_an_idle_model(budget: &str, idle: usize, mode: &str) -> (u64, u64) {
+    let mm = sim_manager(budget, mode, 2);
     let idle = ModelPatcher::new(layers("idle", idle, 40), SIM0, DeviceId::Cpu);
     mm.load_models_gpu(std::slice::from_ref(&idle), LoadOptions::default())
         .unwrap();
@@ -641,16 +650,7 @@ fn steady_bytes_after_an_idle_model(budget: &str, idle: usize, mode: &str) -> (u
     let p = ModelPatcher::new(model, SIM0, DeviceId::Cpu);
     mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
         .unwrap();
-    let sum = forward(&p);
-    forward(&p);
-    let mut fewest = u64::MAX;
-    for _ in 0..4 {
-        let before = copied(&mm);
-        assert_eq!(forward(&p), sum, "{mode}: the bits never change");
-        fewest = fewest.min(copied(&mm) - before);
-    }
-    eprintln!("{budget}, {mode}:\n{}", mm.memory_report());
-    (fewest, sum)
+    fewest_steady_bytes(&mm, &p, &format!("{budget}, {mode}"))
 }
 
 #[test]
@@ -685,37 +685,15 @@ fn beside_a_model_no_longer_used_by_use_keeps_what_the_classic_load_keeps() {
 /// The fewest bytes copied by a steady forward of a 14-layer model (224 KiB) loaded with
 /// 64 KiB of activation memory asked for, alone on a 256 KiB simulated GPU under `mode`.
 fn steady_bytes_with_activations(mode: &str) -> (u64, u64) {
-    let mut config = Config::from_args([
-        "--sim-gpu",
-        "256KiB@25GB/s",
-        "--reserve-vram",
-        "0",
-        "--async-offload",
-        "2",
-        mode,
-    ])
-    .unwrap();
-    config.prefetch_depth = Some(2);
-    let mm = MemoryManager::new(config, Hardware::cpu_only(ByteSize::gib(64))).unwrap();
+    let mm = sim_manager("256KiB", mode, 2);
     let p = ModelPatcher::new(layers("dense", 14, 1), SIM0, DeviceId::Cpu);
     let options = LoadOptions {
         memory_required: ByteSize::kib(64),
         ..LoadOptions::default()
     };
-    let plan = mm.plan(std::slice::from_ref(&p), options).unwrap();
-    let predicted = plan.models[0].predicted.as_ref().map(|s| s.bytes);
     mm.load_models_gpu(std::slice::from_ref(&p), options)
         .unwrap();
-    let sum = forward(&p);
-    forward(&p);
-    let mut fewest = u64::MAX;
-    for _ in 0..4 {
-        let before = copied(&mm);
-        assert_eq!(forward(&p), sum, "{mode}: the bits never change");
-        fewest = fewest.min(copied(&mm) - before);
-    }
-    eprintln!("{mode}: predicted {predicted:?}\n{}", mm.memory_report());
-    (fewest, sum)
+    fewest_steady_bytes(&mm, &p, mode)
 }
 
 #[test]
