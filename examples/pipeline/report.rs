@@ -13,6 +13,8 @@ pub struct PromptResult {
     pub checksum: u32,
     pub step_ms: f64,
     pub denoiser_built: ByteSize,
+    /// The denoiser's last step beside the cost model's prediction for it.
+    pub audit: Option<residency::loader::StepAudit>,
 }
 
 /// One model of the run.
@@ -131,6 +133,11 @@ struct JsonPrompt<'a> {
     checksum: String,
     step_ms: f64,
     denoiser_built_bytes: u64,
+    /// The denoiser's last step: predicted and measured time (ms) and bytes copied.
+    last_step_predicted_ms: Option<f64>,
+    last_step_measured_ms: Option<f64>,
+    last_step_predicted_bytes: Option<u64>,
+    last_step_measured_bytes: Option<u64>,
 }
 
 #[derive(serde::Serialize)]
@@ -157,6 +164,10 @@ pub fn to_json(r: &PipelineReport) -> String {
                 checksum: format!("{:08x}", p.checksum),
                 step_ms: p.step_ms,
                 denoiser_built_bytes: p.denoiser_built.bytes(),
+                last_step_predicted_ms: p.audit.as_ref().map(|a| a.predicted.step_ns as f64 / 1e6),
+                last_step_measured_ms: p.audit.as_ref().map(|a| a.measured_ns as f64 / 1e6),
+                last_step_predicted_bytes: p.audit.as_ref().map(|a| a.predicted.bytes.bytes()),
+                last_step_measured_bytes: p.audit.as_ref().map(|a| a.measured_bytes.bytes()),
             })
             .collect(),
         models: r
@@ -256,6 +267,9 @@ pub fn to_table(r: &PipelineReport) -> String {
             p.step_ms,
             p.denoiser_built
         ));
+        if let Some(a) = &p.audit {
+            s.push_str(&format!("  denoiser's last step {a}\n"));
+        }
     }
     s.push_str(&format!("{} evictions", r.evictions.len()));
     if let Some(e) = r.evictions.first() {
