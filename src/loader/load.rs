@@ -132,7 +132,7 @@ impl MemoryManager {
             .extend(all.iter().map(|m| Arc::clone(m.model())));
         self.cancel_own_prefetches(&all);
         let result = self
-            .plan_locked(&inner, &all, &options, false)
+            .plan_locked(&inner, &all, &options)
             .and_then(|plan| {
                 trace_plan(&plan);
                 match &plan.problem {

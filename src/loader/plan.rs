@@ -387,7 +387,7 @@ impl MemoryManager {
         let options = options.resolved(&all);
         let inner = self.lock_inner();
         self.place_auto(&inner, &mut all);
-        let mut plan = self.plan_locked(&inner, &all, &options, true)?;
+        let mut plan = self.plan_locked(&inner, &all, &options)?;
         drop(inner);
         for (k, planned) in plan.models.iter_mut().enumerate() {
             let steady = &plan.steady[k];
@@ -493,14 +493,12 @@ impl MemoryManager {
         inner: &Inner,
         all: &[ModelPatcher],
         options: &LoadOptions,
-        dry: bool,
     ) -> Result<LoadPlan> {
         for m in all {
             self.validate_request(m)?;
         }
         let mut problem = self.host_problem(all);
         let mut p = Planner::new(self, inner);
-        p.dry = dry;
         p.planning(all);
         let req = Requested::new(all);
 

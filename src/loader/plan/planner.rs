@@ -53,10 +53,6 @@ pub(in crate::loader) struct Planner<'a> {
     /// before it plans (`MemoryManager::cancel_own_prefetches`), so their bookings are free to
     /// the plan (zero by then in a load; what a dry `plan()` counts free).
     pub(in crate::loader) planned_streamers: Vec<Arc<crate::offload::Streamer>>,
-    /// A dry plan ([`MemoryManager::plan`]): the planned models' own bookings still held (the
-    /// copies their last forward used, whose frees may be queued) count free too, as the load
-    /// finds them once it waited for them.
-    pub(in crate::loader) dry: bool,
 }
 
 impl<'a> Planner<'a> {
@@ -108,7 +104,6 @@ impl<'a> Planner<'a> {
             evictions: Vec::new(),
             steps: Vec::new(),
             planned_streamers: Vec::new(),
-            dry: false,
         }
     }
 
@@ -137,13 +132,7 @@ impl<'a> Planner<'a> {
     fn own_prefetches(&self, device: DeviceId) -> ByteSize {
         self.planned_streamers
             .iter()
-            .map(|s| {
-                if self.dry {
-                    s.outstanding_on(device)
-                } else {
-                    s.booked_on(device)
-                }
-            })
+            .map(|s| s.booked_on(device))
             .sum()
     }
 
