@@ -111,10 +111,11 @@ fn simulate(uses: &[UseCost], s: Streaming, warm: usize) -> StepPrediction {
         return out;
     }
     let prefetching = s.lanes > 0 && s.depth > 0;
-    // In flight: (position, done at, bytes, lane).
-    let mut inflight: Vec<(usize, f64, u64, usize)> = Vec::new();
-    let mut lanes = vec![0.0f64; s.lanes];
-    let mut link_free = 0.0f64;
+    let mut copies = Copies {
+        inflight: Vec::new(),
+        lanes: vec![0.0f64; s.lanes],
+        link_free: 0.0,
+    };
     let mut t = 0.0f64;
     // The streamed weight used before the one in use: its bytes and when its memory comes
     // back. Its free is ordered on the stream that copied it, behind what that stream had
@@ -131,18 +132,10 @@ fn simulate(uses: &[UseCost], s: Streaming, warm: usize) -> StepPrediction {
             if prefetching && u.routed && (j == 0 || !uses[j - 1].routed) {
                 let held = if before.1 > t { before.0 } else { 0 };
                 for q in (j..n).take_while(|&q| uses[q].routed) {
-                    if uses[q].resident || inflight.iter().any(|f| f.0 == q) {
+                    if uses[q].resident || copies.in_flight(q) {
                         continue;
                     }
-                    let Some(took) = queue(
-                        uses,
-                        q,
-                        s,
-                        (t, held),
-                        &mut inflight,
-                        &mut lanes,
-                        &mut link_free,
-                    ) else {
+                    let Some(took) = copies.queue(uses, q, s, (t, held)) else {
                         break;
                     };
                     copy += took;
@@ -150,18 +143,22 @@ fn simulate(uses: &[UseCost], s: Streaming, warm: usize) -> StepPrediction {
                 }
             }
             if !u.resident {
-                if let Some(p) = inflight.iter().position(|f| f.0 == j) {
-                    let (_, done, _, l) = inflight.swap_remove(p);
+                if let Some(p) = copies.inflight.iter().position(|f| f.0 == j) {
+                    let (_, done, _, l) = copies.inflight.swap_remove(p);
                     exposed += (done - t).max(0.0);
                     t = t.max(done);
                     lane = Some(l);
                 } else {
                     // Fetched now, on this thread.
-                    let begin = if s.shared_link { t.max(link_free) } else { t };
+                    let begin = if s.shared_link {
+                        t.max(copies.link_free)
+                    } else {
+                        t
+                    };
                     let took = s.link.copy_ns(u.bytes);
                     let end = begin + took;
                     if s.shared_link {
-                        link_free = end;
+                        copies.link_free = end;
                     }
                     exposed += end - t;
                     copy += took;
@@ -170,15 +167,7 @@ fn simulate(uses: &[UseCost], s: Streaming, warm: usize) -> StepPrediction {
                 }
                 if prefetching {
                     let held = u.bytes + if before.1 > t { before.0 } else { 0 };
-                    let (c, b) = prefetch_after(
-                        uses,
-                        j,
-                        s,
-                        (t, held),
-                        &mut inflight,
-                        &mut lanes,
-                        &mut link_free,
-                    );
+                    let (c, b) = copies.prefetch_after(uses, j, s, (t, held));
                     copy += c;
                     bytes += b;
                 }
@@ -186,7 +175,7 @@ fn simulate(uses: &[UseCost], s: Streaming, warm: usize) -> StepPrediction {
             compute += u.compute_ns;
             t += u.compute_ns;
             if !u.resident {
-                let freed = lane.map_or(t, |l| t.max(lanes[l]));
+                let freed = lane.map_or(t, |l| t.max(copies.lanes[l]));
                 before = (u.bytes, freed);
             }
         }
@@ -202,76 +191,89 @@ fn simulate(uses: &[UseCost], s: Streaming, warm: usize) -> StepPrediction {
     out
 }
 
-/// The streamer's prefetch after fetching position `j` at time `t`, with `in_use` bytes held
-/// by the weights in use: the next `depth` streamed weights in use order (wrapping into the
-/// next step, up to the weight just fetched; routed ones are left to their routing), each not
-/// in flight queued ([`queue`]) while it fits. The copy time and bytes queued.
-fn prefetch_after(
-    uses: &[UseCost],
-    j: usize,
-    s: Streaming,
-    (t, in_use): (f64, u64),
-    inflight: &mut Vec<(usize, f64, u64, usize)>,
-    lanes: &mut [f64],
-    link_free: &mut f64,
-) -> (f64, u64) {
-    let n = uses.len();
-    let (mut copy, mut bytes, mut requested) = (0.0, 0u64, 0);
-    // Up to the weight just fetched itself, for its use in the next step.
-    for k in 1..=n {
-        if requested >= s.depth {
-            break;
-        }
-        let q = (j + k) % n;
-        let u = uses[q];
-        if u.resident || u.routed {
-            continue;
-        }
-        requested += 1;
-        if inflight.iter().any(|f| f.0 == q) {
-            continue;
-        }
-        let Some(took) = queue(uses, q, s, (t, in_use), inflight, lanes, link_free) else {
-            break;
-        };
-        copy += took;
-        bytes += u.bytes;
-    }
-    (copy, bytes)
+/// The copies of the simulation: those in flight (position, done at, bytes, lane), when each
+/// lane is free next, and when the link is (copies that share it queue behind each other).
+struct Copies {
+    inflight: Vec<(usize, f64, u64, usize)>,
+    lanes: Vec<f64>,
+    link_free: f64,
 }
 
-/// Queues use `q`'s copy at time `t` on the lane free first (behind the link's last copy when
-/// copies share it), if the bytes in flight beside `in_use` leave room for it: its copy time,
-/// or `None` when it does not fit.
-fn queue(
-    uses: &[UseCost],
-    q: usize,
-    s: Streaming,
-    (t, in_use): (f64, u64),
-    inflight: &mut Vec<(usize, f64, u64, usize)>,
-    lanes: &mut [f64],
-    link_free: &mut f64,
-) -> Option<f64> {
-    let u = uses[q];
-    let held: u64 = inflight.iter().map(|f| f.2).sum::<u64>() + in_use;
-    if held + u.bytes > s.room {
-        return None;
+impl Copies {
+    /// Whether use `q`'s copy is in flight.
+    fn in_flight(&self, q: usize) -> bool {
+        self.inflight.iter().any(|f| f.0 == q)
     }
-    let lane = (0..lanes.len())
-        .min_by(|&a, &b| lanes[a].total_cmp(&lanes[b]))
-        .unwrap_or(0);
-    let mut begin = t.max(lanes[lane]);
-    if s.shared_link {
-        begin = begin.max(*link_free);
+
+    /// The streamer's prefetch after fetching position `j` at time `t`, with `in_use` bytes
+    /// held by the weights in use: the next `depth` streamed weights in use order (wrapping
+    /// into the next step, up to the weight just fetched; routed ones are left to their
+    /// routing), each not in flight queued ([`Copies::queue`]) while it fits. The copy time and
+    /// bytes queued.
+    fn prefetch_after(
+        &mut self,
+        uses: &[UseCost],
+        j: usize,
+        s: Streaming,
+        (t, in_use): (f64, u64),
+    ) -> (f64, u64) {
+        let n = uses.len();
+        let (mut copy, mut bytes, mut requested) = (0.0, 0u64, 0);
+        // Up to the weight just fetched itself, for its use in the next step.
+        for k in 1..=n {
+            if requested >= s.depth {
+                break;
+            }
+            let q = (j + k) % n;
+            let u = uses[q];
+            if u.resident || u.routed {
+                continue;
+            }
+            requested += 1;
+            if self.in_flight(q) {
+                continue;
+            }
+            let Some(took) = self.queue(uses, q, s, (t, in_use)) else {
+                break;
+            };
+            copy += took;
+            bytes += u.bytes;
+        }
+        (copy, bytes)
     }
-    let took = s.link.copy_ns(u.bytes);
-    let end = begin + took;
-    lanes[lane] = end;
-    if s.shared_link {
-        *link_free = end;
+
+    /// Queues use `q`'s copy at time `t` on the lane free first (behind the link's last copy
+    /// when copies share it), if the bytes in flight beside `in_use` leave room for it: its
+    /// copy time, or `None` when it does not fit.
+    fn queue(
+        &mut self,
+        uses: &[UseCost],
+        q: usize,
+        s: Streaming,
+        (t, in_use): (f64, u64),
+    ) -> Option<f64> {
+        let u = uses[q];
+        let held: u64 = self.inflight.iter().map(|f| f.2).sum::<u64>() + in_use;
+        if held + u.bytes > s.room {
+            return None;
+        }
+        let lanes = &mut self.lanes;
+        let lane = (0..lanes.len())
+            .min_by(|&a, &b| lanes[a].total_cmp(&lanes[b]))
+            .unwrap_or(0);
+        let mut begin = t.max(lanes[lane]);
+        if s.shared_link {
+            begin = begin.max(self.link_free);
+        }
+        let took = s.link.copy_ns(u.bytes);
+        let end = begin + took;
+        lanes[lane] = end;
+        if s.shared_link {
+            self.link_free = end;
+        }
+        self.inflight.push((q, end, u.bytes, lane));
+        Some(took)
     }
-    inflight.push((q, end, u.bytes, lane));
-    Some(took)
 }
 
 #[cfg(test)]

@@ -144,10 +144,7 @@ impl MemoryManager {
                 if s.booked_on(device) > ByteSize::ZERO {
                     self.cancel_prefetches_of(std::iter::once(Arc::clone(&s)), device);
                 }
-                let own = s.outstanding_on(device);
-                if own > ByteSize::ZERO {
-                    self.wait_own_bookings(&s, device);
-                }
+                self.wait_own_bookings(&s, device);
             }
         }
     }
@@ -157,7 +154,9 @@ impl MemoryManager {
     /// live tensor (the engine's, or a forward of the same model on another thread) is not
     /// waited for; a queued free comes back within a copy's time.
     fn wait_own_bookings(&self, s: &crate::offload::Streamer, device: DeviceId) {
-        use crate::offload::PrefetchGate;
+        if s.outstanding_on(device) == ByteSize::ZERO {
+            return;
+        }
         // No new booking meanwhile: in flight can only fall.
         let _closed = self.ledger.loading(&[device]);
         let deadline =

@@ -88,8 +88,9 @@ pub struct PlannedLoad {
     /// memory it asked for, for streaming: the prefetch window and, on a GPU, the weight in use
     /// and the one used before it, whose stream-ordered free may still be queued (`depth` times
     /// the largest weight a classic partial load streams, plus two; at most half
-    /// of what is free). Under residency by use the same figure is the room kept free beside
-    /// the copies kept by use, so both modes stream the same weights. Zero for a full load.
+    /// of what is free). Under residency by use the keeper leaves this figure and the
+    /// activation memory free beside the copies it keeps — at most what the classic selection
+    /// leaves — so both modes stream the same weights. Zero for a full load.
     pub streaming_room: ByteSize,
     /// Under residency by use: what its keeper leaves free beside the copies it keeps (the
     /// activation memory and the streaming room, at most what the classic selection leaves).
