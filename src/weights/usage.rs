@@ -122,9 +122,11 @@ impl Usage {
     }
 
     /// A fault-in of the weight at first-use `position` was refused in this forward (no room
-    /// that its priority may take): weights after it in the order are not kept in this forward
-    /// either, so what stays is a prefix whatever the moment room comes back (a copy's
-    /// stream-ordered free landing a little later must not let a later weight in ahead of it).
+    /// that its priority may take): weights after it in the order evict nothing in this
+    /// forward (they do not push copies out ahead of it) and are kept only where they fit, so
+    /// a large weight refused early does not leave the room beside it unused. One kept ahead
+    /// of it because a stream-ordered free landed a moment later gives its room back by the
+    /// priority order at the next forward (the refused weight comes first).
     pub(crate) fn refuse_from(&self, position: usize) {
         self.refused.fetch_min(position, Ordering::Relaxed);
     }

@@ -350,11 +350,11 @@ impl Keeper for Dynamic {
             }
             None
         };
-        if me.position != NO_POSITION && model.usage().refused_before(me.position) {
-            // A weight earlier in this forward was refused: this one, of lower priority, is
-            // not kept ahead of it (it comes back by use in a later forward).
-            return None;
-        }
+        // A weight earlier in this forward was refused: this one, of lower priority, evicts
+        // nothing ahead of it, but is kept where it fits (a large weight refused early must not
+        // leave the room beside it unused: a 64 KiB table first in use on a 112 KiB device left
+        // every 16 KiB layer streaming, where the classic load keeps three).
+        let after_refusal = me.position != NO_POSITION && model.usage().refused_before(me.position);
         if !self.ledger.probe_allows(device, bytes, room) {
             // The driver's figure refuses the copy whatever is evicted (evicting frees memory
             // only once the frees run): evict nothing, stream.
@@ -377,6 +377,9 @@ impl Keeper for Dynamic {
         }
         if short == ByteSize::ZERO {
             return Reservation::take(&self.faults, device, bytes, room);
+        }
+        if after_refusal {
+            return None;
         }
         if me.position != NO_POSITION && me.position >= model.usage().watermark() {
             self.with_stats(device, |s| s.past_watermark += 1);
@@ -512,8 +515,6 @@ impl Keeper for Dynamic {
         if device != patcher.weight_device(index)
             || booking.bytes() != bytes
             || patcher.streams_always(index)
-            // A weight earlier in this forward was refused: not kept ahead of it (`book`).
-            || (position != NO_POSITION && usage.refused_before(position))
         {
             return Some((hold, booking));
         }
