@@ -386,7 +386,7 @@ fn a_kv_reservation_returns_only_once_the_weights_it_evicted_are_freed_on_the_de
 }
 
 /// What a steady forward streams (bytes of the weights it uses that are not resident: the
-/// most over eight steady forwards) of a model whose largest weight (a 64 KiB table, used
+/// median of eight steady forwards) of a model whose largest weight (a 64 KiB table, used
 /// first) dwarfs its twelve 16 KiB layers, on a device that cannot hold it all beside the room
 /// for streaming, under `mode`; and the forwards' checksum (checked equal every time).
 fn steady_step_bytes(mode: &str, depth: usize) -> (u64, u64) {
@@ -401,8 +401,8 @@ fn steady_step_bytes(mode: &str, depth: usize) -> (u64, u64) {
 /// refused for a moment is copied later: beside four spinning threads the fewest copied of
 /// eight steps ranged from 96 to 128 KiB for one classic resident set streaming 128 KiB).
 /// The copies are checked too: eight steps never copy more than eight times what streams,
-/// plus what one step can leave in flight across each end of the window and one prefetch
-/// copied again a step.
+/// plus what one step can leave in flight across each end of the window and one weight
+/// copied again a step (a prefetch dropped, a kept copy evicted for a moment).
 fn steady_step_bytes_at(budget: &str, mode: &str, depth: usize) -> (u64, u64) {
     let mm = sim_manager(budget, mode, depth);
     let mut tensors = vec![(
@@ -433,12 +433,16 @@ fn steady_step_bytes_at(budget: &str, mode: &str, depth: usize) -> (u64, u64) {
     step();
     step();
     let size = model.model_size().bytes();
-    let mut streams = 0;
+    let mut streamed = Vec::new();
     let before = copied(&mm);
     for _ in 0..8 {
         assert_eq!(step(), sum, "{mode}: the bits never change");
-        streams = streams.max(size - model.resident_bytes(SIM0).bytes());
+        streamed.push(size - model.resident_bytes(SIM0).bytes());
     }
+    // The set it settles on: a kept copy evicted for a weight in use while a busy core holds
+    // the room (it comes back at the next forward) shows in one step, and in the copies.
+    streamed.sort_unstable();
+    let streams = streamed[streamed.len() / 2];
     let copies = copied(&mm) - before;
     let layer = 16 * 1024;
     let edges = 2 * (depth as u64 + 1) * layer;

@@ -305,6 +305,29 @@ impl Ledger {
         })
     }
 
+    /// How many bytes beyond `device`'s bound keeping `bytes` more with `room` left free would
+    /// need, counting only what stays put until something is evicted (resident copies, cached
+    /// casts, reservations) — not the bookings that return by themselves (copies in flight,
+    /// other fault-ins). More than what may be evicted for it, and the weight cannot be kept
+    /// however the moment's copies land.
+    pub(crate) fn keep_excess(
+        &self,
+        device: DeviceId,
+        bytes: ByteSize,
+        room: ByteSize,
+    ) -> ByteSize {
+        self.with(device, |b| match b.total {
+            Some(total) => b
+                .resident
+                .saturating_add(b.cached)
+                .saturating_add(b.reserved)
+                .saturating_add(bytes)
+                .saturating_add(room)
+                .saturating_sub(total),
+            None => ByteSize::ZERO,
+        })
+    }
+
     /// How many bytes `device` lacks for `bytes` more in flight (zero when they fit); `None`
     /// while a load closes the device.
     pub(crate) fn transit_shortfall(&self, device: DeviceId, bytes: ByteSize) -> Option<ByteSize> {

@@ -14,6 +14,8 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
+use crate::size::ByteSize;
+
 /// No position, successor or watermark.
 pub(crate) const NONE: usize = usize::MAX;
 
@@ -43,6 +45,9 @@ pub(crate) struct Usage {
     /// The first-use position of the earliest weight refused a fault-in in the current forward
     /// ([`NONE`]: none): later weights are not kept in it either.
     refused: AtomicUsize,
+    /// The fewest bytes of a weight refused in the current forward because it can never be
+    /// kept beside what stays (`u64::MAX`: none): later weights as large are not kept in it.
+    refused_bytes: AtomicU64,
     /// Whether compute saved by an earlier run was offered to this model (once).
     seeded: std::sync::atomic::AtomicBool,
     /// Per weight, whether a routing named it (a mixture of experts' expert): its copy can
@@ -83,6 +88,7 @@ impl Usage {
             compute: atomics(n, || AtomicU64::new(0)),
             rows: AtomicUsize::new(0),
             refused: AtomicUsize::new(NONE),
+            refused_bytes: AtomicU64::new(u64::MAX),
             seeded: std::sync::atomic::AtomicBool::new(false),
             routed: atomics(n, || std::sync::atomic::AtomicBool::new(false)),
         }
@@ -121,20 +127,30 @@ impl Usage {
         }
     }
 
-    /// A fault-in of the weight at first-use `position` was refused in this forward (no room
-    /// that its priority may take): weights after it in the order evict nothing in this
-    /// forward (they do not push copies out ahead of it) and are kept only where they fit, so
-    /// a large weight refused early does not leave the room beside it unused. One kept ahead
-    /// of it because a stream-ordered free landed a moment later gives its room back by the
-    /// priority order at the next forward (the refused weight comes first).
+    /// A fault-in of the weight at first-use `position` was refused in this forward for want of
+    /// the moment's room (room that bookings returning by themselves would give): weights after
+    /// it in the order are not kept in this forward either, so what stays is a prefix whatever
+    /// the moment room comes back (a copy's stream-ordered free landing a little later must not
+    /// let a later weight in ahead of it).
     pub(crate) fn refuse_from(&self, position: usize) {
         self.refused.fetch_min(position, Ordering::Relaxed);
     }
 
-    /// Whether a weight earlier than first-use `position` was refused a fault-in in this
-    /// forward ([`Usage::refuse_from`]).
-    pub(crate) fn refused_before(&self, position: usize) -> bool {
-        position > self.refused.load(Ordering::Relaxed)
+    /// A fault-in of a weight of `bytes` was refused in this forward because it can never be
+    /// kept beside what stays: later weights as large are not kept in it either (room that
+    /// evictions for weights in use free during the forward would otherwise let one in ahead
+    /// of an earlier one), smaller ones are kept as they fit, so a large weight refused early
+    /// does not leave the room beside it unused.
+    pub(crate) fn refuse_as_large(&self, bytes: ByteSize) {
+        self.refused_bytes
+            .fetch_min(bytes.bytes(), Ordering::Relaxed);
+    }
+
+    /// Whether the weight at first-use `position`, of `bytes`, is held back in this forward by
+    /// an earlier refusal ([`Usage::refuse_from`], [`Usage::refuse_as_large`]).
+    pub(crate) fn held_back(&self, position: usize, bytes: ByteSize) -> bool {
+        (position != NONE && position > self.refused.load(Ordering::Relaxed))
+            || bytes.bytes() >= self.refused_bytes.load(Ordering::Relaxed)
     }
 
     /// A quantized matmul of the model ran on `rows` input rows.
@@ -202,6 +218,7 @@ impl Usage {
         if self.first[index].load(Ordering::Relaxed) == 0 {
             // A forward begins: its fault-ins are decided afresh.
             self.refused.store(NONE, Ordering::Relaxed);
+            self.refused_bytes.store(u64::MAX, Ordering::Relaxed);
         }
         self.end_span(index);
         let before = self.previous.swap(index, Ordering::Relaxed);
@@ -303,17 +320,27 @@ mod tests {
         for i in 0..4 {
             u.record(i);
         }
-        assert!(!u.refused_before(3), "nothing refused");
+        let kib = ByteSize::kib;
+        assert!(!u.held_back(3, kib(1)), "nothing refused");
         u.refuse_from(2);
         u.refuse_from(3);
-        assert!(u.refused_before(3));
+        assert!(u.held_back(3, kib(1)));
         assert!(
-            !u.refused_before(2) && !u.refused_before(1),
+            !u.held_back(2, kib(1)) && !u.held_back(1, kib(1)),
             "it and the weights before it"
         );
         // The next forward begins with the weight at position 0: decided afresh.
         u.record(0);
-        assert!(!u.refused_before(3));
+        assert!(!u.held_back(3, kib(1)));
+        // A weight that can never be kept holds back the later ones as large, not the smaller.
+        u.refuse_as_large(kib(64));
+        assert!(u.held_back(2, kib(64)) && u.held_back(3, kib(128)));
+        assert!(
+            !u.held_back(2, kib(16)),
+            "a smaller weight is kept as it fits"
+        );
+        u.record(0);
+        assert!(!u.held_back(2, kib(64)), "decided afresh");
     }
 
     #[test]

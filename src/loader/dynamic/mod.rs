@@ -318,6 +318,47 @@ impl Dynamic {
         true
     }
 
+    /// The copies of lower priority than weight `index` of `patcher` (its model at registry
+    /// rank `my_rank` among `models`), in eviction order: lower-ranked models' and, in its own
+    /// model, the weights whose key is below its own — used less often, or as often and stale,
+    /// or as often and later in a forward (an admission test: a weight used once does not evict
+    /// one used at every step, and a dense model's later weights do not push out its prefix).
+    fn lower_priority(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+        my_rank: usize,
+        models: &[Arc<Model>],
+    ) -> Vec<Candidate> {
+        let model = patcher.model();
+        let device = patcher.weight_device(index);
+        let mine = victim_key(my_rank, &model.usage().of(index), model.usage().distinct());
+        victim_order(models, device, |id| self.is_kept(id))
+            .into_iter()
+            .filter(|c| {
+                let rank = c.key.model.0;
+                if rank > my_rank {
+                    return true;
+                }
+                rank == my_rank && Arc::ptr_eq(&c.model, model) && c.index != index && c.key < mine
+            })
+            .collect()
+    }
+
+    /// Whether `bytes` can never be kept on `device` with `room` free beside what stays there,
+    /// even with every copy of `victims` evicted and every booking that returns by itself
+    /// returned ([`Ledger::keep_excess`]): a refusal that is not the moment's.
+    fn never_fits(
+        &self,
+        device: DeviceId,
+        bytes: ByteSize,
+        room: ByteSize,
+        victims: &[Candidate],
+    ) -> bool {
+        let evictable: ByteSize = victims.iter().map(|c| c.bytes).sum();
+        self.ledger.keep_excess(device, bytes, room) > evictable
+    }
+
     /// Counts a copy kept by use on `device`, and the most bytes resident there at once.
     fn count_fault_in(&self, device: DeviceId) {
         let resident = self.ledger.resident(device);
@@ -350,11 +391,11 @@ impl Keeper for Dynamic {
             }
             None
         };
-        // A weight earlier in this forward was refused: this one, of lower priority, evicts
-        // nothing ahead of it, but is kept where it fits (a large weight refused early must not
-        // leave the room beside it unused: a 64 KiB table first in use on a 112 KiB device left
-        // every 16 KiB layer streaming, where the classic load keeps three).
-        let after_refusal = me.position != NO_POSITION && model.usage().refused_before(me.position);
+        if model.usage().held_back(me.position, bytes) {
+            // A weight earlier in this forward was refused: this one, of lower priority, is
+            // not kept ahead of it (it comes back by use in a later forward).
+            return None;
+        }
         if !self.ledger.probe_allows(device, bytes, room) {
             // The driver's figure refuses the copy whatever is evicted (evicting frees memory
             // only once the frees run): evict nothing, stream.
@@ -378,35 +419,21 @@ impl Keeper for Dynamic {
         if short == ByteSize::ZERO {
             return Reservation::take(&self.faults, device, bytes, room);
         }
-        if after_refusal {
-            return None;
-        }
         if me.position != NO_POSITION && me.position >= model.usage().watermark() {
             self.with_stats(device, |s| s.past_watermark += 1);
             return None;
         }
         let window = model.usage().distinct();
-        // Candidates of lower priority than this weight: lower-ranked models, and in this model
-        // the weights whose key is below its own — used less often, or as often and stale, or
-        // as often and later in a forward (an admission test: a weight used once does not evict
-        // one used at every step, and a dense model's later weights do not push out its prefix).
-        let mine = victim_key(my_rank, &me, window);
-        victims.extend(
-            victim_order(&models, device, |id| self.is_kept(id))
-                .into_iter()
-                .filter(|c| {
-                    let rank = c.key.model.0;
-                    if rank > my_rank {
-                        return true;
-                    }
-                    rank == my_rank
-                        && Arc::ptr_eq(&c.model, model)
-                        && c.index != index
-                        && c.key < mine
-                }),
-        );
+        victims.extend(self.lower_priority(patcher, index, my_rank, &models));
         // Not enough to give of lower priority: evict nothing, stream.
         if !self.evict_enough(model, &victims, short, device, window, me.count) {
+            if self.never_fits(device, bytes, room, &victims) {
+                // Not for want of a moment's room: the later weights smaller than it are kept
+                // as they fit (a 64 KiB table first in use on a 112 KiB device left every
+                // 16 KiB layer streaming, where the classic load keeps three).
+                model.usage().refuse_as_large(bytes);
+                return None;
+            }
             return refuse();
         }
         Reservation::take(&self.faults, device, bytes, room)
@@ -515,6 +542,8 @@ impl Keeper for Dynamic {
         if device != patcher.weight_device(index)
             || booking.bytes() != bytes
             || patcher.streams_always(index)
+            // A weight earlier in this forward was refused: not kept ahead of it (`book`).
+            || usage.held_back(position, bytes)
         {
             return Some((hold, booking));
         }
@@ -529,9 +558,9 @@ impl Keeper for Dynamic {
         let released;
         {
             let _g = self.lock.lock();
-            if self.registered_into(patcher, index, &mut models).is_none() {
+            let Some(rank) = self.registered_into(patcher, index, &mut models) else {
                 return Some((hold, booking));
-            }
+            };
             // The in-flight booking becomes resident bytes in the ledger as the slot does.
             let ledger = &self.ledger;
             let mut no_room = false;
@@ -543,7 +572,14 @@ impl Keeper for Dynamic {
                 Ok(pins) => released = pins,
                 Err(hold) => {
                     if no_room && position != NO_POSITION {
-                        usage.refuse_from(position);
+                        // Kept with nothing evicted; a refusal for want of the moment's room
+                        // holds the later weights back (`book`).
+                        let victims = self.lower_priority(patcher, index, rank, &models);
+                        if self.never_fits(device, bytes, room, &victims) {
+                            usage.refuse_as_large(bytes);
+                        } else {
+                            usage.refuse_from(position);
+                        }
                     }
                     return Some((hold, booking));
                 }

@@ -83,8 +83,20 @@ impl Streamer {
                 k.commit(patcher, index, &t, hold, booking);
                 Ok(Fetch::Device(t))
             }
-            (Ok((t, hold)), _, _) => {
-                hold.release_then(Box::new(move || drop(transit)));
+            (Ok((t, hold)), keeper, _) => {
+                // Refused a keep for the moment's room (copies in flight held it: a busy core
+                // lags their frees), the copy made in flight is kept where it can be now, as
+                // a prefetched one is: otherwise the same lag refused it at every forward and
+                // by use settled below the classic set for a whole run.
+                let returned = match (keeper.filter(|_| worth_keeping), transit) {
+                    (Some((k, room)), Some(b)) => k
+                        .keep_prefetched(patcher, index, &t, hold, b, *room)
+                        .map(|(hold, b)| (hold, Some(b))),
+                    (_, transit) => Some((hold, transit)),
+                };
+                if let Some((hold, transit)) = returned {
+                    hold.release_then(Box::new(move || drop(transit)));
+                }
                 Ok(Fetch::Device(t))
             }
             (Err(e), _, _) => Err(e),
@@ -174,6 +186,23 @@ impl Streamer {
         // Prefetches predicted from use are the lowest priority memory there is; routed ones
         // name weights about to run (`prefetch_routed`: a later call never trims what it names).
         self.drop_predicted_on(None);
+        if let Some(r) = Reservation::take(&gate, device, bytes, keep_free) {
+            return Some(r);
+        }
+        // Copies in flight give their room back as their stream-ordered frees run (behind a
+        // busy core, a little late): a moment's wait for them before a kept copy is evicted,
+        // which comes back by use at the next forward, one copy more (classic only waits).
+        if keeper.is_some() && gate.booked_in_flight(device) > ByteSize::ZERO {
+            if let Some(r) = Reservation::take_waiting(
+                &gate,
+                device,
+                bytes,
+                keep_free,
+                std::time::Duration::from_millis(2),
+            ) {
+                return Some(r);
+            }
+        }
         // The weight in use comes before the activation memory the load asked to keep free:
         // room for both when evictions give it, else for the weight alone.
         let (made, keep_free) = match keeper {
