@@ -404,7 +404,6 @@ fn steady_step_bytes(mode: &str, depth: usize) -> (u64, u64) {
 /// plus what one step can leave in flight across each end of the window and one weight
 /// copied again a step (a prefetch dropped, a kept copy evicted for a moment).
 fn steady_step_bytes_at(budget: &str, mode: &str, depth: usize) -> (u64, u64) {
-    let mm = sim_manager(budget, mode, depth);
     let mut tensors = vec![(
         "embed.weight".to_string(),
         common::rand_tensor(&[256, 64], 77),
@@ -415,7 +414,18 @@ fn steady_step_bytes_at(budget: &str, mode: &str, depth: usize) -> (u64, u64) {
             common::rand_tensor(&[64, 64], 78 + i as u64),
         )
     }));
-    let model = Arc::new(Model::from_tensors("table", tensors).unwrap());
+    steady_streams(budget, mode, depth, tensors)
+}
+
+/// [`steady_step_bytes_at`] of a model of `tensors` (used in their order at every forward).
+fn steady_streams(
+    budget: &str,
+    mode: &str,
+    depth: usize,
+    tensors: Vec<(String, Tensor)>,
+) -> (u64, u64) {
+    let mm = sim_manager(budget, mode, depth);
+    let model = Arc::new(Model::from_tensors("model", tensors).unwrap());
     let p = ModelPatcher::new(Arc::clone(&model), SIM0, DeviceId::Cpu);
     mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
         .unwrap();
@@ -586,6 +596,42 @@ fn a_kv_cache_growing_before_every_forward_is_not_refused_while_copies_in_flight
         }
         assert_eq!(forward(&p), want, "step {step}");
         assert!(mm.ledger(SIM0) <= ByteSize::kib(96));
+    }
+}
+
+#[test]
+fn by_use_keeps_the_classic_set_when_a_large_weight_comes_after_small_ones() {
+    // Kept in the order of first use, sixteen 4 KiB weights took the room before a 64 KiB one
+    // (the classic load's largest-first selection keeps it) arrived, and the room left beside
+    // them could not hold it: by use streamed more than classic. The classic selection now
+    // ranks first among weights used as often, and takes the room of the others.
+    let tensors = || {
+        let mut t: Vec<(String, Tensor)> = (0..16)
+            .map(|i| {
+                (
+                    format!("small.{i:02}.weight"),
+                    common::rand_tensor(&[32, 32], 300 + i as u64),
+                )
+            })
+            .collect();
+        t.extend((0..2).map(|i| {
+            (
+                format!("wide.{i}.weight"),
+                common::rand_tensor(&[128, 128], 400 + i as u64),
+            )
+        }));
+        t
+    };
+    for kib in (0..14).map(|i| 88 + 8 * i) {
+        let budget = format!("{kib}KiB");
+        let (classic, a) = steady_streams(&budget, "--disable-dynamic-vram", 2, tensors());
+        let (by_use, b) = steady_streams(&budget, "--enable-dynamic-vram", 2, tensors());
+        assert_eq!(a, b, "same bits");
+        eprintln!("{kib} KiB: a steady step streams {by_use} B by use, {classic} B classic");
+        assert!(
+            by_use <= classic,
+            "{kib} KiB: by use streams {by_use} B a step, classic {classic} B"
+        );
     }
 }
 

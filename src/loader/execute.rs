@@ -243,10 +243,15 @@ impl MemoryManager {
             return Err(self.rollback(inner, undo, all, e));
         }
         for (m, load) in all.iter().zip(&report.models) {
-            let planned = plan.models.iter().find(|p| p.model_id == m.model().id());
+            let k = plan
+                .models
+                .iter()
+                .position(|p| p.model_id == m.model().id());
+            let planned = k.map(|k| &plan.models[k]);
             let keeper_room = planned.map_or(options.memory_required, |p| p.keeper_room);
             let depth = planned.map(|p| p.prefetch_depth);
-            self.attach_streamer(m, load, options, keeper_room, depth);
+            let chosen = k.and_then(|k| plan.steady.get(k)).map(Vec::as_slice);
+            self.attach_streamer(m, load, options, (keeper_room, chosen), depth);
             self.attach_cast_cache(m, options);
             log_load(load);
             if load.full {

@@ -273,7 +273,7 @@ impl MemoryManager {
         m: &ModelPatcher,
         load: &ModelLoad,
         options: &LoadOptions,
-        keeper_room: ByteSize,
+        (keeper_room, chosen): (ByteSize, Option<&[bool]>),
         depth: Option<usize>,
     ) {
         let dynamic = self.dynamic_load(m.load_device(), options);
@@ -282,8 +282,12 @@ impl MemoryManager {
             return;
         }
         if dynamic {
-            // Loaded again: prioritized (the registry's front) and its watermark reset.
+            // Loaded again: prioritized (the registry's front), its watermark reset, and the
+            // classic selection ranked first among its weights used as often.
             m.model().usage().reset_watermark();
+            if let Some(chosen) = chosen {
+                m.model().usage().choose(chosen);
+            }
         }
         self.give_streamer(m, options.memory_required, keeper_room, depth);
     }

@@ -37,9 +37,11 @@ pub(crate) trait Keeper: Send + Sync {
     ) -> bool;
 
     /// Makes room on weight `index`'s device for `bytes` in flight beside everything booked
-    /// (a weight in use that is not kept), evicting kept copies of the lowest priority; whether
-    /// the room is there.
-    fn make_room(&self, patcher: &ModelPatcher, index: usize, bytes: ByteSize) -> bool;
+    /// (a weight in use that is not kept), evicting kept copies of the lowest priority — with
+    /// `spare`, none of the copies of the model's classic set (`Usage::choose`); whether the
+    /// room is there.
+    fn make_room(&self, patcher: &ModelPatcher, index: usize, bytes: ByteSize, spare: bool)
+        -> bool;
 
     /// Keeps a prefetched weight, booked in flight by `booking`, as the resident copy when it
     /// can be kept with `room` left free; gives back the hold and the booking when it cannot.

@@ -53,6 +53,10 @@ pub(crate) struct Usage {
     /// Per weight, whether a routing named it (a mixture of experts' expert): its copy can
     /// start only once its layer's router ran.
     routed: Box<[std::sync::atomic::AtomicBool]>,
+    /// Per weight, whether the classic selection of the last load has it ([`Usage::choose`]).
+    chosen: Box<[std::sync::atomic::AtomicBool]>,
+    /// The clock's tick when the current forward began (its first weight used; 0: none yet).
+    forward_start: AtomicU64,
 }
 
 /// What the eviction order reads of one weight.
@@ -64,6 +68,19 @@ pub(crate) struct WeightUse {
     pub(crate) age: u64,
     /// Uses so far.
     pub(crate) count: u32,
+    /// In the resident set the classic partial load chose at the model's last load
+    /// ([`Usage::choose`]): residency by use keeps it before the rest.
+    pub(crate) chosen: bool,
+    /// Used since the model's current forward began (its first weight's latest use).
+    pub(crate) this_forward: bool,
+}
+
+impl WeightUse {
+    /// Uses before the current forward: a weight the forward used already is not one use
+    /// ahead of those it has yet to use (in a dense model every weight is used as often).
+    pub(crate) fn settled_count(&self) -> u32 {
+        self.count.saturating_sub(u32::from(self.this_forward))
+    }
 }
 
 fn atomics<T>(n: usize, f: impl Fn() -> T) -> Box<[T]> {
@@ -91,6 +108,19 @@ impl Usage {
             refused_bytes: AtomicU64::new(u64::MAX),
             seeded: std::sync::atomic::AtomicBool::new(false),
             routed: atomics(n, || std::sync::atomic::AtomicBool::new(false)),
+            chosen: atomics(n, || std::sync::atomic::AtomicBool::new(false)),
+            forward_start: AtomicU64::new(0),
+        }
+    }
+
+    /// The resident set the classic partial load chose at this load (`want[i]`: weight `i` in
+    /// it): residency by use ranks those weights above the others used as often, so a dense
+    /// model's kept set converges on the classic one whatever order its weights come in (the
+    /// order of first use alone kept a prefix, and a large weight of the classic set found
+    /// the room beside it taken by smaller ones and another model's copies).
+    pub(crate) fn choose(&self, want: &[bool]) {
+        for (c, &w) in self.chosen.iter().zip(want) {
+            c.store(w, Ordering::Relaxed);
         }
     }
 
@@ -217,6 +247,7 @@ impl Usage {
         }
         if self.first[index].load(Ordering::Relaxed) == 0 {
             // A forward begins: its fault-ins are decided afresh.
+            self.forward_start.store(tick, Ordering::Relaxed);
             self.refused.store(NONE, Ordering::Relaxed);
             self.refused_bytes.store(u64::MAX, Ordering::Relaxed);
         }
@@ -249,6 +280,11 @@ impl Usage {
                 .count
                 .get(index)
                 .map_or(0, |c| c.load(Ordering::Relaxed)),
+            chosen: self
+                .chosen
+                .get(index)
+                .is_some_and(|c| c.load(Ordering::Relaxed)),
+            this_forward: last != 0 && last >= self.forward_start.load(Ordering::Relaxed),
         }
     }
 

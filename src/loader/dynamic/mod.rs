@@ -10,13 +10,20 @@
 //! 2. inside a model, weights not used within the model's last forward's worth of uses (*stale*:
 //!    a branch not taken, an expert not routed) go before the ones in use, the least used first
 //!    (then the longest unused): recency and frequency, so irregular uses do not push out a
-//!    stable prefix and a stable prefix not used this step does not push out what is used;
-//! 3. then the weights used later in a forward (first-use order) before the earlier ones.
+//!    stable prefix and a stable prefix not used this step does not push out what is used.
+//!    Uses are counted before the current forward, so a weight the forward used already is
+//!    not one use ahead of those it has yet to use;
+//! 3. then the weights outside the classic partial load's selection (made at the model's load,
+//!    `Usage::choose`) before the ones in it: a dense model's kept set converges on the
+//!    classic one, whatever order its weights are used in;
+//! 4. then the weights used later in a forward (first-use order) before the earlier ones.
 //!
-//! A fault-in may evict a weight of its own model only when that weight is stale or comes later
-//! in first-use order; doing so sets the model's *watermark* at the evicted weight's position:
-//! weights from there on stream without evicting anything (no thrash from one forward to the
-//! next), until the model is loaded again. A stale victim must also be used no more often than
+//! A fault-in may evict a weight of its own model only when that weight is stale, outside the
+//! classic selection where the one faulting in is in it, or comes later in first-use order;
+//! doing so (but for the selection's taking the others' room, which they never take back)
+//! sets the model's *watermark* at the evicted weight's position: weights from there on evict
+//! nothing of their class (no thrash from one forward to the next), until the model is loaded
+//! again. A stale victim must also be used no more often than
 //! the weight taking its place (an admission test: a weight used once does not evict one used
 //! at every step).
 //!
@@ -64,6 +71,8 @@ pub(crate) struct VictimKey {
     fresh: bool,
     /// The longest unused first (stale weights; zero for weights in use).
     age: std::cmp::Reverse<u64>,
+    /// Outside the classic load's selection first (`WeightUse::chosen`).
+    pub(crate) chosen: bool,
     /// Used later in a forward first.
     position: std::cmp::Reverse<usize>,
 }
@@ -78,9 +87,10 @@ pub(crate) fn victim_key(rank: usize, u: &WeightUse, window: usize) -> VictimKey
     let fresh = is_fresh(u, window);
     VictimKey {
         model: std::cmp::Reverse(rank),
-        count: u.count,
+        count: u.settled_count(),
         fresh,
         age: std::cmp::Reverse(if fresh { 0 } else { u.age }),
+        chosen: u.chosen,
         position: std::cmp::Reverse(u.position),
     }
 }
@@ -284,7 +294,9 @@ impl Dynamic {
     /// Evicts the first of `victims` (in order) until `short` bytes are freed; nothing when they
     /// cannot free that much. An eviction inside `model` of a weight in use that was used as
     /// often as the one faulting in (`count`: its position decided, the dense pattern) lowers
-    /// the model's watermark to the evicted weight's position. Whether it freed enough.
+    /// the model's watermark to the evicted weight's position — unless the one faulting in is
+    /// of the classic selection and the evicted one is not (`chosen`): that one never takes the
+    /// room back. Whether it freed enough.
     fn evict_enough(
         &self,
         model: &Arc<Model>,
@@ -292,7 +304,7 @@ impl Dynamic {
         short: ByteSize,
         device: DeviceId,
         window: usize,
-        count: u32,
+        (count, chosen): (u32, bool),
     ) -> bool {
         let mut enough = ByteSize::ZERO;
         let mut take = 0;
@@ -310,7 +322,12 @@ impl Dynamic {
             self.evict(&c.model, c.index, device);
             if Arc::ptr_eq(&c.model, model) {
                 let u = model.usage().of(c.index);
-                if is_fresh(&u, window) && u.position != NO_POSITION && u.count >= count {
+                let across = chosen && !u.chosen;
+                if is_fresh(&u, window)
+                    && u.position != NO_POSITION
+                    && u.settled_count() >= count
+                    && !across
+                {
                     model.usage().lower_watermark(u.position);
                 }
             }
@@ -419,14 +436,23 @@ impl Keeper for Dynamic {
         if short == ByteSize::ZERO {
             return Reservation::take(&self.faults, device, bytes, room);
         }
-        if me.position != NO_POSITION && me.position >= model.usage().watermark() {
+        // Past the watermark a weight evicts nothing of its own model's weights of its class
+        // (no thrash between forwards); one of the classic selection still takes the room of
+        // those outside it, which never take it back.
+        let past = me.position != NO_POSITION && me.position >= model.usage().watermark();
+        if past && !me.chosen {
             self.with_stats(device, |s| s.past_watermark += 1);
             return None;
         }
         let window = model.usage().distinct();
-        victims.extend(self.lower_priority(patcher, index, my_rank, &models));
+        victims.extend(
+            self.lower_priority(patcher, index, my_rank, &models)
+                .into_iter()
+                .filter(|c| !past || !Arc::ptr_eq(&c.model, model) || !c.key.chosen),
+        );
         // Not enough to give of lower priority: evict nothing, stream.
-        if !self.evict_enough(model, &victims, short, device, window, me.count) {
+        let mine = (me.settled_count(), me.chosen);
+        if !self.evict_enough(model, &victims, short, device, window, mine) {
             if self.never_fits(device, bytes, room, &victims) {
                 // Not for want of a moment's room: the later weights smaller than it are kept
                 // as they fit (a 64 KiB table first in use on a 112 KiB device left every
@@ -439,7 +465,13 @@ impl Keeper for Dynamic {
         Reservation::take(&self.faults, device, bytes, room)
     }
 
-    fn make_room(&self, patcher: &ModelPatcher, index: usize, bytes: ByteSize) -> bool {
+    fn make_room(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+        bytes: ByteSize,
+        spare: bool,
+    ) -> bool {
         let model = patcher.model();
         let device = patcher.weight_device(index);
         // Before the lock, so they drop after it ([`Keeper::book`]).
@@ -466,13 +498,17 @@ impl Keeper for Dynamic {
         // a model from the others, not from its own weight in use.
         // Pinned copies last: a pin keeps a weight through partial unloads, but a weight that
         // must stream to run needs the room more (the pinned one comes back by use).
-        victims.extend(victims_of(
-            &models,
-            device,
-            |id| id != model.id() && self.is_kept(id),
-            true,
-        ));
-        self.evict_enough(model, &victims, short, device, window, u32::MAX)
+        victims.extend(
+            victims_of(
+                &models,
+                device,
+                |id| id != model.id() && self.is_kept(id),
+                true,
+            )
+            .into_iter()
+            .filter(|c| !spare || !c.key.chosen || !Arc::ptr_eq(&c.model, model)),
+        );
+        self.evict_enough(model, &victims, short, device, window, (u32::MAX, false))
     }
 
     fn commit(
@@ -650,6 +686,8 @@ mod tests {
             position,
             age,
             count,
+            chosen: false,
+            this_forward: false,
         };
         let window = 10;
         let newer_early = victim_key(0, &w(0, 1, 5), window);

@@ -204,14 +204,18 @@ impl Streamer {
             }
         }
         // The weight in use comes before the activation memory the load asked to keep free:
-        // room for both when evictions give it, else for the weight alone.
-        let (made, keep_free) = match keeper {
-            Some(k) if k.make_room(patcher, index, bytes.saturating_add(keep_free)) => {
+        // room for both when evictions give it, else for the weight alone. First from copies
+        // outside the model's classic set (`spare`); its set only once copies in flight had
+        // their time to come back: evicted for a moment's room, a copy of it came back at the
+        // next forward and pushed the others out again, every forward.
+        let make = |spare: bool| match keeper {
+            Some(k) if k.make_room(patcher, index, bytes.saturating_add(keep_free), spare) => {
                 (true, keep_free)
             }
-            Some(k) => (k.make_room(patcher, index, bytes), ByteSize::ZERO),
+            Some(k) => (k.make_room(patcher, index, bytes, spare), ByteSize::ZERO),
             None => (false, keep_free),
         };
+        let (made, keep_free) = make(true);
         if let Some(r) = Reservation::take(&gate, device, bytes, keep_free) {
             return Some(r);
         }
@@ -221,16 +225,22 @@ impl Streamer {
         if let Some(r) = Reservation::take(&gate, device, bytes, keep_free) {
             return Some(r);
         }
-        if !made && gate.booked_in_flight(device) == ByteSize::ZERO {
+        if gate.booked_in_flight(device) > ByteSize::ZERO {
+            let waited = Reservation::take_waiting(
+                &gate,
+                device,
+                bytes,
+                keep_free,
+                std::time::Duration::from_millis(20),
+            );
+            if waited.is_some() || keeper.is_none() {
+                return waited;
+            }
+        } else if !made && keeper.is_none() {
             // Nothing in flight to come back (ours were cancelled: their bookings are back).
             return None;
         }
-        Reservation::take_waiting(
-            &gate,
-            device,
-            bytes,
-            keep_free,
-            std::time::Duration::from_millis(20),
-        )
+        let (_, keep_free) = make(false);
+        Reservation::take(&gate, device, bytes, keep_free)
     }
 }
