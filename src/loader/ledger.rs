@@ -384,6 +384,28 @@ impl Ledger {
         self.signal_returned();
     }
 
+    /// How many bytes `device` lacks to turn `bytes` in flight into a kept copy with `room`
+    /// left free beside what is kept ([`Ledger::keep_prefetched`]'s rule); `None` while a load
+    /// closes the device.
+    pub(crate) fn kept_shortfall(
+        &self,
+        device: DeviceId,
+        bytes: ByteSize,
+        room: ByteSize,
+    ) -> Option<ByteSize> {
+        self.with(device, |b| {
+            if b.loading > 0 {
+                return None;
+            }
+            Some(b.total.map_or(ByteSize::ZERO, |total| {
+                b.kept()
+                    .saturating_add(bytes)
+                    .saturating_add(room)
+                    .saturating_sub(total)
+            }))
+        })
+    }
+
     /// A prefetched weight (booked in flight) becomes resident when it can be kept with `room`
     /// left free; whether it did (the total does not change).
     pub(crate) fn keep_prefetched(

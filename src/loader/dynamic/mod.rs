@@ -335,6 +335,68 @@ impl Dynamic {
         true
     }
 
+    /// Makes room to keep weight `index` of `patcher` (`bytes`, with `room` left free beside
+    /// what is kept; its model at registry rank `my_rank` among `models`): cached casts first,
+    /// then copies of lower priority by the one order, evicted into `victims` (dropped by the
+    /// caller after the lock) until `shortfall` — what the device lacks, `None` while a load
+    /// closes it — is freed. Past the model's watermark a weight outside the classic selection
+    /// evicts nothing, one in it only copies outside it. Whether the room is there; a refusal
+    /// is recorded on the model's usage (the later weights as large, when it can never fit
+    /// beside what stays; else every later weight, for this forward).
+    #[allow(clippy::too_many_arguments)]
+    fn room_to_keep(
+        &self,
+        patcher: &ModelPatcher,
+        index: usize,
+        (bytes, room): (ByteSize, ByteSize),
+        my_rank: usize,
+        models: &[Arc<Model>],
+        victims: &mut Vec<Candidate>,
+        shortfall: impl Fn() -> Option<ByteSize>,
+    ) -> bool {
+        let model = patcher.model();
+        let device = patcher.weight_device(index);
+        let me = model.usage().of(index);
+        let Some(mut short) = shortfall() else {
+            return false;
+        };
+        if short > ByteSize::ZERO && self.drop_casts(device) > ByteSize::ZERO {
+            // Cached casts go before any weight.
+            short = shortfall().unwrap_or(short);
+        }
+        if short == ByteSize::ZERO {
+            return true;
+        }
+        // Past the watermark a weight evicts nothing of its own model's weights of its class
+        // (no thrash between forwards); one of the classic selection still takes the room of
+        // those outside it, which never take it back.
+        let past = me.position != NO_POSITION && me.position >= model.usage().watermark();
+        if past && !me.chosen {
+            self.with_stats(device, |s| s.past_watermark += 1);
+            return false;
+        }
+        let window = model.usage().distinct();
+        victims.extend(
+            self.lower_priority(patcher, index, my_rank, models)
+                .into_iter()
+                .filter(|c| !past || !Arc::ptr_eq(&c.model, model) || !c.key.chosen),
+        );
+        let mine = (me.settled_count(), me.chosen);
+        if self.evict_enough(model, victims, short, device, window, mine) {
+            return true;
+        }
+        // Not enough to give of lower priority: nothing evicted, it streams.
+        if self.never_fits(device, bytes, room, victims) {
+            // Not for want of a moment's room: the later weights smaller than it are kept as
+            // they fit (a 64 KiB table first in use on a 112 KiB device left every 16 KiB
+            // layer streaming, where the classic load keeps three).
+            model.usage().refuse_as_large(bytes);
+        } else if me.position != NO_POSITION {
+            model.usage().refuse_from(me.position);
+        }
+        false
+    }
+
     /// The copies of lower priority than weight `index` of `patcher` (its model at registry
     /// rank `my_rank` among `models`), in eviction order: lower-ranked models' and, in its own
     /// model, the weights whose key is below its own — used less often, or as often and stale,
@@ -402,12 +464,6 @@ impl Keeper for Dynamic {
         let device = patcher.weight_device(index);
         let bytes = patcher.resident_size(index);
         let me = model.usage().of(index);
-        let refuse = || {
-            if me.position != NO_POSITION {
-                model.usage().refuse_from(me.position);
-            }
-            None
-        };
         if model.usage().held_back(me.position, bytes) {
             // A weight earlier in this forward was refused: this one, of lower priority, is
             // not kept ahead of it (it comes back by use in a later forward).
@@ -416,7 +472,10 @@ impl Keeper for Dynamic {
         if !self.ledger.probe_allows(device, bytes, room) {
             // The driver's figure refuses the copy whatever is evicted (evicting frees memory
             // only once the frees run): evict nothing, stream.
-            return refuse();
+            if me.position != NO_POSITION {
+                model.usage().refuse_from(me.position);
+            }
+            return None;
         }
         // Declared before the lock: the last handle of a model can be among them, and dropping
         // a model unpins its weights, which waits on the device — after the lock.
@@ -425,42 +484,17 @@ impl Keeper for Dynamic {
         let _g = self.lock.lock();
         // Only a registered model keeps copies (the ledger counts the registry's).
         let my_rank = self.registered_into(patcher, index, &mut models)?;
-        let mut short = self.ledger.keep_shortfall(device, bytes, room)?;
-        if short > ByteSize::ZERO && self.drop_casts(device) > ByteSize::ZERO {
-            // Cached casts go before any weight.
-            short = self
-                .ledger
-                .keep_shortfall(device, bytes, room)
-                .unwrap_or(short);
-        }
-        if short == ByteSize::ZERO {
-            return Reservation::take(&self.faults, device, bytes, room);
-        }
-        // Past the watermark a weight evicts nothing of its own model's weights of its class
-        // (no thrash between forwards); one of the classic selection still takes the room of
-        // those outside it, which never take it back.
-        let past = me.position != NO_POSITION && me.position >= model.usage().watermark();
-        if past && !me.chosen {
-            self.with_stats(device, |s| s.past_watermark += 1);
+        let shortfall = || self.ledger.keep_shortfall(device, bytes, room);
+        if !self.room_to_keep(
+            patcher,
+            index,
+            (bytes, room),
+            my_rank,
+            &models,
+            &mut victims,
+            shortfall,
+        ) {
             return None;
-        }
-        let window = model.usage().distinct();
-        victims.extend(
-            self.lower_priority(patcher, index, my_rank, &models)
-                .into_iter()
-                .filter(|c| !past || !Arc::ptr_eq(&c.model, model) || !c.key.chosen),
-        );
-        // Not enough to give of lower priority: evict nothing, stream.
-        let mine = (me.settled_count(), me.chosen);
-        if !self.evict_enough(model, &victims, short, device, window, mine) {
-            if self.never_fits(device, bytes, room, &victims) {
-                // Not for want of a moment's room: the later weights smaller than it are kept
-                // as they fit (a 64 KiB table first in use on a 112 KiB device left every
-                // 16 KiB layer streaming, where the classic load keeps three).
-                model.usage().refuse_as_large(bytes);
-                return None;
-            }
-            return refuse();
         }
         Reservation::take(&self.faults, device, bytes, room)
     }
@@ -590,35 +624,38 @@ impl Keeper for Dynamic {
         if size != bytes {
             return Some((hold, booking));
         }
+        // Before the lock, so they drop after it (`book`).
         let mut models: Vec<Arc<Model>> = Vec::new();
+        let mut victims: Vec<Candidate> = Vec::new();
         let released;
         {
             let _g = self.lock.lock();
             let Some(rank) = self.registered_into(patcher, index, &mut models) else {
                 return Some((hold, booking));
             };
+            // Room by the one priority order, as for a fault-in: a prefetched weight of the
+            // classic selection takes the room of the copies below it (keeping only into free
+            // room, by use kept 0.76 MiB less of the main job's denoiser than classic at
+            // 10 MiB, beside another model's copies it could not use).
+            let shortfall = || self.ledger.kept_shortfall(device, bytes, room);
+            if !self.room_to_keep(
+                patcher,
+                index,
+                (bytes, room),
+                rank,
+                &models,
+                &mut victims,
+                shortfall,
+            ) {
+                return Some((hold, booking));
+            }
             // The in-flight booking becomes resident bytes in the ledger as the slot does.
             let ledger = &self.ledger;
-            let mut no_room = false;
             match install(patcher, index, (weight, device, bytes), hold, || {
-                let kept = ledger.keep_prefetched(device, bytes, room);
-                no_room = !kept;
-                kept
+                ledger.keep_prefetched(device, bytes, room)
             }) {
                 Ok(pins) => released = pins,
-                Err(hold) => {
-                    if no_room && position != NO_POSITION {
-                        // Kept with nothing evicted; a refusal for want of the moment's room
-                        // holds the later weights back (`book`).
-                        let victims = self.lower_priority(patcher, index, rank, &models);
-                        if self.never_fits(device, bytes, room, &victims) {
-                            usage.refuse_as_large(bytes);
-                        } else {
-                            usage.refuse_from(position);
-                        }
-                    }
-                    return Some((hold, booking));
-                }
+                Err(hold) => return Some((hold, booking)),
             }
             booking.absorb();
             self.count_fault_in(device);
