@@ -9,9 +9,8 @@
 mod common;
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use residency::patcher::{lora_file, ModelPatcher};
@@ -535,36 +534,6 @@ fn comfyui_generic_text_encoder_names_patch_every_text_encoder_weight() {
     }
 }
 
-/// The `WARN` events of a load: each one's message and fields, as text.
-#[derive(Clone, Default)]
-struct Warnings(Arc<Mutex<Vec<String>>>);
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Warnings {
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        struct Text(String);
-        impl tracing::field::Visit for Text {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                let _ = write!(self.0, "{}={value:?}; ", field.name());
-            }
-        }
-        if *event.metadata().level() == tracing::Level::WARN {
-            let mut text = Text(String::new());
-            event.record(&mut text);
-            self.0.lock().unwrap().push(text.0);
-        }
-    }
-}
-
-/// The warnings logged while `f` runs.
-fn warnings_of(f: impl FnOnce()) -> Vec<String> {
-    use tracing_subscriber::layer::SubscriberExt;
-    let warnings = Warnings::default();
-    let subscriber = tracing_subscriber::registry().with(warnings.clone());
-    tracing::subscriber::with_default(subscriber, f);
-    let out = warnings.0.lock().unwrap().clone();
-    out
-}
-
 #[test]
 fn a_load_that_leaves_modules_or_tensors_warns_naming_every_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -588,7 +557,9 @@ fn a_load_that_leaves_modules_or_tensors_warns_naming_every_one() {
     let model = Model::from_tensors("flux", base.iter().cloned()).unwrap();
 
     let mut loaded = None;
-    let logged = warnings_of(|| loaded = Some(lora_file::load(&partly, model.keys()).unwrap()));
+    let logged = common::warnings::warnings_of(|| {
+        loaded = Some(lora_file::load(&partly, model.keys()).unwrap())
+    });
     let loaded = loaded.unwrap();
     assert_eq!(
         loaded.matched_model_keys,
@@ -613,7 +584,7 @@ fn a_load_that_leaves_modules_or_tensors_warns_naming_every_one() {
     );
     assert!(summary[0].contains("partly.safetensors"), "{}", summary[0]);
 
-    let logged = warnings_of(|| {
+    let logged = common::warnings::warnings_of(|| {
         let none = lora_file::load(&nothing, model.keys()).unwrap();
         assert!(none.patches.is_empty());
         assert_eq!(none.unmatched_modules.len(), 2);
@@ -638,7 +609,7 @@ fn a_load_that_leaves_modules_or_tensors_warns_naming_every_one() {
     tensors.push((odd.to_string(), scalar(1.0), Dtype::F32));
     let extra = dir.path().join("extra.safetensors");
     save_safetensors(&extra, &tensors, &SafetensorsOptions::default()).unwrap();
-    let logged = warnings_of(|| {
+    let logged = common::warnings::warnings_of(|| {
         let l = lora_file::load(&extra, model.keys()).unwrap();
         assert!(l.unmatched_modules.is_empty() && l.patches.len() == 1);
     });

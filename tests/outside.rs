@@ -433,12 +433,28 @@ fn a_quantized_port_s_dequantized_token_table_counts_as_held_outside() {
     };
     let mut a = build();
     assert_eq!(m.held_outside(), held(1));
+    assert!(
+        !m.used_without_load(),
+        "a table dequantized at build is one copy the port keeps (held outside), not a weight \
+         copied at every use of a model never loaded"
+    );
     let b = build();
     assert_eq!(m.held_outside(), held(2), "one table per instance");
 
     let plan = mm.plan(&[&p], LoadOptions::default()).unwrap();
     assert_eq!(plan.models[0].held_outside, ByteSize(2 * table.bytes()));
-    let report = mm.load_model_gpu(&p).unwrap();
+    let mut report = None;
+    let logged = common::warnings::warnings_of(|| report = Some(mm.load_model_gpu(&p).unwrap()));
+    let report = report.unwrap();
+    // The cure named is the quantized one (a layer on the blocks), not a VarBuilder call.
+    let warned = logged
+        .iter()
+        .find(|w| w.contains("outside the ledger"))
+        .expect("the table held outside is warned about");
+    assert!(
+        warned.contains("Embedding::from_qtensor") && !warned.contains("VarBuilder::get"),
+        "{warned}"
+    );
     assert_eq!(
         report.models[0].outside_keys,
         vec!["token_embd.weight".to_string()]

@@ -646,7 +646,11 @@ impl QRef {
                         }
                     }
                     None => {
-                        model.note_use_without_load(device);
+                        if record {
+                            // A use, not a dequantized copy the caller keeps (a token table
+                            // built once: counted outside the ledger, warned about as such).
+                            model.note_use_without_load(device);
+                        }
                         patcher.materialize(
                             self.index,
                             patcher.resident_dtype(self.index),

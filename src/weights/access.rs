@@ -91,8 +91,20 @@ impl Model {
         }
         let keys: Vec<&str> = outside.iter().take(8).map(|(k, _)| k.as_str()).collect();
         let more = outside.len().saturating_sub(keys.len());
+        // A quantized weight held outside was dequantized by the model's code (a port of
+        // candle-transformers' `quantized_llama` does it to its token table): the cure is a
+        // layer on its blocks, not a VarBuilder call.
+        let quantized = outside.iter().any(|(k, _)| {
+            self.index_of(k)
+                .is_some_and(|i| self.slots()[i].quantized().is_some())
+        });
+        let cure = if quantized {
+            "build the layer on the blocks instead of a dequantized copy (quantized_nn::Embedding::from_qtensor for a token table: docs/PORTING.md, a quantized port)"
+        } else {
+            "build its layers from them with Linear::new / RmsNorm::new / LayerNorm::new on the tensors VarBuilder::get returned, or read them with VarBuilder::get_managed"
+        };
         let text = format!(
-            "model `{}` keeps {bytes} of its weights as its own tensors, outside the ledger (never evicted, streamed or budgeted): {}{}; build its layers from them with Linear::new / RmsNorm::new / LayerNorm::new on the tensors VarBuilder::get returned, or read them with VarBuilder::get_managed",
+            "model `{}` keeps {bytes} of its weights as its own tensors, outside the ledger (never evicted, streamed or budgeted): {}{}; {cure}",
             self.name(),
             keys.join(", "),
             if more > 0 { format!(" and {more} more") } else { String::new() }
