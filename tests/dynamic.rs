@@ -463,6 +463,8 @@ fn steady_streams_after(
     let size = model.model_size().bytes();
     let mut streamed = Vec::new();
     let before = copied(&mm);
+    let evictions = || mm.dynamic_report().iter().map(|d| d.evictions).sum::<u64>();
+    let evicted_before = evictions();
     for _ in 0..8 {
         assert_eq!(step(), sum, "{mode}: the bits never change");
         streamed.push(size - model.resident_bytes(SIM0).bytes());
@@ -472,6 +474,13 @@ fn steady_streams_after(
     streamed.sort_unstable();
     let streams = streamed[streamed.len() / 2];
     let copies = copied(&mm) - before;
+    // A settled set evicts nothing but now and then a copy for a moment's room (the model's
+    // own copies evicted for its weights in use came back and went again at every step).
+    let evicted = evictions() - evicted_before;
+    assert!(
+        evicted <= 8,
+        "{mode} at {budget}, depth {depth}: {evicted} evictions in eight steady steps"
+    );
     let layer = 16 * 1024;
     let edges = 2 * (depth as u64 + 1) * layer;
     assert!(

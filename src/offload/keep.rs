@@ -38,8 +38,9 @@ pub(crate) trait Keeper: Send + Sync {
 
     /// Makes room on weight `index`'s device for `bytes` in flight beside everything booked
     /// (a weight in use that is not kept), evicting kept copies of the lowest priority — with
-    /// `spare`, none of the copies of the model's classic set (`Usage::choose`); whether the
-    /// room is there.
+    /// `spare`, only other models' (the model's own come back by use at its next forward, to be
+    /// evicted again: a lack of room for a moment is better waited out); whether the room is
+    /// there.
     fn make_room(&self, patcher: &ModelPatcher, index: usize, bytes: ByteSize, spare: bool)
         -> bool;
 

@@ -540,7 +540,7 @@ impl Keeper for Dynamic {
                 true,
             )
             .into_iter()
-            .filter(|c| !spare || !c.key.chosen || !Arc::ptr_eq(&c.model, model)),
+            .filter(|c| !spare || !Arc::ptr_eq(&c.model, model)),
         );
         self.evict_enough(model, &victims, short, device, window, (u32::MAX, false))
     }

@@ -204,10 +204,11 @@ impl Streamer {
             }
         }
         // The weight in use comes before the activation memory the load asked to keep free:
-        // room for both when evictions give it, else for the weight alone. First from copies
-        // outside the model's classic set (`spare`); its set only once copies in flight had
-        // their time to come back: evicted for a moment's room, a copy of it came back at the
-        // next forward and pushed the others out again, every forward.
+        // room for both when evictions give it, else for the weight alone. First from other
+        // models' copies (`spare`); the model's own only once copies in flight had their time
+        // to come back: evicted for a moment's room, its copies came back at the next forward
+        // and were evicted again, every forward (the main job at 4 MiB: 1 496 evictions, 220
+        // once spared; a large weight of the classic set pushed fifteen small ones out).
         let make = |spare: bool| match keeper {
             Some(k) if k.make_room(patcher, index, bytes.saturating_add(keep_free), spare) => {
                 (true, keep_free)
