@@ -89,6 +89,18 @@ impl Model {
         if self.warned_outside.swap(true, Ordering::Relaxed) {
             return;
         }
+        let text = self.outside_warning(outside, bytes);
+        tracing::warn!(model = self.name(), %bytes, "{text}");
+        crate::warnings::echo(&format!("outside:{}", self.name()), || text);
+    }
+
+    /// The warning about `outside` (`bytes` in all) held outside the ledger, with the cure that
+    /// fits how the code got them.
+    pub(crate) fn outside_warning(
+        &self,
+        outside: &[(String, ByteSize)],
+        bytes: ByteSize,
+    ) -> String {
         let keys: Vec<&str> = outside.iter().take(8).map(|(k, _)| k.as_str()).collect();
         let more = outside.len().saturating_sub(keys.len());
         // A quantized weight held outside was dequantized by the model's code (a port of
@@ -103,14 +115,12 @@ impl Model {
         } else {
             "build its layers from them with Linear::new / RmsNorm::new / LayerNorm::new on the tensors VarBuilder::get returned, or read them with VarBuilder::get_managed"
         };
-        let text = format!(
+        format!(
             "model `{}` keeps {bytes} of its weights as its own tensors, outside the ledger (never evicted, streamed or budgeted): {}{}; {cure}",
             self.name(),
             keys.join(", "),
             if more > 0 { format!(" and {more} more") } else { String::new() }
-        );
-        tracing::warn!(model = self.name(), %bytes, "{text}");
-        crate::warnings::echo(&format!("outside:{}", self.name()), || text);
+        )
     }
 
     /// Notes that a manager loaded the model for a patcher whose patch set has `version`.

@@ -662,3 +662,24 @@ fn gguf_duplicate_tensor_name_is_refused() {
     let bytes = write(&metadata(), &qs);
     assert_reason(&bytes, &["tensor `w.f32` appears twice"]);
 }
+
+#[test]
+fn the_held_outside_warning_names_the_cure_that_fits_how_the_weights_were_read() {
+    // A quantized weight held outside was dequantized by the model's code (a port of
+    // `quantized_llama` does it to its token table): the cure is a layer on its blocks, not a
+    // VarBuilder call; a dense one was handed out by `VarBuilder::get`.
+    let f = temp(&valid());
+    let model = crate::weights::Model::from_gguf("tiny", f.path()).expect("read");
+    let b = crate::size::ByteSize::kib(1);
+    let quantized = model.outside_warning(&[("w.q8_0".to_string(), b)], b);
+    assert!(
+        quantized.contains("Embedding::from_qtensor") && !quantized.contains("VarBuilder::get"),
+        "{quantized}"
+    );
+    let dense = model.outside_warning(&[("w.f32".to_string(), b)], b);
+    assert!(dense.contains("VarBuilder::get_managed"), "{dense}");
+    assert!(
+        dense.contains("`tiny`") && dense.contains("w.f32"),
+        "{dense}"
+    );
+}
