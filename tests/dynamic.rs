@@ -404,17 +404,23 @@ fn steady_step_bytes(mode: &str, depth: usize) -> (u64, u64) {
 /// plus what one step can leave in flight across each end of the window and one weight
 /// copied again a step (a prefetch dropped, a kept copy evicted for a moment).
 fn steady_step_bytes_at(budget: &str, mode: &str, depth: usize) -> (u64, u64) {
+    steady_streams(budget, mode, depth, table_model())
+}
+
+/// A model whose largest weight dwarfs the others: a 64 KiB table (`layers.0`, used first) and
+/// twelve 16 KiB layers (256 KiB).
+fn table_model() -> Vec<(String, Tensor)> {
     let mut tensors = vec![(
-        "embed.weight".to_string(),
+        "layers.0.weight".to_string(),
         common::rand_tensor(&[256, 64], 77),
     )];
-    tensors.extend((0..12).map(|i| {
+    tensors.extend((1..13).map(|i| {
         (
             format!("layers.{i}.weight"),
             common::rand_tensor(&[64, 64], 78 + i as u64),
         )
     }));
-    steady_streams(budget, mode, depth, tensors)
+    tensors
 }
 
 /// [`steady_step_bytes_at`] of a model of `tensors` (used in their order at every forward).
@@ -737,17 +743,7 @@ fn steady_bytes_after_an_idle_model(budget: &str, idle: usize, mode: &str) -> (u
     mm.load_models_gpu(std::slice::from_ref(&idle), LoadOptions::default())
         .unwrap();
     forward(&idle);
-    let mut tensors = vec![(
-        "layers.0.weight".to_string(),
-        common::rand_tensor(&[256, 64], 77),
-    )];
-    tensors.extend((1..13).map(|i| {
-        (
-            format!("layers.{i}.weight"),
-            common::rand_tensor(&[64, 64], 78 + i as u64),
-        )
-    }));
-    let model = Arc::new(Model::from_tensors("table", tensors).unwrap());
+    let model = Arc::new(Model::from_tensors("table", table_model()).unwrap());
     let p = ModelPatcher::new(model, SIM0, DeviceId::Cpu);
     mm.load_models_gpu(std::slice::from_ref(&p), LoadOptions::default())
         .unwrap();
@@ -812,17 +808,7 @@ fn two_models_taking_turns_by_use_streams_no_more_than_classic_at_any_budget() {
 fn turns_steady_streams(budget: &str, mode: &str) -> (u64, u64) {
     let mm = sim_manager(budget, mode, 2);
     let small = ModelPatcher::new(layers("small", 8, 40), SIM0, DeviceId::Cpu);
-    let mut tensors = vec![(
-        "layers.0.weight".to_string(),
-        common::rand_tensor(&[256, 64], 77),
-    )];
-    tensors.extend((1..13).map(|i| {
-        (
-            format!("layers.{i}.weight"),
-            common::rand_tensor(&[64, 64], 78 + i as u64),
-        )
-    }));
-    let model = Arc::new(Model::from_tensors("large", tensors).unwrap());
+    let model = Arc::new(Model::from_tensors("large", table_model()).unwrap());
     let large = ModelPatcher::new(Arc::clone(&model), SIM0, DeviceId::Cpu);
     let size = model.model_size().bytes();
     let mut sum = None;

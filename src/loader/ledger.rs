@@ -283,12 +283,15 @@ impl Ledger {
     }
 
     /// How many bytes `device` lacks to keep `bytes` more with `room` left free (zero when it
-    /// can); `None` while a load closes the device (nothing may be kept then).
+    /// can); `None` while a load closes the device (nothing may be kept then). `in_flight`: the
+    /// bytes are booked in flight already (a prefetched copy becoming resident), so only what
+    /// is kept grows, not the whole ledger.
     pub(crate) fn keep_shortfall(
         &self,
         device: DeviceId,
         bytes: ByteSize,
         room: ByteSize,
+        in_flight: bool,
     ) -> Option<ByteSize> {
         self.with(device, |b| {
             if b.loading > 0 {
@@ -297,7 +300,11 @@ impl Ledger {
             Some(match b.total {
                 Some(total) => {
                     let need_kept = b.kept().saturating_add(bytes).saturating_add(room);
-                    let need_all = b.ledger().saturating_add(bytes);
+                    let need_all = if in_flight {
+                        ByteSize::ZERO
+                    } else {
+                        b.ledger().saturating_add(bytes)
+                    };
                     need_kept.max(need_all).saturating_sub(total)
                 }
                 None => ByteSize::ZERO,
@@ -382,28 +389,6 @@ impl Ledger {
             b.note_peak();
         });
         self.signal_returned();
-    }
-
-    /// How many bytes `device` lacks to turn `bytes` in flight into a kept copy with `room`
-    /// left free beside what is kept ([`Ledger::keep_prefetched`]'s rule); `None` while a load
-    /// closes the device.
-    pub(crate) fn kept_shortfall(
-        &self,
-        device: DeviceId,
-        bytes: ByteSize,
-        room: ByteSize,
-    ) -> Option<ByteSize> {
-        self.with(device, |b| {
-            if b.loading > 0 {
-                return None;
-            }
-            Some(b.total.map_or(ByteSize::ZERO, |total| {
-                b.kept()
-                    .saturating_add(bytes)
-                    .saturating_add(room)
-                    .saturating_sub(total)
-            }))
-        })
     }
 
     /// A prefetched weight (booked in flight) becomes resident when it can be kept with `room`

@@ -484,7 +484,7 @@ impl Keeper for Dynamic {
         let _g = self.lock.lock();
         // Only a registered model keeps copies (the ledger counts the registry's).
         let my_rank = self.registered_into(patcher, index, &mut models)?;
-        let shortfall = || self.ledger.keep_shortfall(device, bytes, room);
+        let shortfall = || self.ledger.keep_shortfall(device, bytes, room, false);
         if !self.room_to_keep(
             patcher,
             index,
@@ -637,7 +637,7 @@ impl Keeper for Dynamic {
             // classic selection takes the room of the copies below it (keeping only into free
             // room, by use kept 0.76 MiB less of the main job's denoiser than classic at
             // 10 MiB, beside another model's copies it could not use).
-            let shortfall = || self.ledger.kept_shortfall(device, bytes, room);
+            let shortfall = || self.ledger.keep_shortfall(device, bytes, room, true);
             if !self.room_to_keep(
                 patcher,
                 index,
