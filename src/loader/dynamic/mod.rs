@@ -338,8 +338,9 @@ impl Dynamic {
     /// Makes room to keep weight `index` of `patcher` (`bytes`, with `room` left free beside
     /// what is kept; its model at registry rank `my_rank` among `models`): cached casts first,
     /// then copies of lower priority by the one order, evicted into `victims` (dropped by the
-    /// caller after the lock) until `shortfall` — what the device lacks, `None` while a load
-    /// closes it — is freed. Past the model's watermark a weight outside the classic selection
+    /// caller after the lock) until what the device lacks ([`Ledger::keep_shortfall`];
+    /// `in_flight`: the copy is booked in flight already, a prefetched one) is freed; nothing
+    /// while a load closes the device. Past the model's watermark a weight outside the classic selection
     /// evicts nothing, one in it only copies outside it. Whether the room is there; a refusal
     /// is recorded on the model's usage (the later weights as large, when it can never fit
     /// beside what stays; else every later weight, for this forward).
@@ -352,11 +353,12 @@ impl Dynamic {
         my_rank: usize,
         models: &[Arc<Model>],
         victims: &mut Vec<Candidate>,
-        shortfall: impl Fn() -> Option<ByteSize>,
+        in_flight: bool,
     ) -> bool {
         let model = patcher.model();
         let device = patcher.weight_device(index);
         let me = model.usage().of(index);
+        let shortfall = || self.ledger.keep_shortfall(device, bytes, room, in_flight);
         let Some(mut short) = shortfall() else {
             return false;
         };
@@ -484,7 +486,6 @@ impl Keeper for Dynamic {
         let _g = self.lock.lock();
         // Only a registered model keeps copies (the ledger counts the registry's).
         let my_rank = self.registered_into(patcher, index, &mut models)?;
-        let shortfall = || self.ledger.keep_shortfall(device, bytes, room, false);
         if !self.room_to_keep(
             patcher,
             index,
@@ -492,7 +493,7 @@ impl Keeper for Dynamic {
             my_rank,
             &models,
             &mut victims,
-            shortfall,
+            false,
         ) {
             return None;
         }
@@ -637,7 +638,6 @@ impl Keeper for Dynamic {
             // classic selection takes the room of the copies below it (keeping only into free
             // room, by use kept 0.76 MiB less of the main job's denoiser than classic at
             // 10 MiB, beside another model's copies it could not use).
-            let shortfall = || self.ledger.keep_shortfall(device, bytes, room, true);
             if !self.room_to_keep(
                 patcher,
                 index,
@@ -645,7 +645,7 @@ impl Keeper for Dynamic {
                 rank,
                 &models,
                 &mut victims,
-                shortfall,
+                true,
             ) {
                 return Some((hold, booking));
             }
